@@ -1,0 +1,163 @@
+"""`bmoe-cli`: generate text from a MoE GGUF while streaming its experts from flash."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from bmoe import telemetry
+from bmoe.coordinator import ConfigError, Engine, Result, Settings
+from bmoe.lanes import LaneError
+from bmoe.llama import SamplerSettings
+from bmoe.model_files import ModelError
+
+EXAMPLES = """\
+examples:
+  bmoe-cli                                   # built-in demo model and prompt
+  bmoe-cli -m model.gguf -p "Why is the sky blue?" -n 128 --cache-mb 2000 --io-threads 4
+  bmoe-cli -m model.gguf -f prompt.txt --chat --cache-mb 0
+  bmoe-cli -m model.gguf -p "Hello" --no-stream     # plain llama.cpp, the reference output
+"""
+
+DEFAULT_PROMPT = "Once upon a time"
+EXIT_ERROR = 1
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+def _cache_mb(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of MiB or 'auto'") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError("must be 0 (no cache), a positive number of MiB, or 'auto'")
+    return v
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="bmoe-cli", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a Mixture-of-Experts GGUF larger than RAM: routed experts are read from "
+                    "flash into a bounded shared-memory cache; output equals plain llama.cpp.")
+    ap.add_argument("-m", "--model", help="GGUF model (first shard of a split model); default: the demo model")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("-f", "--file", help="read the prompt from this file")
+    ap.add_argument("-n", "--n-predict", type=_positive, default=64, help="tokens to generate (default 64)")
+    ap.add_argument("-t", "--threads", type=_positive, default=None, help="compute threads (default: all cores)")
+    ap.add_argument("-c", "--ctx-size", type=_positive, default=2048, help="context size in tokens (default 2048)")
+    ap.add_argument("--cache-mb", type=_cache_mb, default=None,
+                    help="expert cache budget in MiB; 0 = no cache (re-read every token); "
+                         "'auto' (default) = available memory minus --cache-floor-mb")
+    ap.add_argument("--cache-floor-mb", type=float, default=1536.0,
+                    help="memory left to the system by --cache-mb auto (default 1536)")
+    ap.add_argument("--io-threads", type=_positive, default=2, help="I/O lane processes (default 2)")
+    ap.add_argument("--no-odirect", action="store_true", help="buffered reads + FADV_DONTNEED instead of O_DIRECT")
+    ap.add_argument("--no-stream", action="store_true", help="plain llama.cpp (mmap), no expert streaming")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's own chat template")
+    ap.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=40, help="top-k when sampling (default 40)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="top-p when sampling (default 0.95)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ap.add_argument("--verbose", action="store_true", help="show llama.cpp's own log on stderr")
+    return ap
+
+
+def _notice(msg: str) -> None:
+    print(f"bmoe: {msg}", file=sys.stderr, flush=True)
+
+
+def _read_prompt(a: argparse.Namespace) -> str:
+    if a.file:
+        try:
+            return Path(a.file).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read prompt file {a.file}: {e.strerror}; check the -f path") from e
+    return a.prompt if a.prompt is not None else DEFAULT_PROMPT
+
+
+def _on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(EXIT_SIGTERM)
+
+
+def summary(engine: Engine, res: Result) -> list[str]:
+    n = len(res.steps)
+    totals = telemetry.RunTotals(
+        tokens=n,
+        wall_s=sum(s.wall_ns for s in res.steps) / 1e9,
+        io_s=sum(s.io_ns for s in res.steps) / 1e9,
+        mgmt_s=sum(s.mgmt_ns for s in res.steps) / 1e9,
+        stall_s=0.0,
+        read_bytes=sum(s.read_bytes for s in res.steps),
+    )
+    lines = [telemetry.generation_line(totals)]
+    if engine.streamer:
+        lines.append(telemetry.stream_line(totals))
+    if engine.cache_active:
+        lines.append(telemetry.cache_line(engine.streamer.cache.stats.hit_pct, engine.resident_bytes()))
+    return lines
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.model is None:
+        from bmoe.demo import default_model
+
+        a.model = str(default_model(progress=_notice))
+        if a.cache_mb is None:
+            a.cache_mb = "demo"
+    settings = Settings(
+        model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
+        cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,
+        odirect=not a.no_odirect, verbose=a.verbose,
+        sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
+    )
+    prompt = _read_prompt(a)
+    engine = Engine(settings, notice=_notice)
+    try:
+        tokens = engine.prompt_tokens(prompt, a.chat)
+        out = sys.stdout
+
+        def show(_i: int, piece: str, _stat: object) -> None:
+            out.write(piece)
+            out.flush()
+
+        res = engine.generate(tokens, a.n_predict, show)
+        out.write("\n")
+        for line in summary(engine, res):
+            out.write(line + "\n")
+        out.flush()
+    finally:
+        engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return run(a)
+    except (ModelError, ConfigError, LaneError, OSError) as e:
+        print(f"bmoe-cli: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("bmoe-cli: interrupted", file=sys.stderr)
+        return EXIT_SIGINT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The coordinator: runs decode in llama.cpp and owns all expert-cache state.
+
+Flow per MoE layer and step: llama.cpp computes up to the layer's routing node
+`ffn_moe_topk-L`; the eval hook hands the routed ids here; the cache pins the
+layer's slices, evicts to stay within budget, and the lanes read the misses
+into the slab. Only then does the hook return and llama.cpp run the expert
+matmuls, whose weight tensors point into the slab. Output is therefore
+computed from exactly the bytes plain llama.cpp would use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import psutil
+import llama_cpp
+
+from bmoe import seam
+from bmoe.lanes import LanePool, ReadOrder
+from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, make_sampler
+from bmoe.model_files import ModelError, ModelFiles, open_model
+from bmoe.shm_cache import ExpertCache, Region, Slab, layout, sweep_stale_segments
+
+MiB = 1 << 20
+MAX_MERGED_READ = 4 * MiB
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work with this model; the message names the fix."""
+
+
+@dataclass
+class Settings:
+    model: str
+    n_ctx: int = 2048
+    threads: int = 0
+    stream: bool = True
+    cache_mb: float | None = None  # None: sized from available memory
+    cache_floor_mb: float = 1536.0
+    io_threads: int = 2
+    odirect: bool = True
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    verbose: bool = False
+
+
+@dataclass
+class TokenStat:
+    """One decode step (sample a token, then decode it), in nanoseconds and bytes."""
+
+    wall_ns: int
+    io_ns: int
+    mgmt_ns: int
+    read_bytes: int
+    hits: int
+    lookups: int
+
+
+@dataclass
+class Result:
+    ids: list[int]
+    text: str
+    n_prompt: int
+    prefill_s: float
+    steps: list[TokenStat]
+    max_resident: int = 0
+
+
+class Streamer:
+    """Cache, slab and lanes for one loaded model; `on_route` is the per-layer entry point."""
+
+    def __init__(self, files: ModelFiles, tensors: list[seam.ExpertTensor], budget: int,
+                 io_threads: int, odirect: bool) -> None:
+        self.files = files
+        regions = []
+        for t in sorted(tensors, key=lambda t: t.name):
+            ext = files.extents.get(t.name)
+            if ext is None or ext.nbytes != t.nbytes:
+                raise ModelError(f"expert tensor {t.name} in llama.cpp does not match the GGUF table; "
+                                 "the file changed while loading, reload it")
+            regions.append(Region(t.name, t.layer, t.kind, ext.file_index, ext.offset,
+                                  t.n_expert, t.expert_bytes))
+        self.n_expert = max(r.n_expert for r in regions)
+        self.slab = Slab(layout(regions))
+        try:
+            self.cache = ExpertCache(self.slab, regions, budget)
+            self.pool = LanePool(io_threads, self.slab.name, [str(p) for p in files.paths], odirect)
+        except BaseException:
+            self.slab.close()
+            raise
+        by_name = {t.name: t for t in tensors}
+        for r in regions:
+            by_name[r.name].rebind(self.slab.base + r.slab_offset)
+        self.io_ns = self.mgmt_ns = self.read_bytes = 0
+
+    def on_route(self, layer: int, ids: np.ndarray) -> None:
+        t0 = time.perf_counter_ns()
+        experts = np.unique(ids)
+        if experts.size and (experts[0] < 0 or experts[-1] >= self.n_expert):
+            raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{self.n_expert - 1}")
+        missing = self.cache.plan(layer, experts.tolist())
+        t1 = time.perf_counter_ns()
+        if missing:
+            orders = self._reads(missing)
+            self.read_bytes += self.pool.wait(self.pool.submit(orders))
+        t2 = time.perf_counter_ns()
+        self.cache.commit(missing)
+        t3 = time.perf_counter_ns()
+        self.io_ns += t2 - t1
+        self.mgmt_ns += (t1 - t0) + (t3 - t2)
+
+    def _reads(self, slices: list[tuple[int, int, int]]) -> list[ReadOrder]:
+        """Aligned superset reads, neighbouring experts of one tensor merged into one read."""
+        orders: list[ReadOrder] = []
+        for _, ri, e in sorted(slices):
+            fi, off, length, slab_off = self.cache.regions[ri].read_order(e)
+            if orders:
+                pfi, poff, plen, pslab = orders[-1]
+                gap = slab_off - (pslab + plen)
+                if pfi == fi and gap <= 0 and slab_off - pslab + length <= MAX_MERGED_READ \
+                        and off - poff == slab_off - pslab:
+                    orders[-1] = (pfi, poff, slab_off + length - pslab, pslab)
+                    continue
+            orders.append((fi, off, length, slab_off))
+        return orders
+
+    def take_counters(self) -> tuple[int, int, int]:
+        out = (self.io_ns, self.mgmt_ns, self.read_bytes)
+        self.io_ns = self.mgmt_ns = self.read_bytes = 0
+        return out
+
+    def close(self) -> None:
+        try:
+            self.pool.close()
+        finally:
+            self.slab.close()
+
+
+def auto_cache_bytes(expert_bytes: int, floor_mb: float) -> int:
+    avail = psutil.virtual_memory().available - int(floor_mb * MiB)
+    return max(0, min(expert_bytes, avail))
+
+
+class Engine:
+    """A loaded model and context; streaming experts unless `settings.stream` is off."""
+
+    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None) -> None:
+        self.settings = settings
+        self.streamer: Streamer | None = None
+        self.model = self.ctx = None
+        self.budget = 0
+        t0 = time.perf_counter()
+        self.files = open_model(settings.model)
+        init_backend(settings.verbose)
+        self.hook = seam.EvalHook()
+        self.moe = self.files.n_expert > 1
+        if settings.stream and not self.moe:
+            notice(f"{Path(settings.model).name} is not a Mixture-of-Experts model; running it plain")
+        streaming = settings.stream and self.moe
+        if streaming:
+            removed = sweep_stale_segments()
+            if removed:
+                notice(f"removed {len(removed)} shared-memory segment(s) left by dead runs")
+        try:
+            self._load(streaming)
+            self.vocab = Vocab(self.model)
+            if streaming:
+                self._start_streaming(notice)
+        except BaseException:
+            self.close()
+            raise
+        self.load_s = time.perf_counter() - t0
+
+    def _load(self, streaming: bool) -> None:
+        mp = llama_cpp.llama_model_default_params()
+        mp.use_extra_bufts = False  # repacked weights would not match the file layout
+        self.model = llama_cpp.llama_model_load_from_file(str(self.settings.model).encode(), mp)
+        if not self.model:
+            raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = self.settings.n_ctx
+        cp.n_batch = self.settings.n_ctx
+        cp.n_ubatch = min(512, self.settings.n_ctx)
+        threads = self.settings.threads or psutil.cpu_count(logical=True) or 1
+        cp.n_threads = cp.n_threads_batch = threads
+        if streaming:
+            cp.cb_eval = self.hook.c_callback
+            cp.cb_eval_user_data = None
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise ModelError(f"llama.cpp could not create a context of {self.settings.n_ctx} tokens; lower -c")
+        llama_cpp.llama_set_abort_callback(self.ctx, self.hook.c_abort, None)
+        self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
+
+    def _start_streaming(self, notice: Callable[[str], None]) -> None:
+        """One warm-up decode finds the expert tensors; then they are rebound into the slab."""
+        cap = self.hook.capture = seam.Capture()
+        try:
+            self._decode([self.vocab.warmup_token()])
+        finally:
+            self.hook.capture = None
+        self.clear_kv()
+        if cap.bad:
+            raise ModelError("cannot stream this model's expert layout: " + "; ".join(cap.bad[:3])
+                             + "; run it with --no-stream")
+        if not cap.tensors:
+            raise ModelError("llama.cpp computed no expert matmul (MUL_MAT_ID) for this model; run it with --no-stream")
+        tensors = list(cap.tensors.values())
+        expert_total = sum(t.nbytes for t in tensors)
+        s = self.settings
+        if s.cache_mb is None:
+            self.budget = auto_cache_bytes(expert_total, s.cache_floor_mb)
+            notice(f"cache budget {self.budget / MiB:.0f} MiB (auto: available memory minus "
+                   f"{s.cache_floor_mb:.0f} MiB, experts total {expert_total / MiB:.0f} MiB)")
+        else:
+            self.budget = int(s.cache_mb * MiB)
+        self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect)
+        need = self.streamer.cache.layer_working_set(max(1, self.files.n_expert_used))
+        if 0 < self.budget < need:
+            raise ConfigError(f"--cache-mb {self.budget / MiB:g} is below one layer's working set "
+                              f"({need / MiB:.1f} MiB); use --cache-mb {need / MiB:.1f} or more, or 0 for no cache")
+        self.hook.on_route = self.streamer.on_route
+
+    @property
+    def cache_active(self) -> bool:
+        return self.streamer is not None and self.budget > 0
+
+    def clear_kv(self) -> None:
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+
+    def _decode(self, tokens: list[int]) -> None:
+        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
+        rc = llama_cpp.llama_decode(self.ctx, llama_cpp.llama_batch_get_one(arr, len(tokens)))
+        err = self.hook.take_error()
+        if err is not None:
+            raise err
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+
+    def prompt_tokens(self, prompt: str, chat: bool) -> list[int]:
+        text = self.vocab.chat_prompt(prompt) if chat else prompt
+        return self.vocab.tokenize(text, add_special=True)
+
+    def generate(self, tokens: list[int], n_predict: int,
+                 on_piece: Callable[[int, str, TokenStat], None] = lambda i, s, st: None) -> Result:
+        if not tokens:
+            raise ConfigError("the prompt is empty; pass text with -p or -f")
+        if len(tokens) + n_predict > self.n_ctx:
+            raise ConfigError(f"the prompt ({len(tokens)} tokens) plus -n {n_predict} exceeds the context "
+                              f"of {self.n_ctx} tokens; raise -c or shorten the prompt")
+        sampler = make_sampler(self.settings.sampler)
+        try:
+            return self._generate(sampler, tokens, n_predict, on_piece)
+        finally:
+            llama_cpp.llama_sampler_free(sampler)
+
+    def _generate(self, sampler: llama_cpp.llama_sampler_p, tokens: list[int], n_predict: int,
+                  on_piece: Callable[[int, str, TokenStat], None]) -> Result:
+        st = self.streamer
+        t0 = time.perf_counter()
+        self._decode(tokens)
+        if st:
+            st.take_counters()
+        prefill_s = time.perf_counter() - t0
+        out = TextStream()
+        res = Result([], "", len(tokens), prefill_s, [])
+        for i in range(n_predict):
+            c0 = time.perf_counter_ns()
+            tok = llama_cpp.llama_sampler_sample(sampler, self.ctx, -1)
+            if self.vocab.is_eog(tok):
+                break
+            res.ids.append(tok)
+            new = out.push(self.vocab.piece(tok))
+            before = st.cache.stats.snapshot() if st else (0, 0)
+            self._decode([tok])
+            wall = time.perf_counter_ns() - c0
+            io, mgmt, nbytes = st.take_counters() if st else (0, 0, 0)
+            after = st.cache.stats.snapshot() if st else (0, 0)
+            stat = TokenStat(wall, io, mgmt, nbytes, after[0] - before[0], after[1] - before[1])
+            res.steps.append(stat)
+            if st:
+                res.max_resident = max(res.max_resident, st.slab.resident_bytes())
+            on_piece(i, new, stat)
+        tail = out.finish()
+        if tail and res.steps:
+            on_piece(len(res.steps) - 1, tail, TokenStat(0, 0, 0, 0, 0, 0))
+        res.text = out.text
+        return res
+
+    def resident_bytes(self) -> int:
+        return self.streamer.slab.resident_bytes() if self.streamer else 0
+
+    def close(self) -> None:
+        """Free llama.cpp objects, then release workers and shared memory; idempotent."""
+        st, self.streamer = self.streamer, None
+        self.hook.on_route = None
+        try:
+            if self.ctx:
+                llama_cpp.llama_free(self.ctx)
+                self.ctx = None
+            if self.model:
+                llama_cpp.llama_model_free(self.model)
+                self.model = None
+        finally:
+            if st:
+                st.close()

@@ -1,0 +1,120 @@
+"""Thin ownership wrappers over llama-cpp-python's low-level API (model, context, vocab, sampler).
+
+Kept apart from the seam: nothing here reaches into ggml internals.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import sys
+from dataclasses import dataclass
+
+import llama_cpp
+
+_backend_ready = False
+_log_verbose = False
+
+
+@llama_cpp.llama_log_callback
+def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    if _log_verbose:
+        sys.stderr.write(text.decode(errors="replace"))
+
+
+def init_backend(verbose: bool = False) -> None:
+    """llama.cpp's own log lines go to stderr with --verbose and nowhere otherwise."""
+    global _backend_ready, _log_verbose
+    _log_verbose = verbose
+    if not _backend_ready:
+        llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+@dataclass
+class SamplerSettings:
+    temp: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+
+
+def make_sampler(s: SamplerSettings) -> llama_cpp.llama_sampler_p:
+    """llama.cpp's own sampler chain: greedy when temp is 0, else top-k → top-p → temp → dist."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if s.temp <= 0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    else:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(s.top_k))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temp))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(s.seed & 0xFFFFFFFF))
+    return chain
+
+
+class Vocab:
+    def __init__(self, model: llama_cpp.llama_model_p) -> None:
+        self.model = model
+        self.ptr = llama_cpp.llama_model_get_vocab(model)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        raw = text.encode()
+        cap = len(raw) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.ptr, raw, len(raw), buf, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.ptr, raw, len(raw), buf, cap, add_special, True)
+        return list(buf[:n])
+
+    def piece(self, tok: int) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def is_eog(self, tok: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.ptr, tok))
+
+    def warmup_token(self) -> int:
+        bos = llama_cpp.llama_vocab_bos(self.ptr)
+        return bos if bos >= 0 else 0
+
+    def chat_prompt(self, user: str) -> str:
+        """Render one user turn with the model's own template (from the GGUF)."""
+        tmpl = llama_cpp.llama_model_chat_template(self.model, None)
+        if not tmpl:
+            raise ValueError("this model has no chat template; run without --chat")
+        msg = (llama_cpp.llama_chat_message * 1)()
+        msg[0].role, msg[0].content = b"user", user.encode()
+        cap = 4 * len(user) + 1024
+        buf = ctypes.create_string_buffer(cap)
+        n = llama_cpp.llama_chat_apply_template(tmpl, msg, 1, True, buf, cap)
+        if n > cap:
+            buf = ctypes.create_string_buffer(n)
+            n = llama_cpp.llama_chat_apply_template(tmpl, msg, 1, True, buf, n)
+        if n < 0:
+            raise ValueError("llama.cpp does not support this model's chat template; run without --chat")
+        return buf.raw[:n].decode(errors="replace")
+
+
+class TextStream:
+    """Token pieces → text, holding back a partial UTF-8 sequence until it completes."""
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def push(self, piece: bytes) -> str:
+        new = self._dec.decode(piece)
+        self.text += new
+        return new
+
+    def finish(self) -> str:
+        new = self._dec.decode(b"", final=True)
+        self.text += new
+        return new

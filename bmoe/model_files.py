@@ -1,0 +1,108 @@
+"""Where each expert tensor's bytes live on flash, and checks that the file set is whole."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+
+GGUF_MAGIC = b"GGUF"
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_\w+_exps\.weight$")
+
+
+class ModelError(Exception):
+    """A model file problem the user can fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class TensorExtent:
+    file_index: int
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class ModelFiles:
+    paths: list[Path]
+    extents: dict[str, TensorExtent]
+    arch: str
+    n_expert: int
+    n_expert_used: int
+    sizes: list[int]
+    mtimes: list[float]
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(e.nbytes for n, e in self.extents.items() if EXPERT_TENSOR.match(n))
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """All shards of a split GGUF (`-00001-of-0000N.gguf`), or just the file."""
+    m = _SPLIT.match(path.name)
+    if not m:
+        return [path]
+    n = int(m.group("n"))
+    paths = [path.with_name(f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise ModelError(
+            f"split model {path.name} is missing shard(s) {', '.join(missing)}; "
+            f"put all {n} shards in {path.parent}"
+        )
+    return paths
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> object | None:
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def check_gguf(path: Path) -> None:
+    if not path.exists():
+        raise ModelError(f"model file {path} does not exist; check the -m path")
+    if not path.is_file():
+        raise ModelError(f"model path {path} is not a file; pass the .gguf file itself")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path}: {e.strerror}; check its permissions") from e
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"{path} is not a GGUF file (bad magic {magic!r}); convert the model to GGUF first")
+
+
+def open_model(path: str | os.PathLike[str]) -> ModelFiles:
+    """Read the offset table of every shard and verify nothing is cut short."""
+    first = Path(path)
+    check_gguf(first)
+    paths = shard_paths(first)
+    extents: dict[str, TensorExtent] = {}
+    arch, n_expert, n_used = "", 0, 0
+    sizes, mtimes = [], []
+    for i, p in enumerate(paths):
+        check_gguf(p)
+        st = p.stat()
+        sizes.append(st.st_size)
+        mtimes.append(st.st_mtime)
+        try:
+            reader = gguf.GGUFReader(p)
+        except (ValueError, IndexError) as e:
+            raise ModelError(f"{p} is truncated or corrupt ({e}); re-copy or re-download it") from e
+        if i == 0:
+            arch = str(_field(reader, "general.architecture") or "")
+            n_expert = int(_field(reader, f"{arch}.expert_count") or 0)
+            n_used = int(_field(reader, f"{arch}.expert_used_count") or 0)
+        for t in reader.tensors:
+            end = t.data_offset + int(t.n_bytes)
+            if end > st.st_size:
+                raise ModelError(
+                    f"{p} is truncated: tensor {t.name} ends at byte {end} but the file has "
+                    f"{st.st_size}; re-copy or re-download it"
+                )
+            extents[t.name] = TensorExtent(i, int(t.data_offset), int(t.n_bytes))
+        del reader
+    return ModelFiles(paths, extents, arch, n_expert, n_used, sizes, mtimes)

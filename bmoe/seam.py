@@ -1,0 +1,200 @@
+"""The one place bmoe touches llama.cpp's internals through ctypes.
+
+Every assumption made here (struct layout, op codes, node names, the strided
+routing-id view) is pinned by tests/test_seam.py against the pinned
+llama-cpp-python build, so a version bump that breaks one fails loudly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import llama_cpp
+from llama_cpp._ggml import libggml
+
+GGML_MAX_DIMS = 4
+GGML_MAX_SRC = 10
+GGML_MAX_OP_PARAMS = 64
+GGML_MAX_NAME = 64
+
+
+class GgmlTensor(ctypes.Structure):
+    """Mirror of `struct ggml_tensor` (ggml/include/ggml.h)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+NAME_OFFSET = GgmlTensor.name.offset
+OP_OFFSET = GgmlTensor.op.offset
+TOPK_PREFIX = b"ffn_moe_topk-"
+_EXPERT_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$")
+_TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
+
+libggml.ggml_op_name.argtypes = [ctypes.c_int]
+libggml.ggml_op_name.restype = ctypes.c_char_p
+libggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+libggml.ggml_get_name.restype = ctypes.c_void_p
+libggml.ggml_get_data.argtypes = [ctypes.c_void_p]
+libggml.ggml_get_data.restype = ctypes.c_void_p
+libggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+libggml.ggml_nbytes.restype = ctypes.c_size_t
+libggml.ggml_tensor_overhead.argtypes = []
+libggml.ggml_tensor_overhead.restype = ctypes.c_size_t
+
+
+def op_code(name: str) -> int:
+    """Look an op code up by asking ggml for its names, not by counting the enum by hand."""
+    for i in range(1024):
+        got = libggml.ggml_op_name(i)
+        if got is None:
+            break
+        if got.decode() == name:
+            return i
+    raise RuntimeError(f"ggml has no op named {name!r}; the pinned llama-cpp-python changed")
+
+
+GGML_OP_MUL_MAT_ID = op_code("MUL_MAT_ID")
+
+
+def tensor_at(addr: int) -> GgmlTensor:
+    return GgmlTensor.from_address(addr)
+
+
+def tensor_name(addr: int) -> str:
+    return ctypes.string_at(addr + NAME_OFFSET).decode(errors="replace")
+
+
+def routing_ids(addr: int) -> np.ndarray:
+    """Copy the [n_tokens, n_expert_used] ids of a `ffn_moe_topk-L` node.
+
+    The node is a view into a wider argsort result, so rows are nb[1] bytes
+    apart rather than n_expert_used*4: a flat read would return wrong experts.
+    """
+    t = tensor_at(addr)
+    k, n_tok = int(t.ne[0]), int(t.ne[1])
+    row = int(t.nb[1])
+    if n_tok == 0 or k == 0:
+        return np.zeros((0, k), dtype=np.int32)
+    span = row * (n_tok - 1) + k * 4
+    raw = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=np.uint8)
+    view = np.lib.stride_tricks.as_strided(
+        raw.view(np.int32)[:1], shape=(n_tok, k), strides=(row, int(t.nb[0]))
+    )
+    return view.copy()
+
+
+@dataclass
+class ExpertTensor:
+    """One `blk.L.ffn_*_exps.weight` tensor as llama.cpp holds it."""
+
+    addr: int
+    name: str
+    layer: int
+    kind: str
+    n_expert: int
+    expert_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_expert * self.expert_bytes
+
+    def rebind(self, data_addr: int) -> None:
+        tensor_at(self.addr).data = data_addr
+
+
+@dataclass
+class Capture:
+    """What one warm-up decode reveals: expert tensors and the layers that route."""
+
+    tensors: dict[int, ExpertTensor] = field(default_factory=dict)
+    bad: list[str] = field(default_factory=list)
+
+    def visit(self, addr: int) -> None:
+        t = tensor_at(addr)
+        if t.op != GGML_OP_MUL_MAT_ID:
+            return
+        w, ids = t.src[0], t.src[2]
+        if not w or w in self.tensors:
+            return
+        wname, iname = tensor_name(w), tensor_name(ids) if ids else ""
+        m, mi = _EXPERT_NAME.match(wname), _TOPK_NAME.match(iname)
+        if not m or not mi or m.group(1) != mi.group(1):
+            self.bad.append(f"{wname} routed by {iname or '?'}")
+            return
+        wt = tensor_at(w)
+        if wt.view_src or int(wt.nb[2]) * int(wt.ne[2]) != libggml.ggml_nbytes(w):
+            self.bad.append(f"{wname} is not a contiguous [*, *, n_expert] tensor")
+            return
+        self.tensors[w] = ExpertTensor(
+            addr=w, name=wname, layer=int(m.group(1)), kind=m.group(2),
+            n_expert=int(wt.ne[2]), expert_bytes=int(wt.nb[2]),
+        )
+
+
+class EvalHook:
+    """The cb_eval trampoline.
+
+    In capture mode it records expert tensors; in stream mode it asks for the
+    routing node of each MoE layer and calls `on_route(layer, ids)` in its
+    ask=False call, before the expert matmuls that consume it run. Exceptions
+    (including KeyboardInterrupt from a signal) are kept and the graph aborted:
+    ctypes would otherwise swallow them and let llama.cpp compute on.
+    """
+
+    def __init__(self) -> None:
+        self.capture: Capture | None = None
+        self.on_route: Callable[[int, np.ndarray], None] | None = None
+        self.error: BaseException | None = None
+        self._layers: dict[bytes, int] = {}
+        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+        self.c_abort = llama_cpp.ggml_abort_callback(self._abort)
+
+    def _callback(self, t: int, ask: bool, _user: int) -> bool:
+        try:
+            if self.error is not None:
+                return False
+            if self.capture is not None:
+                if ask:
+                    self.capture.visit(t)
+                return False
+            if self.on_route is None:
+                return False
+            if ctypes.string_at(t + NAME_OFFSET, 13) != TOPK_PREFIX:
+                return False
+            if ask:
+                return True
+            name = ctypes.string_at(t + NAME_OFFSET)
+            layer = self._layers.get(name)
+            if layer is None:
+                layer = self._layers[name] = int(name[13:])
+            self.on_route(layer, routing_ids(t))
+            return True
+        except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
+            self.error = e
+            return False
+
+    def _abort(self, _user: int) -> bool:
+        return self.error is not None
+
+    def take_error(self) -> BaseException | None:
+        err, self.error = self.error, None
+        return err

@@ -1,0 +1,260 @@
+"""The expert cache: a sparse POSIX shared-memory slab and the LRU that decides what stays.
+
+The slab holds every expert tensor's byte range, each region placed so that
+`slab_offset ≡ file_offset (mod 4096)`. An O_DIRECT read of an expert slice's
+4 KiB-aligned superset then lands in place: the extra bytes at either end are
+the neighbours' own bytes at their own places. Pages cost RAM only once a lane
+writes them, and eviction gives them back (MADV_REMOVE), so the segment's
+allocated blocks *are* the cache and are measured from the segment itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import posix_ipc
+
+PAGE = 4096
+SHM_PREFIX = "bmoe-"
+SHM_DIR = Path("/dev/shm")
+
+ABSENT, LOADING, RESIDENT = 0, 1, 2
+
+
+def _down(x: int) -> int:
+    return x - x % PAGE
+
+
+def _up(x: int) -> int:
+    return -(-x // PAGE) * PAGE
+
+
+@dataclass
+class Region:
+    """One expert tensor's place in the file and in the slab."""
+
+    name: str
+    layer: int
+    kind: str
+    file_index: int
+    file_offset: int
+    n_expert: int
+    expert_bytes: int
+    slab_offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_expert * self.expert_bytes
+
+    def slice_bounds(self, e: int) -> tuple[int, int]:
+        """Slab bytes [start, end) of expert e."""
+        start = self.slab_offset + e * self.expert_bytes
+        return start, start + self.expert_bytes
+
+    def page_span(self, e: int) -> tuple[int, int]:
+        s, t = self.slice_bounds(e)
+        return _down(s), _up(t)
+
+    def read_order(self, e: int) -> tuple[int, int, int, int]:
+        """(file index, file offset, length, slab offset) of the aligned superset read."""
+        p0, p1 = self.page_span(e)
+        return self.file_index, self.file_offset + (p0 - self.slab_offset), p1 - p0, p0
+
+    def experts_on_page(self, page: int) -> range:
+        lo = max(0, (page - self.slab_offset) // self.expert_bytes)
+        hi = min(self.n_expert - 1, (page + PAGE - 1 - self.slab_offset) // self.expert_bytes)
+        return range(lo, hi + 1)
+
+
+def layout(regions: list[Region]) -> int:
+    """Assign congruent slab offsets; returns the slab size."""
+    cursor = 0
+    for r in sorted(regions, key=lambda r: (r.file_index, r.file_offset)):
+        r.slab_offset = cursor + r.file_offset % PAGE
+        cursor = _up(r.slab_offset + r.nbytes)
+    return max(cursor, PAGE)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments() -> list[str]:
+    """Remove segments whose owning process is dead (left by a SIGKILLed run)."""
+    removed = []
+    if not SHM_DIR.is_dir():
+        return removed
+    for p in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        parts = p.name.split("-")
+        if len(parts) < 3 or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+            continue
+        try:
+            posix_ipc.unlink_shared_memory("/" + p.name)
+            removed.append(p.name)
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
+
+
+class Slab:
+    """The shared segment: created by the coordinator, mapped by every lane."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.name = f"/{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self._shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, size=size)
+        except (posix_ipc.Error, OSError) as e:
+            raise OSError(
+                f"cannot create shared memory {self.name} of {size} bytes ({e}); "
+                "check that /dev/shm is mounted and writable"
+            ) from e
+        self.fd = self._shm.fd
+        self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.base = _address_of(self.mm)
+
+    def resident_bytes(self) -> int:
+        return os.fstat(self.fd).st_blocks * 512
+
+    def release(self, start: int, end: int) -> None:
+        if end > start:
+            self.mm.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    def close(self) -> None:
+        """Unmap and unlink; safe to call twice and from a signal path."""
+        if self._shm is None:
+            return
+        shm, self._shm = self._shm, None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a ctypes view still exported; the mapping goes with the process
+        try:
+            shm.close_fd()
+        except posix_ipc.Error:
+            pass
+        try:
+            shm.unlink()
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def _address_of(mm: mmap.mmap) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+    def snapshot(self) -> tuple[int, int]:
+        """(hits, lookups) so far, for per-token differences."""
+        return self.hits, self.hits + self.misses
+
+    @property
+    def hit_pct(self) -> float:
+        total = self.hits + self.misses
+        return 100.0 * self.hits / total if total else 0.0
+
+
+class ExpertCache:
+    """Global LRU over (layer, tensor, expert) slices under a byte budget.
+
+    A slice is charged the whole pages it spans, so the budget bounds the
+    segment's real allocated bytes. The slices the current layer is about to
+    use are pinned: they may push residency past the budget by at most one
+    layer's routed set, never get evicted under the matmul that needs them.
+    """
+
+    def __init__(self, slab: Slab, regions: list[Region], budget: int) -> None:
+        self.slab = slab
+        self.regions = regions
+        self.budget = budget
+        self.by_layer: dict[int, list[int]] = {}
+        for i, r in enumerate(regions):
+            self.by_layer.setdefault(r.layer, []).append(i)
+        self.state = [bytearray(r.n_expert) for r in regions]
+        self.lru: OrderedDict[tuple[int, int, int], int] = OrderedDict()
+        self.used = 0
+        self.stats = CacheStats()
+
+    def charge(self, ri: int, e: int) -> int:
+        p0, p1 = self.regions[ri].page_span(e)
+        return p1 - p0
+
+    def layer_slices(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
+        return [(layer, ri, e) for ri in self.by_layer.get(layer, ()) for e in experts]
+
+    def plan(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
+        """Count hits, make room, and return the slices that must be read now."""
+        want = self.layer_slices(layer, experts)
+        missing = []
+        for key in want:
+            if self.state[key[1]][key[2]] == RESIDENT:
+                self.stats.hits += 1
+                self.lru.move_to_end(key)
+            else:
+                self.stats.misses += 1
+                missing.append(key)
+        need = sum(self.charge(ri, e) for _, ri, e in missing)
+        self._evict_for(need, pinned=set(want))
+        for _, ri, e in missing:
+            self.state[ri][e] = LOADING
+        return missing
+
+    def commit(self, slices: list[tuple[int, int, int]]) -> None:
+        for key in slices:
+            _, ri, e = key
+            self.state[ri][e] = RESIDENT
+            c = self.charge(ri, e)
+            self.lru[key] = c
+            self.used += c
+
+    def _evict_for(self, need: int, pinned: set[tuple[int, int, int]]) -> None:
+        if self.used + need <= self.budget:
+            return
+        for key in list(self.lru):
+            if self.used + need <= self.budget:
+                break
+            if key in pinned:
+                continue
+            self._evict(key)
+
+    def _evict(self, key: tuple[int, int, int]) -> None:
+        _, ri, e = key
+        self.used -= self.lru.pop(key)
+        self.state[ri][e] = ABSENT
+        self.stats.evictions += 1
+        r = self.regions[ri]
+        p0, p1 = r.page_span(e)
+        if self._page_shared(ri, e, p0):
+            p0 += PAGE
+        if p1 > p0 and self._page_shared(ri, e, p1 - PAGE):
+            p1 -= PAGE
+        self.slab.release(p0, p1)
+
+    def _page_shared(self, ri: int, e: int, page: int) -> bool:
+        st = self.state[ri]
+        return any(st[o] != ABSENT for o in self.regions[ri].experts_on_page(page) if o != e)
+
+    def layer_working_set(self, top_k: int) -> int:
+        """Bytes of the largest layer's routed set for one token (the smallest useful budget)."""
+        best = 0
+        for idxs in self.by_layer.values():
+            best = max(best, sum(top_k * (_up(self.regions[i].expert_bytes) + PAGE) for i in idxs))
+        return best

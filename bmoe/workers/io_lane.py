@@ -1,0 +1,111 @@
+"""I/O lane: reads expert slices from the model file(s) straight into the slab.
+
+Run as `python -m bmoe.workers.io_lane INDEX --shm NAME FILE...` so `ps` shows
+its role. Orders arrive on stdin and completions leave on stdout, both as
+msgpack: order `[id, [[file, offset, length, slab_offset], ...]]`, completion
+`[id, bytes, busy_ns, error_or_None]`. The lane owns no cache state; it only
+moves bytes. It exits on EOF, so it never outlives its coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import signal
+import sys
+import time
+
+import msgpack
+import posix_ipc
+
+
+class Reader:
+    """One open model file: O_DIRECT when the file system allows, else buffered + DONTNEED."""
+
+    def __init__(self, path: str, odirect: bool) -> None:
+        self.path = path
+        self.odirect = False
+        self.fd = -1
+        if odirect and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.odirect = True
+            except OSError:
+                self.fd = -1
+        if self.fd < 0:
+            self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """Fill `view` from `offset`; a read may stop short only at end of file."""
+        want = min(len(view), self.size - offset)
+        got = 0
+        while got < want:
+            try:
+                n = os.preadv(self.fd, [view[got:]], offset + got)
+            except OSError as e:
+                if not self.odirect:
+                    raise
+                self._fall_back(e)
+                continue
+            if n <= 0:
+                break
+            got += n
+        if not self.odirect:
+            os.posix_fadvise(self.fd, offset, got, os.POSIX_FADV_DONTNEED)
+        if got < want:
+            raise OSError(f"short read of {self.path} at offset {offset}: {got} of {want} bytes")
+        return got
+
+    def _fall_back(self, err: OSError) -> None:
+        """O_DIRECT refused a request (alignment, file system): continue buffered."""
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.odirect = False
+        print(f"io_lane: O_DIRECT read failed ({err.strerror}); using buffered reads", file=sys.stderr)
+
+
+def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
+    shm = posix_ipc.SharedMemory(shm_name)
+    mm = mmap.mmap(shm.fd, shm.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    shm.close_fd()
+    view = memoryview(mm)
+    readers = [Reader(p, odirect) for p in paths]
+    out = sys.stdout.buffer
+    out.write(msgpack.packb(["hello", index, os.getpid(), all(r.odirect for r in readers)]))
+    out.flush()
+    unpacker = msgpack.Unpacker()
+    stdin = sys.stdin.buffer.raw
+    while True:
+        chunk = os.read(stdin.fileno(), 1 << 16)
+        if not chunk:
+            break
+        unpacker.feed(chunk)
+        for order_id, reads in unpacker:
+            t0 = time.perf_counter_ns()
+            total, err = 0, None
+            try:
+                for fi, off, length, slab_off in reads:
+                    total += readers[fi].read_into(view[slab_off:slab_off + length], off)
+            except OSError as e:
+                err = str(e)
+            busy = time.perf_counter_ns() - t0
+            out.write(msgpack.packb([order_id, total, busy, err]))
+            out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ap = argparse.ArgumentParser(prog="bmoe.workers.io_lane")
+    ap.add_argument("index", type=int)
+    ap.add_argument("--shm", required=True)
+    ap.add_argument("--no-odirect", action="store_true")
+    ap.add_argument("files", nargs="+")
+    a = ap.parse_args(argv)
+    serve(a.index, a.shm, a.files, not a.no_odirect)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
