@@ -22,6 +22,7 @@ examples:
 """
 
 DEFAULT_PROMPT = "Once upon a time"
+DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 EXIT_ERROR = 1
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
@@ -117,9 +118,12 @@ def run(a: argparse.Namespace) -> int:
     if a.model is None:
         from bmoe.demo import default_model
 
-        a.model = str(default_model(progress=_notice))
+        path, demo_cache_mb = default_model(progress=_notice)
+        a.model = str(path)
         if a.cache_mb is None:
-            a.cache_mb = "demo"
+            a.cache_mb = demo_cache_mb
+        if a.prompt is None and a.file is None:
+            a.prompt, a.chat = DEMO_PROMPT, True
     settings = Settings(
         model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
         cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,

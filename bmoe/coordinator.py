@@ -116,15 +116,15 @@ class Streamer:
         """Aligned superset reads, neighbouring experts of one tensor merged into one read."""
         orders: list[ReadOrder] = []
         for _, ri, e in sorted(slices):
-            fi, off, length, slab_off = self.cache.regions[ri].read_order(e)
+            fi, off, length, slab_off, needed = self.cache.regions[ri].read_order(e)
             if orders:
-                pfi, poff, plen, pslab = orders[-1]
-                gap = slab_off - (pslab + plen)
-                if pfi == fi and gap <= 0 and slab_off - pslab + length <= MAX_MERGED_READ \
-                        and off - poff == slab_off - pslab:
-                    orders[-1] = (pfi, poff, slab_off + length - pslab, pslab)
+                pfi, poff, plen, pslab, _ = orders[-1]
+                end = slab_off + length - pslab
+                if pfi == fi and slab_off <= pslab + plen and off - poff == slab_off - pslab \
+                        and end <= MAX_MERGED_READ:
+                    orders[-1] = (pfi, poff, end, pslab, slab_off + needed - pslab)
                     continue
-            orders.append((fi, off, length, slab_off))
+            orders.append((fi, off, length, slab_off, needed))
         return orders
 
     def take_counters(self) -> tuple[int, int, int]:
@@ -248,9 +248,10 @@ class Engine:
                  on_piece: Callable[[int, str, TokenStat], None] = lambda i, s, st: None) -> Result:
         if not tokens:
             raise ConfigError("the prompt is empty; pass text with -p or -f")
-        if len(tokens) + n_predict > self.n_ctx:
+        n_ctx = min(self.n_ctx, self.settings.n_ctx)
+        if len(tokens) + n_predict > n_ctx:
             raise ConfigError(f"the prompt ({len(tokens)} tokens) plus -n {n_predict} exceeds the context "
-                              f"of {self.n_ctx} tokens; raise -c or shorten the prompt")
+                              f"of {n_ctx} tokens; raise -c or shorten the prompt")
         sampler = make_sampler(self.settings.sampler)
         try:
             return self._generate(sampler, tokens, n_predict, on_piece)

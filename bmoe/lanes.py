@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-ReadOrder = tuple[int, int, int, int]  # file index, file offset, length, slab offset
+ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
 
 
 class LaneError(RuntimeError):

@@ -164,7 +164,7 @@ class EvalHook:
         self.capture: Capture | None = None
         self.on_route: Callable[[int, np.ndarray], None] | None = None
         self.error: BaseException | None = None
-        self._layers: dict[bytes, int] = {}
+        self._layers: dict[bytes, int | None] = {}
         self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
         self.c_abort = llama_cpp.ggml_abort_callback(self._abort)
 
@@ -183,10 +183,12 @@ class EvalHook:
             if ask:
                 return True
             name = ctypes.string_at(t + NAME_OFFSET)
-            layer = self._layers.get(name)
-            if layer is None:
-                layer = self._layers[name] = int(name[13:])
-            self.on_route(layer, routing_ids(t))
+            if name not in self._layers:
+                m = _TOPK_NAME.match(name.decode(errors="replace"))
+                self._layers[name] = int(m.group(1)) if m else None
+            layer = self._layers[name]
+            if layer is not None:
+                self.on_route(layer, routing_ids(t))
             return True
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
             self.error = e

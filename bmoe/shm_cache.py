@@ -60,10 +60,14 @@ class Region:
         s, t = self.slice_bounds(e)
         return _down(s), _up(t)
 
-    def read_order(self, e: int) -> tuple[int, int, int, int]:
-        """(file index, file offset, length, slab offset) of the aligned superset read."""
+    def read_order(self, e: int) -> tuple[int, int, int, int, int]:
+        """(file index, file offset, length, slab offset, needed) of the aligned superset read.
+
+        `needed` is how many of those bytes must exist in the file: the superset
+        may run past end of file, the slice itself may not.
+        """
         p0, p1 = self.page_span(e)
-        return self.file_index, self.file_offset + (p0 - self.slab_offset), p1 - p0, p0
+        return self.file_index, self.file_offset + (p0 - self.slab_offset), p1 - p0, p0, self.slice_bounds(e)[1] - p0
 
     def experts_on_page(self, page: int) -> range:
         lo = max(0, (page - self.slab_offset) // self.expert_bytes)

@@ -2,7 +2,7 @@
 
 Run as `python -m bmoe.workers.io_lane INDEX --shm NAME FILE...` so `ps` shows
 its role. Orders arrive on stdin and completions leave on stdout, both as
-msgpack: order `[id, [[file, offset, length, slab_offset], ...]]`, completion
+msgpack: order `[id, [[file, offset, length, slab_offset, needed], ...]]`, completion
 `[id, bytes, busy_ns, error_or_None]`. The lane owns no cache state; it only
 moves bytes. It exits on EOF, so it never outlives its coordinator.
 """
@@ -37,9 +37,9 @@ class Reader:
             self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
 
-    def read_into(self, view: memoryview, offset: int) -> int:
-        """Fill `view` from `offset`; a read may stop short only at end of file."""
-        want = min(len(view), self.size - offset)
+    def read_into(self, view: memoryview, offset: int, needed: int) -> int:
+        """Fill `view` from `offset`; past end of file it may stop short, but never before `needed`."""
+        want = max(0, min(len(view), self.size - offset))
         got = 0
         while got < want:
             try:
@@ -54,8 +54,8 @@ class Reader:
             got += n
         if not self.odirect:
             os.posix_fadvise(self.fd, offset, got, os.POSIX_FADV_DONTNEED)
-        if got < want:
-            raise OSError(f"short read of {self.path} at offset {offset}: {got} of {want} bytes")
+        if got < needed:
+            raise OSError(f"short read of {self.path} at offset {offset}: {got} of {needed} bytes")
         return got
 
     def _fall_back(self, err: OSError) -> None:
@@ -86,8 +86,8 @@ def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
             t0 = time.perf_counter_ns()
             total, err = 0, None
             try:
-                for fi, off, length, slab_off in reads:
-                    total += readers[fi].read_into(view[slab_off:slab_off + length], off)
+                for fi, off, length, slab_off, needed in reads:
+                    total += readers[fi].read_into(view[slab_off:slab_off + length], off, needed)
             except OSError as e:
                 err = str(e)
             busy = time.perf_counter_ns() - t0

