@@ -7,8 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
-from bmoe import telemetry
-from bmoe.coordinator import ConfigError, Engine, Result, Settings
+from bmoe import profile, telemetry
+from bmoe.coordinator import ConfigError, Engine, Result, Settings, TokenStat
 from bmoe.lanes import LaneError
 from bmoe.llama import SamplerSettings
 from bmoe.model_files import ModelError
@@ -19,6 +19,7 @@ examples:
   bmoe-cli -m model.gguf -p "Why is the sky blue?" -n 128 --cache-mb 2000 --io-threads 4
   bmoe-cli -m model.gguf -f prompt.txt --chat --cache-mb 0
   bmoe-cli -m model.gguf -p "Hello" --no-stream     # plain llama.cpp, the reference output
+  bmoe-cli -m model.gguf -p "Hello" --progress --csv run.csv --profile   # telemetry for apps and benchmarks
 """
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=40, help="top-k when sampling (default 40)")
     ap.add_argument("--top-p", type=float, default=0.95, help="top-p when sampling (default 0.95)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ap.add_argument("--progress", action="store_true",
+                    help="machine-readable BMOE_LOAD/BMOE_PROGRESS lines per token, then the answer and perf banners")
+    ap.add_argument("--csv", metavar="PATH", help="also write one CSV row per token (and PATH.procs.csv with --profile)")
+    ap.add_argument("--profile", action="store_true",
+                    help="at the end, a table of every process of the run (CPU, peak RSS, shared, reads) on stderr")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's own log on stderr")
     return ap
 
@@ -96,22 +102,26 @@ def _on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(EXIT_SIGTERM)
 
 
-def summary(engine: Engine, res: Result) -> list[str]:
-    n = len(res.steps)
-    totals = telemetry.RunTotals(
-        tokens=n,
-        wall_s=sum(s.wall_ns for s in res.steps) / 1e9,
-        io_s=sum(s.io_ns for s in res.steps) / 1e9,
-        mgmt_s=sum(s.mgmt_ns for s in res.steps) / 1e9,
-        stall_s=0.0,
-        read_bytes=sum(s.read_bytes for s in res.steps),
-    )
-    lines = [telemetry.generation_line(totals)]
+def token_line(st: TokenStat, step: int, steps: int, hit_pct: float) -> telemetry.TokenLine:
+    return telemetry.TokenLine(step=step, steps=steps, wall_ms=st.wall_ns / 1e6, io_ms=st.io_ns / 1e6,
+                               mgmt_ms=st.mgmt_ns / 1e6, stall_ms=st.stall_ns / 1e6,
+                               read_bytes=st.read_bytes, cache_hit_pct=hit_pct)
+
+
+def summary(engine: Engine, res: Result, lines: list[telemetry.TokenLine]) -> list[str]:
+    totals = telemetry.RunTotals.of(lines)
+    out = [telemetry.generation_line(totals)]
     if engine.streamer:
-        lines.append(telemetry.stream_line(totals))
+        out.append(telemetry.stream_line(totals))
     if engine.cache_active:
-        lines.append(telemetry.cache_line(engine.streamer.cache.stats.hit_pct, engine.resident_bytes()))
-    return lines
+        out.append(telemetry.cache_line(res.hit_pct(), engine.resident_bytes()))
+    return out
+
+
+def workers(engine: Engine) -> list[tuple[str, int]]:
+    if not engine.streamer:
+        return []
+    return [(f"io_lane {lane.index}", lane.pid) for lane in engine.streamer.pool.lanes]
 
 
 def run(a: argparse.Namespace) -> int:
@@ -131,22 +141,53 @@ def run(a: argparse.Namespace) -> int:
         sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
     )
     prompt = _read_prompt(a)
+    csv_file = open(a.csv, "w", buffering=1) if a.csv else None
     engine = Engine(settings, notice=_notice)
     try:
         tokens = engine.prompt_tokens(prompt, a.chat)
         out = sys.stdout
+        lines: list[telemetry.TokenLine] = []
+        text = ""
+        if csv_file:
+            csv_file.write(telemetry.csv_header() + "\n")
 
-        def show(_i: int, piece: str, _stat: object) -> None:
-            out.write(piece)
+        hits = lookups = 0
+
+        def on_token(i: int, piece: str, stat: TokenStat) -> None:
+            nonlocal text, hits, lookups
+            text += piece
+            hits, lookups = hits + stat.hits, lookups + stat.lookups
+            hit_pct = (100.0 * hits / lookups if lookups else 0.0) if engine.cache_active else -1.0
+            line = token_line(stat, i + 1, a.n_predict, hit_pct)
+            lines.append(line)
+            if a.progress:
+                out.write("".join(x + "\n" for x in telemetry.token_lines(line, text)))
+            else:
+                out.write(piece)
             out.flush()
+            if csv_file:
+                csv_file.write(telemetry.csv_row(line) + "\n")
 
-        res = engine.generate(tokens, a.n_predict, show)
-        out.write("\n")
-        for line in summary(engine, res):
+        res = engine.generate(tokens, a.n_predict, on_token)
+        if a.progress:
+            out.write(f"{telemetry.ANSWER_BANNER}\n{res.text}\n{telemetry.PERF_BANNER}\n")
+        else:
+            out.write(res.text[len(text):] + "\n")
+        for line in summary(engine, res, lines):
             out.write(line + "\n")
         out.flush()
+        if csv_file:
+            csv_file.write(telemetry.csv_summary(telemetry.RunTotals.of(lines),
+                                                 res.hit_pct() if engine.cache_active else -1.0) + "\n")
+        if a.profile:
+            rows = profile.collect(workers(engine))
+            print(profile.table(rows, engine.resident_bytes()), file=sys.stderr)
+            if a.csv:
+                Path(a.csv + ".procs.csv").write_text(profile.csv_text(rows, engine.resident_bytes()))
     finally:
         engine.close()
+        if csv_file:
+            csv_file.close()
     return 0
 
 

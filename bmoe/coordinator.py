@@ -57,6 +57,7 @@ class TokenStat:
     read_bytes: int
     hits: int
     lookups: int
+    stall_ns: int = 0
 
 
 @dataclass
@@ -67,6 +68,12 @@ class Result:
     prefill_s: float
     steps: list[TokenStat]
     max_resident: int = 0
+
+    def hit_pct(self, upto: int | None = None) -> float:
+        """Cumulative decode hit rate over the first `upto` steps (all by default)."""
+        steps = self.steps[:upto]
+        looks = sum(s.lookups for s in steps)
+        return 100.0 * sum(s.hits for s in steps) / looks if looks else 0.0
 
 
 class Streamer:
@@ -285,9 +292,7 @@ class Engine:
             if st:
                 res.max_resident = max(res.max_resident, st.slab.resident_bytes())
             on_piece(i, new, stat)
-        tail = out.finish()
-        if tail and res.steps:
-            on_piece(len(res.steps) - 1, tail, TokenStat(0, 0, 0, 0, 0, 0))
+        out.finish()
         res.text = out.text
         return res
 

@@ -1,13 +1,81 @@
-"""Lines of the telemetry contract (shared/spec/telemetry.md), written in one place.
+"""Every line of the telemetry contract (shared/spec/telemetry.md), written and parsed in one place.
 
-The formats here are the user's: keep every word, unit and order.
+The formats are the user's: keep every word, unit, key and column order. The
+parser is what tests, the session client and `bmoe-bench` read output with;
+it reads JSON by key and CSV by column name, as the contract asks consumers to.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import re
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 MiB = 1 << 20
+
+PROGRESS_KEYS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "mgmt_ms", "stall_ms", "read_mb",
+                 "cache_hit_pct", "text")
+CSV_COLUMNS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "read_bytes", "cache_hit_pct",
+               "stall_ms", "mgmt_ms")
+CSV_OPTIONAL = ("stall_ms", "mgmt_ms")
+ANSWER_BANNER = "=== answer ==="
+PERF_BANNER = "=== perf ==="
+
+
+@dataclass
+class TokenLine:
+    """One generated token's accounting, in the contract's units."""
+
+    step: int
+    steps: int
+    wall_ms: float
+    io_ms: float
+    mgmt_ms: float
+    stall_ms: float
+    read_bytes: int
+    cache_hit_pct: float
+    overlap: bool = False
+
+    @property
+    def compute_ms(self) -> float:
+        """The residual: no clock runs around llama.cpp's kernels."""
+        lost = self.stall_ms if self.overlap else self.io_ms
+        return self.wall_ms - lost - self.mgmt_ms
+
+    @property
+    def read_mb(self) -> float:
+        return self.read_bytes / MiB
+
+
+def _json(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def tagged(tag: str, obj: dict[str, Any]) -> str:
+    return f"BMOE_{tag} {_json(obj)}"
+
+
+def load_line(t: TokenLine) -> str:
+    return tagged("LOAD", {"mb": round(t.read_mb, 4), "ms": round(t.io_ms, 3)})
+
+
+def progress_line(t: TokenLine, text: str) -> str:
+    return tagged("PROGRESS", {
+        "step": t.step, "steps": t.steps, "wall_ms": round(t.wall_ms, 3), "io_ms": round(t.io_ms, 3),
+        "compute_ms": round(t.compute_ms, 3), "mgmt_ms": round(t.mgmt_ms, 3),
+        "stall_ms": round(t.stall_ms, 3), "read_mb": round(t.read_mb, 4),
+        "cache_hit_pct": round(t.cache_hit_pct, 2), "text": text,
+    })
+
+
+def token_lines(t: TokenLine, text: str) -> list[str]:
+    """The per-token lines in order: BMOE_LOAD only when experts were read."""
+    lines = [load_line(t)] if t.read_bytes > 0 else []
+    lines.append(progress_line(t, text))
+    return lines
 
 
 @dataclass
@@ -22,34 +90,158 @@ class RunTotals:
     read_bytes: int
     overlap: bool = False
 
+    @classmethod
+    def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> "RunTotals":
+        ls = list(lines)
+        return cls(len(ls), sum(t.wall_ms for t in ls) / 1e3, sum(t.io_ms for t in ls) / 1e3,
+                   sum(t.mgmt_ms for t in ls) / 1e3, sum(t.stall_ms for t in ls) / 1e3,
+                   sum(t.read_bytes for t in ls), overlap)
+
     @property
     def compute_s(self) -> float:
         lost = self.stall_s if self.overlap else self.io_s
         return self.wall_s - lost - self.mgmt_s
 
-
-def _per_tok(x: float, n: int) -> float:
-    return x / n if n else 0.0
+    def per_tok(self, x: float) -> float:
+        return x / self.tokens if self.tokens else 0.0
 
 
 def generation_line(t: RunTotals) -> str:
-    s_tok = _per_tok(t.wall_s, t.tokens)
     tok_s = t.tokens / t.wall_s if t.wall_s > 0 else 0.0
-    return f"generation: {t.tokens} tokens, {s_tok:.4f} s/token ({tok_s:.2f} tok/s)"
+    return f"generation: {t.tokens} tokens, {t.per_tok(t.wall_s):.4f} s/token ({tok_s:.2f} tok/s)"
 
 
 def stream_line(t: RunTotals) -> str:
-    n = t.tokens
     mib = t.read_bytes / MiB
     bw = mib / t.io_s if t.io_s > 0 else 0.0
-    line = (f"moe-stream: read {mib:.2f} MiB ({_per_tok(mib, n):.2f} MiB/token), "
-            f"decode {_per_tok(t.wall_s, n):.4f} s/token (compute {_per_tok(t.compute_s, n):.4f} + "
-            f"cache mgmt {_per_tok(t.mgmt_s, n):.4f} + flash I/O {_per_tok(t.io_s, n):.4f} s/token, "
+    line = (f"moe-stream: read {mib:.2f} MiB ({t.per_tok(mib):.2f} MiB/token), "
+            f"decode {t.per_tok(t.wall_s):.4f} s/token (compute {t.per_tok(t.compute_s):.4f} + "
+            f"cache mgmt {t.per_tok(t.mgmt_s):.4f} + flash I/O {t.per_tok(t.io_s):.4f} s/token, "
             f"{bw:.1f} MiB/s)")
     if t.overlap:
-        line += f" stall_s/tok={_per_tok(t.stall_s, n):.4f}"
+        line += f" stall_s/tok={t.per_tok(t.stall_s):.4f}"
     return line
 
 
 def cache_line(hit_pct: float, resident_bytes: int) -> str:
     return f"moe-cache: {hit_pct:.1f}% hit, resident {resident_bytes / MiB:.1f} MiB"
+
+
+def csv_header() -> str:
+    return ",".join(CSV_COLUMNS)
+
+
+def csv_row(t: TokenLine) -> str:
+    return (f"{t.step},{t.steps},{t.wall_ms:.3f},{t.io_ms:.3f},{t.compute_ms:.3f},{t.read_bytes},"
+            f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f}")
+
+
+def csv_summary(t: RunTotals, hit_pct: float) -> str:
+    tok_s = t.tokens / t.wall_s if t.wall_s > 0 else 0.0
+    return (f"# summary tokens={t.tokens} s/tok={t.per_tok(t.wall_s):.4f} tok/s={tok_s:.2f} "
+            f"read_mib={t.read_bytes / MiB:.2f} io_s/tok={t.per_tok(t.io_s):.4f} "
+            f"compute_s/tok={t.per_tok(t.compute_s):.4f} cache_hit_pct={hit_pct:.2f} "
+            f"stall_s/tok={t.per_tok(t.stall_s):.4f} mgmt_s/tok={t.per_tok(t.mgmt_s):.4f}")
+
+
+# ---- parsing -------------------------------------------------------------------------------------
+
+_TAGGED = re.compile(r"^BMOE_([A-Z]+) (\{.*\})$")
+_NUM = r"(-?[\d.]+)"
+SUMMARY_GRAMMAR = {
+    "generation": re.compile(rf"^generation: (\d+) tokens, {_NUM} s/token \({_NUM} tok/s\)$"),
+    "moe-stream": re.compile(
+        rf"^moe-stream: read {_NUM} MiB \({_NUM} MiB/token\), decode {_NUM} s/token \(compute {_NUM} \+ "
+        rf"cache mgmt {_NUM} \+ flash I/O {_NUM} s/token, {_NUM} MiB/s\)(?: stall_s/tok={_NUM})?$"),
+    "moe-cache": re.compile(rf"^moe-cache: {_NUM}% hit, resident {_NUM} MiB$"),
+    "moe-prefetch": re.compile(rf"^moe-prefetch: {_NUM} MiB speculative, (\d+)/(\d+) experts useful \({_NUM}%\)$"),
+    "moe-spec-gate": re.compile(rf"^moe-spec-gate: {_NUM}% router prediction recall"
+                                rf"(?: \(auto-disabled below {_NUM}%\))?$"),
+}
+SUMMARY_FIELDS = {
+    "generation": ("tokens", "s_per_token", "tok_s"),
+    "moe-stream": ("read_mib", "mib_per_token", "decode_s_per_token", "compute_s_per_token",
+                   "mgmt_s_per_token", "io_s_per_token", "mib_per_s", "stall_s_per_token"),
+    "moe-cache": ("hit_pct", "resident_mib"),
+    "moe-prefetch": ("speculative_mib", "useful", "prefetched", "useful_pct"),
+    "moe-spec-gate": ("recall_pct", "disabled_below_pct"),
+}
+
+
+def _num(s: str | None) -> float | int | None:
+    if s is None:
+        return None
+    return int(s) if re.fullmatch(r"-?\d+", s) else float(s)
+
+
+def parse_tagged(line: str) -> tuple[str, dict[str, Any]] | None:
+    """`BMOE_<TAG> {json}` → (TAG, object); None for any other line."""
+    m = _TAGGED.match(line.rstrip("\n"))
+    if not m:
+        return None
+    try:
+        obj = json.loads(m.group(2))
+    except json.JSONDecodeError:
+        return None
+    return (m.group(1), obj) if isinstance(obj, dict) else None
+
+
+def parse_summary(line: str) -> tuple[str, dict[str, Any]] | None:
+    """A `generation:` / `moe-*:` end-of-run line → (kind, fields); None otherwise."""
+    line = line.rstrip("\n")
+    kind = line.split(":", 1)[0]
+    rx = SUMMARY_GRAMMAR.get(kind)
+    m = rx.match(line) if rx else None
+    if not m:
+        return None
+    return kind, {k: _num(v) for k, v in zip(SUMMARY_FIELDS[kind], m.groups())}
+
+
+@dataclass
+class ParsedRun:
+    """Everything a consumer reads from one `bmoe-cli` stdout."""
+
+    events: list[tuple[str, dict[str, Any]]]
+    summary: dict[str, dict[str, Any]]
+    answer: str | None
+    stray: list[str]
+
+
+def parse_output(stdout: str) -> ParsedRun:
+    """Split a `--progress` stdout into events, banners' answer and summary; anything else is stray."""
+    events, summary, stray = [], {}, []
+    answer_lines: list[str] | None = None
+    section = "tokens"
+    for line in stdout.splitlines():
+        tagged_ = parse_tagged(line)
+        if tagged_ and section == "tokens":
+            events.append(tagged_)
+        elif line == ANSWER_BANNER and section == "tokens":
+            section, answer_lines = "answer", []
+        elif line == PERF_BANNER and section == "answer":
+            section = "perf"
+        elif section == "answer":
+            answer_lines.append(line)
+        elif section == "perf" and parse_summary(line):
+            kind, fields = parse_summary(line)
+            summary[kind] = fields
+        else:
+            stray.append(line)
+    return ParsedRun(events, summary, None if answer_lines is None else "\n".join(answer_lines), stray)
+
+
+def read_csv(text: str) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Rows by column name (older files without the trailing columns read as 0) and the summary."""
+    rows, summary = [], {}
+    data_lines = []
+    for line in text.splitlines():
+        if line.startswith("# summary"):
+            summary = {k: float(v) for k, v in (kv.split("=", 1) for kv in line[len("# summary"):].split())}
+        elif line and not line.startswith("#"):
+            data_lines.append(line)
+    for rec in csv.DictReader(io.StringIO("\n".join(data_lines))):
+        row = {k: float(v) for k, v in rec.items() if k is not None and v not in (None, "")}
+        for col in CSV_OPTIONAL:
+            row.setdefault(col, 0.0)
+        rows.append(row)
+    return rows, summary

@@ -1,0 +1,30 @@
+"""Resident memory stays bounded by the budget, measured from the segment after every token."""
+
+from __future__ import annotations
+
+from bmoe.coordinator import Engine, Settings
+
+MiB = 1 << 20
+PROMPT = "Describe how a river carves a canyon over many thousands of years of slow and patient work"
+
+
+def test_resident_bytes_never_exceed_budget_plus_one_layer(synth) -> None:
+    path = synth(arch="qwen3moe", layers=6, experts=32, top_k=2, embd=128, ff=384)
+    probe = Engine(Settings(model=str(path), n_ctx=512, cache_mb=1e6))
+    expert_bytes = sum(r.nbytes for r in probe.streamer.cache.regions)
+    probe.close()
+    budget_mb = expert_bytes / 5 / MiB
+    e = Engine(Settings(model=str(path), n_ctx=512, cache_mb=budget_mb, io_threads=2))
+    try:
+        per_token: list[int] = []
+        toks = e.prompt_tokens(PROMPT, chat=False)
+        res = e.generate(toks, 64, lambda i, s, st: per_token.append(e.resident_bytes()))
+        one_layer = e.streamer.cache.layer_working_set(2)
+        assert expert_bytes >= 4 * e.budget
+        assert len(per_token) >= 64
+        assert max(per_token) <= e.budget + one_layer, (max(per_token), e.budget, one_layer)
+        assert res.max_resident <= e.budget + one_layer
+        assert max(per_token) > e.budget // 2, "the cache should actually fill up"
+        assert e.streamer.cache.stats.evictions > 0
+    finally:
+        e.close()
