@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from bmoe import profile, telemetry
+from bmoe import profile, seam, telemetry
 from bmoe.coordinator import ConfigError, Engine, Result, Settings, TokenStat
 from bmoe.lanes import LaneError
 from bmoe.llama import SamplerSettings
@@ -98,8 +98,8 @@ def _read_prompt(a: argparse.Namespace) -> str:
     return a.prompt if a.prompt is not None else DEFAULT_PROMPT
 
 
-def _on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(EXIT_SIGTERM)
+def _on_signal(signum: int, _frame: object) -> None:
+    seam.deliver(KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(EXIT_SIGTERM))
 
 
 def token_line(st: TokenStat, step: int, steps: int, hit_pct: float) -> telemetry.TokenLine:
@@ -193,7 +193,8 @@ def run(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     try:
         return run(a)
     except (ModelError, ConfigError, LaneError, OSError) as e:

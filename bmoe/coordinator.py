@@ -240,7 +240,8 @@ class Engine:
 
     def _decode(self, tokens: list[int]) -> None:
         arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        rc = llama_cpp.llama_decode(self.ctx, llama_cpp.llama_batch_get_one(arr, len(tokens)))
+        with self.hook:
+            rc = llama_cpp.llama_decode(self.ctx, llama_cpp.llama_batch_get_one(arr, len(tokens)))
         err = self.hook.take_error()
         if err is not None:
             raise err

@@ -150,6 +150,23 @@ class Capture:
         )
 
 
+_decoding: "EvalHook | None" = None
+
+
+def deliver(exc: BaseException) -> None:
+    """Raise `exc` from a signal handler without losing it inside llama.cpp.
+
+    A Python signal handler runs at whatever Python frame comes next — during a
+    decode that is one of the ctypes callbacks, where ctypes would print and
+    swallow the exception. So while a decode runs the exception is parked on the
+    hook, the abort callback stops the graph, and `_decode` raises it.
+    """
+    if _decoding is not None:
+        _decoding.error = exc
+    else:
+        raise exc
+
+
 class EvalHook:
     """The cb_eval trampoline.
 
@@ -200,3 +217,12 @@ class EvalHook:
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None
         return err
+
+    def __enter__(self) -> "EvalHook":
+        global _decoding
+        _decoding = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _decoding
+        _decoding = None

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import pytest
 
 from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
@@ -14,7 +15,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def bmoe_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"{SHM_PREFIX}*")} if SHM_DIR.is_dir() else set()
+    """Segments this test session could own: its own, or those of processes that have ended.
+
+    A segment of another live process (another bmoe run on the machine) is not ours to judge.
+    """
+    if not SHM_DIR.is_dir():
+        return set()
+    out = set()
+    for p in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        owner = p.name.split("-")[1]
+        if not owner.isdigit() or int(owner) == os.getpid() or not psutil.pid_exists(int(owner)) \
+                or _is_descendant(int(owner)):
+            out.add(p.name)
+    return out
+
+
+def _is_descendant(pid: int) -> bool:
+    try:
+        return any(a.pid == os.getpid() for a in psutil.Process(pid).parents())
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="session")

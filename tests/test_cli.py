@@ -120,13 +120,14 @@ def test_signal_mid_generation_cleans_up(model: str, sig: int, code: int) -> Non
         assert bmoe_segments() - before
         p.send_signal(sig)
         rc = p.wait(30)
+        err = p.stderr.read().decode()
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
         p.stdout.close()
         p.stderr.close()
-    assert rc == code
+    assert rc == code, err[-2000:]
     assert bmoe_segments() == before
     gone, alive = psutil.wait_procs(lanes, timeout=5)
     assert not alive, "lane processes outlived the coordinator"
