@@ -1,0 +1,110 @@
+"""Contract tests: what a consumer of shared/spec/telemetry.md would check of real runs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bmoe import telemetry
+from tests.conftest import run_cli
+
+PROMPT = "Tell me about the harbour town where the fishing boats come home every evening before dark"
+N = 20
+TYPES = {"step": int, "steps": int, "wall_ms": float, "io_ms": float, "compute_ms": float, "mgmt_ms": float,
+         "stall_ms": float, "read_mb": float, "cache_hit_pct": float, "text": str}
+ROUND = 0.01  # ms: every JSON field is rounded to 3 decimals
+
+
+@pytest.fixture(scope="module")
+def model(synth) -> str:
+    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+
+
+def progress_run(model: str, tmp_path, *flags: str) -> tuple[telemetry.ParsedRun, str, str]:
+    csv_path = tmp_path / "run.csv"
+    r = run_cli("-m", model, "-p", PROMPT, "-n", str(N), "--progress", "--csv", str(csv_path), *flags)
+    assert r.returncode == 0, r.stderr
+    return telemetry.parse_output(r.stdout), csv_path.read_text(), r.stdout
+
+
+def number(v: object, kind: type) -> bool:
+    return isinstance(v, int) if kind is int else isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@pytest.mark.parametrize("cache", ["0.6", "0"])
+def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) -> None:
+    run, csv_text, stdout = progress_run(model, tmp_path, "--cache-mb", cache)
+    assert not run.stray, f"lines outside the contract: {run.stray[:5]}"
+    progress = [obj for tag, obj in run.events if tag == "PROGRESS"]
+    assert progress and all(tag in ("LOAD", "PROGRESS") for tag, _ in run.events)
+    for obj in progress:
+        assert list(obj) == list(telemetry.PROGRESS_KEYS), "keys in the format block's order"
+        assert all(number(obj[k], t) if t is not str else isinstance(obj[k], str) for k, t in TYPES.items())
+        # serial: compute is the residual of wall minus io minus mgmt
+        assert abs(obj["wall_ms"] - (obj["io_ms"] + obj["compute_ms"] + obj["mgmt_ms"])) <= ROUND
+        assert obj["stall_ms"] == 0
+        assert obj["steps"] == N
+        assert (obj["cache_hit_pct"] == -1) == (cache == "0")
+    assert [o["step"] for o in progress] == list(range(1, len(progress) + 1))
+    # BMOE_LOAD comes right before the PROGRESS of a token that read experts, and only then
+    for i, (tag, obj) in enumerate(run.events):
+        if tag == "LOAD":
+            nxt_tag, nxt = run.events[i + 1]
+            assert nxt_tag == "PROGRESS" and nxt["read_mb"] > 0
+            assert set(obj) == {"mb", "ms"} and abs(obj["mb"] - nxt["read_mb"]) < 1e-3
+        elif i == 0 or run.events[i - 1][0] != "LOAD":
+            assert obj["read_mb"] == 0
+    # text is the full text so far; the answer banner repeats the final text
+    assert progress[-1]["text"] == run.answer
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(progress, progress[1:]))
+    # banners, then the summary lines
+    lines = stdout.splitlines()
+    assert lines.index(telemetry.ANSWER_BANNER) < lines.index(telemetry.PERF_BANNER)
+    kinds = list(run.summary)
+    assert kinds == (["generation", "moe-stream", "moe-cache"] if cache != "0" else ["generation", "moe-stream"])
+    assert run.summary["generation"]["tokens"] == len(progress)
+    per_tok_sum = sum(o["read_mb"] for o in progress)
+    assert abs(per_tok_sum - run.summary["moe-stream"]["read_mib"]) <= 0.01 + 1e-4 * len(progress)
+    # CSV by column name: header exact, rows agree with the JSON lines, summary keys present
+    rows, summary = telemetry.read_csv(csv_text)
+    assert csv_text.splitlines()[0] == "step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms"
+    assert len(rows) == len(progress)
+    for row, obj in zip(rows, progress):
+        assert row["step"] == obj["step"] and abs(row["wall_ms"] - obj["wall_ms"]) <= ROUND
+        assert abs(row["read_bytes"] / 2**20 - obj["read_mb"]) < 1e-3
+    assert re.fullmatch(r"# summary .*stall_s/tok=[\d.]+ mgmt_s/tok=[\d.]+", csv_text.splitlines()[-1])
+    assert summary["tokens"] == len(progress)
+
+
+def test_without_progress_only_answer_and_summary(model: str) -> None:
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "--cache-mb", "1")
+    assert r.returncode == 0, r.stderr
+    assert "BMOE_" not in r.stdout and telemetry.ANSWER_BANNER not in r.stdout
+    tail = r.stdout.splitlines()[-3:]
+    assert [telemetry.parse_summary(x)[0] for x in tail] == ["generation", "moe-stream", "moe-cache"]
+
+
+def test_older_csv_without_trailing_columns_parses() -> None:
+    old = "step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct\n1,2,5.0,1.0,4.0,4096,50.0\n" \
+          "2,2,6.0,0.0,6.0,0,75.0\n# summary tokens=2 s/tok=0.0055\n"
+    rows, summary = telemetry.read_csv(old)
+    assert rows[1]["cache_hit_pct"] == 75.0 and rows[0]["stall_ms"] == 0.0 and rows[0]["mgmt_ms"] == 0.0
+    assert summary == {"tokens": 2.0, "s/tok": 0.0055}
+
+
+def test_profile_lists_each_lane_and_their_reads_match(model: str, tmp_path) -> None:
+    csv_path = tmp_path / "p.csv"
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "16", "--cache-mb", "0", "--io-threads", "3",
+                "--profile", "--csv", str(csv_path))
+    assert r.returncode == 0, r.stderr
+    procs = (tmp_path / "p.csv.procs.csv").read_text().splitlines()
+    header = procs[0].split(",")
+    rows = [dict(zip(header, line.split(","))) for line in procs[1:] if not line.startswith("#")]
+    roles = [row["role"] for row in rows]
+    assert roles == ["coordinator", "io_lane 0", "io_lane 1", "io_lane 2"]
+    assert "io_lane 2" in r.stderr and "slab resident" in r.stderr
+    lane_read = sum(int(row["read_bytes"]) for row in rows[1:])
+    stream = next(telemetry.parse_summary(x)[1] for x in r.stdout.splitlines() if x.startswith("moe-stream:"))
+    # lanes also read during prefill; decode reads are a subset, never more than the lanes did
+    assert lane_read >= stream["read_mib"] * 2**20 * 0.99
