@@ -20,7 +20,7 @@ import psutil
 import llama_cpp
 
 from bmoe import seam
-from bmoe.lanes import LanePool, ReadOrder
+from bmoe.lanes import LanePool, ReadOrder, merge_reads
 from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, make_sampler
 from bmoe.model_files import ModelError, ModelFiles, open_model
 from bmoe.shm_cache import ExpertCache, Region, Slab, layout, sweep_stale_segments
@@ -120,19 +120,7 @@ class Streamer:
         self.mgmt_ns += (t1 - t0) + (t3 - t2)
 
     def _reads(self, slices: list[tuple[int, int, int]]) -> list[ReadOrder]:
-        """Aligned superset reads, neighbouring experts of one tensor merged into one read."""
-        orders: list[ReadOrder] = []
-        for _, ri, e in sorted(slices):
-            fi, off, length, slab_off, needed = self.cache.regions[ri].read_order(e)
-            if orders:
-                pfi, poff, plen, pslab, _ = orders[-1]
-                end = slab_off + length - pslab
-                if pfi == fi and slab_off <= pslab + plen and off - poff == slab_off - pslab \
-                        and end <= MAX_MERGED_READ:
-                    orders[-1] = (pfi, poff, end, pslab, slab_off + needed - pslab)
-                    continue
-            orders.append((fi, off, length, slab_off, needed))
-        return orders
+        return merge_reads([self.cache.regions[ri].read_order(e) for _, ri, e in slices], MAX_MERGED_READ)
 
     def take_counters(self) -> tuple[int, int, int]:
         out = (self.io_ns, self.mgmt_ns, self.read_bytes)

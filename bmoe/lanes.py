@@ -14,6 +14,21 @@ import msgpack
 ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
 
 
+def merge_reads(orders: list[ReadOrder], max_len: int) -> list[ReadOrder]:
+    """Fewer, larger reads: in file order, reads that touch or overlap in one file at the same
+    file-to-slab distance become one (never longer than max_len unless a single read is)."""
+    out: list[ReadOrder] = []
+    for fi, off, length, slab_off, needed in sorted(orders):
+        if out:
+            pfi, poff, plen, pslab, pneed = out[-1]
+            if pfi == fi and off <= poff + plen and off - poff == slab_off - pslab \
+                    and off + length - poff <= max_len:
+                out[-1] = (pfi, poff, max(plen, off + length - poff), pslab, max(pneed, off + needed - poff))
+                continue
+        out.append((fi, off, length, slab_off, needed))
+    return out
+
+
 class LaneError(RuntimeError):
     pass
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -327,6 +329,8 @@ def _tensor_data(t: _Tensor, rng: np.random.Generator, token_embd: np.ndarray | 
         keep = np.zeros(t.shape[0], bool)
         keep[_VOCAB.word_ids + [_EOS, _IM_END]] = True
         data[~keep] = 0.0
+        # End tokens stay possible but rare, so a test's 32-token generation is not cut short.
+        data[[_EOS, _IM_END]] *= 0.25
     return data.astype(np.float16 if t.qtype == "f16" else np.float32)
 
 
@@ -362,12 +366,14 @@ def write_model(
     quant: str = "q8_0",
     seed: int = 0,
     size_gb: float | None = None,
+    splits: int = 1,
     progress: bool = False,
 ) -> Path:
     """Write a random-weight MoE GGUF that llama.cpp can load and run; return its path.
 
     Same arguments give a byte-identical file. With `size_gb`, `ff` is ignored and chosen so
-    the file is about that many GB. Expert tensors (`*_exps.weight`) use `quant`; the router
+    the file is about that many GB. With `splits` > 1 the model is written as llama.cpp split
+    shards `<stem>-0000i-of-0000N.gguf` beside `path`, and the first shard's path is returned. Expert tensors (`*_exps.weight`) use `quant`; the router
     and norms are F32, other matrices F16. Tensors are generated and written one at a time, so
     memory stays at about one expert tensor.
     """
@@ -387,6 +393,8 @@ def write_model(
         raise ValueError("ff must be a positive multiple of 32 (one quant block per row)")
     if seed < 0:
         raise ValueError("seed must be >= 0")
+    if splits < 1:
+        raise ValueError("splits must be >= 1")
 
     shape = _Shape(arch, layers, experts, top_k, embd, ff, quant)
     if size_gb is not None:
@@ -398,10 +406,11 @@ def write_model(
     if progress:
         print(f"bmoe-synth: {path} {arch} layers={layers} experts={experts} top_k={top_k} "
               f"embd={embd} ff={shape.ff} {quant}: {total / 1e6:.1f} MB", file=sys.stderr)
-    # Write beside the target and rename at the end, so an interrupted run never leaves a
-    # truncated file under the final name.
-    partial = path.with_name(path.name + ".partial")
-    w = GGUFWriter(partial, arch)
+    # Write into a scratch folder beside the target and rename at the end, so an interrupted
+    # run never leaves a truncated file (or shard) under a final name.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".bmoe-synth-", dir=path.parent))
+    w = GGUFWriter(scratch / path.name, arch, split_max_tensors=-(-len(tensors) // splits) if splits > 1 else 0)
     try:
         _add_metadata(w, shape, seed)
         for t in tensors:
@@ -426,13 +435,15 @@ def write_model(
                 last = now
                 print(f"bmoe-synth: {done / 1e6:.0f}/{total / 1e6:.0f} MB "
                       f"({100 * done / total:.0f}%) {now - start:.1f}s", file=sys.stderr)
-    except BaseException:
         w.close()
-        partial.unlink(missing_ok=True)
-        raise
-    w.close()
-    partial.replace(path)
-    return path
+        written = sorted(scratch.iterdir())
+        finals = [path.with_name(p.name) for p in written]
+        for src, dst in zip(written, finals):
+            src.replace(dst)
+    finally:
+        w.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return finals[0]
 
 
 _EPILOG = """\
@@ -468,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
     ap.add_argument("--size-gb", type=float, default=None,
                     help="target file size in GB: chooses --ff (cannot be combined with --ff)")
+    ap.add_argument("--splits", type=int, default=1,
+                    help="write N llama.cpp split shards (<stem>-0000i-of-0000N.gguf) instead of one file")
     ap.add_argument("-o", "--output", required=True, help="output .gguf path")
     args = ap.parse_args(argv)
     if args.size_gb is not None and args.ff is not None:
@@ -476,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         path = write_model(
             args.output, arch=args.arch, layers=args.layers, experts=args.experts,
             top_k=args.top_k, embd=args.embd, ff=256 if args.ff is None else args.ff,
-            quant=args.quant, seed=args.seed, size_gb=args.size_gb, progress=True,
+            quant=args.quant, seed=args.seed, size_gb=args.size_gb, splits=args.splits, progress=True,
         )
     except ValueError as exc:
         ap.error(str(exc))

@@ -7,6 +7,7 @@ from functools import lru_cache
 import pytest
 
 from bmoe.coordinator import Engine, Result, Settings
+from bmoe.model_files import open_model
 from bmoe.synth import ARCHES
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
@@ -44,9 +45,7 @@ def reference(path: str) -> Result:
 def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes: int) -> None:
     path = str(synth(arch=arch, quant=quant, layers=4, experts=8, top_k=2))
     ref = reference(path)
-    probe = Engine(Settings(model=path, n_ctx=256, threads=2, cache_mb=1e6))
-    expert_bytes = sum(r.nbytes for r in probe.streamer.cache.regions)
-    probe.close()
+    expert_bytes = open_model(path).expert_bytes
     cache_mb = {"zero": 0.0, "third": expert_bytes / 3 / MiB, "all": expert_bytes * 1.1 / MiB}[budget]
     res, _ = generate(path, cache_mb=cache_mb, io_threads=lanes)
     assert res.ids == ref.ids
@@ -57,3 +56,25 @@ def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes:
         assert all(s.read_bytes > 0 for s in res.steps), "with no cache every token reads its experts"
     if budget == "third":
         assert hits > 0 and misses > 0, "a third of the experts must force misses and still hit"
+
+
+def test_split_model_streams_from_every_shard(tmp_path) -> None:
+    from bmoe.synth import write_model
+
+    first = write_model(tmp_path / "split.gguf", layers=6, experts=8, top_k=2, splits=3)
+    files = open_model(first)
+    assert [p.name for p in files.paths] == [f"split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert {e.file_index for n, e in files.extents.items() if "_exps" in n} == {0, 1, 2}
+    ref = reference(str(first))
+    res, _ = generate(str(first), cache_mb=files.expert_bytes / 3 / MiB, io_threads=2)
+    assert res.ids == ref.ids and res.text == ref.text
+
+
+def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
+    from bmoe.model_files import ModelError
+    from bmoe.synth import write_model
+
+    first = write_model(tmp_path / "gap.gguf", layers=2, splits=2)
+    (tmp_path / "gap-00002-of-00002.gguf").unlink()
+    with pytest.raises(ModelError, match="missing shard.*gap-00002-of-00002.gguf"):
+        open_model(first)

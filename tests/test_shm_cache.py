@@ -10,7 +10,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from bmoe.lanes import LanePool
+from bmoe.lanes import LanePool, merge_reads
 from bmoe.shm_cache import PAGE, RESIDENT, ExpertCache, Region, Slab, layout, sweep_stale_segments
 from tests.conftest import bmoe_segments
 
@@ -152,3 +152,23 @@ def test_resident_bytes_come_from_the_segment() -> None:
         assert slab.resident_bytes() == PAGE
     finally:
         slab.close()
+
+
+def test_merged_reads_cover_every_slice_at_its_place() -> None:
+    """Merging must never drop or shift a slice, whatever order the slices come in."""
+    rng = np.random.default_rng(3)
+    regs = regions_for(5000, n_expert=8, layers=3) + [
+        Region(f"blk.{9 + i}.ffn_up_exps.weight", 9 + i, "ffn_up_exps", 1, 4096 * 3 + 100 * i, 8, 7000)
+        for i in range(2)]
+    layout(regs)
+    for _ in range(50):
+        picks = [(ri, int(e)) for ri in range(len(regs)) for e in range(8) if rng.random() < 0.4]
+        rng.shuffle(picks)
+        merged = merge_reads([regs[ri].read_order(e) for ri, e in picks], max_len=64 * 1024)
+        assert len(merged) <= len(picks)
+        for ri, e in picks:
+            r = regs[ri]
+            s, t = r.slice_bounds(e)
+            fo = r.file_offset + e * r.expert_bytes
+            assert any(fi == r.file_index and slab <= s and t <= slab + need and fo - off == s - slab
+                       for fi, off, length, slab, need in merged), (ri, e)
