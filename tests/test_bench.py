@@ -1,0 +1,267 @@
+"""bmoe-bench: real runs on a tiny synthetic model, with and without a cgroup memory limit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bmoe import bench, bench_io, bench_sys
+
+REPO = Path(__file__).resolve().parent.parent
+FIELDS = {"config", "flags", "repeat", "phase", "round", "tok_s", "s_per_token_median", "s_per_token_p95",
+          "mib_per_token", "cache_hit_pct", "stall_s_per_token", "peak_mem_mib", "peak_rss_mib",
+          "peak_shm_mib", "peak_cgroup_mib", "exit_status", "ok", "elapsed_s"}
+SECTIONS = ["# bmoe-bench report", "## Command", "## Machine", "## Model", "## Memory limit",
+            "## O_DIRECT read bandwidth", "## Results", "## Runs"]
+
+
+@pytest.fixture(scope="module")
+def tiny(synth) -> Path:
+    return synth(arch="qwen3moe", layers=4, experts=8, top_k=2)
+
+
+def cgroup_usable() -> bench_sys.CgroupHierarchy | None:
+    h = bench_sys.find_cgroup()
+    if h is None or not h.parent.is_dir():
+        return None
+    try:
+        bench_sys.probe_cgroup(h)
+    except bench_sys.LimitError:
+        return None
+    return h
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def our_cgroups(h: bench_sys.CgroupHierarchy, pid: int) -> list[Path]:
+    return sorted(h.parent.glob(f"{bench_sys.CGROUP_PREFIX}{pid}-*"))
+
+
+def bench_cmd(model: Path, out: Path, *extra: str) -> list[str]:
+    # -t 1: on a busy 2-core machine llama.cpp's spinning thread pool makes -t 2 very slow
+    return [sys.executable, "-m", "bmoe.bench", "run", "-m", str(model), "-p", "Once upon a time", "-n", "6",
+            "--common", "-t 1 -c 256", "--config", "c0=--cache-mb 0", "--config", "c1=--cache-mb 1",
+            "--warmup", "0", "--bw-mb", "4", "--bw-threads", "1,2", "--drop-caches", "file",
+            "--out", str(out), *extra]
+
+
+# ---- pure parts --------------------------------------------------------------------------------
+
+def test_parse_config_accepts_name_and_shell_flags() -> None:
+    c = bench.parse_config("c1g=--cache-mb 1024 --io-threads 4")
+    assert (c.name, c.flags) == ("c1g", ["--cache-mb", "1024", "--io-threads", "4"])
+    assert bench.parse_config("plain=").flags == []
+    assert bench.parse_config("q='--cache-mb' \"0\"").flags == ["--cache-mb", "0"]
+
+
+@pytest.mark.parametrize("text, why", [
+    ("--cache-mb 0", "NAME="), ("=--cache-mb 0", "NAME="), ("a b=--cache-mb 0", "name"),
+    ("a=--cache-mb '0", "cannot split"), ("a=-n 5", "set by bmoe-bench"), ("a=--csv=x.csv", "set by bmoe-bench"),
+])
+def test_parse_config_rejects_bad_syntax(text: str, why: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        bench.parse_config(text)
+
+
+def test_bad_config_is_a_usage_error(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench.main(["run", "-m", str(tiny), "--config", "no-equals-sign"])
+    assert e.value.code == 2
+    assert "expected NAME='FLAGS'" in capsys.readouterr().err
+
+
+def test_missing_model_and_duplicate_names_are_clear_errors(tiny: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["run", "-m", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o")]) == 1
+    assert "does not exist; check the -m path" in capsys.readouterr().err
+    assert bench.main(["run", "-m", str(tiny), "--config", "mmap=--cache-mb 0", "--out", str(tmp_path / "o")]) == 1
+    assert "--no-baseline" in capsys.readouterr().err
+    assert bench.main(["run", "-m", str(tiny), "--config", "x=--no-such-flag", "--out", str(tmp_path / "o")]) == 1
+    assert "bmoe-cli rejects its flags" in capsys.readouterr().err
+
+
+def test_schedule_is_round_robin() -> None:
+    cs = [bench.Config(n, []) for n in ("a", "b", "c")]
+    plan = bench.schedule(cs, warmup=1, repeats=2)
+    assert [(p, r, c.name) for p, r, c in plan] == [
+        ("warmup", 0, "a"), ("warmup", 0, "b"), ("warmup", 0, "c"),
+        ("measure", 0, "a"), ("measure", 0, "b"), ("measure", 0, "c"),
+        ("measure", 1, "a"), ("measure", 1, "b"), ("measure", 1, "c")]
+
+
+STDOUT = """ some generated words generation: 9 tokens, 9.9 s/token (0.1 tok/s)
+generation: 4 tokens, 0.0250 s/token (40.00 tok/s)
+moe-stream: read 8.00 MiB (2.00 MiB/token), decode 0.0250 s/token (compute 0.0100 + cache mgmt 0.0010 + flash I/O 0.0140 s/token, 142.9 MiB/s) stall_s/tok=0.0031
+moe-cache: 37.5% hit, resident 1.2 MiB
+"""
+CSV = """step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms
+1,4,10.0,1,1,100,0,0,0
+2,4,20.0,1,1,100,0,0,0
+3,4,30.0,1,1,100,0,0,0
+4,4,40.0,1,1,100,0,0,0
+# summary tokens=4 s/tok=0.0250
+"""
+
+
+def test_parse_run_summary_and_csv() -> None:
+    r = bench.parse_run(STDOUT)
+    assert r["tokens"] == 4 and r["tok_s"] == 40.0 and r["s_per_token"] == 0.025
+    assert r["s_per_token_p95"] == 0.025 and r["p95_source"] == "summary"
+    assert r["mib_read"] == 8.0 and r["mib_per_token"] == 2.0 and r["stall_s_per_token"] == 0.0031
+    assert r["cache_hit_pct"] == 37.5 and r["cache_resident_mib"] == 1.2
+    r = bench.parse_run(STDOUT, CSV)
+    assert r["p95_source"] == "csv"
+    assert r["s_per_token_median"] == pytest.approx(0.025)
+    assert r["s_per_token_p95"] == pytest.approx(0.0385)
+    assert r["steady_mib_per_token"] == pytest.approx(100 / (1 << 20))
+    assert r["tok_s"] == pytest.approx(40.0) and r["s_per_token"] == pytest.approx(0.025)
+    steady = bench.parse_run(STDOUT, CSV, skip_tokens=2)
+    assert steady["s_per_token_median"] == pytest.approx(0.035) and steady["tok_s"] == pytest.approx(40.0)
+    assert bench.parse_run(STDOUT, CSV, skip_tokens=9)["s_per_token_median"] == pytest.approx(0.025)
+    serial = bench.parse_run(STDOUT.replace(" stall_s/tok=0.0031", ""))
+    assert serial["mib_per_token"] == 2.0 and serial["stall_s_per_token"] is None
+    assert bench.parse_run("error\n")["tok_s"] is None
+
+
+def test_bandwidth_reads_aligned_expert_slices(tiny: Path) -> None:
+    ts = bench_io.expert_tensors([tiny])
+    assert len(ts) == 4 * 3 and all(t.n_expert == 8 for t in ts)
+    for t in ts:
+        off, n = t.request(3)
+        assert off % 4096 == 0 and n % 4096 == 0
+        assert off <= t.offset + 3 * t.slice_bytes and off + n >= t.offset + 4 * t.slice_bytes
+    b = bench_io.measure([tiny], ts, total_mb=2, threads=2)
+    assert b.mib_s > 0 and b.bytes >= 2 << 20 and b.threads == 2
+
+
+def test_balloon_holds_memory_until_closed() -> None:
+    with bench_sys.Balloon(48 << 20) as b:
+        p = psutil.Process(b.proc.pid)
+        assert p.memory_info().rss >= 48 << 20
+    assert b.proc.poll() is not None
+
+
+# ---- real runs ---------------------------------------------------------------------------------
+
+def check_results(out: Path, limit: bool) -> dict:
+    doc = json.loads((out / "results.json").read_text())
+    runs = doc["runs"]
+    assert [r["config"] for r in runs] == ["mmap", "c0", "c1", "mmap", "c0", "c1"], "runs must alternate"
+    assert [r["repeat"] for r in runs] == [0, 0, 0, 1, 1, 1]
+    for r in runs:
+        assert FIELDS <= r.keys(), FIELDS - r.keys()
+        assert r["ok"] and r["exit_status"] == 0, r.get("stderr_tail")
+        assert r["tok_s"] > 0 and r["s_per_token_p95"] >= r["s_per_token_median"] > 0
+        assert r["peak_mem_mib"] > 0
+        if r["config"] == "mmap":
+            assert r["flags"] == ["--no-stream"] and r["mib_per_token"] is None
+        else:
+            assert r["mib_per_token"] > 0
+        assert (r["peak_cgroup_mib"] is not None and r["peak_cgroup_mib"] > 0) == limit
+    by = {s["config"]: s for s in doc["summary"]}
+    assert by["c1"]["cache_hit_pct"] is not None and by["c0"]["cache_hit_pct"] is None
+    assert by["mmap"]["speedup_vs_mmap"] == pytest.approx(1.0)
+    assert by["c0"]["io_bound_tok_s"] > 0 and by["c0"]["bw_threads"] == 2
+    assert set(doc["bandwidth"]["used"]) == {"1", "2"}
+    report = (out / "report.md").read_text()
+    pos = [report.find(s) for s in SECTIONS]
+    assert -1 not in pos and pos == sorted(pos), dict(zip(SECTIONS, pos))
+    assert "bmoe-bench run -m" in report and "| c1 |" in report
+    assert (out / "runs").is_dir()
+    return doc
+
+
+def test_real_run_without_limit(tiny: Path, tmp_path: Path) -> None:
+    r = subprocess.run(bench_cmd(tiny, tmp_path / "out", "--repeats", "2"), capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "[6/6] measure round 2/2, config c1" in r.stderr
+    doc = check_results(tmp_path / "out", limit=False)
+    assert doc["memory_limit"]["method"] is None
+
+
+def test_real_run_under_cgroup_limit(tiny: Path, tmp_path: Path) -> None:
+    h = cgroup_usable()
+    if h is None:
+        pytest.skip("no writable memory cgroup here")
+    before = set(h.parent.glob(f"{bench_sys.CGROUP_PREFIX}*"))
+    p = subprocess.Popen(bench_cmd(tiny, tmp_path / "out", "--repeats", "2", "--mem-limit-mb", "2000",
+                                   "--limit-method", "cgroup"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    doc = check_results(tmp_path / "out", limit=True)
+    assert doc["memory_limit"]["method"] == f"cgroup-v{h.version}"
+    assert all(r["oom_kills"] == 0 for r in doc["runs"])
+    assert not our_cgroups(h, p.pid), "per-run cgroups must be removed"
+    assert set(h.parent.glob(f"{bench_sys.CGROUP_PREFIX}*")) <= before
+    assert "2000 MiB via cgroup" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_oom_killed_run_is_recorded_as_failure(tiny: Path, tmp_path: Path) -> None:
+    h = cgroup_usable()
+    if h is None:
+        pytest.skip("no writable memory cgroup here")
+    cmd = [sys.executable, "-m", "bmoe.bench", "run", "-m", str(tiny), "-n", "4", "--no-baseline",
+           "--config", "tight=-t 1 --cache-mb 0", "--warmup", "0", "--repeats", "1", "--no-bandwidth",
+           "--drop-caches", "file", "--mem-limit-mb", "24", "--limit-method", "cgroup", "--out", str(tmp_path / "o")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1, err
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    (run,) = doc["runs"]
+    assert not run["ok"] and run["exit_status"] != 0 and "stderr_tail" in run
+    assert run["oom_kills"] >= 1
+    assert "## Failures" in (tmp_path / "o" / "report.md").read_text()
+    assert not our_cgroups(h, p.pid)
+
+
+def test_ctrl_c_stops_the_run_and_removes_the_cgroup(tiny: Path, tmp_path: Path) -> None:
+    h = cgroup_usable()
+    if h is None:
+        pytest.skip("no writable memory cgroup here")
+    cmd = [sys.executable, "-m", "bmoe.bench", "run", "-m", str(tiny), "-n", "100000", "--no-baseline",
+           "--config", "long=-t 1 -c 256 --cache-mb 0", "--warmup", "0", "--repeats", "2", "--no-bandwidth",
+           "--drop-caches", "file", "--mem-limit-mb", "2000", "--limit-method", "cgroup", "--out", str(tmp_path / "o")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    members: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not members:
+        for cg in our_cgroups(h, p.pid):
+            try:
+                members = [int(x) for x in (cg / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.1)
+    assert members, "the run never started inside its cgroup"
+    time.sleep(1.0)  # let the coordinator start its I/O lanes (they join the cgroup too)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert not our_cgroups(h, p.pid)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in members):
+        time.sleep(0.1)
+    assert not [pid for pid in members if alive(pid)]
+    assert "Interrupted" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_help_has_examples_and_room_for_more_commands() -> None:
+    r = subprocess.run([sys.executable, "-m", "bmoe.bench", "run", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "examples:" in r.stdout and "--mem-limit-mb" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "bmoe.bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert "run" in r.stdout and "routes" in r.stdout
