@@ -62,11 +62,12 @@ model file dropped from the page cache. The baseline configuration 'mmap' = '--n
 EXAMPLES = """\
 commands:
   run        benchmark bmoe-cli configurations against each other and plain llama.cpp
-  (routes TRACE and policies TRACE will be added: replay of routing traces)
+  routes     what a routing trace (bmoe-cli --route-trace) says: reuse, router recall, LRU curve
 
 examples:
   bmoe-bench run -m model.gguf -n 32 --config c0='--cache-mb 0' --config c1g='--cache-mb 1024'
   bmoe-bench run --help
+  bmoe-cli -m model.gguf -n 150 --route-trace story.jsonl && bmoe-bench routes story.jsonl
 """
 
 
@@ -691,6 +692,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run bmoe-cli with each configuration, alternating round-robin, each run starting "
                     "with a cold page cache and optionally under a memory limit; write results.json, "
                     "report.md and a chart.")
+    rt = sub.add_parser("routes", help="previous-token reuse, next-layer router recall and the LRU hit-rate "
+                                       "curve of a routing trace",
+                        description="Read a trace written by bmoe-cli --route-trace and print previous-token "
+                                    "expert reuse, next-layer router recall (the next layer's router applied "
+                                    "to this layer's router input) and LRU hit rates at budgets of "
+                                    "10/25/50/75%% of the expert bytes.")
+    rt.add_argument("trace", help="trace file from bmoe-cli --route-trace")
+    rt.add_argument("-m", "--model", help="the model the trace came from (default: the path in the trace)")
     r.add_argument("-m", "--model", required=True, help="GGUF model (first shard of a split model)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (default: bmoe-cli's)")
@@ -953,12 +962,24 @@ def _print_summary(summary: list[dict]) -> None:
               f"{_f(s['speedup_vs_mmap']):>8}")
 
 
+def cmd_routes(a: argparse.Namespace) -> int:
+    from bmoe import routes
+
+    try:
+        print(routes.report(a.trace, a.model))
+    except (OSError, ValueError, KeyError) as e:
+        raise BenchError(f"cannot read trace {a.trace}: {e}") from e
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     try:
         if a.command == "run":
             return cmd_run(a, argv)
+        if a.command == "routes":
+            return cmd_routes(a)
         raise BenchError(f"unknown command {a.command}")
     except BenchError as e:
         print(f"bmoe-bench: error: {e}", file=sys.stderr)

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--csv", metavar="PATH", help="also write one CSV row per token (and PATH.procs.csv with --profile)")
     ap.add_argument("--profile", action="store_true",
                     help="at the end, a table of every process of the run (CPU, peak RSS, shared, reads) on stderr")
+    ap.add_argument("--route-trace", metavar="PATH",
+                    help="write each decode token's routed experts per layer (JSON lines) and the router "
+                         "inputs (PATH.hidden.npy), for `bmoe-bench routes`")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's own log on stderr")
     return ap
 
@@ -137,7 +140,7 @@ def run(a: argparse.Namespace) -> int:
     settings = Settings(
         model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
         cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,
-        odirect=not a.no_odirect, verbose=a.verbose,
+        odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace,
         sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
     )
     prompt = _read_prompt(a)

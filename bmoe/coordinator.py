@@ -23,6 +23,7 @@ from bmoe import seam
 from bmoe.lanes import LanePool, ReadOrder, merge_reads
 from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, make_sampler
 from bmoe.model_files import ModelError, ModelFiles, open_model
+from bmoe.routes import TraceWriter
 from bmoe.shm_cache import ExpertCache, Region, Slab, layout, sweep_stale_segments
 
 MiB = 1 << 20
@@ -45,6 +46,7 @@ class Settings:
     odirect: bool = True
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     verbose: bool = False
+    route_trace: str | None = None
 
 
 @dataclass
@@ -145,6 +147,7 @@ class Engine:
     def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None) -> None:
         self.settings = settings
         self.streamer: Streamer | None = None
+        self.trace: TraceWriter | None = None
         self.model = self.ctx = None
         self.budget = 0
         t0 = time.perf_counter()
@@ -218,6 +221,23 @@ class Engine:
             raise ConfigError(f"--cache-mb {self.budget / MiB:g} is below one layer's working set "
                               f"({need / MiB:.1f} MiB); use --cache-mb {need / MiB:.1f} or more, or 0 for no cache")
         self.hook.on_route = self.streamer.on_route
+        if s.route_trace:
+            self._start_trace(Path(s.route_trace))
+
+    def _start_trace(self, path: Path) -> None:
+        layers = sorted(self.streamer.cache.by_layer)
+        self.trace = TraceWriter(path, {
+            "model": str(Path(self.settings.model).resolve()), "arch": self.files.arch,
+            "n_expert": self.files.n_expert, "top_k": self.files.n_expert_used, "layers": layers,
+            "n_embd": llama_cpp.llama_model_n_embd(self.model)})
+        stream = self.streamer.on_route
+
+        def on_route(layer: int, ids: np.ndarray) -> None:
+            self.trace.on_route(layer, ids)
+            stream(layer, ids)
+
+        self.hook.on_route = on_route
+        self.hook.on_router_input = self.trace.on_router_input
 
     @property
     def cache_active(self) -> bool:
@@ -262,6 +282,8 @@ class Engine:
         if st:
             st.take_counters()
         prefill_s = time.perf_counter() - t0
+        if self.trace:
+            self.trace.active = True
         out = TextStream()
         res = Result([], "", len(tokens), prefill_s, [])
         for i in range(n_predict):
@@ -278,11 +300,16 @@ class Engine:
             after = st.cache.stats.snapshot() if st else (0, 0)
             stat = TokenStat(wall, io, mgmt, nbytes, after[0] - before[0], after[1] - before[1])
             res.steps.append(stat)
+            if self.trace:
+                self.trace.end_step(tok)
             if st:
                 res.max_resident = max(res.max_resident, st.slab.resident_bytes())
             on_piece(i, new, stat)
         out.finish()
         res.text = out.text
+        if self.trace:
+            self.trace.active = False
+            self.trace.write()
         return res
 
     def resident_bytes(self) -> int:
@@ -291,7 +318,7 @@ class Engine:
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
         st, self.streamer = self.streamer, None
-        self.hook.on_route = None
+        self.hook.on_route = self.hook.on_router_input = None
         try:
             if self.ctx:
                 llama_cpp.llama_free(self.ctx)

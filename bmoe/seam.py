@@ -46,8 +46,10 @@ class GgmlTensor(ctypes.Structure):
 NAME_OFFSET = GgmlTensor.name.offset
 OP_OFFSET = GgmlTensor.op.offset
 TOPK_PREFIX = b"ffn_moe_topk-"
+LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$")
 _TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
+_LOGITS_NAME = re.compile(r"^ffn_moe_logits-(\d+)$")
 
 libggml.ggml_op_name.argtypes = [ctypes.c_int]
 libggml.ggml_op_name.restype = ctypes.c_char_p
@@ -100,6 +102,25 @@ def routing_ids(addr: int) -> np.ndarray:
         raw.view(np.int32)[:1], shape=(n_tok, k), strides=(row, int(t.nb[0]))
     )
     return view.copy()
+
+
+def router_input(addr: int) -> np.ndarray:
+    """Copy the F32 [n_tokens, n_embd] hidden state a `ffn_moe_logits-L` matmul multiplies."""
+    src = tensor_at(tensor_at(addr).src[1])
+    n_embd, n_tok = int(src.ne[0]), int(src.ne[1])
+    if src.type != 0 or int(src.nb[0]) != 4:  # GGML_TYPE_F32, contiguous rows
+        raise RuntimeError(f"router input of {tensor_name(addr)} is not an F32 row-major tensor")
+    row = int(src.nb[1])
+    raw = np.frombuffer((ctypes.c_char * (row * (n_tok - 1) + n_embd * 4)).from_address(src.data), dtype=np.uint8)
+    return np.lib.stride_tricks.as_strided(raw.view(np.float32)[:1], shape=(n_tok, n_embd),
+                                           strides=(row, 4)).copy()
+
+
+def _layer_of(cache: dict[bytes, int | None], name: bytes, rx: re.Pattern[str]) -> int | None:
+    if name not in cache:
+        m = rx.match(name.decode(errors="replace"))
+        cache[name] = int(m.group(1)) if m else None
+    return cache[name]
 
 
 @dataclass
@@ -172,7 +193,8 @@ class EvalHook:
 
     In capture mode it records expert tensors; in stream mode it asks for the
     routing node of each MoE layer and calls `on_route(layer, ids)` in its
-    ask=False call, before the expert matmuls that consume it run. Exceptions
+    ask=False call, before the expert matmuls that consume it run. With
+    `on_router_input` set it also hands over each layer's router input. Exceptions
     (including KeyboardInterrupt from a signal) are kept and the graph aborted:
     ctypes would otherwise swallow them and let llama.cpp compute on.
     """
@@ -180,6 +202,7 @@ class EvalHook:
     def __init__(self) -> None:
         self.capture: Capture | None = None
         self.on_route: Callable[[int, np.ndarray], None] | None = None
+        self.on_router_input: Callable[[int, np.ndarray], None] | None = None
         self.error: BaseException | None = None
         self._layers: dict[bytes, int | None] = {}
         self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
@@ -195,18 +218,22 @@ class EvalHook:
                 return False
             if self.on_route is None:
                 return False
-            if ctypes.string_at(t + NAME_OFFSET, 13) != TOPK_PREFIX:
-                return False
-            if ask:
+            prefix = ctypes.string_at(t + NAME_OFFSET, 13)
+            if prefix == TOPK_PREFIX:
+                if ask:
+                    return True
+                layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _TOPK_NAME)
+                if layer is not None:
+                    self.on_route(layer, routing_ids(t))
                 return True
-            name = ctypes.string_at(t + NAME_OFFSET)
-            if name not in self._layers:
-                m = _TOPK_NAME.match(name.decode(errors="replace"))
-                self._layers[name] = int(m.group(1)) if m else None
-            layer = self._layers[name]
-            if layer is not None:
-                self.on_route(layer, routing_ids(t))
-            return True
+            if self.on_router_input is not None and prefix[:12] == LOGITS_PREFIX:
+                if ask:
+                    return True
+                layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _LOGITS_NAME)
+                if layer is not None:
+                    self.on_router_input(layer, router_input(t))
+                return True
+            return False
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
             self.error = e
             return False

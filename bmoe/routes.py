@@ -1,0 +1,183 @@
+"""Routing traces: what each decode token routed at every MoE layer, and what that says.
+
+`bmoe-cli --route-trace PATH` writes JSON lines (a header, then one line per
+token) and `PATH.hidden.npy` with each token's router-input hidden state per
+layer, so predictors can be evaluated offline against the model's own routers.
+`bmoe-bench routes PATH` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from bmoe.shm_cache import ExpertCache, Region, layout
+
+BUDGETS_PCT = (10, 25, 50, 75)
+
+
+@dataclass
+class TraceWriter:
+    path: Path
+    header: dict
+    active: bool = False
+    routes: dict[int, list[int]] = field(default_factory=dict)
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)
+    steps: list[dict] = field(default_factory=list)
+    hidden_rows: list[np.ndarray] = field(default_factory=list)
+
+    def on_route(self, layer: int, ids: np.ndarray) -> None:
+        if self.active:
+            self.routes[layer] = [int(x) for x in ids[-1]]
+
+    def on_router_input(self, layer: int, h: np.ndarray) -> None:
+        if self.active:
+            self.hidden[layer] = h[-1].astype(np.float32)
+
+    def end_step(self, token: int) -> None:
+        layers = self.header["layers"]
+        self.steps.append({"step": len(self.steps) + 1, "token": token,
+                           "routes": {str(l): self.routes.get(l, []) for l in layers}})
+        n_embd = self.header["n_embd"]
+        self.hidden_rows.append(np.stack([self.hidden.get(l, np.full(n_embd, np.nan, np.float32))
+                                          for l in layers]))
+        self.routes, self.hidden = {}, {}
+
+    def write(self) -> None:
+        with open(self.path, "w") as f:
+            f.write(json.dumps({"kind": "header", **self.header}) + "\n")
+            for s in self.steps:
+                f.write(json.dumps({"kind": "token", **s}) + "\n")
+        if self.hidden_rows:
+            np.save(hidden_path(self.path), np.stack(self.hidden_rows))
+
+
+def hidden_path(trace: Path) -> Path:
+    return Path(str(trace) + ".hidden.npy")
+
+
+@dataclass
+class Trace:
+    header: dict
+    layers: list[int]
+    routes: list[dict[int, list[int]]]
+    hidden: np.ndarray | None
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Trace":
+        path = Path(path)
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        if not lines or lines[0].get("kind") != "header":
+            raise ValueError(f"{path} is not a bmoe route trace (no header line); write one with --route-trace")
+        header = lines[0]
+        routes = [{int(k): v for k, v in x["routes"].items()} for x in lines[1:] if x.get("kind") == "token"]
+        hp = hidden_path(path)
+        hidden = np.load(hp) if hp.exists() else None
+        return cls(header, list(header["layers"]), routes, hidden)
+
+
+def previous_token_reuse(t: Trace) -> float:
+    """Share of a token's routed experts the previous token also routed at that layer."""
+    same = total = 0
+    for prev, cur in zip(t.routes, t.routes[1:]):
+        for layer in t.layers:
+            now = set(cur.get(layer, ()))
+            same += len(now & set(prev.get(layer, ())))
+            total += len(now)
+    return 100.0 * same / total if total else 0.0
+
+
+def routers(model: str | Path, layers: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
+    """Each layer's router weight [n_expert, n_embd] and bias, read from the GGUF."""
+    reader = gguf.GGUFReader(model)
+    by_name = {t.name: t for t in reader.tensors}
+    out = {}
+    for layer in layers:
+        w = by_name.get(f"blk.{layer}.ffn_gate_inp.weight")
+        if w is None or w.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            raise ValueError(f"layer {layer}'s router is missing or quantized; offline recall needs F32/F16")
+        b = by_name.get(f"blk.{layer}.ffn_gate_inp.bias")
+        out[layer] = (np.asarray(w.data, np.float32).reshape(-1, int(w.shape[0])),
+                      None if b is None else np.asarray(b.data, np.float32))
+    return out
+
+
+def next_layer_recall(t: Trace, model: str | Path) -> float:
+    """Share of layer l+1's routed experts that layer l+1's router picks from layer l's router input."""
+    if t.hidden is None:
+        raise ValueError("the trace has no hidden states (.hidden.npy); re-record it with --route-trace")
+    k = int(t.header["top_k"])
+    rs = routers(model, t.layers)
+    hit = total = 0
+    for step, routes in enumerate(t.routes):
+        for i, (layer, nxt) in enumerate(zip(t.layers, t.layers[1:])):
+            h = t.hidden[step, i]
+            if np.isnan(h).any() or not routes.get(nxt):
+                continue
+            w, b = rs[nxt]
+            logits = w @ h + (b if b is not None else 0)
+            predicted = set(np.argsort(-logits, kind="stable")[:k].tolist())
+            actual = set(routes[nxt])
+            hit += len(predicted & actual)
+            total += len(actual)
+    return 100.0 * hit / total if total else 0.0
+
+
+class _NoSlab:
+    """Replays need no memory: eviction only updates the bookkeeping."""
+
+    def release(self, start: int, end: int) -> None:
+        pass
+
+
+def expert_regions(model: str | Path) -> list[Region]:
+    from bmoe.model_files import EXPERT_TENSOR, open_model
+    import re
+
+    files = open_model(model)
+    reader_shapes = {}
+    for p in files.paths:
+        for t in gguf.GGUFReader(p).tensors:
+            if EXPERT_TENSOR.match(t.name):
+                reader_shapes[t.name] = int(t.shape[-1])
+    regions = []
+    for name, n_expert in sorted(reader_shapes.items()):
+        ext = files.extents[name]
+        layer, kind = re.match(r"blk\.(\d+)\.(\w+)\.weight", name).groups()
+        regions.append(Region(name, int(layer), kind, ext.file_index, ext.offset, n_expert, ext.nbytes // n_expert))
+    layout(regions)
+    return regions
+
+
+def replay(t: Trace, regions: list[Region], budget_pct: float) -> tuple[float, float]:
+    """LRU hit rate and MiB read per token for a budget as a share of all expert bytes."""
+    total = sum(r.nbytes for r in regions)
+    cache = ExpertCache(_NoSlab(), regions, int(total * budget_pct / 100))  # type: ignore[arg-type]
+    read = 0
+    for routes in t.routes:
+        for layer in t.layers:
+            missing = cache.plan(layer, sorted(set(routes.get(layer, ()))))
+            read += sum(cache.charge(ri, e) for _, ri, e in missing)
+            cache.commit(missing)
+    return cache.stats.hit_pct, read / (1 << 20) / max(1, len(t.routes))
+
+
+def report(path: str | Path, model: str | Path | None = None) -> str:
+    t = Trace.read(path)
+    model = model or t.header["model"]
+    regions = expert_regions(model)
+    lines = [f"routes: {path} ({len(t.routes)} tokens, {len(t.layers)} MoE layers, "
+             f"{t.header['n_expert']} experts, top-{t.header['top_k']})",
+             f"previous-token reuse: {previous_token_reuse(t):.1f}%"]
+    try:
+        lines.append(f"next-layer router recall: {next_layer_recall(t, model):.1f}%")
+    except ValueError as e:
+        lines.append(f"next-layer router recall: n/a ({e})")
+    curve = [(pct, *replay(t, regions, pct)) for pct in BUDGETS_PCT]
+    lines.append("LRU hit rate by budget (share of expert bytes): " + ", ".join(
+        f"{pct}%: {hit:.1f}% hit ({mib:.2f} MiB/token)" for pct, hit, mib in curve))
+    return "\n".join(lines)
