@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory left to the system by --cache-mb auto (default 1536)")
     ap.add_argument("--io-threads", type=_positive, default=2, help="I/O lane processes (default 2)")
     ap.add_argument("--no-odirect", action="store_true", help="buffered reads + FADV_DONTNEED instead of O_DIRECT")
+    ap.add_argument("--preload", action="store_true",
+                    help="read every expert into the cache at start (when the budget holds them all)")
     ap.add_argument("--no-stream", action="store_true", help="plain llama.cpp (mmap), no expert streaming")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's own chat template")
     ap.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write each decode token's routed experts per layer (JSON lines) and the router "
                          "inputs (PATH.hidden.npy), for `bmoe-bench routes`")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's own log on stderr")
+    ap.add_argument("--session", action="store_true",
+                    help="keep the model loaded and serve JSON requests from stdin, one per line, "
+                         "answering with BMOE_* lines on stdout (see the telemetry contract's Session mode)")
     return ap
 
 
@@ -140,7 +145,7 @@ def run(a: argparse.Namespace) -> int:
     settings = Settings(
         model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
         cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,
-        odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace,
+        odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace, preload=a.preload,
         sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
     )
     prompt = _read_prompt(a)
@@ -198,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    if a.session:
+        from bmoe import session
+
+        return session.serve(a)
     try:
         return run(a)
     except (ModelError, ConfigError, LaneError, OSError) as e:

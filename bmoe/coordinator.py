@@ -34,6 +34,10 @@ class ConfigError(ValueError):
     """A setting that cannot work with this model; the message names the fix."""
 
 
+class Cancelled(Exception):
+    """A cancel request (Engine.cancel) stopped the generation; the Engine stays usable."""
+
+
 @dataclass
 class Settings:
     model: str
@@ -47,6 +51,7 @@ class Settings:
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     verbose: bool = False
     route_trace: str | None = None
+    preload: bool = False
 
 
 @dataclass
@@ -120,6 +125,28 @@ class Streamer:
         t3 = time.perf_counter_ns()
         self.io_ns += t2 - t1
         self.mgmt_ns += (t1 - t0) + (t3 - t2)
+
+    def preload(self) -> int:
+        """Read every expert now (only when the budget holds them all); returns bytes read."""
+        c = self.cache
+        if not c.holds_everything:
+            return 0
+        total = 0
+        for layer in sorted(c.by_layer):
+            experts = list(range(max(c.regions[i].n_expert for i in c.by_layer[layer])))
+            missing = c.plan(layer, experts)
+            if missing:
+                total += self.pool.wait(self.pool.submit(self._reads(missing)))
+            c.commit(missing)
+        c.stats = type(c.stats)()
+        return total
+
+    def skip(self, layer: int) -> bool:
+        """A layer whose every expert is resident under a budget that holds them all needs no stop."""
+        if self.cache.layer_complete(layer):
+            self.cache.count_hits(layer, self.files.n_expert_used)
+            return True
+        return False
 
     def _reads(self, slices: list[tuple[int, int, int]]) -> list[ReadOrder]:
         return merge_reads([self.cache.regions[ri].read_order(e) for _, ri, e in slices], MAX_MERGED_READ)
@@ -223,6 +250,15 @@ class Engine:
         self.hook.on_route = self.streamer.on_route
         if s.route_trace:
             self._start_trace(Path(s.route_trace))
+        else:
+            self.hook.skip_route = self.streamer.skip
+        if s.preload:
+            if not self.streamer.cache.holds_everything:
+                notice("--preload ignored: the cache budget does not hold every expert")
+            else:
+                t0 = time.perf_counter()
+                n = self.streamer.preload()
+                notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
 
     def _start_trace(self, path: Path) -> None:
         layers = sorted(self.streamer.cache.by_layer)
@@ -245,6 +281,75 @@ class Engine:
 
     def clear_kv(self) -> None:
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+
+    # ---- session support: KV prefix reuse and cancel (bmoe.session) -------------------------
+
+    cancel_requested = False
+
+    def cancel(self) -> None:
+        """Stop the generation in flight; safe to call from another thread.
+
+        Like a signal (seam.deliver), a Cancelled is parked on the hook: the eval and abort
+        callbacks stop the running graph and `_decode` raises it. An error already parked
+        (a lane failure, a signal) is left in place, so it is not mistaken for a cancel. The
+        flag covers the time between decodes; `generate_after` checks it after each token.
+        """
+        self.cancel_requested = True
+        if self.hook.error is None:
+            self.hook.error = Cancelled()
+
+    def reset_cancel(self) -> None:
+        """Forget a cancel that arrived after its generation ended."""
+        self.cancel_requested = False
+        if isinstance(self.hook.error, Cancelled):
+            self.hook.error = None
+
+    def kv_len(self) -> int:
+        """Tokens in the KV (sequence 0): the next position to decode."""
+        return llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(self.ctx), 0) + 1
+
+    def kv_keep(self, n: int) -> int:
+        """Keep the KV's first `n` positions and drop the rest; returns how many were kept.
+
+        A memory that cannot drop a partial sequence (e.g. sliding-window or recurrent) is
+        cleared instead, and 0 is returned: the caller then re-prefills everything.
+        """
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        if n <= 0 or not llama_cpp.llama_memory_seq_rm(mem, 0, n, -1):
+            self.clear_kv()
+            return 0
+        return n
+
+    def generate_after(self, suffix: list[int], n_predict: int,
+                       on_piece: Callable[[int, str, TokenStat], None] = lambda i, s, st: None) -> Result:
+        """Like `generate`, but continues the KV as it stands: prefill only `suffix`, then decode.
+
+        The KV afterwards holds the old tokens, `suffix` and every token in `Result.ids` (each
+        sampled token is decoded before the next one is sampled; an end-of-generation token is
+        not). Raises Cancelled when `cancel` is called mid-prefill or mid-decode.
+        """
+        if not suffix:
+            raise ConfigError("nothing to prefill: the prompt is empty")
+        n_ctx = min(self.n_ctx, self.settings.n_ctx)
+        n_past = self.kv_len()
+        if n_past + len(suffix) + n_predict > n_ctx:
+            raise ConfigError(f"the context ({n_past} tokens kept + {len(suffix)} new) plus n_predict "
+                              f"{n_predict} exceeds the context of {n_ctx} tokens")
+
+        def piece(i: int, text: str, stat: TokenStat) -> None:
+            on_piece(i, text, stat)
+            if self.cancel_requested:
+                raise Cancelled()
+
+        if self.cancel_requested:
+            raise Cancelled()
+        sampler = make_sampler(self.settings.sampler)
+        try:
+            return self._generate(sampler, suffix, n_predict, piece)
+        finally:
+            llama_cpp.llama_sampler_free(sampler)
+            if self.trace:
+                self.trace.active = False
 
     def _decode(self, tokens: list[int]) -> None:
         arr = (llama_cpp.llama_token * len(tokens))(*tokens)
@@ -318,7 +423,7 @@ class Engine:
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
         st, self.streamer = self.streamer, None
-        self.hook.on_route = self.hook.on_router_input = None
+        self.hook.on_route = self.hook.on_router_input = self.hook.skip_route = None
         try:
             if self.ctx:
                 llama_cpp.llama_free(self.ctx)

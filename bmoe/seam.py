@@ -194,7 +194,8 @@ class EvalHook:
     In capture mode it records expert tensors; in stream mode it asks for the
     routing node of each MoE layer and calls `on_route(layer, ids)` in its
     ask=False call, before the expert matmuls that consume it run. With
-    `on_router_input` set it also hands over each layer's router input. Exceptions
+    `on_router_input` set it also hands over each layer's router input;
+    `skip_route(layer)` returning True lets a layer run without stopping. Exceptions
     (including KeyboardInterrupt from a signal) are kept and the graph aborted:
     ctypes would otherwise swallow them and let llama.cpp compute on.
     """
@@ -203,6 +204,7 @@ class EvalHook:
         self.capture: Capture | None = None
         self.on_route: Callable[[int, np.ndarray], None] | None = None
         self.on_router_input: Callable[[int, np.ndarray], None] | None = None
+        self.skip_route: Callable[[int], bool] | None = None
         self.error: BaseException | None = None
         self._layers: dict[bytes, int | None] = {}
         self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
@@ -220,9 +222,10 @@ class EvalHook:
                 return False
             prefix = ctypes.string_at(t + NAME_OFFSET, 13)
             if prefix == TOPK_PREFIX:
-                if ask:
-                    return True
                 layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _TOPK_NAME)
+                if ask:
+                    # no need to stop the graph for a layer whose experts are all resident for good
+                    return layer is not None and not (self.skip_route and self.skip_route(layer))
                 if layer is not None:
                     self.on_route(layer, routing_ids(t))
                 return True

@@ -196,6 +196,19 @@ class ExpertCache:
         self.lru: OrderedDict[tuple[int, int, int], int] = OrderedDict()
         self.used = 0
         self.stats = CacheStats()
+        self.resident_in_layer = {layer: 0 for layer in self.by_layer}
+        self.slices_in_layer = {layer: sum(regions[i].n_expert for i in idxs) for layer, idxs in self.by_layer.items()}
+        self.holds_everything = budget >= sum(self.charge(ri, e) for ri, r in enumerate(regions)
+                                              for e in range(r.n_expert))
+
+    def layer_complete(self, layer: int) -> bool:
+        """Every expert of the layer is resident and, with a budget that holds all, stays so."""
+        return self.holds_everything and self.resident_in_layer[layer] == self.slices_in_layer[layer]
+
+    def count_hits(self, layer: int, n_experts: int) -> None:
+        """Account a routing that was not looked at because the whole layer is resident."""
+        n = n_experts * len(self.by_layer[layer])
+        self.stats.hits += n
 
     def charge(self, ri: int, e: int) -> int:
         p0, p1 = self.regions[ri].page_span(e)
@@ -228,6 +241,7 @@ class ExpertCache:
             c = self.charge(ri, e)
             self.lru[key] = c
             self.used += c
+            self.resident_in_layer[key[0]] += 1
 
     def _evict_for(self, need: int, pinned: set[tuple[int, int, int]]) -> None:
         if self.used + need <= self.budget:
@@ -243,6 +257,7 @@ class ExpertCache:
         _, ri, e = key
         self.used -= self.lru.pop(key)
         self.state[ri][e] = ABSENT
+        self.resident_in_layer[key[0]] -= 1
         self.stats.evictions += 1
         r = self.regions[ri]
         p0, p1 = r.page_span(e)
