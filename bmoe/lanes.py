@@ -41,22 +41,41 @@ class LaneStats:
 
 
 class Lane:
+    """One lane process, restartable: its in-flight orders are kept so they can be re-issued."""
+
     def __init__(self, index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
-        cmd = [sys.executable, "-m", "bmoe.workers.io_lane", str(index), "--shm", shm_name]
+        self.cmd = [sys.executable, "-m", "bmoe.workers.io_lane", str(index), "--shm", shm_name]
         if not odirect:
-            cmd.append("--no-odirect")
+            self.cmd.append("--no-odirect")
+        self.cmd += list(paths)
         self.index = index
-        self.proc = subprocess.Popen(cmd + list(paths), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.unpacker = msgpack.Unpacker()
         self.stats = LaneStats()
-        self.pending: set[int] = set()
+        self.pending: dict[int, tuple[float, list[ReadOrder]]] = {}
         self.odirect = False
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.pid = self.proc.pid
+        self.unpacker = msgpack.Unpacker()
+        self.eof = False
 
     def send(self, order_id: int, reads: list[ReadOrder]) -> None:
-        self.pending.add(order_id)
-        self.proc.stdin.write(msgpack.packb([order_id, reads]))
-        self.proc.stdin.flush()
+        self.pending[order_id] = (time.monotonic(), reads)
+        try:
+            self.proc.stdin.write(msgpack.packb([order_id, reads]))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            self.eof = True  # found dead; the pool restarts it and re-sends what is pending
+
+    def respawn(self) -> None:
+        """Replace a dead or hung process and re-issue everything it had not finished."""
+        self.stop(timeout=0)
+        self._spawn()
+        orders = list(self.pending.items())
+        self.pending.clear()
+        for order_id, (_, reads) in orders:
+            self.send(order_id, reads)
 
     def stop(self, timeout: float = 2.0) -> None:
         try:
@@ -74,26 +93,38 @@ class Lane:
 
 
 class LanePool:
-    """N lane processes. `read` splits a batch by bytes across lanes and waits for all of it."""
+    """N lane processes. `submit` spreads a batch by bytes across lanes; `wait` collects it.
 
-    def __init__(self, n: int, shm_name: str, paths: list[str], odirect: bool = True) -> None:
+    A lane that exits, or leaves an order unanswered past `timeout` seconds, is
+    replaced and its orders re-issued (a read rewrites its whole slab range, so
+    a half-done read is harmless). More than `max_restarts` replacements in a
+    run means something is wrong beyond one process: the run stops with an error.
+    """
+
+    def __init__(self, n: int, shm_name: str, paths: list[str], odirect: bool = True,
+                 timeout: float = 30.0, max_restarts: int = 3) -> None:
         self.lanes: list[Lane] = []
         self.sel = selectors.DefaultSelector()
         self._next_id = 0
         self.done: dict[int, tuple[int, int, str | None]] = {}
+        self.timeout = timeout
+        self.max_restarts = max_restarts
+        self.restarts = 0
         try:
             for i in range(n):
-                lane = Lane(i, shm_name, paths, odirect)
-                self.lanes.append(lane)
-                self.sel.register(lane.proc.stdout, selectors.EVENT_READ, lane)
+                self.lanes.append(Lane(i, shm_name, paths, odirect))
             for lane in self.lanes:
-                hello = self._next_message(lane, timeout=30.0)
-                if not hello or hello[0] != "hello":
-                    raise LaneError(f"I/O lane {lane.index} did not start")
-                lane.odirect = bool(hello[3])
+                self._hello(lane)
         except BaseException:
             self.close()
             raise
+
+    def _hello(self, lane: Lane) -> None:
+        hello = self._next_message(lane, timeout=30.0)
+        if not hello or hello[0] != "hello":
+            raise LaneError(f"I/O lane {lane.index} did not start (exit code {lane.proc.poll()})")
+        lane.odirect = bool(hello[3])
+        self.sel.register(lane.proc.stdout, selectors.EVENT_READ, lane)
 
     @property
     def odirect(self) -> bool:
@@ -131,11 +162,17 @@ class LanePool:
         """Block until every order in ids completed; returns the bytes they read."""
         want = set(ids)
         while not want.issubset(self.done):
-            for key, _ in self.sel.select(timeout=1.0):
+            for key, _ in self.sel.select(timeout=0.5):
                 self._drain(key.data)
+            now = time.monotonic()
             for lane in self.lanes:
-                if lane.proc.poll() is not None and lane.pending & want:
-                    raise LaneError(f"I/O lane {lane.index} (pid {lane.pid}) exited with code {lane.proc.returncode}")
+                if not lane.pending:
+                    continue
+                oldest = min(t for t, _ in lane.pending.values())
+                if lane.eof or lane.proc.poll() is not None:
+                    self._replace(lane, f"exited with code {lane.proc.poll()}")
+                elif now - oldest > self.timeout:
+                    self._replace(lane, f"did not answer within {self.timeout:g} s")
         total = 0
         for i in ids:
             nbytes, _busy, err = self.done.pop(i)
@@ -144,13 +181,27 @@ class LanePool:
             total += nbytes
         return total
 
+    def _replace(self, lane: Lane, why: str) -> None:
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise LaneError(f"I/O lane {lane.index} (pid {lane.pid}) {why}, and lanes have failed "
+                            f"{self.restarts} times in this run; check the model file and the device "
+                            "(dmesg), or lower --io-threads")
+        print(f"bmoe: I/O lane {lane.index} (pid {lane.pid}) {why}; restarting it", file=sys.stderr)
+        if not lane.eof:
+            self.sel.unregister(lane.proc.stdout)
+        lane.respawn()
+        self._hello(lane)
+
     def _drain(self, lane: Lane) -> None:
         chunk = os.read(lane.proc.stdout.fileno(), 1 << 16)
         if not chunk:
+            lane.eof = True
+            self.sel.unregister(lane.proc.stdout)
             return
         lane.unpacker.feed(chunk)
         for order_id, nbytes, busy_ns, err in lane.unpacker:
-            lane.pending.discard(order_id)
+            lane.pending.pop(order_id, None)
             lane.stats.orders += 1
             lane.stats.bytes += nbytes
             lane.stats.busy_ns += busy_ns

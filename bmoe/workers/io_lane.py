@@ -66,6 +66,18 @@ class Reader:
         print(f"io_lane: O_DIRECT read failed ({err.strerror}); using buffered reads", file=sys.stderr)
 
 
+def read_with_retry(reader: Reader, view: memoryview, offset: int, needed: int) -> int:
+    """A failed read is tried once more before it is reported; never computed on missing bytes."""
+    try:
+        return reader.read_into(view, offset, needed)
+    except OSError as first:
+        try:
+            return reader.read_into(view, offset, needed)
+        except OSError as e:
+            raise OSError(f"reading {reader.path} at offset {offset} failed twice: {e.strerror or e} "
+                          f"(first: {first.strerror or first}); check the file and the device") from e
+
+
 def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
     shm = posix_ipc.SharedMemory(shm_name)
     mm = mmap.mmap(shm.fd, shm.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -87,7 +99,7 @@ def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
             total, err = 0, None
             try:
                 for fi, off, length, slab_off, needed in reads:
-                    total += readers[fi].read_into(view[slab_off:slab_off + length], off, needed)
+                    total += read_with_retry(readers[fi], view[slab_off:slab_off + length], off, needed)
             except OSError as e:
                 err = str(e)
             busy = time.perf_counter_ns() - t0

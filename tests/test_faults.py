@@ -1,0 +1,78 @@
+"""Fault injection on real lane processes: killed, hung, or failing over and over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from bmoe.coordinator import Engine, Settings
+from bmoe.lanes import LaneError
+
+PROMPT = "On the far side of the lake there was a workshop where clocks were repaired by hand"
+
+
+@pytest.fixture(scope="module")
+def model(synth) -> str:
+    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+
+
+@pytest.fixture(scope="module")
+def reference(model: str) -> list[int]:
+    e = Engine(Settings(model=model, n_ctx=256, threads=2, stream=False))
+    try:
+        return e.generate(e.prompt_tokens(PROMPT, chat=False), 32).ids
+    finally:
+        e.close()
+
+
+def run_with(model: str, injure, **kw: object) -> tuple[list[int], int]:
+    """Generate with no cache (every token reads) and `injure(engine, step)` after each token."""
+    e = Engine(Settings(model=model, n_ctx=256, threads=2, cache_mb=0, io_threads=2, **kw))
+    try:
+        res = e.generate(e.prompt_tokens(PROMPT, chat=False), 32, lambda i, s, st: injure(e, i))
+        return res.ids, e.streamer.pool.restarts
+    finally:
+        e.close()
+
+
+def test_killed_lane_is_replaced_and_output_unchanged(model: str, reference: list[int]) -> None:
+    killed = []
+
+    def injure(e: Engine, i: int) -> None:
+        if i == 5:
+            lane = e.streamer.pool.lanes[1]
+            killed.append(lane.pid)
+            os.kill(lane.pid, signal.SIGKILL)
+
+    ids, restarts = run_with(model, injure)
+    assert ids == reference
+    assert killed and restarts == 1
+    assert not psutil.pid_exists(killed[0])
+
+def test_hung_lane_is_replaced_within_the_timeout(model: str, reference: list[int]) -> None:
+    stopped = []
+
+    def injure(e: Engine, i: int) -> None:
+        if i == 3:
+            lane = e.streamer.pool.lanes[0]
+            stopped.append(lane.pid)
+            os.kill(lane.pid, signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    ids, restarts = run_with(model, injure, lane_timeout=1.5)
+    assert ids == reference
+    assert restarts == 1 and time.monotonic() - t0 < 60
+    assert not psutil.pid_exists(stopped[0]), "the hung process was killed, not left stopped"
+
+
+def test_lanes_failing_again_and_again_end_the_run_clearly(model: str) -> None:
+    def injure(e: Engine, i: int) -> None:
+        for lane in e.streamer.pool.lanes:
+            os.kill(lane.pid, signal.SIGKILL)
+
+    with pytest.raises(LaneError, match=r"lanes have failed \d+ times in this run"):
+        run_with(model, injure)
