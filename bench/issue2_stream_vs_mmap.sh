@@ -97,7 +97,7 @@ fi
 if [[ -z $ONLY || $ONLY == resident ]]; then
     "$PY" -m bmoe.bench run -m "$MODEL" -p "$PROMPT" -n "$N2" --skip-tokens "$SKIP2" --repeats "$REPEATS" \
         --warmup "$WARMUP" --common "$COMMON" --timeout "$TIMEOUT" \
-        --config "resident=--cache-mb $RESIDENT_MB --io-threads 2" \
+        --config "resident=--cache-mb $RESIDENT_MB --io-threads 2 --preload" \
         --out "$OUT/resident" $EXTRA
 fi
 echo "issue2: reports in $OUT/limited/report.md and $OUT/resident/report.md" >&2

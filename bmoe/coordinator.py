@@ -52,6 +52,7 @@ class Settings:
     verbose: bool = False
     route_trace: str | None = None
     preload: bool = False
+    lane_timeout: float = 30.0
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Streamer:
     """Cache, slab and lanes for one loaded model; `on_route` is the per-layer entry point."""
 
     def __init__(self, files: ModelFiles, tensors: list[seam.ExpertTensor], budget: int,
-                 io_threads: int, odirect: bool) -> None:
+                 io_threads: int, odirect: bool, lane_timeout: float = 30.0) -> None:
         self.files = files
         regions = []
         for t in sorted(tensors, key=lambda t: t.name):
@@ -101,7 +102,8 @@ class Streamer:
         self.slab = Slab(layout(regions))
         try:
             self.cache = ExpertCache(self.slab, regions, budget)
-            self.pool = LanePool(io_threads, self.slab.name, [str(p) for p in files.paths], odirect)
+            self.pool = LanePool(io_threads, self.slab.name, [str(p) for p in files.paths], odirect,
+                                 timeout=lane_timeout)
         except BaseException:
             self.slab.close()
             raise
@@ -242,7 +244,7 @@ class Engine:
                    f"{s.cache_floor_mb:.0f} MiB, experts total {expert_total / MiB:.0f} MiB)")
         else:
             self.budget = int(s.cache_mb * MiB)
-        self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect)
+        self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect, s.lane_timeout)
         need = self.streamer.cache.layer_working_set(max(1, self.files.n_expert_used))
         if 0 < self.budget < need:
             raise ConfigError(f"--cache-mb {self.budget / MiB:g} is below one layer's working set "
