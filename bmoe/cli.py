@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--io-threads", type=_positive, default=2, help="I/O lane processes (default 2)")
     ap.add_argument("--lane-timeout", type=float, default=30.0,
                     help="seconds an I/O lane may leave a read unanswered before it is replaced (default 30)")
+    ap.add_argument("--shm", choices=("auto", "posix", "memfd"), default="auto",
+                    help="cache segment: POSIX shared memory (/dev/shm) or an anonymous memfd; auto picks "
+                         "memfd when /dev/shm is missing (default auto)")
     ap.add_argument("--no-odirect", action="store_true", help="buffered reads + FADV_DONTNEED instead of O_DIRECT")
     ap.add_argument("--preload", action="store_true",
                     help="read every expert into the cache at start (when the budget holds them all)")
@@ -148,7 +151,7 @@ def run(a: argparse.Namespace) -> int:
         model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
         cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,
         odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace, preload=a.preload,
-        lane_timeout=a.lane_timeout,
+        lane_timeout=a.lane_timeout, shm_backend=a.shm,
         sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
     )
     prompt = _read_prompt(a)

@@ -53,6 +53,7 @@ class Settings:
     route_trace: str | None = None
     preload: bool = False
     lane_timeout: float = 30.0
+    shm_backend: str = "auto"
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Streamer:
     """Cache, slab and lanes for one loaded model; `on_route` is the per-layer entry point."""
 
     def __init__(self, files: ModelFiles, tensors: list[seam.ExpertTensor], budget: int,
-                 io_threads: int, odirect: bool, lane_timeout: float = 30.0) -> None:
+                 io_threads: int, odirect: bool, lane_timeout: float = 30.0, shm_backend: str = "auto") -> None:
         self.files = files
         regions = []
         for t in sorted(tensors, key=lambda t: t.name):
@@ -99,7 +100,7 @@ class Streamer:
             regions.append(Region(t.name, t.layer, t.kind, ext.file_index, ext.offset,
                                   t.n_expert, t.expert_bytes))
         self.n_expert = max(r.n_expert for r in regions)
-        self.slab = Slab(layout(regions))
+        self.slab = Slab(layout(regions), shm_backend)
         try:
             self.cache = ExpertCache(self.slab, regions, budget)
             self.pool = LanePool(io_threads, self.slab.name, [str(p) for p in files.paths], odirect,
@@ -244,7 +245,8 @@ class Engine:
                    f"{s.cache_floor_mb:.0f} MiB, experts total {expert_total / MiB:.0f} MiB)")
         else:
             self.budget = int(s.cache_mb * MiB)
-        self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect, s.lane_timeout)
+        self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect, s.lane_timeout,
+                                 s.shm_backend)
         need = self.streamer.cache.layer_working_set(max(1, self.files.n_expert_used))
         if 0 < self.budget < need:
             raise ConfigError(f"--cache-mb {self.budget / MiB:g} is below one layer's working set "

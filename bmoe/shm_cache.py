@@ -112,21 +112,36 @@ def sweep_stale_segments() -> list[str]:
 
 
 class Slab:
-    """The shared segment: created by the coordinator, mapped by every lane."""
+    """The shared segment: created by the coordinator, mapped by every lane.
 
-    def __init__(self, size: int) -> None:
+    A POSIX shared-memory object when /dev/shm exists; otherwise (Android) an
+    anonymous memfd that lanes open through /proc/<pid>/fd/<n>. `name` is what a
+    lane passes to `open_segment`.
+    """
+
+    def __init__(self, size: int, backend: str = "auto") -> None:
         self.size = size
-        self.name = f"/{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            self._shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, size=size)
-        except (posix_ipc.Error, OSError) as e:
-            raise OSError(
-                f"cannot create shared memory {self.name} of {size} bytes ({e}); "
-                "check that /dev/shm is mounted and writable"
-            ) from e
-        self.fd = self._shm.fd
+        if backend == "auto":
+            backend = "posix" if SHM_DIR.is_dir() else "memfd"
+        self.backend = backend
+        self._shm: posix_ipc.SharedMemory | None = None
+        if backend == "memfd":
+            self.fd = os.memfd_create(f"{SHM_PREFIX}{os.getpid()}", 0)
+            os.ftruncate(self.fd, size)
+            self.name = f"/proc/{os.getpid()}/fd/{self.fd}"
+        else:
+            self.name = f"/{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                self._shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, size=size)
+            except (posix_ipc.Error, OSError) as e:
+                raise OSError(
+                    f"cannot create shared memory {self.name} of {size} bytes ({e}); check that /dev/shm "
+                    "is mounted and has room, or use --shm memfd"
+                ) from e
+            self.fd = self._shm.fd
         self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.base = _address_of(self.mm)
+        self._open = True
 
     def resident_bytes(self) -> int:
         return os.fstat(self.fd).st_blocks * 512
@@ -137,21 +152,36 @@ class Slab:
 
     def close(self) -> None:
         """Unmap and unlink; safe to call twice and from a signal path."""
-        if self._shm is None:
+        if not self._open:
             return
-        shm, self._shm = self._shm, None
+        self._open = False
         try:
             self.mm.close()
         except BufferError:
             pass  # a ctypes view still exported; the mapping goes with the process
+        if self._shm is None:
+            os.close(self.fd)
+            return
         try:
-            shm.close_fd()
+            self._shm.close_fd()
         except posix_ipc.Error:
             pass
         try:
-            shm.unlink()
+            self._shm.unlink()
         except posix_ipc.ExistentialError:
             pass
+
+
+def open_segment(name: str) -> mmap.mmap:
+    """A lane's mapping of the slab, by the name the coordinator passed it."""
+    if name.startswith("/proc/"):
+        fd = os.open(name, os.O_RDWR)
+    else:
+        fd = posix_ipc.SharedMemory(name).fd
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 def _address_of(mm: mmap.mmap) -> int:

@@ -80,3 +80,14 @@ def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
     (tmp_path / "gap-00002-of-00002.gguf").unlink()
     with pytest.raises(ModelError, match="missing shard.*gap-00002-of-00002.gguf"):
         open_model(first)
+
+
+def test_memfd_segment_streams_identically(synth) -> None:
+    """Where /dev/shm is missing (Android) the slab is a memfd the lanes open through /proc."""
+    from tests.conftest import bmoe_segments
+
+    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    before = bmoe_segments()
+    res, _ = generate(path, cache_mb=open_model(path).expert_bytes / 3 / MiB, io_threads=2, shm_backend="memfd")
+    assert res.ids == reference(path).ids
+    assert bmoe_segments() == before

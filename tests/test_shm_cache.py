@@ -44,8 +44,9 @@ def test_layout_is_congruent_and_disjoint() -> None:
     assert spans[-1][1] <= size
 
 
-def test_slab_is_sparse_and_eviction_frees_pages() -> None:
-    slab = Slab(1 << 30)
+@pytest.mark.parametrize("backend", ["posix", "memfd"])
+def test_slab_is_sparse_and_eviction_frees_pages(backend: str) -> None:
+    slab = Slab(1 << 30, backend)
     try:
         assert slab.resident_bytes() == 0, "creating the slab must not allocate its size"
         slab.mm[0:64 * PAGE] = b"\x01" * (64 * PAGE)
@@ -105,14 +106,14 @@ def test_stale_segment_of_dead_owner_is_swept_live_one_kept() -> None:
         live.close()
 
 
-@pytest.mark.parametrize("odirect", [True, False])
+@pytest.mark.parametrize("odirect,backend", [(True, "posix"), (False, "posix"), (True, "memfd")])
 @pytest.mark.parametrize("lanes", [1, 3])
-def test_lanes_land_superset_reads_in_place(tmp_path, odirect: bool, lanes: int) -> None:
+def test_lanes_land_superset_reads_in_place(tmp_path, odirect: bool, backend: str, lanes: int) -> None:
     data = np.random.default_rng(1).integers(0, 256, size=300_001, dtype=np.uint8).tobytes()
     path = tmp_path / "blob.bin"
     path.write_bytes(data)
     reg = Region("blk.0.ffn_up_exps.weight", 0, "ffn_up_exps", 0, 12_345, 20, 14_000)
-    slab = Slab(layout([reg]))
+    slab = Slab(layout([reg]), backend)
     pool = LanePool(lanes, slab.name, [str(path)], odirect=odirect)
     try:
         assert pool.odirect == odirect

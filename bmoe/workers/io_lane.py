@@ -10,14 +10,14 @@ moves bytes. It exits on EOF, so it never outlives its coordinator.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import signal
 import sys
 import time
 
 import msgpack
-import posix_ipc
+
+from bmoe.shm_cache import open_segment
 
 
 class Reader:
@@ -79,10 +79,7 @@ def read_with_retry(reader: Reader, view: memoryview, offset: int, needed: int) 
 
 
 def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
-    shm = posix_ipc.SharedMemory(shm_name)
-    mm = mmap.mmap(shm.fd, shm.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    shm.close_fd()
-    view = memoryview(mm)
+    view = memoryview(open_segment(shm_name))
     readers = [Reader(p, odirect) for p in paths]
     out = sys.stdout.buffer
     out.write(msgpack.packb(["hello", index, os.getpid(), all(r.odirect for r in readers)]))
