@@ -1,0 +1,465 @@
+"""`bmoe-cli --session` driven over pipes, as an app drives it (shared/spec/telemetry.md, Session mode)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+
+import psutil
+import pytest
+
+from bmoe import telemetry
+from bmoe.session import DONE_KEYS, TAGS, SessionClient
+from tests.conftest import REPO, bmoe_segments, run_cli
+
+FAST = ["-t", "1", "--io-threads", "2"]
+ALL_CACHED = ["--cache-mb", "100"]  # holds every expert of the model below
+SMALL_CACHE = ["--cache-mb", "2"]  # a fraction of them: the chat turns evict
+PLAIN = ["--no-stream"]  # plain llama.cpp: the reference every streamed answer must equal
+P1 = "Tell me a story about a king and his people"
+P2 = "What problem did the early family solve with money"
+TURNS = ["hello there how are you", "and then what happened", "tell me more about the king"]
+INT_FIELDS = {"id", "tokens", "n_prompt", "n_past"}
+
+
+@pytest.fixture(scope="module")
+def model(synth) -> str:
+    return str(synth(arch="qwen3moe", layers=4, experts=32, top_k=2))
+
+
+def start(model: str, *args: str) -> SessionClient:
+    return SessionClient(["-m", model, *FAST, *args], cwd=str(REPO))
+
+
+def read_mb(events: list) -> float:
+    return sum(ev["read_mb"] for tag, ev in events if tag == "PROGRESS")
+
+
+def check_turn(events: list, rid: int, n_predict: int, cancelled: bool = False) -> dict:
+    """BEGIN, then per token an optional LOAD and a PROGRESS (as one-shot --progress), then DONE."""
+    assert events[0] == ("BEGIN", {"id": rid}), events[:2]
+    tag, done = events[-1]
+    assert tag == "DONE", events[-1]
+    assert tuple(done) == DONE_KEYS
+    for k, v in done.items():
+        want = bool if k == "cancelled" else str if k == "text" else int if k in INT_FIELDS else float
+        assert type(v) is want, (k, v)
+    assert done["id"] == rid and done["cancelled"] is cancelled and done["spec_recall_pct"] == -1
+    steps = [ev for t, ev in events if t == "PROGRESS"]
+    assert [ev["step"] for ev in steps] == list(range(1, len(steps) + 1)) and len(steps) == done["tokens"]
+    assert all(ev["steps"] == n_predict and tuple(ev) == telemetry.PROGRESS_KEYS for ev in steps)
+    body = events[1:-1]
+    for i, (t, ev) in enumerate(body):
+        assert t in ("LOAD", "PROGRESS"), (t, ev)
+        if t == "LOAD":
+            nxt = body[i + 1]
+            assert nxt[0] == "PROGRESS" and nxt[1]["read_mb"] > 0 and ev["mb"] == nxt[1]["read_mb"]
+        elif ev["read_mb"] > 0:
+            assert i > 0 and body[i - 1][0] == "LOAD"
+    if steps and not cancelled:
+        assert steps[-1]["text"] == done["text"] or done["text"].startswith(steps[-1]["text"])
+    assert done["n_past"] >= done["n_prompt"] + done["tokens"] or cancelled
+    return done
+
+
+def one_shot(model: str, prompt: str, n: int, *args: str) -> telemetry.ParsedRun:
+    r = run_cli("-m", model, "-p", prompt, "-n", str(n), "--chat", "--progress", *FAST, *args)
+    assert r.returncode == 0, r.stderr
+    return telemetry.parse_output(r.stdout)
+
+
+def chat(s: SessionClient, turns: list[str], n: int, first_id: int = 1) -> list[dict]:
+    out = []
+    for i, prompt in enumerate(turns):
+        evs, _ = s.ask(first_id + i, prompt, n_predict=n, clear_kv=i == 0)
+        out.append(check_turn(evs, first_id + i, n))
+    return out
+
+
+def test_independent_prompts_warm_the_cache_and_equal_one_shot(model: str) -> None:
+    before = bmoe_segments()
+    with start(model, *ALL_CACHED) as s:
+        assert s.ready["arch"] == "qwen3moe" and s.ready["n_ctx"] == 2048
+        assert isinstance(s.ready["load_s"], float)
+        ev1, _ = s.ask(1, P1, n_predict=16)
+        ev2, _ = s.ask(2, P2, n_predict=16)
+        d1, d2 = check_turn(ev1, 1, 16), check_turn(ev2, 2, 16)
+        assert d1["n_past"] == d1["n_prompt"] + d1["tokens"] and d2["n_past"] == d2["n_prompt"] + d2["tokens"]
+        assert 0 < read_mb(ev2) < read_mb(ev1), (read_mb(ev1), read_mb(ev2))
+        assert d1["cache_budget_mib"] == 100.0 and 0 < d1["cache_resident_mib"] <= d2["cache_resident_mib"]
+        assert s.close() == 0
+    assert not s.stray
+    assert not bmoe_segments() - before
+    for prompt, evs, done in ((P1, ev1, d1), (P2, ev2, d2)):
+        ref = one_shot(model, prompt, 16, *ALL_CACHED)
+        assert done["text"] == ref.answer and done["text"].strip()
+        # the per-token lines are the one-shot ones: same keys, same texts token by token
+        assert [ev["text"] for t, ev in evs if t == "PROGRESS"] == \
+               [ev["text"] for t, ev in ref.events if t == "PROGRESS"]
+
+
+def test_chat_turns_prefill_only_their_suffix(model: str) -> None:
+    with start(model, *SMALL_CACHE) as s:
+        got = chat(s, TURNS, 12)
+        assert s.close() == 0
+    assert not s.stray and "KV holds" not in s.stderr
+    for prev, cur in zip(got, got[1:]):
+        kept = cur["n_past"] - cur["n_prompt"] - cur["tokens"]
+        # the previous turn's whole KV (prompt + answer) is reused; only the new turn is prefilled
+        assert kept == prev["n_past"], (prev, cur)
+        assert cur["n_prompt"] < 40 and cur["n_past"] > prev["n_past"]
+    # the same history fed turn by turn to a fresh plain-llama.cpp session (after an unrelated
+    # chat that clear_kv must drop) gives the same answers
+    with start(model, *PLAIN) as ref:
+        _, other = ref.ask(1, P1, n_predict=12)
+        assert other[0] == "DONE" and other[1]["cache_budget_mib"] == 0 and other[1]["cache_hit_pct"] == -1
+        want = chat(ref, TURNS, 12, first_id=10)
+        assert ref.close() == 0
+    assert [d["text"] for d in got] == [d["text"] for d in want]
+    assert [(d["n_prompt"], d["n_past"]) for d in got] == [(d["n_prompt"], d["n_past"]) for d in want]
+
+
+def test_cancel_mid_generation_and_mid_prefill_rolls_the_turn_back(model: str) -> None:
+    with start(model, *ALL_CACHED, "-c", "4096") as s:
+        first = chat(s, TURNS[:1], 12)[0]
+        # mid-generation
+        s.send({"cmd": "generate", "id": 2, "prompt": "go on forever", "n_predict": 3000, "clear_kv": False})
+        evs = []
+        for tag, ev in s.events_until(2):
+            evs.append((tag, ev))
+            if tag == "PROGRESS" and ev["step"] == 3:
+                s.send({"cmd": "cancel"})
+        done = check_turn(evs, 2, 3000, cancelled=True)
+        assert 3 <= done["tokens"] < 3000 and done["text"]
+        assert done["n_past"] == first["n_past"]  # rolled back to the reused prefix
+        # mid-prefill: the cancel reaches the reader while the long prompt is being prefilled
+        s.send('{"cmd":"generate","id":3,"prompt":"%s","n_predict":8,"clear_kv":false}\n{"cmd":"cancel"}'
+               % ("the king said " * 600))
+        evs = list(s.events_until(3))
+        done = check_turn(evs, 3, 8, cancelled=True)
+        assert done["tokens"] == 0 and done["n_prompt"] > 1000 and done["n_past"] == first["n_past"]
+        # a cancel with nothing in flight is ignored: the next lines are the next request's
+        s.send({"cmd": "cancel"})
+        evs, _ = s.ask(4, TURNS[1], n_predict=12, clear_kv=False)
+        follow = check_turn(evs, 4, 12)
+        assert follow["n_past"] - follow["n_prompt"] - follow["tokens"] == first["n_past"]
+        assert s.close() == 0
+    assert not s.stray and "KV holds" not in s.stderr
+    with start(model, *PLAIN) as ref:
+        want = chat(ref, TURNS[:2], 12)
+        assert ref.close() == 0
+    assert [first["text"], follow["text"]] == [d["text"] for d in want]
+
+
+BAD = [  # (line, id the ERROR must carry)
+    ('{"cmd":"generate","id":10,"prompt":"%s","n_predict":200}' % ("word " * 120), 10),  # > n_ctx
+    ("{not json", -1),
+    ('[1, 2, 3]', -1),
+    ('"generate"', -1),
+    ('{"cmd":"explode","id":11}', 11),
+    ('{"id":12,"prompt":"x"}', 12),
+    ('{"cmd":"generate","id":13}', 13),
+    ('{"cmd":"generate","prompt":"x"}', -1),
+    ('{"cmd":"generate","id":"14","prompt":"x"}', -1),
+    ('{"cmd":"generate","id":15,"prompt":"x","n_predict":"5"}', 15),
+    ('{"cmd":"generate","id":16,"prompt":"x","n_predict":0}', 16),
+    ('{"cmd":"generate","id":17,"prompt":"x","n_predict":2.0}', 17),
+    ('{"cmd":"generate","id":18,"prompt":"x","think":"yes"}', 18),
+    ('{"cmd":"generate","id":19,"prompt":"x","clear_kv":1}', 19),
+    ('{"cmd":"generate","id":20,"prompt":5}', 20),
+    ('{"cmd":"generate","id":21,"prompt":"\\ud800"}', 21),
+    (b'\xff\xfe{"cmd":"generate"}', -1),
+]
+
+
+def test_every_rejected_request_leaves_the_session_serving(model: str) -> None:
+    with start(model, *ALL_CACHED, "-c", "256") as s:
+        good = None
+        for i, (line, rid) in enumerate(BAD):
+            s.send(line)
+            tag, ev = s.next_event(60)
+            assert tag == "ERROR" and ev["fatal"] is False and ev["id"] == rid, (line, tag, ev)
+            assert ev["msg"]
+            evs, _ = s.ask(100 + i, TURNS[0], n_predict=3)
+            done = check_turn(evs, 100 + i, 3)
+            good = good or done["text"]
+            assert done["text"] == good
+        assert "exceeds the context of 256 tokens" in json.dumps(s.lines)
+        # a second generate while one runs: both lines arrive together, so the first is in flight
+        s.send('{"cmd":"generate","id":30,"prompt":"a","n_predict":60}\n'
+               '{"cmd":"generate","id":31,"prompt":"b","n_predict":60}')
+        evs = list(s.events_until(30))
+        errors = [ev for tag, ev in evs if tag == "ERROR"]
+        assert len(errors) == 1 and errors[0]["id"] == 31 and errors[0]["fatal"] is False
+        assert "still running" in errors[0]["msg"]
+        check_turn([e for e in evs if e[0] != "ERROR"], 30, 60)
+        evs, _ = s.ask(32, TURNS[0], n_predict=3)
+        assert check_turn(evs, 32, 3)["text"] == good
+        assert s.close() == 0
+    assert not s.stray
+
+
+@pytest.mark.parametrize("how", ["close", "eof", "close-mid-generation"])
+def test_close_and_eof_end_with_exit_0_and_no_shared_memory(model: str, how: str) -> None:
+    before = bmoe_segments()
+    s = start(model, *ALL_CACHED, "-c", "4096")
+    lanes = psutil.Process(s.proc.pid).children()
+    assert len(lanes) == 2 and bmoe_segments() - before
+    try:
+        if how == "close-mid-generation":
+            s.send({"cmd": "generate", "id": 1, "prompt": P1, "n_predict": 4000})
+            assert s.next_event()[0] == "BEGIN" and s.next_event()[0] in ("LOAD", "PROGRESS")
+            s.send({"cmd": "close"})
+            evs = list(s.events_until(1))
+            assert evs[-1][0] == "DONE" and evs[-1][1]["cancelled"] is True
+        else:
+            evs, _ = s.ask(1, P1, n_predict=4)
+            check_turn(evs, 1, 4)
+        if how == "eof":
+            s.proc.stdin.close()
+            rc = s.proc.wait(60)
+        else:
+            rc = s.close()
+    finally:
+        s.kill()
+    assert rc == 0, s.stderr
+    assert not s.stray and not any("ERROR" in line for line in s.lines)
+    assert not bmoe_segments() - before
+    _, alive = psutil.wait_procs(lanes, timeout=10)
+    assert not alive
+
+
+def test_session_settings_follow_every_flag() -> None:
+    """Each Settings field comes from a flag, so --session runs with what one-shot runs with."""
+    import dataclasses
+
+    from bmoe.cli import build_parser
+    from bmoe.coordinator import Settings
+    from bmoe.session import SETTINGS_FROM_FLAGS, settings_from_args
+
+    a = build_parser().parse_args(["-m", "m.gguf", "-c", "512", "-t", "3", "--no-stream", "--temp", "0.5"])
+    names = {f.name for f in dataclasses.fields(Settings)}
+    missing = sorted(n for n in names if n not in SETTINGS_FROM_FLAGS and not hasattr(a, n))
+    assert not missing, f"map these Settings fields in bmoe.session.SETTINGS_FROM_FLAGS: {missing}"
+    st = settings_from_args(a)
+    assert (st.model, st.n_ctx, st.threads, st.stream, st.sampler.temp) == ("m.gguf", 512, 3, False, 0.5)
+
+
+def test_a_failed_load_is_one_fatal_line(tmp_path) -> None:
+    r = run_cli("--session", "-m", str(tmp_path / "nope.gguf"), input="")
+    assert r.returncode == 1
+    (line,) = r.stdout.splitlines()
+    tag, ev = telemetry.parse_tagged(line)
+    assert tag == "ERROR" and ev["fatal"] is True and ev["id"] == -1 and "does not exist" in ev["msg"]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signals_end_the_session_with_a_fatal_line(model: str, sig: int, code: int) -> None:
+    before = bmoe_segments()
+    s = start(model, *ALL_CACHED, "-c", "4096")
+    try:
+        s.send({"cmd": "generate", "id": 5, "prompt": P1, "n_predict": 4000})
+        while s.next_event()[0] != "PROGRESS":
+            pass
+        s.proc.send_signal(sig)
+        rc = s.proc.wait(60)
+    finally:
+        s.kill()
+    assert rc == code
+    last = telemetry.parse_tagged(s.lines[-1])
+    assert last[0] == "ERROR" and last[1]["fatal"] is True and last[1]["id"] == 5
+    assert not s.stray and not bmoe_segments() - before
+
+
+def test_lane_failure_is_fatal_and_cleans_up(model: str) -> None:
+    """Lanes that keep dying (past the pool's restarts) end the session with a fatal line."""
+    before = bmoe_segments()
+    s = start(model, "--cache-mb", "0", "-c", "4096")
+    try:
+        s.send({"cmd": "generate", "id": 7, "prompt": P1, "n_predict": 4000})
+        assert s.next_event()[0] == "BEGIN"
+        deadline = time.monotonic() + 60
+        while s.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                for lane in psutil.Process(s.proc.pid).children():
+                    lane.kill()
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        rc = s.proc.wait(60)
+    finally:
+        s.kill()
+    tag, ev = telemetry.parse_tagged(s.lines[-1])
+    assert tag == "ERROR" and ev["fatal"] is True and ev["id"] == 7 and "lane" in ev["msg"], s.lines[-3:]
+    assert rc == 1 and not s.stray and not bmoe_segments() - before
+
+
+QWEN_LIKE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def test_rendering_the_conversation(model: str) -> None:
+    """One turn renders as one-shot --chat does; think:false reaches templates that read it."""
+    from bmoe.coordinator import Engine, Settings
+    from bmoe.session import Renderer
+
+    e = Engine(Settings(model=model, n_ctx=256, threads=1, stream=False))
+    try:
+        r = Renderer(e)
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "more"}]
+        assert r.render(msgs[:1], think=True) == e.vocab.chat_prompt("hi")
+        full = r.render(msgs, think=True)
+        assert full == r.render(msgs, think=False)  # this template does not read enable_thinking
+        assert full == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs) \
+            + "<|im_start|>assistant\n"
+        r.template, r.reads_thinking = QWEN_LIKE.encode(), True
+        assert r.render(msgs, think=True) == full
+        assert r.render(msgs, think=False) == full + "<think>\n\n</think>\n\n"
+        r.template = None  # no chat template: plain text continuation
+        assert r.render(msgs, think=True) == "hiyomore"
+    finally:
+        e.close()
+
+
+# ---- fuzz ----------------------------------------------------------------------------------------
+
+FIELDS = {"id": [0, -5, 7, 2**70, "7", 7.5, True, None, [], {}],
+          "prompt": ["hi", "", 5, None, ["a"], {"x": 1}, True],
+          "n_predict": [0, -1, "3", 3.0, None, True, 10**9, []],
+          "think": ["yes", 1, None, 0, "true"],
+          "clear_kv": ["no", 0, None, 1.0, []]}
+GOOD_GENERATE = {"cmd": "generate", "id": 1, "prompt": "hello there", "n_predict": 2}
+
+
+def _bad_generate(rng: random.Random) -> dict:
+    """A generate request with at least one field missing or invalid per the contract."""
+    obj = dict(GOOD_GENERATE)
+    broken = rng.sample(sorted(FIELDS), rng.randint(1, 3))
+    for k in broken:
+        if k in obj and rng.random() < 0.3 and k in ("id", "prompt"):
+            del obj[k]
+        else:
+            bad = [v for v in FIELDS[k] if not (k == "id" and type(v) is int)] if k != "n_predict" else FIELDS[k]
+            obj[k] = rng.choice(bad)
+    return obj
+
+
+def _line(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.15:  # random bytes
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 80)))
+    if kind < 0.25:  # random printable text
+        return "".join(chr(rng.randint(32, 0x2FF)) for _ in range(rng.randint(0, 60))).encode()
+    if kind < 0.30:  # whitespace only
+        return rng.choice([b"", b" ", b"\t", b"\r", b"   \t "])
+    if kind < 0.40:  # other JSON values
+        return json.dumps(rng.choice([None, 1, "cancel", [1, {"cmd": "close"}], 2.5, True, []])).encode()
+    if kind < 0.50:  # unknown or mistyped commands
+        return json.dumps({"cmd": rng.choice(["gen", "CLOSE", "Cancel", "", None, 3, ["close"], "generate "]),
+                           "id": rng.randint(0, 99)}).encode()
+    if kind < 0.55:  # cancel with nothing in flight
+        return b'{"cmd":"cancel"}'
+    if kind < 0.60:  # very long
+        return (b'{"cmd":"generate","id":1,"prompt":"' + b"x" * rng.randint(10_000, 60_000))
+    if kind < 0.62:  # deep nesting
+        return b"[" * rng.randint(100, 5000)
+    good = json.dumps(rng.choice([GOOD_GENERATE, {"cmd": "close"}, {"cmd": "cancel"}])).encode()
+    if kind < 0.80:  # truncated valid requests (never complete: those would run or close)
+        return good[:rng.randint(0, len(good) - 1)]
+    if kind < 0.95:  # invalid generates
+        return json.dumps(_bad_generate(rng)).encode()
+    # byte-level mutations of a valid request
+    b = bytearray(good)
+    for _ in range(rng.randint(1, 4)):
+        b[rng.randrange(len(b))] = rng.randrange(256)
+    return bytes(b)
+
+
+def _well_typed_generate(obj: dict) -> bool:
+    """The contract's field rules (the context limit aside)."""
+    return (type(obj.get("id")) is int and isinstance(obj.get("prompt"), str)
+            and ("n_predict" not in obj or (type(obj["n_predict"]) is int and obj["n_predict"] >= 1))
+            and all(k not in obj or type(obj[k]) is bool for k in ("think", "clear_kv")))
+
+
+def _would_act(line: bytes) -> bool:
+    """A line the session would run or close on (the fuzz keeps to lines it must reject or ignore)."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and (obj.get("cmd") == "close" or (
+        obj.get("cmd") == "generate" and _well_typed_generate(obj)))
+
+
+def _ignored(line: bytes) -> bool:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    if not text.strip():
+        return True
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and obj.get("cmd") == "cancel"
+
+
+def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
+    rng = random.Random(20261129)
+    lines = []
+    while len(lines) < 2000:
+        line = _line(rng).replace(b"\n", b" ")
+        if not _would_act(line):
+            lines.append(line)
+    want_errors = sum(1 for line in lines if not _ignored(line))
+    with start(model, *ALL_CACHED, "-c", "512") as s:
+        for i in range(0, len(lines), 50):
+            s.send(b"\n".join(lines[i:i + 50]) + b"\n")
+        evs, done = s.ask(424242, TURNS[0], n_predict=4)
+        check_turn([e for e in evs if e[0] != "ERROR"], 424242, 4)
+        errors = [ev for tag, ev in evs if tag == "ERROR"]
+        assert len(errors) == want_errors
+        assert all(ev["fatal"] is False and isinstance(ev["msg"], str) and type(ev["id"]) is int for ev in errors)
+        assert s.proc.poll() is None
+        assert s.close() == 0
+    assert not s.stray
+    assert all(telemetry.parse_tagged(line) and telemetry.parse_tagged(line)[0] in TAGS for line in s.lines)
+
+
+# ---- the demo model (realistic routing), when it has been built --------------------------------
+
+
+def test_demo_model_session() -> None:
+    try:
+        from bmoe import demo
+    except ImportError:
+        pytest.skip("bmoe.demo is not there")
+    path = demo.default_path(demo.DEMO_EXPERTS, demo.DEMO_TOP_K)
+    if not path.exists():
+        pytest.skip(f"the demo model is not built ({path}); `bmoe-demo --experts 16 --top-k 4` builds it")
+    budget = ["--cache-mb", "1400", "-t", "2"]  # holds every expert: the second prompt starts warm
+    with SessionClient(["-m", str(path), *budget], cwd=str(REPO)) as s:
+        assert s.ready["arch"] == "llama"
+        ev1, _ = s.ask(1, "What is the capital of France?", n_predict=4)
+        ev2, _ = s.ask(2, "Name a large animal.", n_predict=4)
+        ev3, _ = s.ask(3, "And a small one?", n_predict=4, clear_kv=False)
+        d1, d2, d3 = check_turn(ev1, 1, 4), check_turn(ev2, 2, 4), check_turn(ev3, 3, 4)
+        assert s.close() == 0
+    assert not s.stray
+    assert read_mb(ev2) < read_mb(ev1)
+    assert d3["n_prompt"] < d2["n_prompt"] + 8 and d3["n_past"] > d2["n_past"]
+    r = run_cli("-m", str(path), "-p", "What is the capital of France?", "-n", "4", "--chat", "--progress",
+                *budget, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert d1["text"] == telemetry.parse_output(r.stdout).answer and d1["text"].strip()
