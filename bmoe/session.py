@@ -109,7 +109,7 @@ class Generate:
     clear_kv: bool
 
 
-CANCEL, CLOSE = "cancel", "close"
+CANCEL, CLOSE, PROFILE = "cancel", "close", "profile"
 
 
 def _is_int(v: object) -> bool:
@@ -135,10 +135,11 @@ def parse_request(line: bytes | str, n_predict: int) -> Generate | str | None:
     if "cmd" not in obj:
         raise RequestError(rid, "missing field 'cmd' (generate, cancel or close)")
     cmd = obj["cmd"]
-    if cmd == CANCEL or cmd == CLOSE:
+    if cmd in (CANCEL, CLOSE, PROFILE):
         return cmd
     if cmd != "generate":
-        raise RequestError(rid, f"unknown command {_safe(_short(cmd))}; expected generate, cancel or close")
+        raise RequestError(rid, f"unknown command {_safe(_short(cmd))}; expected generate, cancel, close "
+                                "or profile")
     if "id" not in obj:
         raise RequestError(NO_ID, "generate: missing field 'id' (an integer)")
     if not _is_int(obj["id"]):
@@ -366,6 +367,9 @@ class Session:
             return None
         if req is None:
             return None
+        if req == PROFILE:
+            self.profile()
+            return None
         with self.out.lock:
             if req == CANCEL:
                 if self.in_flight is None:
@@ -385,6 +389,13 @@ class Session:
             self.in_flight = req.id
             self.requests.put(req)
         return None
+
+    def profile(self) -> None:
+        """The per-process table (coordinator, lanes) on stderr, on demand; stdout stays protocol-only."""
+        from bmoe import cli, profile
+
+        rows = profile.collect(cli.workers(self.engine))
+        print(profile.table(rows, self.engine.resident_bytes()), file=sys.stderr, flush=True)
 
     # -- main thread --
 
@@ -554,7 +565,7 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
         pass
     out = Output(sys.stdout)
     ignored = [f for f, on in (("-p", a.prompt is not None), ("-f", a.file), ("--chat", a.chat),
-                               ("--progress", a.progress), ("--csv", a.csv), ("--profile", a.profile))
+                               ("--progress", a.progress), ("--csv", a.csv))
                if on]
     if ignored:
         _notice(f"{', '.join(ignored)} ignored in session mode (prompts come from stdin)")
@@ -567,6 +578,8 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",
                          daemon=True).start()
         session.serve()
+        if a.profile:
+            session.profile()
         return EXIT_OK
     except ClientGone:
         _notice("stdout closed; ending the session")

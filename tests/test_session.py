@@ -463,3 +463,17 @@ def test_demo_model_session() -> None:
                 *budget, timeout=600)
     assert r.returncode == 0, r.stderr
     assert d1["text"] == telemetry.parse_output(r.stdout).answer and d1["text"].strip()
+
+
+def test_profile_on_demand_goes_to_stderr(model: str) -> None:
+    """{"cmd":"profile"} prints the per-process table on stderr; stdout stays protocol-only."""
+    with SessionClient(["-m", model, "--cache-mb", "0", "--io-threads", "2", "-t", "1"]) as s:
+        s.send({"cmd": "profile"})
+        events = list(s.generate(1, "hello there", n_predict=4))
+        assert events[-1][0] == "DONE"
+        deadline = time.monotonic() + 10
+        while "io_lane 1" not in s.stderr and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "coordinator" in s.stderr and "io_lane 0" in s.stderr and "io_lane 1" in s.stderr
+        assert not s.stray
+        assert s.close() == 0
