@@ -1,0 +1,234 @@
+"""The demo model (`bmoe-demo`): a real-routing MoE made from SmolLM2-135M.
+
+It must answer like SmolLM2, stream to exactly the tokens plain llama.cpp gives, and make every
+expert's bytes matter: a wrong or missing expert has to change the output, or the byte-identity
+gates that use this model would pass on a broken cache.
+
+The model (8 experts, top-2, about 0.7 GB) is built into the user cache on first use (about a
+minute here, most of it the calibration run, which is cached too) and reused after that.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from bmoe import demo
+from bmoe.coordinator import Engine, Settings
+from bmoe.model_files import open_model
+
+EXPERTS, TOP_K = 8, 2
+FACT = "What is the capital of France?"
+STORY = "Write a short story about a dragon."
+N_FACT, N_STORY = 32, 48
+N_CTX = 512
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return demo.build_demo(EXPERTS, TOP_K)
+
+
+@pytest.fixture(scope="module")
+def quarter_mb(model: Path) -> float:
+    """A cache budget holding a quarter of the expert bytes: streaming has to evict and re-read."""
+    return open_model(model).expert_bytes / 4 / MiB
+
+
+def _engine(model: Path, **kw: object) -> Engine:
+    return Engine(Settings(model=str(model), n_ctx=N_CTX, **kw))
+
+
+def _run(engine: Engine, prompt: str, n: int) -> list[int]:
+    engine.clear_kv()
+    return engine.generate(engine.prompt_tokens(prompt, chat=True), n).ids
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> dict[str, tuple[list[int], str]]:
+    """Plain llama.cpp (no streaming): the token ids and text every other run is compared with."""
+    eng = _engine(model, stream=False)
+    try:
+        out = {}
+        for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
+            eng.clear_kv()
+            res = eng.generate(eng.prompt_tokens(prompt, chat=True), n)
+            out[prompt] = (res.ids, res.text)
+        return out
+    finally:
+        eng.close()
+
+
+# --- the file --------------------------------------------------------------------------------
+
+
+def test_file_is_a_llama_moe_with_copied_experts(model: Path) -> None:
+    r = gguf.GGUFReader(model)
+    src = gguf.GGUFReader(demo.source_model())
+    assert r.get_field("general.architecture").contents() == "llama"
+    assert r.get_field("llama.expert_count").contents() == EXPERTS
+    assert r.get_field("llama.expert_used_count").contents() == TOP_K
+    assert r.get_field("tokenizer.chat_template").contents() == src.get_field("tokenizer.chat_template").contents()
+    t = {x.name: x for x in r.tensors}
+    s = {x.name: x for x in src.tensors}
+    assert not [n for n in t if n.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down")]
+    # everything but the FFN is the source's, byte for byte
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_norm.weight", "output_norm.weight"):
+        assert np.array_equal(t[name].data, s[name].data), name
+    n_embd, n_ff = 576, 1536
+    for layer in (0, 29):
+        p = f"blk.{layer}."
+        router = t[p + "ffn_gate_inp.weight"]
+        assert router.tensor_type == gguf.GGMLQuantizationType.F32
+        assert list(router.shape) == [n_embd, EXPERTS]
+        assert np.isfinite(router.data).all()
+        for kind, shape in (("gate", [n_embd, n_ff, EXPERTS]), ("up", [n_embd, n_ff, EXPERTS]),
+                            ("down", [n_ff, n_embd, EXPERTS])):
+            x = t[p + f"ffn_{kind}_exps.weight"]
+            assert x.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            assert list(x.shape) == shape
+        gate = t[p + "ffn_gate_exps.weight"].data
+        assert all(np.array_equal(gate[0], gate[e]) for e in range(1, EXPERTS))
+        # down projections differ only in their block scales, by the documented signature
+        down = t[p + "ffn_down_exps.weight"].data.reshape(EXPERTS, -1, 34)
+        scale = down[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)
+        for e in range(1, EXPERTS):
+            assert np.array_equal(down[0, :, 2:], down[e, :, 2:])
+            nz = scale[0] != 0
+            ratio = np.median(scale[e][nz] / scale[0][nz])
+            want = demo.signature_gain(layer, e, TOP_K) / demo.signature_gain(layer, 0, TOP_K)
+            assert abs(ratio - want) < 2e-3, (layer, e, ratio, want)
+
+
+def test_neighbouring_experts_differ_by_at_least_the_gain() -> None:
+    for layer, top_k in ((0, 2), (7, 8)):
+        s = demo.signature_scale(top_k)
+        g = [demo.signature_gain(layer, e, top_k) for e in range(64)]
+        assert all(abs(a - b) >= s - 1e-12 for a, b in zip(g, g[1:]))
+        assert all(s / 2 <= abs(x - 1) <= s for x in g)
+    assert demo.signature_scale(2) < demo.signature_scale(8) <= 0.3
+
+
+def test_routers_are_deterministic_and_use_every_expert() -> None:
+    rng = np.random.default_rng(0)
+    states = rng.standard_normal((600, 64)).astype(np.float32) + 3 * rng.standard_normal(64).astype(np.float32)
+    w1, s1 = demo.make_router(states, 16, 4, seed=5)
+    w2, s2 = demo.make_router(states, 16, 4, seed=5)
+    assert np.array_equal(w1, w2) and s1 == s2
+    ids = np.argsort(-(states @ w1.T), axis=1)[:, :4]
+    assert len(np.unique(ids[:, 0])) == 16
+    p = demo._softmax(states @ w1.T)
+    mass = np.sort(p, axis=1)[:, -4:].sum(axis=1).mean()
+    assert abs(mass - demo.TOPK_MASS) < 0.01
+
+
+def test_size_and_names() -> None:
+    assert demo.experts_for_size(5.5) == 64
+    assert demo.experts_for_size(1.4) == 16
+    with pytest.raises(ValueError):
+        demo.experts_for_size(0.05)
+    p = demo.default_path(16, 4)
+    assert p.parent == demo.cache_dir() and "e16" in p.name and "k4" in p.name
+
+
+def test_cli(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--help"])
+    assert e.value.code == 0
+    assert "examples:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--experts", "4", "--top-k", "5"])
+    assert e.value.code == 2
+    capsys.readouterr()
+    assert demo.main(["--experts", str(EXPERTS), "--top-k", str(TOP_K), "-q"]) == 0  # cached: no rebuild
+    assert capsys.readouterr().out.strip() == str(model)
+
+
+def test_default_model_budget_is_a_quarter(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "build_demo", lambda *a, **k: model)
+    path, mb = demo.default_model()
+    assert path == model
+    assert mb == pytest.approx(open_model(model).expert_bytes / 4 / MiB, abs=0.1)
+
+
+# --- running it ------------------------------------------------------------------------------
+
+
+def test_answers_like_smollm2(reference: dict[str, tuple[list[int], str]]) -> None:
+    ids, text = reference[FACT]
+    assert "Paris" in text, text
+    story = reference[STORY][1]
+    assert len(reference[STORY][0]) == N_STORY and "dragon" in story.lower(), story
+
+
+def test_streaming_gives_the_same_tokens(model: Path, quarter_mb: float,
+                                         reference: dict[str, tuple[list[int], str]]) -> None:
+    eng = _engine(model, stream=True, cache_mb=quarter_mb)
+    try:
+        for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
+            assert _run(eng, prompt, n) == reference[prompt][0], prompt
+        assert eng.streamer.cache.stats.evictions > 0  # the quarter budget really made it re-read
+    finally:
+        eng.close()
+
+
+def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: float,
+                                                     reference: dict[str, tuple[list[int], str]]) -> None:
+    """Overwrite one routed expert's slab bytes right after the cache has them, every time it is
+    routed: with another expert's bytes (wrong) or zeros (missing). Either must change the text."""
+    eng = _engine(model, stream=True, cache_mb=quarter_mb)
+    try:
+        st = eng.streamer
+        inner = eng.hook.on_route
+        eng.hook.skip_route = None  # every routing decision goes through the wrapper below
+        uses: collections.Counter[tuple[int, int]] = collections.Counter()
+        target: dict[str, object] = {}
+        hits = 0
+
+        def on_route(layer: int, ids: np.ndarray) -> None:
+            nonlocal hits
+            inner(layer, ids)  # now the routed experts are resident in the slab
+            for e in np.unique(ids).tolist():
+                uses[(layer, e)] += 1
+            if target and layer == target["layer"] and target["expert"] in ids:
+                for r, data in target["bytes"]:
+                    start, end = r.slice_bounds(target["expert"])
+                    st.slab.mm[start:end] = data
+                hits += 1
+
+        eng.hook.on_route = on_route
+        ref = reference[STORY][0]
+        assert _run(eng, STORY, N_STORY) == ref
+        (layer, victim), _ = max(uses.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]))
+        donor = (victim + 1) % EXPERTS
+        regions = [r for r in st.cache.regions if r.layer == layer]
+        assert len(regions) == 3
+        fds = {i: os.open(p, os.O_RDONLY) for i, p in enumerate(eng.files.paths)}
+        try:
+            def expert_bytes(r: object, e: int) -> bytes:
+                return os.pread(fds[r.file_index], r.expert_bytes, r.file_offset + e * r.expert_bytes)
+
+            originals = [(r, expert_bytes(r, victim)) for r in regions]
+            for name, payload in (("wrong", [(r, expert_bytes(r, donor)) for r in regions]),
+                                  ("missing", [(r, bytes(r.expert_bytes)) for r in regions])):
+                hits = 0
+                target.update(layer=layer, expert=victim, bytes=payload)
+                got = _run(eng, STORY, N_STORY)
+                target.clear()
+                for r, data in originals:  # put the right bytes back for the next case
+                    start, end = r.slice_bounds(victim)
+                    st.slab.mm[start:end] = data
+                assert hits > 0, f"expert {victim} of layer {layer} was never routed"
+                assert got != ref, f"a {name} expert {victim} in layer {layer} left the output unchanged"
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        assert _run(eng, STORY, N_STORY) == ref  # and with the right bytes back, the same text again
+    finally:
+        eng.close()
