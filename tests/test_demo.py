@@ -42,7 +42,9 @@ def quarter_mb(model: Path) -> float:
 
 
 def _engine(model: Path, **kw: object) -> Engine:
-    return Engine(Settings(model=str(model), n_ctx=N_CTX, **kw))
+    # One compute thread: the model is tiny, and llama.cpp's spinning thread pool slows down
+    # many times over when another process (a parallel test, a build) competes for the cores.
+    return Engine(Settings(model=str(model), n_ctx=N_CTX, threads=1, **kw))
 
 
 def _run(engine: Engine, prompt: str, n: int) -> list[int]:
@@ -181,8 +183,11 @@ def test_streaming_gives_the_same_tokens(model: Path, quarter_mb: float,
 def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: float,
                                                      reference: dict[str, tuple[list[int], str]]) -> None:
     """Overwrite one routed expert's slab bytes right after the cache has them, every time it is
-    routed: with another expert's bytes (wrong) or zeros (missing). Either must change the text."""
-    eng = _engine(model, stream=True, cache_mb=quarter_mb)
+    routed: with another expert's bytes (wrong) or zeros (missing). Either must change the text.
+
+    The budget holds every expert, so after the first run nothing is re-read and the runs are
+    quick; the slab is the same one a smaller budget would use."""
+    eng = _engine(model, stream=True, cache_mb=4 * quarter_mb + 64)
     try:
         st = eng.streamer
         inner = eng.hook.on_route
