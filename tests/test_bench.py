@@ -233,8 +233,8 @@ def test_ctrl_c_stops_the_run_and_removes_the_cgroup(tiny: Path, tmp_path: Path)
     h = cgroup_usable()
     if h is None:
         pytest.skip("no writable memory cgroup here")
-    cmd = [sys.executable, "-m", "bmoe.bench", "run", "-m", str(tiny), "-n", "100000", "--no-baseline",
-           "--config", "long=-t 1 -c 256 --cache-mb 0", "--warmup", "0", "--repeats", "2", "--no-bandwidth",
+    cmd = [sys.executable, "-m", "bmoe.bench", "run", "-m", str(tiny), "-n", "32000", "--no-baseline",
+           "--config", "long=-t 1 -c 32768 --cache-mb 0", "--warmup", "0", "--repeats", "2", "--no-bandwidth",
            "--drop-caches", "file", "--mem-limit-mb", "2000", "--limit-method", "cgroup", "--out", str(tmp_path / "o")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     members: list[int] = []
@@ -248,6 +248,7 @@ def test_ctrl_c_stops_the_run_and_removes_the_cgroup(tiny: Path, tmp_path: Path)
         time.sleep(0.1)
     assert members, "the run never started inside its cgroup"
     time.sleep(1.0)  # let the coordinator start its I/O lanes (they join the cgroup too)
+    assert p.poll() is None, "the run ended before it could be interrupted: " + p.communicate()[1]
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
