@@ -13,11 +13,12 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import posix_ipc
+
+from bmoe.cache_policy import DEFAULT_POLICY, Policy, make_policy
 
 PAGE = 4096
 SHM_PREFIX = "bmoe-"
@@ -207,7 +208,7 @@ class CacheStats:
 
 
 class ExpertCache:
-    """Global LRU over (layer, tensor, expert) slices under a byte budget.
+    """(layer, tensor, expert) slices under a byte budget; a policy (bmoe.cache_policy) picks what goes.
 
     A slice is charged the whole pages it spans, so the budget bounds the
     segment's real allocated bytes. The slices the current layer is about to
@@ -215,7 +216,7 @@ class ExpertCache:
     layer's routed set, never get evicted under the matmul that needs them.
     """
 
-    def __init__(self, slab: Slab, regions: list[Region], budget: int) -> None:
+    def __init__(self, slab: Slab, regions: list[Region], budget: int, policy: str | Policy = DEFAULT_POLICY) -> None:
         self.slab = slab
         self.regions = regions
         self.budget = budget
@@ -223,7 +224,7 @@ class ExpertCache:
         for i, r in enumerate(regions):
             self.by_layer.setdefault(r.layer, []).append(i)
         self.state = [bytearray(r.n_expert) for r in regions]
-        self.lru: OrderedDict[tuple[int, int, int], int] = OrderedDict()
+        self.policy = make_policy(policy, sorted(self.by_layer)) if isinstance(policy, str) else policy
         self.used = 0
         self.stats = CacheStats()
         self.resident_in_layer = {layer: 0 for layer in self.by_layer}
@@ -251,10 +252,11 @@ class ExpertCache:
         """Count hits, make room, and return the slices that must be read now."""
         want = self.layer_slices(layer, experts)
         missing = []
+        self.policy.begin(layer)
         for key in want:
             if self.state[key[1]][key[2]] == RESIDENT:
                 self.stats.hits += 1
-                self.lru.move_to_end(key)
+                self.policy.touch(key)
             else:
                 self.stats.misses += 1
                 missing.append(key)
@@ -269,14 +271,18 @@ class ExpertCache:
             _, ri, e = key
             self.state[ri][e] = RESIDENT
             c = self.charge(ri, e)
-            self.lru[key] = c
+            self.policy.admit(key)
             self.used += c
             self.resident_in_layer[key[0]] += 1
+
+    def predict(self, layer: int, experts: list[int]) -> None:
+        """Tell the policy which experts a predictor expects at `layer` soon (prediction-aware policies keep them)."""
+        self.policy.predict(self.layer_slices(layer, experts))
 
     def _evict_for(self, need: int, pinned: set[tuple[int, int, int]]) -> None:
         if self.used + need <= self.budget:
             return
-        for key in list(self.lru):
+        for key in self.policy.victims(self.policy.layer):
             if self.used + need <= self.budget:
                 break
             if key in pinned:
@@ -285,7 +291,8 @@ class ExpertCache:
 
     def _evict(self, key: tuple[int, int, int]) -> None:
         _, ri, e = key
-        self.used -= self.lru.pop(key)
+        self.used -= self.charge(ri, e)
+        self.policy.forget(key)
         self.state[ri][e] = ABSENT
         self.resident_in_layer[key[0]] -= 1
         self.stats.evictions += 1

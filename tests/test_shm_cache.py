@@ -64,7 +64,7 @@ def test_lru_evicts_oldest_keeps_pinned_and_shared_edge_pages() -> None:
     slab = Slab(layout(regs))
     try:
         per_slice = max(r.page_span(e)[1] - r.page_span(e)[0] for r in regs for e in range(8))
-        cache = ExpertCache(slab, regs, budget=3 * 2 * per_slice * 2)  # about two layers of top-2
+        cache = ExpertCache(slab, regs, budget=3 * 2 * per_slice * 2, policy="lru")  # about two layers of top-2
         for layer in range(4):
             missing = cache.plan(layer, [0, 1])
             for _, ri, e in missing:
@@ -83,7 +83,7 @@ def test_lru_evicts_oldest_keeps_pinned_and_shared_edge_pages() -> None:
         s, t = regs[ri].slice_bounds(1)
         assert bytes(slab.mm[s:t]) == b"\x02" * (t - s)
         # a layer larger than the budget still gets all of its slices (pinned)
-        tiny = ExpertCache(slab, regs, budget=0)
+        tiny = ExpertCache(slab, regs, budget=0, policy="lru")
         need = tiny.plan(2, list(range(8)))
         tiny.commit(need)
         assert len(need) == 24 and tiny.used > tiny.budget

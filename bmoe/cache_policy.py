@@ -1,0 +1,293 @@
+"""Eviction policies of the expert cache: which resident slice goes first when room is needed.
+
+`ExpertCache` owns residency, bytes and pinning; a policy owns only the *order* in which
+resident slices are given up. The live cache and the trace simulator (`bmoe-bench policies`)
+run the same policy objects, so what the simulator says is what the cache does.
+
+A key is a slice `(layer, region index, expert)`. The interface, all on the decode thread:
+
+- `begin(layer)`: the decode reached this MoE layer's routing (once per `plan`). Policies that
+  count tokens or need the position in the layer cycle take it from here.
+- `touch(key)`: a demand use of a resident slice at the current layer (a hit).
+- `admit(key, speculative=False)`: a slice became resident. A demand insert (`speculative=False`)
+  is a use, like `touch`. A speculative read (prefetch, spec-gate) is admitted *at the cold end*:
+  it is the first candidate to go until a real demand `touch` promotes it.
+- `forget(key)`: the slice is no longer resident (evicted, or a speculative read cancelled).
+- `victims(layer)`: resident keys in eviction order while the current layer is `layer`. The
+  caller skips keys it pins (the current layer's routed slices) and `forget`s each key it evicts
+  before asking for the next one; it stops as soon as it has room.
+- `predict(keys)`: optional hints, the slices expected within the next few layers (spec-gate or
+  temporal prefetcher). Prediction-aware policies keep them; others ignore the call.
+
+Policies here (`POLICIES`): `lru` (global least-recently-used: the cache's historical
+behaviour, exactly), `cycle` (evict from the layer whose next use in the 0..N-1 layer cycle is
+furthest ahead of the current layer; least recently used first within it), `cycle-lfu` (the same
+layer order, least frequently used first within the layer, with decaying counts), `quota` (equal
+per-layer shares: evict from the layer holding most slices) and `predict` (`cycle-lfu` that never
+gives up a predicted slice while another candidate is left). `Belady` is the offline optimum
+(MIN): it needs the future, so only the simulator can run it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Iterator, Sequence
+
+Key = tuple[int, int, int]
+
+DEFAULT_POLICY = "cycle-lfu"
+
+
+class Policy:
+    """Base: the layer cycle and a token clock; subclasses keep their own order."""
+
+    name = ""
+    wants_predictions = False
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        self.layers = list(layers)
+        self.pos = {layer: i for i, layer in enumerate(self.layers)}
+        self.layer: int | None = None
+        self.token = 0
+
+    def begin(self, layer: int) -> None:
+        """A new token starts when the cycle wraps (or the same layer comes again)."""
+        if self.layer is None or self.pos[layer] <= self.pos[self.layer]:
+            self.token += 1
+        self.layer = layer
+
+    def touch(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def admit(self, key: Key, speculative: bool = False) -> None:
+        raise NotImplementedError
+
+    def forget(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def victims(self, layer: int | None) -> Iterator[Key]:
+        raise NotImplementedError
+
+    def predict(self, keys: Iterable[Key]) -> None:
+        """Policies that do not use predictions ignore them."""
+
+    def furthest_first(self, layer: int | None) -> Iterator[int]:
+        """Layers by next use in the cycle, furthest first: `layer` itself (next token), then the ones behind it."""
+        i = self.pos.get(layer, 0)  # None: nothing routed yet
+        n = len(self.layers)
+        for k in range(n):
+            yield self.layers[(i - k) % n]
+
+
+class LRU(Policy):
+    """Global least-recently-used, as the cache always did (OrderedDict, oldest first)."""
+
+    name = "lru"
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        super().__init__(layers)
+        self.order: OrderedDict[Key, None] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        self.order.move_to_end(key)
+
+    def admit(self, key: Key, speculative: bool = False) -> None:
+        self.order[key] = None
+        if speculative:
+            self.order.move_to_end(key, last=False)
+
+    def forget(self, key: Key) -> None:
+        del self.order[key]
+
+    def victims(self, layer: int) -> Iterator[Key]:
+        return iter(list(self.order))
+
+
+class Cycle(Policy):
+    """Evict from the layer needed furthest ahead in the layer cycle; LRU inside a layer.
+
+    A decode step visits the MoE layers 0..N-1 in turn, so the slice global LRU gives up (the
+    oldest) belongs to the layer that comes next: the cyclic worst case. Here the current layer's
+    unpinned slices go first (its next use is a whole token away), then the layer just behind it.
+    """
+
+    name = "cycle"
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        super().__init__(layers)
+        self.by_layer: dict[int, OrderedDict[Key, None]] = {layer: OrderedDict() for layer in self.layers}
+
+    def touch(self, key: Key) -> None:
+        self.by_layer[key[0]].move_to_end(key)
+
+    def admit(self, key: Key, speculative: bool = False) -> None:
+        od = self.by_layer[key[0]]
+        od[key] = None
+        if speculative:
+            od.move_to_end(key, last=False)
+
+    def forget(self, key: Key) -> None:
+        del self.by_layer[key[0]][key]
+
+    def in_layer(self, layer: int) -> list[Key]:
+        """One layer's resident keys, first to go first."""
+        return list(self.by_layer[layer])
+
+    def victims(self, layer: int) -> Iterator[Key]:
+        for lay in self.furthest_first(layer):
+            if self.by_layer[lay]:
+                yield from self.in_layer(lay)
+
+
+class CycleLFU(Cycle):
+    """`cycle`'s layer order; inside a layer the least frequently routed expert goes first.
+
+    An expert's count decays by DECAY per token, so experts popular long ago fade; ties (and
+    speculative slices, which have no count) go least recently used first.
+    """
+
+    name = "cycle-lfu"
+    DECAY = 0.98
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        super().__init__(layers)
+        self.count: dict[tuple[int, int], tuple[float, int]] = {}  # (layer, expert) -> (count, token)
+
+    def _use(self, key: Key) -> None:
+        ek = (key[0], key[2])
+        c, t = self.count.get(ek, (0.0, self.token))
+        if t == self.token and c:  # another slice of the same expert, same token: one use
+            return
+        self.count[ek] = (c * self.DECAY ** (self.token - t) + 1.0, self.token)
+
+    def score(self, layer: int, expert: int) -> float:
+        c, t = self.count.get((layer, expert), (0.0, self.token))
+        return c * self.DECAY ** (self.token - t)
+
+    def touch(self, key: Key) -> None:
+        super().touch(key)
+        self._use(key)
+
+    def admit(self, key: Key, speculative: bool = False) -> None:
+        super().admit(key, speculative)
+        if not speculative:
+            self._use(key)
+
+    def in_layer(self, layer: int) -> list[Key]:
+        keys = list(self.by_layer[layer])  # LRU order, kept by the stable sort for ties
+        return sorted(keys, key=lambda k: self.score(k[0], k[2]))
+
+
+class Quota(Policy):
+    """Equal per-layer shares: evict from the layer holding the most slices, LRU inside it."""
+
+    name = "quota"
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        super().__init__(layers)
+        self.by_layer: dict[int, OrderedDict[Key, None]] = {layer: OrderedDict() for layer in self.layers}
+
+    touch = Cycle.touch
+    admit = Cycle.admit
+    forget = Cycle.forget
+
+    def victims(self, layer: int) -> Iterator[Key]:
+        skipped: set[Key] = set()
+        while True:
+            best = max(self.layers, key=lambda lay: len(self.by_layer[lay]) - sum(k[0] == lay for k in skipped))
+            key = next((k for k in self.by_layer[best] if k not in skipped), None)
+            if key is None:
+                return
+            yield key
+            if key in self.by_layer[best]:
+                skipped.add(key)
+
+
+class Predictive(CycleLFU):
+    """`cycle-lfu`, but a slice predicted for the next layers goes only after every other candidate.
+
+    Predictions expire when their layer has passed; a speculative slice that was not used by then
+    (a misprediction) sits at its layer's cold end and goes first.
+    """
+
+    name = "predict"
+    wants_predictions = True
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        super().__init__(layers)
+        self.predicted: dict[Key, int] = {}  # key -> token of the prediction
+
+    def predict(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            self.predicted[k] = self.token
+
+    def begin(self, layer: int) -> None:
+        super().begin(layer)
+        stale = [k for k, t in self.predicted.items() if k[0] == layer or t < self.token - 1]
+        for k in stale:
+            del self.predicted[k]
+
+    def victims(self, layer: int) -> Iterator[Key]:
+        kept = []
+        for key in super().victims(layer):
+            if key in self.predicted:
+                kept.append(key)
+            else:
+                yield key
+        yield from kept
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (LRU, Cycle, CycleLFU, Quota, Predictive)
+}
+
+
+def make_policy(name: str, layers: Sequence[int]) -> Policy:
+    """A policy by name; an unknown name is a ValueError that lists the valid ones."""
+    try:
+        return POLICIES[name](layers)
+    except KeyError:
+        raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+
+
+class Belady(Policy):
+    """Belady's MIN: evict the slice whose next use is furthest in the future (offline bound).
+
+    `future[(layer, expert)]` is the sorted list of positions (token index × N + layer position)
+    at which that expert is routed; the position advances with `begin`. Simulator only.
+    """
+
+    name = "belady"
+    NEVER = float("inf")
+
+    def __init__(self, layers: Sequence[int], future: dict[tuple[int, int], list[int]]) -> None:
+        super().__init__(layers)
+        self.future = future
+        self.cursor: dict[tuple[int, int], int] = {}
+        self.resident: set[Key] = set()
+        self.now = -1
+
+    def begin(self, layer: int) -> None:
+        super().begin(layer)
+        self.now = (self.token - 1) * len(self.layers) + self.pos[layer]
+
+    def next_use(self, key: Key) -> float:
+        ek = (key[0], key[2])
+        uses = self.future.get(ek, ())
+        i = self.cursor.get(ek, 0)
+        while i < len(uses) and uses[i] <= self.now:
+            i += 1
+        self.cursor[ek] = i
+        return uses[i] if i < len(uses) else self.NEVER
+
+    def touch(self, key: Key) -> None:
+        pass
+
+    def admit(self, key: Key, speculative: bool = False) -> None:
+        self.resident.add(key)
+
+    def forget(self, key: Key) -> None:
+        self.resident.discard(key)
+
+    def victims(self, layer: int) -> Iterator[Key]:
+        return iter(sorted(self.resident, key=self.next_use, reverse=True))
