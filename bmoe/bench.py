@@ -63,11 +63,25 @@ EXAMPLES = """\
 commands:
   run        benchmark bmoe-cli configurations against each other and plain llama.cpp
   routes     what a routing trace (bmoe-cli --route-trace) says: reuse, router recall, LRU curve
+  policies   replay routing traces through every cache policy and Belady's bound
 
 examples:
   bmoe-bench run -m model.gguf -n 32 --config c0='--cache-mb 0' --config c1g='--cache-mb 1024'
   bmoe-bench run --help
   bmoe-cli -m model.gguf -n 150 --route-trace story.jsonl && bmoe-bench routes story.jsonl
+  bmoe-bench policies story.jsonl code.jsonl --budgets 10,25,50,75
+"""
+
+POLICIES_EXAMPLES = """\
+examples:
+  bmoe-cli -m model.gguf --chat -p "Write a story" -n 150 --cache-mb 2000 --route-trace story.jsonl
+  bmoe-bench policies story.jsonl                       # budgets 10,25,50,75% of the expert bytes
+  bmoe-bench policies story.jsonl code.jsonl --budgets 25,50 -m model.gguf --out policies.md
+
+Each policy runs in the live ExpertCache with no memory behind it, so its hit rate is what
+bmoe-cli --cache-policy NAME gets on the same routing. 'belady' is the offline optimum (it knows
+the future) and only exists here. 'predict' is told the temporal and spec-gate predictions the
+trace allows (spec-gate needs the trace's .hidden.npy).
 """
 
 
@@ -681,6 +695,16 @@ def _flags(text: str) -> list[str]:
     return argv
 
 
+def _budget_list(text: str) -> list[int]:
+    try:
+        xs = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected percentages like 10,25,50,75") from None
+    if not xs or xs[0] < 1 or xs[-1] > 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets are percentages from 1 to 100")
+    return xs
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="bmoe-bench", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -700,6 +724,16 @@ def build_parser() -> argparse.ArgumentParser:
                                     "10/25/50/75%% of the expert bytes.")
     rt.add_argument("trace", help="trace file from bmoe-cli --route-trace")
     rt.add_argument("-m", "--model", help="the model the trace came from (default: the path in the trace)")
+    po = sub.add_parser("policies", epilog=POLICIES_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="replay routing traces through every cache policy and Belady's bound",
+                        description="Replay traces written by bmoe-cli --route-trace through LRU, Belady's MIN "
+                                    "and every candidate cache policy; print hit rate and MiB read per token "
+                                    "for each policy and budget, and the distance to LRU and to Belady.")
+    po.add_argument("traces", nargs="+", metavar="TRACE", help="trace files from bmoe-cli --route-trace")
+    po.add_argument("--budgets", type=_budget_list, default=[10, 25, 50, 75], metavar="LIST",
+                    help="cache budgets as %% of all expert bytes (default 10,25,50,75)")
+    po.add_argument("-m", "--model", help="the model the traces came from (default: the path in each trace)")
+    po.add_argument("--out", metavar="PATH", help="also write the table (markdown) to PATH")
     r.add_argument("-m", "--model", required=True, help="GGUF model (first shard of a split model)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (default: bmoe-cli's)")
@@ -972,6 +1006,20 @@ def cmd_routes(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policies(a: argparse.Namespace) -> int:
+    from bmoe import policy_sim
+
+    try:
+        rows = policy_sim.simulate(a.traces, a.budgets, a.model, progress=_notice)
+    except (OSError, ValueError, KeyError) as e:
+        raise BenchError(f"cannot replay the traces: {e}") from e
+    text = policy_sim.table(rows)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
@@ -980,6 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(a, argv)
         if a.command == "routes":
             return cmd_routes(a)
+        if a.command == "policies":
+            return cmd_policies(a)
         raise BenchError(f"unknown command {a.command}")
     except BenchError as e:
         print(f"bmoe-bench: error: {e}", file=sys.stderr)

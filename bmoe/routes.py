@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from bmoe.cache_policy import Policy
 from bmoe.shm_cache import ExpertCache, Region, layout
 
 BUDGETS_PCT = (10, 25, 50, 75)
@@ -153,13 +154,20 @@ def expert_regions(model: str | Path) -> list[Region]:
     return regions
 
 
-def replay(t: Trace, regions: list[Region], budget_pct: float) -> tuple[float, float]:
-    """LRU hit rate and MiB read per token for a budget as a share of all expert bytes."""
+def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Policy = "lru",
+           predictions: list[list[list[tuple[int, list[int]]]]] | None = None) -> tuple[float, float]:
+    """Hit rate and MiB read per token of a cache policy, for a budget as a share of all expert bytes.
+
+    The replay runs the live ExpertCache (without memory), so its numbers are the cache's.
+    `predictions[step][i]` lists (layer, experts) hints given to the cache before layer i's routing.
+    """
     total = sum(r.nbytes for r in regions)
-    cache = ExpertCache(_NoSlab(), regions, int(total * budget_pct / 100))  # type: ignore[arg-type]
+    cache = ExpertCache(_NoSlab(), regions, int(total * budget_pct / 100), policy)  # type: ignore[arg-type]
     read = 0
-    for routes in t.routes:
-        for layer in t.layers:
+    for step, routes in enumerate(t.routes):
+        for i, layer in enumerate(t.layers):
+            for hint_layer, experts in predictions[step][i] if predictions else ():
+                cache.predict(hint_layer, experts)
             missing = cache.plan(layer, sorted(set(routes.get(layer, ()))))
             read += sum(cache.charge(ri, e) for _, ri, e in missing)
             cache.commit(missing)

@@ -1,0 +1,140 @@
+"""`bmoe-bench policies`: replay route traces through every cache policy and Belady's bound.
+
+Each policy runs inside the live `ExpertCache` (with no memory behind it), so a simulated hit rate
+is what `bmoe-cli --cache-policy NAME` gets on the same routing. Prediction-aware policies are
+told, before each layer's routing, what a prefetcher could know at that moment:
+
+- temporal: the previous token's routing at the next PREDICT_AHEAD layers;
+- spec-gate: layer l+1's router applied to layer l's router input (the trace's .hidden.npy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from bmoe.cache_policy import POLICIES, Belady, Policy
+from bmoe.routes import Trace, expert_regions, replay, routers
+
+PREDICT_AHEAD = 2
+BELADY = "belady"
+
+Hints = list[list[list[tuple[int, list[int]]]]]
+
+
+@dataclass
+class Row:
+    trace: str
+    policy: str
+    budget_pct: int
+    hit_pct: float
+    mib_per_token: float
+    us_per_token: float
+
+
+def temporal_hints(t: Trace) -> Hints:
+    """At step s before layer i: step s-1's routing at layers i+1 .. i+PREDICT_AHEAD."""
+    n = len(t.layers)
+    out: Hints = []
+    for s in range(len(t.routes)):
+        prev = t.routes[s - 1] if s else {}
+        out.append([[(t.layers[j], prev.get(t.layers[j], [])) for j in range(i + 1, min(n, i + 1 + PREDICT_AHEAD))
+                     if prev.get(t.layers[j])] for i in range(n)])
+    return out
+
+
+def spec_gate_hints(t: Trace, model: str | Path) -> Hints | None:
+    """At step s before layer i: layer i+1's router top-k on layer i's router input (None without hidden states)."""
+    if t.hidden is None:
+        return None
+    k = int(t.header["top_k"])
+    rs = routers(model, t.layers)
+    n = len(t.layers)
+    out: Hints = [[[] for _ in range(n)] for _ in t.routes]
+    for i in range(n - 1):
+        w, b = rs[t.layers[i + 1]]
+        h = t.hidden[:, i, :]
+        logits = h @ w.T + (b if b is not None else 0)
+        top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+        for s in range(len(t.routes)):
+            if not np.isnan(h[s]).any():
+                out[s][i].append((t.layers[i + 1], top[s].tolist()))
+    return out
+
+
+def merge_hints(a: Hints, b: Hints | None) -> Hints:
+    if b is None:
+        return a
+    return [[x + y for x, y in zip(sa, sb)] for sa, sb in zip(a, b)]
+
+
+def belady_future(t: Trace) -> dict[tuple[int, int], list[int]]:
+    """(layer, expert) -> positions (step × N + layer position) at which it is routed."""
+    n = len(t.layers)
+    fut: dict[tuple[int, int], list[int]] = {}
+    for s, routes in enumerate(t.routes):
+        for i, layer in enumerate(t.layers):
+            for e in sorted(set(routes.get(layer, ()))):
+                fut.setdefault((layer, e), []).append(s * n + i)
+    return fut
+
+
+def simulate(paths: list[str], budgets: list[int], model: str | None = None,
+             progress: Callable[[str], None] = lambda s: None) -> list[Row]:
+    """Every policy and Belady at every budget on every trace."""
+    rows = []
+    regions_of: dict[str, list] = {}
+    for path in paths:
+        t = Trace.read(path)
+        if not t.routes:
+            raise ValueError(f"{path} holds no decode tokens; record a longer run")
+        m = str(model or t.header["model"])
+        if m not in regions_of:
+            if not Path(m).exists():
+                raise ValueError(f"the trace's model {m} does not exist; pass the model with -m")
+            regions_of[m] = expert_regions(m)
+        regions = regions_of[m]
+        hints = merge_hints(temporal_hints(t), spec_gate_hints(t, m))
+        future = belady_future(t)
+        name = Path(path).stem
+        for pct in budgets:
+            makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, lambda p=p: p) for p in POLICIES]
+            makers.append((BELADY, lambda: Belady(t.layers, future)))
+            for pname, make in makers:
+                progress(f"{name}: {pname} at {pct}% ...")
+                t0 = time.perf_counter()
+                policy = make()
+                wants = isinstance(policy, str) and POLICIES[policy].wants_predictions
+                hit, mib = replay(t, regions, pct, policy, hints if wants else None)
+                us = (time.perf_counter() - t0) * 1e6 / len(t.routes)
+                rows.append(Row(name, pname, pct, hit, mib, us))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """One block per trace: hit rate and MiB/token per policy and budget, and the distance to Belady."""
+    out = []
+    for name in dict.fromkeys(r.trace for r in rows):
+        mine = [r for r in rows if r.trace == name]
+        budgets = sorted({r.budget_pct for r in mine})
+        best = {r.budget_pct: r.hit_pct for r in mine if r.policy == BELADY}
+        lru = {r.budget_pct: r.hit_pct for r in mine if r.policy == "lru"}
+        out.append(f"## {name}\n")
+        out.append("| policy | " + " | ".join(f"{b}%: hit / MiB/tok / vs LRU / to Belady" for b in budgets)
+                   + " | mgmt µs/token |")
+        out.append("| --- | " + " | ".join("---" for _ in budgets) + " | --- |")
+        for pname in dict.fromkeys(r.policy for r in mine):
+            cells = []
+            us = []
+            for b in budgets:
+                r = next(x for x in mine if x.policy == pname and x.budget_pct == b)
+                us.append(r.us_per_token)
+                cells.append(f"{r.hit_pct:.1f}% / {r.mib_per_token:.1f} / {r.hit_pct - lru[b]:+.1f} / "
+                             f"{r.hit_pct - best[b]:+.1f}")
+            out.append(f"| {pname} | " + " | ".join(cells) + f" | {max(us):.0f} |")
+        out.append("")
+    return "\n".join(out)
