@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from bmoe import profile, seam, telemetry
+from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
 from bmoe.coordinator import ConfigError, Engine, Result, Settings, TokenStat
 from bmoe.lanes import LaneError
 from bmoe.llama import SamplerSettings
@@ -18,6 +19,7 @@ examples:
   bmoe-cli                                   # built-in demo model and prompt
   bmoe-cli -m model.gguf -p "Why is the sky blue?" -n 128 --cache-mb 2000 --io-threads 4
   bmoe-cli -m model.gguf -f prompt.txt --chat --cache-mb 0
+  bmoe-cli -m model.gguf -p "Hello" --cache-mb 1500 --cache-policy lru   # the classic LRU cache
   bmoe-cli -m model.gguf -p "Hello" --no-stream     # plain llama.cpp, the reference output
   bmoe-cli -m model.gguf -p "Hello" --progress --csv run.csv --profile   # telemetry for apps and benchmarks
 """
@@ -39,6 +41,12 @@ def _cache_mb(text: str) -> float | None:
     if v < 0:
         raise argparse.ArgumentTypeError("must be 0 (no cache), a positive number of MiB, or 'auto'")
     return v
+
+
+def _cache_policy(text: str) -> str:
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown cache policy {text!r}; choose one of {', '.join(POLICIES)}")
+    return text
 
 
 def positive_int(text: str) -> int:
@@ -67,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-mb", type=_cache_mb, default=None,
                     help="expert cache budget in MiB; 0 = no cache (re-read every token); "
                          "'auto' (default) = available memory minus --cache-floor-mb")
+    ap.add_argument("--cache-policy", type=_cache_policy, default=DEFAULT_POLICY, metavar="NAME",
+                    help=f"which experts the cache gives up first: {', '.join(POLICIES)} "
+                         f"(default {DEFAULT_POLICY}; compare them on a trace with `bmoe-bench policies`)")
     ap.add_argument("--cache-floor-mb", type=float, default=1536.0,
                     help="memory left to the system by --cache-mb auto (default 1536)")
     ap.add_argument("--io-threads", type=positive_int, default=2, help="I/O lane processes (default 2)")
@@ -152,7 +163,7 @@ def run(a: argparse.Namespace) -> int:
         model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
         cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,
         odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace, preload=a.preload,
-        lane_timeout=a.lane_timeout, shm_backend=a.shm,
+        lane_timeout=a.lane_timeout, shm_backend=a.shm, cache_policy=a.cache_policy,
         sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
     )
     prompt = _read_prompt(a)

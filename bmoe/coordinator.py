@@ -24,6 +24,7 @@ from bmoe.lanes import LanePool, ReadOrder, merge_reads
 from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, make_sampler
 from bmoe.model_files import ModelError, ModelFiles, open_model
 from bmoe.routes import TraceWriter
+from bmoe.cache_policy import DEFAULT_POLICY
 from bmoe.shm_cache import ExpertCache, Region, Slab, layout, sweep_stale_segments
 
 MiB = 1 << 20
@@ -54,6 +55,7 @@ class Settings:
     preload: bool = False
     lane_timeout: float = 30.0
     shm_backend: str = "auto"
+    cache_policy: str = DEFAULT_POLICY
 
 
 @dataclass
@@ -89,7 +91,8 @@ class Streamer:
     """Cache, slab and lanes for one loaded model; `on_route` is the per-layer entry point."""
 
     def __init__(self, files: ModelFiles, tensors: list[seam.ExpertTensor], budget: int,
-                 io_threads: int, odirect: bool, lane_timeout: float = 30.0, shm_backend: str = "auto") -> None:
+                 io_threads: int, odirect: bool, lane_timeout: float = 30.0, shm_backend: str = "auto",
+                 cache_policy: str = DEFAULT_POLICY) -> None:
         self.files = files
         regions = []
         for t in sorted(tensors, key=lambda t: t.name):
@@ -102,7 +105,7 @@ class Streamer:
         self.n_expert = max(r.n_expert for r in regions)
         self.slab = Slab(layout(regions), shm_backend)
         try:
-            self.cache = ExpertCache(self.slab, regions, budget)
+            self.cache = ExpertCache(self.slab, regions, budget, cache_policy)
             self.pool = LanePool(io_threads, self.slab.name, [str(p) for p in files.paths], odirect,
                                  timeout=lane_timeout)
         except BaseException:
@@ -246,7 +249,7 @@ class Engine:
         else:
             self.budget = int(s.cache_mb * MiB)
         self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect, s.lane_timeout,
-                                 s.shm_backend)
+                                 s.shm_backend, s.cache_policy)
         need = self.streamer.cache.layer_working_set(max(1, self.files.n_expert_used))
         if 0 < self.budget < need:
             raise ConfigError(f"--cache-mb {self.budget / MiB:g} is below one layer's working set "
