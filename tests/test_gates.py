@@ -91,3 +91,22 @@ def test_memfd_segment_streams_identically(synth) -> None:
     res, _ = generate(path, cache_mb=open_model(path).expert_bytes / 3 / MiB, io_threads=2, shm_backend="memfd")
     assert res.ids == reference(path).ids
     assert bmoe_segments() == before
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) -> None:
+    """A policy changes which bytes stay resident, never which bytes are computed."""
+    from bmoe.cache_policy import POLICIES
+
+    path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
+    ref = reference(path)
+    cache_mb = open_model(path).expert_bytes / 3 / MiB
+    hit_pcts = {}
+    for policy in POLICIES:
+        res, _ = generate(path, cache_mb=cache_mb, io_threads=lanes, cache_policy=policy)
+        assert res.ids == ref.ids and res.text == ref.text, policy
+        misses = sum(s.lookups - s.hits for s in res.steps)
+        assert misses > 0, f"{policy}: a third of the experts must force misses"
+        hit_pcts[policy] = res.hit_pct()
+    assert len(set(hit_pcts.values())) > 1, f"the policies should not all keep the same experts: {hit_pcts}"
