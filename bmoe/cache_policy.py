@@ -31,11 +31,25 @@ gives up a predicted slice while another candidate is left). `Belady` is the off
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from typing import Iterable, Iterator, Sequence
 
 Key = tuple[int, int, int]
 
 DEFAULT_POLICY = "cycle-lfu"
+
+
+def _drain(od: OrderedDict[Key, None]) -> Iterator[Key]:
+    """`od`'s keys oldest first while the caller forgets them; a key it keeps (pinned) is passed over.
+
+    No copy of the whole order per eviction: the next candidate is the first key not passed over.
+    """
+    kept = 0
+    while kept < len(od):
+        key = next(islice(od, kept, None))
+        yield key
+        if key in od:
+            kept += 1
 
 
 class Policy:
@@ -99,8 +113,8 @@ class LRU(Policy):
     def forget(self, key: Key) -> None:
         del self.order[key]
 
-    def victims(self, layer: int) -> Iterator[Key]:
-        return iter(list(self.order))
+    def victims(self, layer: int | None) -> Iterator[Key]:
+        return _drain(self.order)
 
 
 class Cycle(Policy):
@@ -129,11 +143,11 @@ class Cycle(Policy):
     def forget(self, key: Key) -> None:
         del self.by_layer[key[0]][key]
 
-    def in_layer(self, layer: int) -> list[Key]:
+    def in_layer(self, layer: int) -> Iterator[Key]:
         """One layer's resident keys, first to go first."""
-        return list(self.by_layer[layer])
+        return _drain(self.by_layer[layer])
 
-    def victims(self, layer: int) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[Key]:
         for lay in self.furthest_first(layer):
             if self.by_layer[lay]:
                 yield from self.in_layer(lay)
@@ -173,9 +187,9 @@ class CycleLFU(Cycle):
         if not speculative:
             self._use(key)
 
-    def in_layer(self, layer: int) -> list[Key]:
+    def in_layer(self, layer: int) -> Iterator[Key]:
         keys = list(self.by_layer[layer])  # LRU order, kept by the stable sort for ties
-        return sorted(keys, key=lambda k: self.score(k[0], k[2]))
+        return iter(sorted(keys, key=lambda k: self.score(k[0], k[2])))
 
 
 class Quota(Policy):
@@ -191,16 +205,17 @@ class Quota(Policy):
     admit = Cycle.admit
     forget = Cycle.forget
 
-    def victims(self, layer: int) -> Iterator[Key]:
-        skipped: set[Key] = set()
+    def victims(self, layer: int | None) -> Iterator[Key]:
+        kept = dict.fromkeys(self.layers, 0)  # pinned keys passed over, at the front of each layer's order
         while True:
-            best = max(self.layers, key=lambda lay: len(self.by_layer[lay]) - sum(k[0] == lay for k in skipped))
-            key = next((k for k in self.by_layer[best] if k not in skipped), None)
-            if key is None:
+            best = max(self.layers, key=lambda lay: len(self.by_layer[lay]) - kept[lay])
+            od = self.by_layer[best]
+            if len(od) <= kept[best]:
                 return
+            key = next(islice(od, kept[best], None))
             yield key
-            if key in self.by_layer[best]:
-                skipped.add(key)
+            if key in od:
+                kept[best] += 1
 
 
 class Predictive(CycleLFU):
@@ -227,7 +242,7 @@ class Predictive(CycleLFU):
         for k in stale:
             del self.predicted[k]
 
-    def victims(self, layer: int) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[Key]:
         kept = []
         for key in super().victims(layer):
             if key in self.predicted:
@@ -289,5 +304,5 @@ class Belady(Policy):
     def forget(self, key: Key) -> None:
         self.resident.discard(key)
 
-    def victims(self, layer: int) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[Key]:
         return iter(sorted(self.resident, key=self.next_use, reverse=True))
