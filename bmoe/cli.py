@@ -49,6 +49,16 @@ def _cache_policy(text: str) -> str:
     return text
 
 
+def _percent(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0 <= v <= 100:
+        raise argparse.ArgumentTypeError("must be a percentage from 0 to 100")
+    return v
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts (shared by the project's commands)."""
     try:
@@ -90,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preload", action="store_true",
                     help="read every expert into the cache at start (when the budget holds them all)")
     ap.add_argument("--no-stream", action="store_true", help="plain llama.cpp (mmap), no expert streaming")
+    ap.add_argument("--overlap", action="store_true",
+                    help="read asynchronously: wait for gate/up slices at the routing node and for down slices "
+                         "only before the down matmul; speculative reads run during compute")
+    ap.add_argument("--prefetch", type=positive_int, default=0, metavar="K",
+                    help="after a layer routes, read ahead on idle lanes the experts the previous token routed "
+                         "at the next K layers (needs a cache)")
+    ap.add_argument("--spec-gate", action="store_true",
+                    help="predict the next layer's experts from this layer's router input in a separate "
+                         "process and read them ahead (needs a cache and F32/F16 routers)")
+    ap.add_argument("--spec-warmup", type=positive_int, default=512, metavar="N",
+                    help="predictions scored before the recall governor may switch --spec-gate off (default 512)")
+    ap.add_argument("--spec-recall-min", type=_percent, default=75.0, metavar="P",
+                    help="switch --spec-gate off for the run when its recall is below P%% after the warm-up; "
+                         "0 = never (default 75)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's own chat template")
     ap.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=40, help="top-k when sampling (default 40)")
@@ -108,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the model loaded and serve JSON requests from stdin, one per line, "
                          "answering with BMOE_* lines on stdout (see the telemetry contract's Session mode)")
     return ap
+
+
+def check_flags(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Combinations argparse cannot see; exit code 2 like any other bad flag."""
+    ahead = [f for f, on in (("--prefetch", a.prefetch), ("--spec-gate", a.spec_gate)) if on]
+    if a.no_stream and (ahead or a.overlap):
+        ap.error(f"{' and '.join(ahead + (['--overlap'] if a.overlap else []))} stream experts; "
+                 "drop them or drop --no-stream")
+    if ahead and a.cache_mb == 0:
+        ap.error(f"{' and '.join(ahead)} read experts ahead into the cache, and --cache-mb 0 has none; "
+                 "give it a budget (--cache-mb N or auto)")
 
 
 def _notice(msg: str) -> None:
@@ -134,12 +169,18 @@ def token_line(st: TokenStat, step: int, steps: int, hit_pct: float) -> telemetr
 
 
 def summary(engine: Engine, res: Result, lines: list[telemetry.TokenLine]) -> list[str]:
-    totals = telemetry.RunTotals.of(lines)
+    st = engine.streamer
+    totals = telemetry.RunTotals.of(lines, overlap=engine.settings.overlap)
     out = [telemetry.generation_line(totals)]
-    if engine.streamer:
+    if st:
         out.append(telemetry.stream_line(totals))
     if engine.cache_active:
         out.append(telemetry.cache_line(res.hit_pct(), engine.resident_bytes()))
+    if st and engine.settings.prefetch:
+        sp = res.speculation
+        out.append(telemetry.prefetch_line(sp.bytes, sp.useful, sp.prefetched))
+    if st and st.spec is not None:
+        out.append(telemetry.spec_gate_line(st.spec.recall_pct, st.spec.disabled_below))
     return out
 
 
@@ -163,7 +204,8 @@ def run(a: argparse.Namespace) -> int:
         model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
         cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,
         odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace, preload=a.preload,
-        lane_timeout=a.lane_timeout, shm_backend=a.shm, cache_policy=a.cache_policy,
+        lane_timeout=a.lane_timeout, shm_backend=a.shm, cache_policy=a.cache_policy, overlap=a.overlap,
+        prefetch=a.prefetch, spec_gate=a.spec_gate, spec_warmup=a.spec_warmup, spec_recall_min=a.spec_recall_min,
         sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
     )
     prompt = _read_prompt(a)
@@ -203,7 +245,7 @@ def run(a: argparse.Namespace) -> int:
             out.write(line + "\n")
         out.flush()
         if csv_file:
-            csv_file.write(telemetry.csv_summary(telemetry.RunTotals.of(lines),
+            csv_file.write(telemetry.csv_summary(telemetry.RunTotals.of(lines, overlap=a.overlap),
                                                  res.hit_pct() if engine.cache_active else -1.0) + "\n")
         if a.profile:
             rows = profile.collect(workers(engine))
@@ -218,7 +260,9 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    check_flags(ap, a)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     if a.session:

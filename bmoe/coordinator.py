@@ -20,12 +20,13 @@ import psutil
 import llama_cpp
 
 from bmoe import seam
-from bmoe.lanes import LanePool, ReadOrder, merge_reads
+from bmoe.lanes import LanePool, ReadOrder, merge_keyed, merge_reads
 from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, make_sampler
 from bmoe.model_files import ModelError, ModelFiles, open_model
 from bmoe.routes import TraceWriter
 from bmoe.cache_policy import DEFAULT_POLICY
-from bmoe.shm_cache import ExpertCache, Region, Slab, layout, sweep_stale_segments
+from bmoe.shm_cache import ABSENT, ExpertCache, Region, Slab, layout, sweep_stale_segments
+from bmoe.spec import SpecGate
 
 MiB = 1 << 20
 MAX_MERGED_READ = 4 * MiB
@@ -55,6 +56,11 @@ class Settings:
     preload: bool = False
     lane_timeout: float = 30.0
     shm_backend: str = "auto"
+    overlap: bool = False
+    prefetch: int = 0
+    spec_gate: bool = False
+    spec_warmup: int = 512
+    spec_recall_min: float = 75.0
     cache_policy: str = DEFAULT_POLICY
 
 
@@ -72,6 +78,15 @@ class TokenStat:
 
 
 @dataclass
+class Speculation:
+    """What the speculative reads did in one generation: the moe-prefetch / moe-spec-gate numbers."""
+
+    bytes: int = 0
+    prefetched: int = 0
+    useful: int = 0
+
+
+@dataclass
 class Result:
     ids: list[int]
     text: str
@@ -79,6 +94,7 @@ class Result:
     prefill_s: float
     steps: list[TokenStat]
     max_resident: int = 0
+    speculation: Speculation = field(default_factory=Speculation)
 
     def hit_pct(self, upto: int | None = None) -> float:
         """Cumulative decode hit rate over the first `upto` steps (all by default)."""
@@ -87,11 +103,32 @@ class Result:
         return 100.0 * sum(s.hits for s in steps) / looks if looks else 0.0
 
 
+Key = tuple[int, int, int]  # (layer, region index, expert)
+
+
+@dataclass
+class Order:
+    """Reads sent to one lane: the slices they fill and, if speculative, the experts read ahead."""
+
+    keys: list[Key]
+    ahead: list[tuple[int, int]] = field(default_factory=list)
+
+
 class Streamer:
-    """Cache, slab and lanes for one loaded model; `on_route` is the per-layer entry point."""
+    """Cache, slab and lanes for one loaded model; `on_route` is the per-layer entry point.
+
+    Serial: a layer's missing slices are read and awaited at its routing node.
+    Overlap: reads go out at the routing node, gate/up slices are awaited there and
+    down slices only at the down matmul's input node (`on_down`). Speculative reads
+    (temporal prefetch of the previous token's routing, spec-gate predictions) wait
+    in a coordinator-side queue and go to lanes with nothing in flight, so a lane
+    holds at most one of them when a demand batch arrives; the queue is dropped at
+    every demand batch and refilled from the new position in the layer cycle.
+    """
 
     def __init__(self, files: ModelFiles, tensors: list[seam.ExpertTensor], budget: int,
                  io_threads: int, odirect: bool, lane_timeout: float = 30.0, shm_backend: str = "auto",
+                 overlap: bool = False, prefetch: int = 0,
                  cache_policy: str = DEFAULT_POLICY) -> None:
         self.files = files
         regions = []
@@ -114,23 +151,204 @@ class Streamer:
         by_name = {t.name: t for t in tensors}
         for r in regions:
             by_name[r.name].rebind(self.slab.base + r.slab_offset)
-        self.io_ns = self.mgmt_ns = self.read_bytes = 0
+        self.overlap = overlap
+        self.prefetch = prefetch
+        self.spec: SpecGate | None = None
+        self.layers = sorted(self.cache.by_layer)
+        self.cycle_pos = {layer: i for i, layer in enumerate(self.layers)}
+        self.inflight: dict[int, Order] = {}
+        self.order_of: dict[Key, int] = {}
+        self.wishes: list[tuple[int, int]] = []
+        self.down_orders: dict[int, list[int]] = {}
+        self.last_routes: dict[int, list[int]] = {}
+        self.predictions: dict[int, set[int]] = {}
+        self.read_ahead: set[tuple[int, int]] = set()
+        self.speculation = Speculation()
+        self.route_seq = 0
+        self.routed_at: dict[int, int] = {}
+        self.io_ns = self.mgmt_ns = self.stall_ns = self.read_bytes = self.busy_ns = 0
+
+    # ---- the hook's entry points ---------------------------------------------------------------
 
     def on_route(self, layer: int, ids: np.ndarray) -> None:
         t0 = time.perf_counter_ns()
+        self._tick()
         experts = np.unique(ids)
         if experts.size and (experts[0] < 0 or experts[-1] >= self.n_expert):
             raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{self.n_expert - 1}")
-        missing = self.cache.plan(layer, experts.tolist())
+        wanted = experts.tolist()
+        self.route_seq += 1
+        self.routed_at[layer] = self.route_seq
+        self.last_routes[layer] = [int(x) for x in ids[-1]] if len(ids) else []
+        predicted = self.predictions.pop(layer, None)
+        if predicted is not None and self.spec is not None:
+            self.spec.score(predicted, set(self.last_routes[layer]))
+        self._count_useful(layer, wanted)
+        self.wishes.clear()  # demand first: speculative reads not yet sent are dropped
+        missing = self.cache.plan(layer, wanted)
+        now, later = self._send_demand(layer, wanted, missing)
+        self._plan_speculation(layer)
         t1 = time.perf_counter_ns()
-        if missing:
-            orders = self._reads(missing)
-            self.read_bytes += self.pool.wait(self.pool.submit(orders))
-        t2 = time.perf_counter_ns()
-        self.cache.commit(missing)
-        t3 = time.perf_counter_ns()
-        self.io_ns += t2 - t1
-        self.mgmt_ns += (t1 - t0) + (t3 - t2)
+        self.mgmt_ns += t1 - t0
+        if self.overlap:
+            self.down_orders[layer] = later
+            self.stall_ns += self._wait(now)
+        else:
+            self.io_ns += self._wait(now + later)
+
+    def down_pending(self, layer: int) -> bool:
+        orders = self.down_orders.get(layer)
+        if orders and any(o in self.inflight for o in orders):
+            return True
+        self.down_orders.pop(layer, None)
+        return False
+
+    def on_down(self, layer: int) -> None:
+        self.stall_ns += self._wait(self.down_orders.pop(layer, []))
+
+    def on_router_input(self, layer: int, node: int) -> None:
+        if self.spec is None or not self.spec.active:
+            return
+        addr, n_embd, n_tokens = seam.last_router_input(node)
+        if n_tokens == 1 and n_embd == self.spec.n_embd:  # decode: prefill routes nearly every expert anyway
+            self.spec.send(layer, addr, self.route_seq)
+        self._tick()
+
+    def skip(self, layer: int) -> bool:
+        """A layer whose every expert is resident under a budget that holds them all needs no stop."""
+        if self.cache.layer_complete(layer):
+            self.cache.count_hits(layer, self.files.n_expert_used)
+            return True
+        return False
+
+    # ---- demand and speculative reads ----------------------------------------------------------
+
+    def _send_demand(self, layer: int, wanted: list[int], missing: list[Key]) -> tuple[list[int], list[int]]:
+        """Send the layer's missing reads (gate/up before down); returns (await now, await at down)."""
+        down = {ri for ri in self.cache.by_layer[layer] if self.cache.regions[ri].kind == "ffn_down_exps"}
+        split = self.overlap and bool(down)
+        now = self._spread([k for k in missing if not (split and k[1] in down)])
+        later = self._spread([k for k in missing if split and k[1] in down])
+        for key in self.cache.layer_slices(layer, wanted):
+            oid = self.order_of.get(key)  # a read already under way (speculative) covers this slice
+            target = later if split and key[1] in down else now
+            if oid is not None and oid not in target:
+                target.append(oid)
+        return now, later
+
+    def _spread(self, keys: list[Key]) -> list[int]:
+        """Demand reads over all lanes, largest first onto the least-loaded one; returns order ids."""
+        if not keys:
+            return []
+        merged = merge_keyed([(self.cache.regions[ri].read_order(e), (l, ri, e)) for l, ri, e in keys],
+                             MAX_MERGED_READ)
+        load = [lane.pending_bytes() for lane in self.pool.lanes]
+        shares: list[list[tuple[ReadOrder, list[Key]]]] = [[] for _ in load]
+        for item in sorted(merged, key=lambda x: -x[0][2]):
+            i = load.index(min(load))
+            shares[i].append(item)
+            load[i] += item[0][2]
+        return [self._send(i, share) for i, share in enumerate(shares) if share]
+
+    def _send(self, lane: int, share: list[tuple[ReadOrder, list[Key]]],
+              ahead: list[tuple[int, int]] | None = None) -> int:
+        oid = self.pool.send(lane, [r for r, _ in share])
+        keys = [k for _, ks in share for k in ks]
+        self.inflight[oid] = Order(keys, ahead or [])
+        for k in keys:
+            self.order_of[k] = oid
+        return oid
+
+    def _plan_speculation(self, layer: int) -> None:
+        """Queue the previous token's experts of the next `prefetch` layers, nearest first."""
+        if self.prefetch:
+            pos = self.cycle_pos[layer]
+            for j in range(1, self.prefetch + 1):
+                nxt = self.layers[(pos + j) % len(self.layers)]
+                self._wish(nxt, self.last_routes.get(nxt, ()))
+        self._pump()
+
+    def _wish(self, layer: int, experts) -> None:
+        st = self.cache.state
+        for e in experts:
+            if (layer, e) not in self.wishes and any(
+                    st[ri][e] == ABSENT for ri in self.cache.by_layer[layer]):
+                self.wishes.append((layer, e))
+
+    def _pump(self) -> None:
+        """Hand queued speculative reads to lanes that have nothing in flight."""
+        idle = self.pool.idle()
+        while self.wishes and idle:
+            layer, e = self.wishes.pop(0)
+            keys = self.cache.admit_speculative(layer, [e])
+            if keys:
+                share = merge_keyed([(self.cache.regions[ri].read_order(x), (l, ri, x)) for l, ri, x in keys],
+                                    MAX_MERGED_READ)
+                self._send(idle.pop(0), share, ahead=[(layer, e)])
+
+    def _on_predictions(self) -> None:
+        for seq, layer, ids in self.spec.receive():
+            if self.routed_at.get(layer, 0) > seq:
+                continue  # the layer routed before the prediction arrived: too late to use
+            self.predictions[layer] = set(ids)
+            before = len(self.wishes)
+            self._wish(layer, ids)
+            self.wishes[:] = self.wishes[before:] + self.wishes[:before]  # the next layer comes first
+        self._pump()
+
+    def _count_useful(self, layer: int, wanted: list[int]) -> None:
+        if not self.read_ahead:
+            return
+        st = self.cache.state
+        for e in wanted:
+            if (layer, e) in self.read_ahead:
+                self.read_ahead.discard((layer, e))
+                if all(st[ri][e] != ABSENT for ri in self.cache.by_layer[layer]):
+                    self.speculation.useful += 1
+
+    # ---- completions ---------------------------------------------------------------------------
+
+    def _extra(self) -> dict:
+        return {self.spec.fd: self._on_predictions} if self.spec is not None and self.spec.active else {}
+
+    def _tick(self) -> None:
+        """Collect what finished and keep idle lanes busy, without blocking."""
+        if self.inflight or (self.spec is not None and self.spec.active):
+            self.pool.poll(0, self._extra())
+            self._collect()
+            self._pump()
+
+    def _wait(self, orders: list[int]) -> int:
+        """Block until these orders completed; returns the wall time blocked (ns)."""
+        t0 = time.perf_counter_ns()
+        while any(o in self.inflight for o in orders):
+            self.pool.poll(0.5, self._extra())
+            self._collect()
+            self._pump()
+        return time.perf_counter_ns() - t0
+
+    def _collect(self) -> None:
+        for oid in [o for o in self.pool.done if o in self.inflight]:
+            nbytes, busy = self.pool.take(oid)
+            order = self.inflight.pop(oid)
+            for k in order.keys:
+                del self.order_of[k]
+            self.cache.commit(order.keys)
+            self.read_bytes += nbytes
+            self.busy_ns += busy
+            if order.ahead:
+                self.speculation.bytes += nbytes
+                self.speculation.prefetched += len(order.ahead)
+                self.read_ahead.update(order.ahead)
+
+    def settle(self) -> None:
+        """Finish every read in flight and drop queued ones: the cache is consistent again."""
+        self.wishes.clear()
+        self.down_orders.clear()
+        self.predictions.clear()
+        self._wait(list(self.inflight))
+
+    # ---- whole-cache operations ----------------------------------------------------------------
 
     def preload(self) -> int:
         """Read every expert now (only when the budget holds them all); returns bytes read."""
@@ -147,26 +365,25 @@ class Streamer:
         c.stats = type(c.stats)()
         return total
 
-    def skip(self, layer: int) -> bool:
-        """A layer whose every expert is resident under a budget that holds them all needs no stop."""
-        if self.cache.layer_complete(layer):
-            self.cache.count_hits(layer, self.files.n_expert_used)
-            return True
-        return False
-
-    def _reads(self, slices: list[tuple[int, int, int]]) -> list[ReadOrder]:
+    def _reads(self, slices: list[Key]) -> list[ReadOrder]:
         return merge_reads([self.cache.regions[ri].read_order(e) for _, ri, e in slices], MAX_MERGED_READ)
 
-    def take_counters(self) -> tuple[int, int, int]:
-        out = (self.io_ns, self.mgmt_ns, self.read_bytes)
-        self.io_ns = self.mgmt_ns = self.read_bytes = 0
+    def take_counters(self) -> tuple[int, int, int, int]:
+        """(io, mgmt, stall ns, bytes read) since the last call; io is lane busy time under overlap."""
+        io = self.busy_ns if self.overlap else self.io_ns
+        out = (io, self.mgmt_ns, self.stall_ns, self.read_bytes)
+        self.io_ns = self.mgmt_ns = self.stall_ns = self.read_bytes = self.busy_ns = 0
         return out
 
     def close(self) -> None:
         try:
-            self.pool.close()
+            if self.spec is not None:
+                self.spec.close()
         finally:
-            self.slab.close()
+            try:
+                self.pool.close()
+            finally:
+                self.slab.close()
 
 
 def auto_cache_bytes(expert_bytes: int, floor_mb: float) -> int:
@@ -248,17 +465,30 @@ class Engine:
                    f"{s.cache_floor_mb:.0f} MiB, experts total {expert_total / MiB:.0f} MiB)")
         else:
             self.budget = int(s.cache_mb * MiB)
+        if (s.prefetch or s.spec_gate) and self.budget <= 0:
+            raise ConfigError("--prefetch and --spec-gate read experts ahead into the cache, and this run has "
+                              "none; give it a budget with --cache-mb (or drop those flags)")
         self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect, s.lane_timeout,
-                                 s.shm_backend, s.cache_policy)
+                                 s.shm_backend, s.overlap, s.prefetch, s.cache_policy)
         need = self.streamer.cache.layer_working_set(max(1, self.files.n_expert_used))
         if 0 < self.budget < need:
             raise ConfigError(f"--cache-mb {self.budget / MiB:g} is below one layer's working set "
                               f"({need / MiB:.1f} MiB); use --cache-mb {need / MiB:.1f} or more, or 0 for no cache")
-        self.hook.on_route = self.streamer.on_route
+        st = self.streamer
+        self.hook.on_route = st.on_route
+        if s.overlap:
+            self.hook.down_nodes = cap.down_inputs
+            self.hook.down_pending, self.hook.on_down = st.down_pending, st.on_down
+        if s.spec_gate:
+            st.spec = SpecGate([str(p) for p in self.files.paths], self.files.arch, st.layers,
+                               self.files.n_expert_used, llama_cpp.llama_model_n_embd(self.model),
+                               s.shm_backend, s.spec_warmup, s.spec_recall_min, notice)
+            if st.spec.active:
+                self.hook.on_router_input = self._router_input
         if s.route_trace:
             self._start_trace(Path(s.route_trace))
         else:
-            self.hook.skip_route = self.streamer.skip
+            self.hook.skip_route = st.skip
         if s.preload:
             if not self.streamer.cache.holds_everything:
                 notice("--preload ignored: the cache budget does not hold every expert")
@@ -276,11 +506,21 @@ class Engine:
         stream = self.streamer.on_route
 
         def on_route(layer: int, ids: np.ndarray) -> None:
-            self.trace.on_route(layer, ids)
+            self.trace.on_route(layer, ids, self.streamer.predictions.get(layer))
             stream(layer, ids)
 
         self.hook.on_route = on_route
-        self.hook.on_router_input = self.trace.on_router_input
+        self.hook.on_router_input = self._router_input
+
+    def _router_input(self, layer: int, node: int) -> None:
+        """Hand a layer's router input to the trace and the spec-gate; off once neither wants it."""
+        st = self.streamer
+        if self.trace:
+            self.trace.on_router_input(layer, seam.router_input(node))
+        if st.spec is not None and st.spec.active:
+            st.on_router_input(layer, node)
+        elif not self.trace:
+            self.hook.on_router_input = None  # the governor fired: no more stops at the router
 
     @property
     def cache_active(self) -> bool:
@@ -389,6 +629,17 @@ class Engine:
     def _generate(self, sampler: llama_cpp.llama_sampler_p, tokens: list[int], n_predict: int,
                   on_piece: Callable[[int, str, TokenStat], None]) -> Result:
         st = self.streamer
+        try:
+            return self._run(sampler, tokens, n_predict, on_piece)
+        finally:
+            if st:
+                st.settle()
+
+    def _run(self, sampler: llama_cpp.llama_sampler_p, tokens: list[int], n_predict: int,
+             on_piece: Callable[[int, str, TokenStat], None]) -> Result:
+        st = self.streamer
+        if st:
+            st.speculation = Speculation()
         t0 = time.perf_counter()
         self._decode(tokens)
         if st:
@@ -408,9 +659,9 @@ class Engine:
             before = st.cache.stats.snapshot() if st else (0, 0)
             self._decode([tok])
             wall = time.perf_counter_ns() - c0
-            io, mgmt, nbytes = st.take_counters() if st else (0, 0, 0)
+            io, mgmt, stall, nbytes = st.take_counters() if st else (0, 0, 0, 0)
             after = st.cache.stats.snapshot() if st else (0, 0)
-            stat = TokenStat(wall, io, mgmt, nbytes, after[0] - before[0], after[1] - before[1])
+            stat = TokenStat(wall, io, mgmt, nbytes, after[0] - before[0], after[1] - before[1], stall)
             res.steps.append(stat)
             if self.trace:
                 self.trace.end_step(tok)
@@ -419,6 +670,8 @@ class Engine:
             on_piece(i, new, stat)
         out.finish()
         res.text = out.text
+        if st:
+            res.speculation = st.speculation
         if self.trace:
             self.trace.active = False
             self.trace.write()
@@ -431,6 +684,7 @@ class Engine:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
         st, self.streamer = self.streamer, None
         self.hook.on_route = self.hook.on_router_input = self.hook.skip_route = None
+        self.hook.down_pending = self.hook.on_down = None
         try:
             if self.ctx:
                 llama_cpp.llama_free(self.ctx)

@@ -8,24 +8,32 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import msgpack
 
 ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
+T = TypeVar("T")
 
 
 def merge_reads(orders: list[ReadOrder], max_len: int) -> list[ReadOrder]:
     """Fewer, larger reads: in file order, reads that touch or overlap in one file at the same
     file-to-slab distance become one (never longer than max_len unless a single read is)."""
-    out: list[ReadOrder] = []
-    for fi, off, length, slab_off, needed in sorted(orders):
+    return [r for r, _ in merge_keyed([(o, None) for o in orders], max_len)]
+
+
+def merge_keyed(items: list[tuple[ReadOrder, T]], max_len: int) -> list[tuple[ReadOrder, list[T]]]:
+    """merge_reads that also says which items each merged read covers."""
+    out: list[tuple[ReadOrder, list[T]]] = []
+    for (fi, off, length, slab_off, needed), key in sorted(items, key=lambda x: x[0]):
         if out:
-            pfi, poff, plen, pslab, pneed = out[-1]
+            (pfi, poff, plen, pslab, pneed), keys = out[-1]
             if pfi == fi and off <= poff + plen and off - poff == slab_off - pslab \
                     and off + length - poff <= max_len:
-                out[-1] = (pfi, poff, max(plen, off + length - poff), pslab, max(pneed, off + needed - poff))
+                out[-1] = ((pfi, poff, max(plen, off + length - poff), pslab, max(pneed, off + needed - poff)),
+                           keys + [key])
                 continue
-        out.append((fi, off, length, slab_off, needed))
+        out.append(((fi, off, length, slab_off, needed), [key]))
     return out
 
 
@@ -67,6 +75,9 @@ class Lane:
             self.proc.stdin.flush()
         except (BrokenPipeError, ValueError):
             self.eof = True  # found dead; the pool restarts it and re-sends what is pending
+
+    def pending_bytes(self) -> int:
+        return sum(r[2] for _, reads in self.pending.values() for r in reads)
 
     def respawn(self) -> None:
         """Replace a dead or hung process and re-issue everything it had not finished."""
@@ -145,41 +156,66 @@ class LanePool:
     def submit(self, reads: list[ReadOrder]) -> list[int]:
         """Spread reads over the lanes, largest first onto the least-loaded lane."""
         shares: list[list[ReadOrder]] = [[] for _ in self.lanes]
-        load = [0] * len(self.lanes)
+        load = [lane.pending_bytes() for lane in self.lanes]
         for r in sorted(reads, key=lambda r: -r[2]):
             i = load.index(min(load))
             shares[i].append(r)
             load[i] += r[2]
-        ids = []
-        for lane, share in zip(self.lanes, shares):
-            if share:
-                self._next_id += 1
-                lane.send(self._next_id, share)
-                ids.append(self._next_id)
-        return ids
+        return [self.send(i, share) for i, share in enumerate(shares) if share]
+
+    def send(self, lane_index: int, reads: list[ReadOrder]) -> int:
+        """One order to one lane; it reads in arrival order. Returns the order id."""
+        self._next_id += 1
+        self.lanes[lane_index].send(self._next_id, reads)
+        return self._next_id
+
+    def idle(self) -> list[int]:
+        """Lanes with nothing in flight."""
+        return [i for i, lane in enumerate(self.lanes) if not lane.pending]
+
+    def poll(self, timeout: float, extra: dict[int, Callable[[], None]] | None = None) -> None:
+        """Collect completions into `done` (waiting up to `timeout` s for one), replacing failed lanes.
+
+        `extra` maps other readable file descriptors to the handler to call when they are
+        ready, so one wait serves the lanes and, e.g., the spec-gate.
+        """
+        extra = extra or {}
+        keys = [self.sel.register(fd, selectors.EVENT_READ, fn) for fd, fn in extra.items()]
+        try:
+            for key, _ in self.sel.select(timeout=timeout):
+                if isinstance(key.data, Lane):
+                    self._drain(key.data)
+                else:
+                    key.data()
+        finally:
+            for key in keys:
+                self.sel.unregister(key.fileobj)
+        now = time.monotonic()
+        for lane in self.lanes:
+            if not lane.pending:
+                continue
+            oldest = min(t for t, _ in lane.pending.values())
+            if lane.eof or lane.proc.poll() is not None:
+                self._replace(lane, f"exited with code {lane.proc.poll()}")
+            elif now - oldest > self.timeout:
+                self._replace(lane, f"did not answer within {self.timeout:g} s")
 
     def wait(self, ids: list[int]) -> int:
         """Block until every order in ids completed; returns the bytes they read."""
         want = set(ids)
         while not want.issubset(self.done):
-            for key, _ in self.sel.select(timeout=0.5):
-                self._drain(key.data)
-            now = time.monotonic()
-            for lane in self.lanes:
-                if not lane.pending:
-                    continue
-                oldest = min(t for t, _ in lane.pending.values())
-                if lane.eof or lane.proc.poll() is not None:
-                    self._replace(lane, f"exited with code {lane.proc.poll()}")
-                elif now - oldest > self.timeout:
-                    self._replace(lane, f"did not answer within {self.timeout:g} s")
+            self.poll(0.5)
         total = 0
         for i in ids:
-            nbytes, _busy, err = self.done.pop(i)
-            if err:
-                raise LaneError(err)
-            total += nbytes
+            total += self.take(i)[0]
         return total
+
+    def take(self, order_id: int) -> tuple[int, int]:
+        """(bytes, lane busy ns) of a completed order; raises the lane's error if it failed."""
+        nbytes, busy_ns, err = self.done.pop(order_id)
+        if err:
+            raise LaneError(err)
+        return nbytes, busy_ns
 
     def _replace(self, lane: Lane, why: str) -> None:
         self.restarts += 1

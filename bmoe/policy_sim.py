@@ -17,8 +17,9 @@ from typing import Callable
 
 import numpy as np
 
+from bmoe import routers
 from bmoe.cache_policy import POLICIES, Belady, Policy
-from bmoe.routes import Trace, expert_regions, replay, routers
+from bmoe.routes import Trace, expert_regions, replay
 
 PREDICT_AHEAD = 2
 BELADY = "belady"
@@ -48,21 +49,23 @@ def temporal_hints(t: Trace) -> Hints:
 
 
 def spec_gate_hints(t: Trace, model: str | Path) -> Hints | None:
-    """At step s before layer i: layer i+1's router top-k on layer i's router input (None without hidden states)."""
+    """At step s before layer i: the spec-gate's prediction for layer i+1 from layer i's router input.
+
+    None when the trace has no hidden states or the model's routers cannot predict (quantized).
+    """
     if t.hidden is None:
         return None
-    k = int(t.header["top_k"])
-    rs = routers(model, t.layers)
-    n = len(t.layers)
-    out: Hints = [[[] for _ in range(n)] for _ in t.routes]
-    for i in range(n - 1):
-        w, b = rs[t.layers[i + 1]]
-        h = t.hidden[:, i, :]
-        logits = h @ w.T + (b if b is not None else 0)
-        top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
-        for s in range(len(t.routes)):
-            if not np.isnan(h[s]).any():
-                out[s][i].append((t.layers[i + 1], top[s].tolist()))
+    try:
+        pred = routers.Predictor(routers.load([model], t.header["arch"], t.layers), int(t.header["top_k"]))
+    except routers.RouterError:
+        return None
+    out: Hints = [[[] for _ in t.layers] for _ in t.routes]
+    for s in range(len(t.routes)):
+        for i, layer in enumerate(t.layers):
+            h = t.hidden[s, i]
+            p = None if np.isnan(h).any() else pred.predict(layer, h)
+            if p is not None:
+                out[s][i].append((p[0], p[1].tolist()))
     return out
 
 

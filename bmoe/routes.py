@@ -27,13 +27,17 @@ class TraceWriter:
     header: dict
     active: bool = False
     routes: dict[int, list[int]] = field(default_factory=dict)
+    predicted: dict[int, list[int]] = field(default_factory=dict)
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)
     hidden_rows: list[np.ndarray] = field(default_factory=list)
 
-    def on_route(self, layer: int, ids: np.ndarray) -> None:
+    def on_route(self, layer: int, ids: np.ndarray, predicted: set[int] | None = None) -> None:
+        """Record the last token's routing and, with --spec-gate, what was predicted for it in time."""
         if self.active:
             self.routes[layer] = [int(x) for x in ids[-1]]
+            if predicted is not None:
+                self.predicted[layer] = sorted(int(x) for x in predicted)
 
     def on_router_input(self, layer: int, h: np.ndarray) -> None:
         if self.active:
@@ -41,12 +45,15 @@ class TraceWriter:
 
     def end_step(self, token: int) -> None:
         layers = self.header["layers"]
-        self.steps.append({"step": len(self.steps) + 1, "token": token,
-                           "routes": {str(l): self.routes.get(l, []) for l in layers}})
+        step = {"step": len(self.steps) + 1, "token": token,
+                "routes": {str(l): self.routes.get(l, []) for l in layers}}
+        if self.predicted:
+            step["predicted"] = {str(l): ids for l, ids in self.predicted.items()}
+        self.steps.append(step)
         n_embd = self.header["n_embd"]
         self.hidden_rows.append(np.stack([self.hidden.get(l, np.full(n_embd, np.nan, np.float32))
                                           for l in layers]))
-        self.routes, self.hidden = {}, {}
+        self.routes, self.hidden, self.predicted = {}, {}, {}
 
     def write(self) -> None:
         with open(self.path, "w") as f:
@@ -92,38 +99,25 @@ def previous_token_reuse(t: Trace) -> float:
     return 100.0 * same / total if total else 0.0
 
 
-def routers(model: str | Path, layers: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
-    """Each layer's router weight [n_expert, n_embd] and bias, read from the GGUF."""
-    reader = gguf.GGUFReader(model)
-    by_name = {t.name: t for t in reader.tensors}
-    out = {}
-    for layer in layers:
-        w = by_name.get(f"blk.{layer}.ffn_gate_inp.weight")
-        if w is None or w.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            raise ValueError(f"layer {layer}'s router is missing or quantized; offline recall needs F32/F16")
-        b = by_name.get(f"blk.{layer}.ffn_gate_inp.bias")
-        out[layer] = (np.asarray(w.data, np.float32).reshape(-1, int(w.shape[0])),
-                      None if b is None else np.asarray(b.data, np.float32))
-    return out
-
-
-def next_layer_recall(t: Trace, model: str | Path) -> float:
-    """Share of layer l+1's routed experts that layer l+1's router picks from layer l's router input."""
+def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> float:
+    """Share of layer l+1's routed experts that the spec-gate's predictor picks from layer l's router input."""
     if t.hidden is None:
         raise ValueError("the trace has no hidden states (.hidden.npy); re-record it with --route-trace")
-    k = int(t.header["top_k"])
-    rs = routers(model, t.layers)
+    from bmoe import routers
+
+    try:
+        pred = routers.Predictor(routers.load([model], t.header["arch"], t.layers), int(t.header["top_k"]), rescale)
+    except routers.RouterError as e:
+        raise ValueError(f"{e}; offline recall needs F32/F16 routers") from None
     hit = total = 0
     for step, routes in enumerate(t.routes):
-        for i, (layer, nxt) in enumerate(zip(t.layers, t.layers[1:])):
+        for i, layer in enumerate(t.layers):
             h = t.hidden[step, i]
-            if np.isnan(h).any() or not routes.get(nxt):
+            p = None if np.isnan(h).any() else pred.predict(layer, h)
+            if p is None or not routes.get(p[0]):
                 continue
-            w, b = rs[nxt]
-            logits = w @ h + (b if b is not None else 0)
-            predicted = set(np.argsort(-logits, kind="stable")[:k].tolist())
-            actual = set(routes[nxt])
-            hit += len(predicted & actual)
+            actual = set(routes[p[0]])
+            hit += len(set(p[1].tolist()) & actual)
             total += len(actual)
     return 100.0 * hit / total if total else 0.0
 
@@ -182,7 +176,8 @@ def report(path: str | Path, model: str | Path | None = None) -> str:
              f"{t.header['n_expert']} experts, top-{t.header['top_k']})",
              f"previous-token reuse: {previous_token_reuse(t):.1f}%"]
     try:
-        lines.append(f"next-layer router recall: {next_layer_recall(t, model):.1f}%")
+        lines.append(f"next-layer router recall: {next_layer_recall(t, model):.1f}% "
+                     f"(router input used as is: {next_layer_recall(t, model, rescale=False):.1f}%)")
     except ValueError as e:
         lines.append(f"next-layer router recall: n/a ({e})")
     curve = [(pct, *replay(t, regions, pct)) for pct in BUDGETS_PCT]

@@ -46,6 +46,7 @@ class GgmlTensor(ctypes.Structure):
 NAME_OFFSET = GgmlTensor.name.offset
 OP_OFFSET = GgmlTensor.op.offset
 TOPK_PREFIX = b"ffn_moe_topk-"
+DOWN_INPUT_PREFIX = b"ffn_moe_"  # every down-matmul input seen so far (swiglu, swiglu_oai, ...)
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$")
 _TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
@@ -116,6 +117,15 @@ def router_input(addr: int) -> np.ndarray:
                                            strides=(row, 4)).copy()
 
 
+def last_router_input(addr: int) -> tuple[int, int, int]:
+    """(address, n_embd, n_tokens) of the last token's F32 router input of a `ffn_moe_logits-L` node."""
+    src = tensor_at(tensor_at(addr).src[1])
+    if src.type != 0 or int(src.nb[0]) != 4:
+        raise RuntimeError(f"router input of {tensor_name(addr)} is not an F32 row-major tensor")
+    n_tok = int(src.ne[1])
+    return src.data + int(src.nb[1]) * (n_tok - 1), int(src.ne[0]), n_tok
+
+
 def _layer_of(cache: dict[bytes, int | None], name: bytes, rx: re.Pattern[str]) -> int | None:
     if name not in cache:
         m = rx.match(name.decode(errors="replace"))
@@ -148,6 +158,8 @@ class Capture:
 
     tensors: dict[int, ExpertTensor] = field(default_factory=dict)
     bad: list[str] = field(default_factory=list)
+    down_inputs: dict[bytes, int] = field(default_factory=dict)  # node name -> layer
+
 
     def visit(self, addr: int) -> None:
         t = tensor_at(addr)
@@ -169,6 +181,11 @@ class Capture:
             addr=w, name=wname, layer=int(m.group(1)), kind=m.group(2),
             n_expert=int(wt.ne[2]), expert_bytes=int(wt.nb[2]),
         )
+        if m.group(2) == "ffn_down_exps" and t.src[1]:
+            # the down matmul's input: under --overlap the down slices are awaited there
+            name = ctypes.string_at(t.src[1] + NAME_OFFSET)
+            if name.startswith(DOWN_INPUT_PREFIX) and name.endswith(f"-{m.group(1)}".encode()):
+                self.down_inputs[name] = int(m.group(1))
 
 
 _decoding: "EvalHook | None" = None
@@ -195,7 +212,10 @@ class EvalHook:
     routing node of each MoE layer and calls `on_route(layer, ids)` in its
     ask=False call, before the expert matmuls that consume it run. With
     `on_router_input` set it also hands over each layer's router input;
-    `skip_route(layer)` returning True lets a layer run without stopping. Exceptions
+    `skip_route(layer)` returning True lets a layer run without stopping. With
+    `down_nodes` (the down matmul's input node per layer, from Capture) and
+    `down_pending(layer)` true, it stops there and calls `on_down(layer)` before
+    the down matmul runs: under --overlap the down slices are awaited there. Exceptions
     (including KeyboardInterrupt from a signal) are kept and the graph aborted:
     ctypes would otherwise swallow them and let llama.cpp compute on.
     """
@@ -205,6 +225,9 @@ class EvalHook:
         self.on_route: Callable[[int, np.ndarray], None] | None = None
         self.on_router_input: Callable[[int, np.ndarray], None] | None = None
         self.skip_route: Callable[[int], bool] | None = None
+        self.down_nodes: dict[bytes, int] = {}
+        self.down_pending: Callable[[int], bool] | None = None
+        self.on_down: Callable[[int], None] | None = None
         self.error: BaseException | None = None
         self._layers: dict[bytes, int | None] = {}
         self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
@@ -234,7 +257,15 @@ class EvalHook:
                     return True
                 layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _LOGITS_NAME)
                 if layer is not None:
-                    self.on_router_input(layer, router_input(t))
+                    self.on_router_input(layer, t)
+                return True
+            if self.down_pending is not None and prefix[:8] == DOWN_INPUT_PREFIX:
+                layer = self.down_nodes.get(ctypes.string_at(t + NAME_OFFSET))
+                if layer is None:
+                    return False
+                if ask:
+                    return self.down_pending(layer)
+                self.on_down(layer)
                 return True
             return False
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns

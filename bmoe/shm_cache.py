@@ -210,10 +210,17 @@ class CacheStats:
 class ExpertCache:
     """(layer, tensor, expert) slices under a byte budget; a policy (bmoe.cache_policy) picks what goes.
 
-    A slice is charged the whole pages it spans, so the budget bounds the
-    segment's real allocated bytes. The slices the current layer is about to
-    use are pinned: they may push residency past the budget by at most one
-    layer's routed set, never get evicted under the matmul that needs them.
+    A slice is charged the whole pages it spans from the moment its read is
+    planned (LOADING) until it is evicted, so the budget bounds the segment's
+    real allocated bytes even with reads in flight. The slices the current layer
+    is about to use are pinned: they may push residency past the budget by at
+    most one layer's routed set, never get evicted under the matmul that needs
+    them. A LOADING slice is never evicted: a lane is writing its pages.
+
+    Slices read on a prediction (`admit_speculative`) enter the policy's order at
+    the cold end; a real hit promotes them. Until their layer next routes they are
+    "expected" and evicted only when nothing else can go; a prediction the layer
+    did not route is then left cold, so mispredictions are the first to leave.
     """
 
     def __init__(self, slab: Slab, regions: list[Region], budget: int, policy: str | Policy = DEFAULT_POLICY) -> None:
@@ -231,6 +238,9 @@ class ExpertCache:
         self.slices_in_layer = {layer: sum(regions[i].n_expert for i in idxs) for layer, idxs in self.by_layer.items()}
         self.holds_everything = budget >= sum(self.charge(ri, e) for ri, r in enumerate(regions)
                                               for e in range(r.n_expert))
+        self.pinned: set[tuple[int, int, int]] = set()
+        self.speculative: set[tuple[int, int, int]] = set()  # LOADING on a prediction
+        self.expected: dict[int, set[tuple[int, int, int]]] = {layer: set() for layer in self.by_layer}
 
     def layer_complete(self, layer: int) -> bool:
         """Every expert of the layer is resident and, with a budget that holds all, stays so."""
@@ -249,50 +259,88 @@ class ExpertCache:
         return [(layer, ri, e) for ri in self.by_layer.get(layer, ()) for e in experts]
 
     def plan(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
-        """Count hits, make room, and return the slices that must be read now."""
+        """Count hits, pin the layer's slices, make room; returns the slices that must be read now.
+
+        A wanted slice already LOADING (a speculative read in flight) is counted as
+        a miss but not returned: the caller waits for the read that is under way.
+        """
         want = self.layer_slices(layer, experts)
+        self.pinned = set(want)
+        self.expected[layer].clear()
         missing = []
         self.policy.begin(layer)
         for key in want:
-            if self.state[key[1]][key[2]] == RESIDENT:
+            st = self.state[key[1]][key[2]]
+            if st == RESIDENT:
                 self.stats.hits += 1
                 self.policy.touch(key)
             else:
                 self.stats.misses += 1
-                missing.append(key)
-        need = sum(self.charge(ri, e) for _, ri, e in missing)
-        self._evict_for(need, pinned=set(want))
-        for _, ri, e in missing:
-            self.state[ri][e] = LOADING
+                if st == ABSENT:
+                    missing.append(key)
+                else:
+                    self.speculative.discard(key)  # demanded now: commit makes it hot
+        self._reserve(missing)
         return missing
 
+    def admit_speculative(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
+        """Reserve room for a predicted read of the experts' absent slices; returns what to read.
+
+        All of an expert's slices or none: room is made only from slices nobody
+        expects or pins, so a prediction never pushes out demand or another prediction.
+        """
+        self.predict(layer, experts)
+        out: list[tuple[int, int, int]] = []
+        for e in experts:
+            keys = [k for k in self.layer_slices(layer, [e]) if self.state[k[1]][k[2]] == ABSENT]
+            need = sum(self.charge(ri, x) for _, ri, x in keys)
+            if not keys or not self._make_room(need, protect_expected=True):
+                continue
+            self._reserve(keys)
+            self.speculative.update(keys)
+            out += keys
+        return out
+
+    def _reserve(self, keys: list[tuple[int, int, int]]) -> None:
+        need = sum(self.charge(ri, e) for _, ri, e in keys)
+        if not self._make_room(need, protect_expected=True):
+            self._make_room(need, protect_expected=False)  # demand may go over by the pinned set
+        for _, ri, e in keys:
+            self.state[ri][e] = LOADING
+        self.used += need
+
     def commit(self, slices: list[tuple[int, int, int]]) -> None:
+        """The reads of these LOADING slices completed: they are resident now."""
         for key in slices:
-            _, ri, e = key
+            layer, ri, e = key
             self.state[ri][e] = RESIDENT
-            c = self.charge(ri, e)
-            self.policy.admit(key)
-            self.used += c
-            self.resident_in_layer[key[0]] += 1
+            self.policy.admit(key, speculative=key in self.speculative)
+            self.resident_in_layer[layer] += 1
+            if key in self.speculative:
+                self.speculative.discard(key)
+                self.expected[layer].add(key)
 
     def predict(self, layer: int, experts: list[int]) -> None:
         """Tell the policy which experts a predictor expects at `layer` soon (prediction-aware policies keep them)."""
         self.policy.predict(self.layer_slices(layer, experts))
 
-    def _evict_for(self, need: int, pinned: set[tuple[int, int, int]]) -> None:
+    def _make_room(self, need: int, protect_expected: bool) -> bool:
+        """Evict in the policy's order until `need` more bytes fit; False if it cannot."""
         if self.used + need <= self.budget:
-            return
+            return True
         for key in self.policy.victims(self.policy.layer):
             if self.used + need <= self.budget:
                 break
-            if key in pinned:
+            if key in self.pinned or (protect_expected and key in self.expected[key[0]]):
                 continue
             self._evict(key)
+        return self.used + need <= self.budget
 
     def _evict(self, key: tuple[int, int, int]) -> None:
         _, ri, e = key
         self.used -= self.charge(ri, e)
         self.policy.forget(key)
+        self.expected[key[0]].discard(key)
         self.state[ri][e] = ABSENT
         self.resident_in_layer[key[0]] -= 1
         self.stats.evictions += 1

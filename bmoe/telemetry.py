@@ -127,6 +127,18 @@ def cache_line(hit_pct: float, resident_bytes: int) -> str:
     return f"moe-cache: {hit_pct:.1f}% hit, resident {resident_bytes / MiB:.1f} MiB"
 
 
+def prefetch_line(spec_bytes: int, useful: int, prefetched: int) -> str:
+    pct = 100.0 * useful / prefetched if prefetched else 0.0
+    return f"moe-prefetch: {spec_bytes / MiB:.2f} MiB speculative, {useful}/{prefetched} experts useful ({pct:.1f}%)"
+
+
+def spec_gate_line(recall_pct: float, disabled_below: float | None) -> str:
+    line = f"moe-spec-gate: {recall_pct:.1f}% router prediction recall"
+    if disabled_below is not None:
+        line += f" (auto-disabled below {disabled_below:g}%)"
+    return line
+
+
 def csv_header() -> str:
     return ",".join(CSV_COLUMNS)
 

@@ -110,3 +110,18 @@ def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) ->
         assert misses > 0, f"{policy}: a third of the experts must force misses"
         hit_pcts[policy] = res.hit_pct()
     assert len(set(hit_pcts.values())) > 1, f"the policies should not all keep the same experts: {hit_pcts}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_every_cache_policy_with_speculative_reads_streams_identically(synth, arch: str) -> None:
+    """Prefetch and spec-gate reads enter each policy at its cold end and leave through forget: output stays exact."""
+    from bmoe.cache_policy import POLICIES
+
+    path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
+    ref = reference(path)
+    cache_mb = open_model(path).expert_bytes / 2 / MiB
+    for policy in POLICIES:
+        res, _ = generate(path, cache_mb=cache_mb, io_threads=2, cache_policy=policy, overlap=True, prefetch=2,
+                          spec_gate=True, spec_warmup=0)
+        assert res.ids == ref.ids and res.text == ref.text, policy
+        assert res.speculation.prefetched > 0, f"{policy}: the run must read ahead, or the gate proves little"

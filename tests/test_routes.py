@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from bmoe import routes
+from bmoe import routers, routes
 from tests.conftest import run_cli
 
 PROMPT = "The engineers tested the bridge with heavy trucks and measured how far the deck would bend"
@@ -27,11 +27,10 @@ def test_trace_records_routes_and_router_inputs(synth, tmp_path, arch: str) -> N
     assert all(len(step[layer]) == 2 for step in t.routes for layer in t.layers)
     assert t.hidden.shape == (n_tokens, 4, t.header["n_embd"])
     # the captured router input reproduces the layer's own routing exactly
-    rs = routes.routers(model, t.layers)
+    rs = routers.load([model], arch, t.layers)
     for step, r in enumerate(t.routes):
         for i, layer in enumerate(t.layers):
-            w, b = rs[layer]
-            logits = w @ t.hidden[step, i] + (0 if b is None else b)
+            logits = rs[layer].weight @ t.hidden[step, i] + (0 if rs[layer].bias is None else rs[layer].bias)
             assert set(np.argsort(-logits, kind="stable")[:2].tolist()) == set(r[layer])
 
 

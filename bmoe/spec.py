@@ -1,0 +1,141 @@
+"""The coordinator's side of the spec-gate process, and the recall governor that can switch it off.
+
+Layer l's router input is copied into a slot of a small shared-memory ring (the
+coordinator's only cost) and announced with a msgpack notice; predictions come
+back on a pipe and are picked up whenever the coordinator next looks (it never
+waits for one). A gate that dies or stops answering turns the feature off for the
+run; so does a recall below the floor after the warm-up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import msgpack
+
+from bmoe.shm_cache import Slab
+
+RING_SLOTS = 8
+HANG_S = 5.0
+
+
+class SpecGate:
+    """One spec-gate worker process and its ring."""
+
+    def __init__(self, paths: list[str], arch: str, layers: list[int], top_k: int, n_embd: int,
+                 shm_backend: str, warmup: int, recall_min: float, notice: Callable[[str], None]) -> None:
+        self.notice = notice
+        self.n_embd = n_embd
+        self.warmup = warmup
+        self.recall_min = recall_min
+        self.active = False
+        self.disabled_below: float | None = None  # set when the governor fired
+        self.predicted = self.hits = self.scored = 0
+        self._seq = 0
+        self._sent: dict[int, float] = {}
+        self.ring = Slab(RING_SLOTS * n_embd * 4, shm_backend)
+        cmd = [sys.executable, "-m", "bmoe.workers.spec_gate", "--ring", self.ring.name,
+               "--slots", str(RING_SLOTS), "--embd", str(n_embd), "--arch", arch, "--top-k", str(top_k),
+               "--layers", ",".join(map(str, layers)), *paths]
+        self.proc: subprocess.Popen | None = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pid = self.proc.pid
+        self.unpacker = msgpack.Unpacker()
+        hello = self._hello(timeout=60.0)
+        if hello is None:
+            self._stop(f"the spec-gate process did not start (exit code {self.proc.poll()})")
+        elif not hello[1]:
+            self._stop(f"--spec-gate off: {hello[2]}")
+        else:
+            self.active = True
+
+    @property
+    def fd(self) -> int:
+        return self.proc.stdout.fileno()
+
+    def _hello(self, timeout: float) -> list | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for msg in self.unpacker:
+                return msg
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                return None
+            self.unpacker.feed(chunk)
+        return None
+
+    def send(self, layer: int, addr: int, route_seq: int) -> None:
+        """Copy a router-input row into the ring and ask for the next layer's prediction."""
+        if not self.active:
+            return
+        self._seq += 1
+        slot = self._seq % RING_SLOTS
+        ctypes.memmove(self.ring.base + slot * self.n_embd * 4, addr, self.n_embd * 4)
+        now = time.monotonic()
+        oldest = min(self._sent.values(), default=now)
+        if now - oldest > HANG_S and not select.select([self.fd], [], [], 0)[0]:
+            self._stop(f"spec-gate (pid {self.pid}) did not answer for {HANG_S:g} s; --spec-gate off for this run")
+            return
+        self._sent[self._seq] = now
+        try:
+            self.proc.stdin.write(msgpack.packb([route_seq, layer, slot]))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            self._stop(f"spec-gate (pid {self.pid}) exited with code {self.proc.poll()}; --spec-gate off for this run")
+
+    def receive(self) -> list[tuple[int, int, list[int]]]:
+        """Predictions that arrived: (route seq at request time, layer, expert ids)."""
+        if not self.active:
+            return []
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            self._stop(f"spec-gate (pid {self.pid}) exited with code {self.proc.wait()}; --spec-gate off for this run")
+            return []
+        self.unpacker.feed(chunk)
+        self._sent.clear()  # it answers the newest request and drops the others
+        return [(seq, layer, ids) for seq, layer, ids in self.unpacker]
+
+    def score(self, predicted: set[int], routed: set[int]) -> None:
+        """Recall bookkeeping; after the warm-up a recall under the floor latches the feature off."""
+        self.predicted += len(predicted)
+        self.hits += len(predicted & routed)
+        self.scored += 1
+        if self.active and self.scored >= self.warmup and self.recall_pct < self.recall_min:
+            self.disabled_below = self.recall_min
+            self._stop(f"--spec-gate off: router prediction recall {self.recall_pct:.1f}% after "
+                       f"{self.scored} predictions is below --spec-recall-min {self.recall_min:g}%")
+
+    @property
+    def recall_pct(self) -> float:
+        return 100.0 * self.hits / self.predicted if self.predicted else 0.0
+
+    def _stop(self, why: str) -> None:
+        self.active = False
+        self.notice(why)
+        self._end_process()
+
+    def _end_process(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None:
+            return
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+        try:
+            p.wait(2.0)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+
+    def close(self) -> None:
+        try:
+            self._end_process()
+        finally:
+            self.ring.close()

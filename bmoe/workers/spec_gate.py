@@ -1,0 +1,80 @@
+"""Spec-gate: predicts the next MoE layer's experts from the current layer's router input.
+
+Run as `python -m bmoe.workers.spec_gate --ring NAME ... FILE...` so `ps` shows its
+role. The coordinator copies layer l's router input into slot s of the shared ring
+and sends `[seq, layer, slot]` (msgpack, stdin); the gate answers
+`[seq, next_layer, [ids...]]` on stdout. When several requests are waiting only the
+newest is answered: an older one would arrive too late to be of use. It owns no
+cache state and exits on EOF, so it never outlives its coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import sys
+
+import msgpack
+import numpy as np
+
+from bmoe import routers
+from bmoe.shm_cache import open_segment
+
+
+def _newest(fd: int, unpacker: msgpack.Unpacker) -> list | None:
+    """Block for a request, then drain what else is already there; None on EOF."""
+    latest = None
+    wait = None
+    while True:
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            return latest
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        unpacker.feed(chunk)
+        for msg in unpacker:
+            latest = msg
+        wait = 0 if latest is not None else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bmoe.workers.spec_gate")
+    ap.add_argument("--ring", required=True)
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--embd", type=int, required=True)
+    ap.add_argument("--arch", required=True)
+    ap.add_argument("--top-k", type=int, required=True)
+    ap.add_argument("--layers", required=True, help="comma-separated MoE layers")
+    ap.add_argument("--no-rescale", action="store_true")
+    ap.add_argument("files", nargs="+")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator stops us by closing stdin
+    out = sys.stdout.buffer
+    try:
+        layers = [int(x) for x in a.layers.split(",")]
+        predictor = routers.Predictor(routers.load(a.files, a.arch, layers), a.top_k, not a.no_rescale)
+    except (routers.RouterError, OSError, ValueError) as e:
+        out.write(msgpack.packb(["hello", False, str(e)]))
+        out.flush()
+        return 0
+    ring = np.frombuffer(open_segment(a.ring), dtype=np.float32).reshape(a.slots, a.embd)
+    out.write(msgpack.packb(["hello", True, ""]))
+    out.flush()
+    fd = sys.stdin.fileno()
+    unpacker = msgpack.Unpacker()
+    while True:
+        msg = _newest(fd, unpacker)
+        if msg is None:
+            return 0
+        seq, layer, slot = msg
+        got = predictor.predict(layer, ring[slot].copy())
+        if got is not None:
+            out.write(msgpack.packb([seq, got[0], got[1].tolist()]))
+            out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
