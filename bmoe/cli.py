@@ -162,10 +162,10 @@ def _on_signal(signum: int, _frame: object) -> None:
     seam.deliver(KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(EXIT_SIGTERM))
 
 
-def token_line(st: TokenStat, step: int, steps: int, hit_pct: float) -> telemetry.TokenLine:
+def token_line(st: TokenStat, step: int, steps: int, hit_pct: float, overlap: bool) -> telemetry.TokenLine:
     return telemetry.TokenLine(step=step, steps=steps, wall_ms=st.wall_ns / 1e6, io_ms=st.io_ns / 1e6,
                                mgmt_ms=st.mgmt_ns / 1e6, stall_ms=st.stall_ns / 1e6,
-                               read_bytes=st.read_bytes, cache_hit_pct=hit_pct)
+                               read_bytes=st.read_bytes, cache_hit_pct=hit_pct, overlap=overlap)
 
 
 def summary(engine: Engine, res: Result, lines: list[telemetry.TokenLine]) -> list[str]:
@@ -226,7 +226,7 @@ def run(a: argparse.Namespace) -> int:
             text += piece
             hits, lookups = hits + stat.hits, lookups + stat.lookups
             hit_pct = (100.0 * hits / lookups if lookups else 0.0) if engine.cache_active else -1.0
-            line = token_line(stat, i + 1, a.n_predict, hit_pct)
+            line = token_line(stat, i + 1, a.n_predict, hit_pct, a.overlap)
             lines.append(line)
             if a.progress:
                 out.write("".join(x + "\n" for x in telemetry.token_lines(line, text)))

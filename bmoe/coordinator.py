@@ -480,11 +480,14 @@ class Engine:
             self.hook.down_nodes = cap.down_inputs
             self.hook.down_pending, self.hook.on_down = st.down_pending, st.on_down
         if s.spec_gate:
-            st.spec = SpecGate([str(p) for p in self.files.paths], self.files.arch, st.layers,
-                               self.files.n_expert_used, llama_cpp.llama_model_n_embd(self.model),
-                               s.shm_backend, s.spec_warmup, s.spec_recall_min, notice)
-            if st.spec.active:
+            gate = SpecGate([str(p) for p in self.files.paths], self.files.arch, st.layers,
+                            self.files.n_expert_used, llama_cpp.llama_model_n_embd(self.model),
+                            s.shm_backend, s.spec_warmup, s.spec_recall_min, notice)
+            if gate.active:
+                st.spec = gate
                 self.hook.on_router_input = self._router_input
+            else:
+                gate.close()  # it said why (e.g. a quantized router); the run goes on without it
         if s.route_trace:
             self._start_trace(Path(s.route_trace))
         else:

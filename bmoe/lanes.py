@@ -183,10 +183,12 @@ class LanePool:
         keys = [self.sel.register(fd, selectors.EVENT_READ, fn) for fd, fn in extra.items()]
         try:
             for key, _ in self.sel.select(timeout=timeout):
-                if isinstance(key.data, Lane):
+                if not isinstance(key.data, Lane):
+                    key.data()
+                elif key.fileobj is key.data.proc.stdout:
                     self._drain(key.data)
                 else:
-                    key.data()
+                    self._forget(key.fileobj)  # the pipe of a process already replaced
         finally:
             for key in keys:
                 self.sel.unregister(key.fileobj)
@@ -224,16 +226,22 @@ class LanePool:
                             f"{self.restarts} times in this run; check the model file and the device "
                             "(dmesg), or lower --io-threads")
         print(f"bmoe: I/O lane {lane.index} (pid {lane.pid}) {why}; restarting it", file=sys.stderr)
-        if not lane.eof:
-            self.sel.unregister(lane.proc.stdout)
+        self._forget(lane.proc.stdout)
         lane.respawn()
         self._hello(lane)
+
+    def _forget(self, fileobj: object) -> None:
+        """Stop watching a lane's pipe (it may already be gone: EOF seen, or a send found it dead)."""
+        try:
+            self.sel.unregister(fileobj)
+        except (KeyError, ValueError):
+            pass
 
     def _drain(self, lane: Lane) -> None:
         chunk = os.read(lane.proc.stdout.fileno(), 1 << 16)
         if not chunk:
             lane.eof = True
-            self.sel.unregister(lane.proc.stdout)
+            self._forget(lane.proc.stdout)
             return
         lane.unpacker.feed(chunk)
         for order_id, nbytes, busy_ns, err in lane.unpacker:

@@ -29,8 +29,8 @@ Decisions where the contract is silent:
   the turn started).
 - `BMOE_DONE.load_s` is the session's model load time (the same as `BMOE_READY.load_s`);
   `cache_hit_pct` is cumulative over the turn's decode tokens, as in its last `BMOE_PROGRESS`
-  (-1 without a cache); `cache_budget_mib` is 0 when not streaming; `spec_recall_pct` is -1 (no
-  spec-gate yet); `tok_s`, `stall_s_tok`, `mgmt_s_tok` are over the turn's decode tokens.
+  (-1 without a cache); `cache_budget_mib` is 0 when not streaming; `spec_recall_pct` is -1 without
+  a running spec-gate; `tok_s`, `stall_s_tok`, `mgmt_s_tok` are over the turn's decode tokens.
 - `think` defaults to true. The conversation is rendered by llama.cpp's
   `llama_chat_apply_template` with the model's own template (exactly as one-shot `--chat` renders
   a single turn). `think:false` on a template that reads `enable_thinking` renders the
@@ -467,7 +467,8 @@ class Session:
         turn.text += piece
         turn.hits += st.hits
         turn.lookups += st.lookups
-        line = token_line(st, len(turn.lines) + 1, turn.req.n_predict, self._hit_pct(turn))
+        line = token_line(st, len(turn.lines) + 1, turn.req.n_predict, self._hit_pct(turn),
+                          self.engine.settings.overlap)
         turn.lines.append(line)
         self.out.raw(telemetry.token_lines(line, turn.text))
 
@@ -486,7 +487,7 @@ class Session:
 
     def _done(self, turn: Turn, cancelled: bool, text: str, n_prompt: int) -> dict[str, Any]:
         e = self.engine
-        totals = telemetry.RunTotals.of(turn.lines)
+        totals = telemetry.RunTotals.of(turn.lines, overlap=e.settings.overlap)
         tok_s = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
         obj = {
             "id": turn.req.id, "cancelled": cancelled, "tokens": totals.tokens, "tok_s": round(tok_s, 3),
@@ -494,7 +495,7 @@ class Session:
             "cache_hit_pct": round(self._hit_pct(turn), 2), "n_prompt": n_prompt, "n_past": len(self.kv_tokens),
             "cache_resident_mib": round(e.resident_bytes() / MiB, 2),
             "cache_budget_mib": round(e.budget / MiB if e.streamer else 0.0, 2),
-            "spec_recall_pct": -1.0, "stall_s_tok": round(totals.per_tok(totals.stall_s), 5),
+            "spec_recall_pct": round(e.streamer.spec.recall_pct, 2) if e.streamer and e.streamer.spec else -1.0, "stall_s_tok": round(totals.per_tok(totals.stall_s), 5),
             "mgmt_s_tok": round(totals.per_tok(totals.mgmt_s), 5), "text": text,
         }
         assert tuple(obj) == DONE_KEYS

@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 
 ARCHES: tuple[str, ...] = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
 QUANTS: tuple[str, ...] = ("f16", "q8_0", "q4_0", "mxfp4")
+ROUTER_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
 
 _GGML_TYPE = {
     "f32": GGMLQuantizationType.F32,
@@ -181,6 +182,7 @@ class _Shape:
     embd: int
     ff: int
     quant: str
+    router: str = "f32"
 
     @property
     def head_dim(self) -> int:
@@ -233,7 +235,7 @@ def _tensors(s: _Shape) -> list[_Tensor]:
         else:
             t("ffn_norm.weight", (e,), fill="ones")
         # Router logits with std ~2 make top-k sharp yet token-dependent.
-        t("ffn_gate_inp.weight", (s.experts, e), std=2.0 * e**-0.5)
+        t("ffn_gate_inp.weight", (s.experts, e), s.router, std=2.0 * e**-0.5)
         t("ffn_gate_exps.weight", (s.experts, s.ff, e), s.quant, std=e**-0.5)
         t("ffn_up_exps.weight", (s.experts, s.ff, e), s.quant, std=e**-0.5)
         t("ffn_down_exps.weight", (s.experts, e, s.ff), s.quant, std=s.ff**-0.5)
@@ -367,14 +369,17 @@ def write_model(
     seed: int = 0,
     size_gb: float | None = None,
     splits: int = 1,
+    router: str = "f32",
     progress: bool = False,
 ) -> Path:
     """Write a random-weight MoE GGUF that llama.cpp can load and run; return its path.
 
     Same arguments give a byte-identical file. With `size_gb`, `ff` is ignored and chosen so
     the file is about that many GB. With `splits` > 1 the model is written as llama.cpp split
-    shards `<stem>-0000i-of-0000N.gguf` beside `path`, and the first shard's path is returned. Expert tensors (`*_exps.weight`) use `quant`; the router
-    and norms are F32, other matrices F16. Tensors are generated and written one at a time, so
+    shards `<stem>-0000i-of-0000N.gguf` beside `path`, and the first shard's path is returned.
+    Expert tensors (`*_exps.weight`) use `quant`; the router uses `router` (F32 by default: a
+    quantized router is what real files sometimes ship, and what --spec-gate cannot use); norms
+    are F32, other matrices F16. Tensors are generated and written one at a time, so
     memory stays at about one expert tensor.
     """
     if arch not in ARCHES:
@@ -393,10 +398,12 @@ def write_model(
         raise ValueError("ff must be a positive multiple of 32 (one quant block per row)")
     if seed < 0:
         raise ValueError("seed must be >= 0")
+    if router not in ROUTER_TYPES:
+        raise ValueError(f"unknown router type {router!r}; choose from {', '.join(ROUTER_TYPES)}")
     if splits < 1:
         raise ValueError("splits must be >= 1")
 
-    shape = _Shape(arch, layers, experts, top_k, embd, ff, quant)
+    shape = _Shape(arch, layers, experts, top_k, embd, ff, quant, router)
     if size_gb is not None:
         shape = replace(shape, ff=_resolve_ff(shape, size_gb))
     tensors = _tensors(shape)
@@ -476,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="expert FFN width, multiple of 32 (default 256; set by --size-gb)")
     ap.add_argument("--quant", choices=QUANTS, default="q8_0",
                     help="type of the expert tensors (default q8_0)")
+    ap.add_argument("--router", choices=ROUTER_TYPES, default="f32",
+                    help="type of the router tensors (default f32; q8_0 makes a model --spec-gate refuses)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
     ap.add_argument("--size-gb", type=float, default=None,
                     help="target file size in GB: chooses --ff (cannot be combined with --ff)")
@@ -489,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         path = write_model(
             args.output, arch=args.arch, layers=args.layers, experts=args.experts,
             top_k=args.top_k, embd=args.embd, ff=256 if args.ff is None else args.ff,
-            quant=args.quant, seed=args.seed, size_gb=args.size_gb, splits=args.splits, progress=True,
+            quant=args.quant, seed=args.seed, size_gb=args.size_gb, splits=args.splits, router=args.router,
+            progress=True,
         )
     except ValueError as exc:
         ap.error(str(exc))

@@ -72,3 +72,61 @@ def run_cli(*args: str, timeout: float = 240, **kw: object) -> subprocess.Comple
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO, **kw)
+
+
+class SlabCheck:
+    """Checks, each time llama.cpp is about to multiply with expert bytes, that the slab holds
+    exactly the file's bytes for every slice the layer routed to.
+
+    It wraps the hook's entry points of a streaming Engine (routing node, down-input node), so
+    it sees what the matmuls will see. Output comparison alone can miss a wrong byte that
+    happens not to flip a greedy token; this cannot.
+    """
+
+    def __init__(self, engine: object) -> None:
+        self.st = engine.streamer
+        self.hook = engine.hook
+        self.checked = 0
+        self.bad: list[str] = []
+        self._want: dict[int, list[int]] = {}
+        self._fds = [os.open(p, os.O_RDONLY) for p in self.st.files.paths]
+        route, down, pending = self.hook.on_route, self.hook.on_down, self.hook.down_pending
+        overlap = self.st.overlap
+        self.hook.skip_route = None
+
+        def on_route(layer, ids):
+            self._want[layer] = sorted({int(x) for x in ids.reshape(-1)})
+            route(layer, ids)
+            self._check(layer, lambda kind: not overlap or kind != "ffn_down_exps", "routing node")
+
+        self.hook.on_route = on_route
+        if pending is not None:
+            def on_down(layer):
+                down(layer)
+                self._check(layer, lambda kind: kind == "ffn_down_exps", "down input")
+
+            def down_pending(layer):
+                if pending(layer):
+                    return True
+                self._check(layer, lambda kind: kind == "ffn_down_exps", "down input (no stop)")
+                return False
+
+            self.hook.on_down, self.hook.down_pending = on_down, down_pending
+
+    def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
+        c = self.st.cache
+        for ri in c.by_layer[layer]:
+            r = c.regions[ri]
+            if not kinds(r.kind):
+                continue
+            for e in self._want.get(layer, ()):
+                s, t = r.slice_bounds(e)
+                want = os.pread(self._fds[r.file_index], t - s, r.file_offset + e * r.expert_bytes)
+                self.checked += 1
+                if bytes(self.st.slab.mm[s:t]) != want:
+                    self.bad.append(f"{r.name} expert {e} at the {where}: slab differs from the file "
+                                    f"(state {c.state[ri][e]})")
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
