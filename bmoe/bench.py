@@ -177,6 +177,9 @@ _GEN = re.compile(rf"^generation: (\d+) tokens, {_NUM} s/token \({_NUM} tok/s\)\
 _STREAM = re.compile(rf"^moe-stream: read {_NUM} MiB \({_NUM} MiB/token\), decode .*?"
                      rf"(?: stall_s/tok={_NUM})?\s*$", re.M)
 _CACHE = re.compile(rf"^moe-cache: {_NUM}% hit, resident {_NUM} MiB\s*$", re.M)
+# on stdout with --prefetch; bmoe-cli puts the same numbers on stderr (as a notice) for --spec-gate alone
+_PREFETCH = re.compile(rf"^(?:bmoe: )?moe-prefetch: {_NUM} MiB speculative, (\d+)/(\d+) experts useful", re.M)
+_SPEC = re.compile(rf"^moe-spec-gate: {_NUM}% router prediction recall( \(auto-disabled)?", re.M)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -190,17 +193,19 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def parse_run(stdout: str, csv_text: str | None = None, skip_tokens: int = 0) -> dict:
+def parse_run(stdout: str, csv_text: str | None = None, skip_tokens: int = 0, stderr: str = "") -> dict:
     """Numbers from one `bmoe-cli` run: its summary lines and, when given, its per-token CSV.
 
     Keys (None when absent): tokens, tok_s, s_per_token, s_per_token_median, s_per_token_p95,
     p95_source ('csv' or 'summary'), steady_mib_per_token, mib_read, mib_per_token,
-    stall_s_per_token, cache_hit_pct, cache_resident_mib. The CSV-based numbers (median, p95,
+    stall_s_per_token, cache_hit_pct, cache_resident_mib, spec_mib_per_token, useful_pct,
+    spec_recall_pct, spec_disabled. The CSV-based numbers (median, p95,
     steady MiB/token) leave out the first `skip_tokens` tokens when more tokens than that exist.
     """
     out: dict = dict.fromkeys(("tokens", "tok_s", "s_per_token", "s_per_token_median", "s_per_token_p95",
                                "p95_source", "steady_mib_per_token", "mib_read", "mib_per_token",
-                               "stall_s_per_token", "cache_hit_pct", "cache_resident_mib"))
+                               "stall_s_per_token", "cache_hit_pct", "cache_resident_mib",
+                               "spec_mib_per_token", "useful_pct", "spec_recall_pct", "spec_disabled"))
     gen = _GEN.findall(stdout)
     if gen:  # the last one: an answer text cannot fake the real summary, which comes after it
         n, s_tok, tok_s = gen[-1]
@@ -214,6 +219,14 @@ def parse_run(stdout: str, csv_text: str | None = None, skip_tokens: int = 0) ->
     cache = _CACHE.findall(stdout)
     if cache:
         out.update(cache_hit_pct=float(cache[-1][0]), cache_resident_mib=float(cache[-1][1]))
+    pre = _PREFETCH.findall(stdout) or _PREFETCH.findall(stderr)
+    if pre and out["tokens"]:
+        mib, useful, prefetched = pre[-1]
+        out.update(spec_mib_per_token=float(mib) / out["tokens"],
+                   useful_pct=100.0 * int(useful) / int(prefetched) if int(prefetched) else None)
+    spec = _SPEC.findall(stdout)
+    if spec:
+        out.update(spec_recall_pct=float(spec[-1][0]), spec_disabled=bool(spec[-1][1]))
     if csv_text:
         lines = [ln for ln in csv_text.splitlines() if ln.strip() and not ln.startswith("#")]
         if len(lines) >= 2:
@@ -294,6 +307,7 @@ class RunEnv:
     interval: float
     skip_tokens: int = 0
     drop_all_ok: bool | None = None
+    unlimited: tuple[str, ...] = ()  # configurations run without the memory limit (--compute-ref)
 
 
 def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
@@ -320,16 +334,18 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
     cgroup = balloon = None
     proc = sampler = None
     peak_cg = oom = None
+    limit = Limit() if cfg.name in env.unlimited else env.limit
+    rec["limited"] = limit.method is not None
     t0 = time.monotonic()
     try:
-        if env.limit.method in ("cgroup-v1", "cgroup-v2"):
-            cgroup = bench_sys.Cgroup(env.limit.hierarchy, f"{bench_sys.CGROUP_PREFIX}{os.getpid()}-{index}",
-                                      env.limit.bytes)
+        if limit.method in ("cgroup-v1", "cgroup-v2"):
+            cgroup = bench_sys.Cgroup(limit.hierarchy, f"{bench_sys.CGROUP_PREFIX}{os.getpid()}-{index}",
+                                      limit.bytes)
             argv = cgroup.wrap(cmd)
         else:
             argv = cmd
-            if env.limit.method == "balloon":
-                size = bench_sys.available_bytes() - env.limit.bytes
+            if limit.method == "balloon":
+                size = bench_sys.available_bytes() - limit.bytes
                 rec["balloon_mib"] = round(max(size, 0) / MiB, 1)
                 if size > 64 * MiB:
                     balloon = bench_sys.Balloon(size)
@@ -358,7 +374,7 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
 
     stdout = out_path.read_text(errors="replace")
     csv_text = csv_path.read_text(errors="replace") if csv_path and csv_path.exists() else None
-    rec.update(parse_run(stdout, csv_text, env.skip_tokens))
+    rec.update(parse_run(stdout, csv_text, env.skip_tokens, err_path.read_text(errors="replace")))
     rec.update(exit_status=rc, elapsed_s=round(elapsed, 3),
                peak_mem_mib=round(sampler.peak_total / MiB, 1) if sampler.samples else None,
                peak_rss_mib=round(sampler.peak_rss / MiB, 1) if sampler.samples else None,
@@ -391,7 +407,10 @@ def bandwidth_for(bw: dict[int, float], threads: int) -> tuple[int, float] | Non
     return k, bw[k]
 
 
-def summarize(configs: list[Config], records: list[dict], bw: dict[int, float]) -> list[dict]:
+def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
+              compute_ref: str | None = None) -> list[dict]:
+    """Per-configuration medians; with `compute_ref` (a run with every expert resident) also each
+    streaming configuration's overlap limit, 1 / max(compute s/token, MiB per token ÷ bandwidth)."""
     out = []
     for c in configs:
         runs = [r for r in records if r["config"] == c.name and r["phase"] == "measure"]
@@ -412,7 +431,12 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float]) 
                                  default=None),
              "peak_cgroup_mib": max((r["peak_cgroup_mib"] for r in runs
                                      if r.get("peak_cgroup_mib") is not None), default=None),
+             "spec_mib_per_token": _med([r.get("spec_mib_per_token") for r in ok]),
+             "useful_pct": _med([r.get("useful_pct") for r in ok]),
+             "spec_recall_pct": _med([r.get("spec_recall_pct") for r in ok]),
+             "spec_disabled_runs": sum(1 for r in ok if r.get("spec_disabled")),
              "io_threads": None, "bw_threads": None, "bw_mib_s": None, "io_bound_tok_s": None,
+             "overlap_limit_tok_s": None, "pct_of_limit": None,
              "speedup_vs_mmap": None, "s_per_token_vs_mmap": None}
         if "--no-stream" not in c.flags:
             s["io_threads"] = io_threads_of(c.flags)
@@ -422,6 +446,14 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float]) 
                 if s["mib_per_token"]:
                     s["io_bound_tok_s"] = pick[1] / s["mib_per_token"]
         out.append(s)
+    ref = next((s for s in out if s["config"] == compute_ref), None)
+    if ref and ref["tok_s_median"]:
+        compute_s = 1.0 / ref["tok_s_median"]
+        for s in out:
+            if s is ref or s["io_bound_tok_s"] is None or s["tok_s_median"] is None:
+                continue
+            s["overlap_limit_tok_s"] = 1.0 / max(compute_s, 1.0 / s["io_bound_tok_s"])
+            s["pct_of_limit"] = 100.0 * s["tok_s_median"] / s["overlap_limit_tok_s"]
     base = next((s for s in out if s["config"] == BASELINE_NAME), None)
     if base and base["tok_s_median"]:
         for s in out:
@@ -567,6 +599,8 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
           "| steady MiB/token | hit % | stall s/token | I/O-bound tok/s | peak MiB | cgroup peak MiB "
           "| tok/s vs mmap | s/token ÷ mmap |",
           "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    spec_rows = [s for s in summary if s["spec_mib_per_token"] is not None or s["spec_recall_pct"] is not None]
+    limits = [s for s in summary if s["overlap_limit_tok_s"] is not None]
     for s in summary:
         spread = "–" if s["tok_s_min"] is None else f"{s['tok_s_min']:.2f}–{s['tok_s_max']:.2f}"
         if s["tok_s_q1"] is not None:
@@ -583,6 +617,30 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
                  f"{'–' if s['speedup_vs_mmap'] is None else format(s['speedup_vs_mmap'], '.2f') + '×'} | "
                  f"{_f(s['s_per_token_vs_mmap'], '.3f')} |")
     L.append("")
+    if limits:
+        ref = meta["compute_ref"]
+        L += ["### Overlap limits", "",
+              f"Overlap limit = 1 / max(compute s/token, MiB per token ÷ O_DIRECT bandwidth): the tok/s if reads "
+              f"hid perfectly behind compute. Compute s/token is configuration `{ref}`'s (every expert resident, "
+              "run without the memory limit); bandwidth is the measured one at the configuration's --io-threads.",
+              "", "| config | tok/s (median) | compute-bound tok/s | I/O-bound tok/s | overlap limit tok/s | "
+              "% of limit |", "|---|---:|---:|---:|---:|---:|"]
+        ref_s = next(s for s in summary if s["config"] == ref)
+        for s in limits:
+            L.append(f"| {s['config']} | {_f(s['tok_s_median'])} | {_f(ref_s['tok_s_median'])} | "
+                     f"{_f(s['io_bound_tok_s'])} | {_f(s['overlap_limit_tok_s'])} | {_f(s['pct_of_limit'], '.1f')} |")
+        L.append("")
+    if spec_rows:
+        L += ["### Speculative reads", "",
+              "Speculative MiB/token = flash read ahead of demand (temporal prefetch and spec-gate), a part of "
+              "MiB/token; useful % = experts read ahead that a later routing used; recall % = the spec-gate's "
+              "predicted experts that the layer then routed.", "",
+              "| config | speculative MiB/token | useful % | spec-gate recall % | governor fired |",
+              "|---|---:|---:|---:|---:|"]
+        for s in spec_rows:
+            L.append(f"| {s['config']} | {_f(s['spec_mib_per_token'])} | {_f(s['useful_pct'], '.1f')} | "
+                     f"{_f(s['spec_recall_pct'], '.1f')} | {s['spec_disabled_runs']}/{s['ok_runs']} |")
+        L.append("")
     if chart:
         L += [f"![tok/s per configuration]({chart})", ""]
     elif meta.get("chart_note"):
@@ -763,6 +821,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bw-threads", type=_thread_list, default=[1, 2, 4], metavar="LIST",
                    help="thread counts for the bandwidth measurement (default 1,2,4)")
     r.add_argument("--no-bandwidth", action="store_true", help="skip the O_DIRECT bandwidth measurement")
+    r.add_argument("--compute-ref", default=None, metavar="NAME",
+                   help="a configuration with every expert resident (e.g. --config resident='--cache-mb 9000 "
+                        "--preload'); it runs without the memory limit, and its s/token is the compute cost "
+                        "in each configuration's overlap limit, 1 / max(compute, MiB per token ÷ bandwidth)")
     r.add_argument("--skip-tokens", type=_nonneg_int, default=0, metavar="K",
                    help="leave each run's first K tokens out of the per-token s/token median/p95 (cache "
                         "fill); needs bmoe-cli --csv (default 0)")
@@ -858,6 +920,9 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
     if not configs:
         raise BenchError("nothing to run: give at least one --config NAME='FLAGS' (or drop --no-baseline)")
     check_cli_flags(configs, a.common)
+    if a.compute_ref and not any(c.name == a.compute_ref for c in configs):
+        raise BenchError(f"--compute-ref {a.compute_ref!r} names no configuration; give it as --config "
+                         f"{a.compute_ref}='--cache-mb <all experts> --preload'")
 
     try:
         tensors = bench_io.expert_tensors(shards)
@@ -898,6 +963,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
                          "notes": limit.notes,
                          "cgroup_parent": str(limit.hierarchy.parent) if limit.hierarchy else None},
         "drop_caches": a.drop_caches, "drop_desc": drop_desc, "sample_interval": a.sample_interval,
+        "compute_ref": a.compute_ref,
         "bandwidth": {},
     }
     results_path, report_path = out / "results.json", out / "report.md"
@@ -914,7 +980,8 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
 
     env = RunEnv(model=model, shards=shards, prompt_args=prompt_args, n_predict=a.n_predict,
                  common=a.common, csv=csv_ok, runs_dir=runs_dir, limit=limit, drop=a.drop_caches,
-                 timeout=a.timeout, interval=a.sample_interval, skip_tokens=a.skip_tokens)
+                 timeout=a.timeout, interval=a.sample_interval, skip_tokens=a.skip_tokens,
+                 unlimited=(a.compute_ref,) if a.compute_ref else ())
     plan = schedule(configs, a.warmup, a.repeats)
     t_start = time.monotonic()
     interrupted = False
@@ -971,7 +1038,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
                              "writable, so other files stayed cached")
     meta["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
     meta["interrupted"] = interrupted
-    summary = summarize(configs, records, used)
+    summary = summarize(configs, records, used, a.compute_ref)
     chart_note = write_chart(out / "tok_s.png", summary)
     if chart_note:
         _notice(chart_note)

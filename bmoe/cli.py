@@ -244,6 +244,10 @@ def run(a: argparse.Namespace) -> int:
         for line in summary(engine, res, lines):
             out.write(line + "\n")
         out.flush()
+        st = engine.streamer
+        if st and st.spec is not None and not a.prefetch:  # the contract's moe-prefetch line is --prefetch's
+            sp = res.speculation
+            _notice(telemetry.prefetch_line(sp.bytes, sp.useful, sp.prefetched))
         if csv_file:
             csv_file.write(telemetry.csv_summary(telemetry.RunTotals.of(lines, overlap=a.overlap),
                                                  res.hit_pct() if engine.cache_active else -1.0) + "\n")

@@ -238,6 +238,8 @@ class ExpertCache:
         self.slices_in_layer = {layer: sum(regions[i].n_expert for i in idxs) for layer, idxs in self.by_layer.items()}
         self.holds_everything = budget >= sum(self.charge(ri, e) for ri, r in enumerate(regions)
                                               for e in range(r.n_expert))
+        self.defer_release = False
+        self.unreleased: dict[tuple[int, int, int], None] = {}
         self.pinned: set[tuple[int, int, int]] = set()
         self.speculative: set[tuple[int, int, int]] = set()  # LOADING on a prediction
         self.expected: dict[int, set[tuple[int, int, int]]] = {layer: set() for layer in self.by_layer}
@@ -344,6 +346,29 @@ class ExpertCache:
         self.state[ri][e] = ABSENT
         self.resident_in_layer[key[0]] -= 1
         self.stats.evictions += 1
+        if self.defer_release:
+            self.unreleased[key] = None
+        else:
+            self._release(ri, e)
+
+    def release_evicted(self) -> int:
+        """Give evicted slices' pages back now; returns how many slices were released.
+
+        With `defer_release` the coordinator calls this while lanes read, so freeing
+        pages (the costliest part of eviction) overlaps with I/O. Edge pages are
+        judged by the neighbours' state now, not at eviction: a neighbour being read
+        since then keeps its page. A slice planned again in between keeps its pages,
+        which its new read rewrites.
+        """
+        n = 0
+        for _, ri, e in self.unreleased:
+            if self.state[ri][e] == ABSENT:
+                self._release(ri, e)
+                n += 1
+        self.unreleased.clear()
+        return n
+
+    def _release(self, ri: int, e: int) -> None:
         r = self.regions[ri]
         p0, p1 = r.page_span(e)
         if self._page_shared(ri, e, p0):

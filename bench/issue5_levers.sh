@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 5: --overlap, --prefetch and --spec-gate on the 64-expert demo model (5.2 GiB of experts)
+# under a memory limit of about half the model, at two cache budgets, in one bmoe-bench run:
+# serial, --overlap, --overlap --prefetch 1, --overlap --spec-gate, --overlap --prefetch 1 --spec-gate,
+# plus llama.cpp mmap and a fully resident run (no limit) whose s/token is the compute cost in each
+# configuration's overlap limit, 1 / max(compute s/token, MiB per token ÷ O_DIRECT bandwidth).
+#
+# Run it on a quiet machine: about 25 runs of 30-120 s each. Knobs (environment variables):
+#   MODEL=path (default bench/models/demo64.gguf, built by bmoe-demo when missing)
+#   LIMIT_MB=2700   memory limit (cgroup, else a balloon)      SMALL_MB=900 LARGE_MB=1800  budgets
+#   N=24 REPEATS=2 WARMUP=0 THREADS=1 OUT=dir   EXTRA='...' more bmoe-bench flags
+# One compute thread by default: llama.cpp's spinning thread pool slows down many times over when
+# the I/O lanes or another process take a core, which would drown the levers' effect in noise.
+# Quick check that it starts: N=2 REPEATS=1 EXTRA='--no-bandwidth' $0
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-$REPO/.venv/bin/python}
+MODEL=${MODEL:-$REPO/bench/models/demo64.gguf}
+LIMIT_MB=${LIMIT_MB:-2700}
+SMALL_MB=${SMALL_MB:-900}
+LARGE_MB=${LARGE_MB:-1800}
+N=${N:-24}
+REPEATS=${REPEATS:-2}
+WARMUP=${WARMUP:-0}
+THREADS=${THREADS:-1}
+EXTRA=${EXTRA:-}
+OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue5}
+if [[ ! -f $MODEL ]]; then
+  mkdir -p "$(dirname "$MODEL")"
+  "$PY" -m bmoe.demo --experts 64 --top-k 8 -o "$MODEL"
+fi
+configs=()
+for mb in "$SMALL_MB" "$LARGE_MB"; do
+  c="--cache-mb $mb"
+  configs+=(--config "serial-$mb=$c"
+            --config "overlap-$mb=$c --overlap"
+            --config "overlap-p1-$mb=$c --overlap --prefetch 1"
+            --config "overlap-spec-$mb=$c --overlap --spec-gate"
+            --config "overlap-p1-spec-$mb=$c --overlap --prefetch 1 --spec-gate")
+done
+# shellcheck disable=SC2086  # EXTRA is a list of flags
+"$PY" -m bmoe.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
+    -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" \
+    --common "-t $THREADS -c 512 --chat --io-threads 2" --mem-limit-mb "$LIMIT_MB" \
+    "${configs[@]}" --config "resident=--cache-mb 6000 --preload" --compute-ref resident \
+    --out "$OUT" $EXTRA
+echo "issue5: report in $OUT/report.md" >&2
