@@ -205,3 +205,62 @@ def test_bad_lever_flags_exit_2(synth, flags: list[str], msg: str) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     r = run_cli("-m", path, "-n", "4", *flags)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_session_done_reports_recall_and_stall(synth) -> None:
+    from bmoe.session import SessionClient
+
+    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    flags = ["-m", path, "-t", "1", "--cache-mb", "0.6", "--overlap", "--prefetch", "1"]
+    with SessionClient(flags + ["--spec-gate", "--spec-recall-min", "0"]) as s:
+        done = list(s.generate(1, PROMPT, n_predict=16))[-1]
+        again = list(s.generate(2, PROMPT, n_predict=16, clear_kv=True))[-1]
+        assert s.close() == 0
+    assert done[0] == "DONE" and 0 < done[1]["spec_recall_pct"] <= 100 and done[1]["stall_s_tok"] > 0
+    assert again[0] == "DONE" and again[1]["text"] == done[1]["text"], "the warm cache changes no byte"
+    with SessionClient(flags) as s:
+        plain = list(s.generate(1, PROMPT, n_predict=16))[-1]
+        assert s.close() == 0
+    assert plain[1]["spec_recall_pct"] == -1 and plain[1]["text"] == done[1]["text"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("zeroed,changes", [("ffn_down_exps", True), ("ffn_gate_exps", False), ("ffn_up_exps", False)])
+def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroed: str, changes: bool) -> None:
+    """Zero one tensor's routed slices at the down stop (the down-input node found from the graph).
+
+    The down matmul must still read them (output changes); the gate/up matmuls must already have
+    run (output unchanged). With no cache every token reads its experts again, so the damage
+    lasts one layer of one token."""
+    path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
+    ref = reference(path, n=16)
+    e = Engine(Settings(model=path, n_ctx=512, threads=1, cache_mb=0, io_threads=1, overlap=True))
+    try:
+        st = e.streamer
+        assert set(e.hook.down_nodes.values()) == set(st.layers)
+        assert all(n.decode().startswith("ffn_moe_swiglu") for n in e.hook.down_nodes)
+        routed: dict[int, list[int]] = {}
+        route, down = e.hook.on_route, e.hook.on_down
+        stops = []
+
+        def on_route(layer, ids):
+            routed[layer] = sorted({int(x) for x in ids[-1]})
+            route(layer, ids)
+
+        def on_down(layer):
+            down(layer)
+            stops.append(layer)
+            for ri in st.cache.by_layer[layer]:
+                r = st.cache.regions[ri]
+                if r.kind == zeroed and layer == st.layers[-1]:
+                    for x in routed[layer]:
+                        s, t = r.slice_bounds(x)
+                        st.slab.mm[s:t] = bytes(t - s)
+
+        e.hook.on_route, e.hook.on_down = on_route, on_down
+        e.hook.down_pending = lambda layer: True  # stop at every down input, reads done or not
+        res = e.generate(e.prompt_tokens(PROMPT, chat=False), 16)
+    finally:
+        e.close()
+    assert len(stops) >= 16 * len(st.layers)
+    assert (res.ids != ref.ids) == changes
