@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bmoe import profile, seam, telemetry
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
-from bmoe.coordinator import ConfigError, Engine, Result, Settings, TokenStat
+from bmoe.coordinator import DEFAULT_FLOOR_MB, ConfigError, Engine, Result, Settings, TokenStat
 from bmoe.lanes import LaneError
 from bmoe.llama import SamplerSettings
 from bmoe.model_files import ModelError
@@ -40,6 +40,17 @@ def _cache_mb(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number of MiB or 'auto'") from None
     if v < 0:
         raise argparse.ArgumentTypeError("must be 0 (no cache), a positive number of MiB, or 'auto'")
+    return v
+
+
+def _mib(text: str) -> float:
+    """argparse type for --cache-floor-mb and --cache-ceil-mb: a MiB count, 0 or more."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of MiB") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of MiB, 0 or more")
     return v
 
 
@@ -83,13 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
     ap.add_argument("-c", "--ctx-size", type=positive_int, default=2048, help="context size in tokens (default 2048)")
     ap.add_argument("--cache-mb", type=_cache_mb, default=None,
-                    help="expert cache budget in MiB; 0 = no cache (re-read every token); "
-                         "'auto' (default) = available memory minus --cache-floor-mb")
+                    help="expert cache budget in MiB; 0 = no cache (re-read every token); 'auto' (default) "
+                         "= available memory minus --cache-floor-mb, at most --cache-ceil-mb; a budget below "
+                         "one token's working set is refused (auto falls back to no cache) unless --force")
     ap.add_argument("--cache-policy", type=_cache_policy, default=DEFAULT_POLICY, metavar="NAME",
                     help=f"which experts the cache gives up first: {', '.join(POLICIES)} "
                          f"(default {DEFAULT_POLICY}; compare them on a trace with `bmoe-bench policies`)")
-    ap.add_argument("--cache-floor-mb", type=float, default=1536.0,
-                    help="memory left to the system by --cache-mb auto (default 1536)")
+    ap.add_argument("--cache-floor-mb", type=_mib, default=None,
+                    help=f"memory left to the system by --cache-mb auto (default {DEFAULT_FLOOR_MB:g})")
+    ap.add_argument("--cache-ceil-mb", type=_mib, default=None,
+                    help="the most --cache-mb auto may take (default: no cap)")
+    ap.add_argument("--force", action="store_true",
+                    help="run with a cache budget below one token's working set (it thrashes: every token "
+                         "re-reads experts it just evicted)")
     ap.add_argument("--io-threads", type=positive_int, default=2, help="I/O lane processes (default 2)")
     ap.add_argument("--lane-timeout", type=float, default=30.0,
                     help="seconds an I/O lane may leave a read unanswered before it is replaced (default 30)")
@@ -140,9 +157,23 @@ def check_flags(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.no_stream and (ahead or a.overlap):
         ap.error(f"{' and '.join(ahead + (['--overlap'] if a.overlap else []))} stream experts; "
                  "drop them or drop --no-stream")
+    sizing = [f for f, v in (("--cache-floor-mb", a.cache_floor_mb), ("--cache-ceil-mb", a.cache_ceil_mb))
+              if v is not None]
+    if sizing and a.cache_mb is not None:
+        ap.error(f"{' and '.join(sizing)} size --cache-mb auto, and --cache-mb {a.cache_mb:g} is fixed; "
+                 f"drop {' and '.join(sizing)} or use --cache-mb auto")
+    if sizing and a.no_stream:
+        ap.error(f"{' and '.join(sizing)} size the expert cache, and --no-stream has none; drop one of them")
+    if a.cache_ceil_mb == 0:
+        ap.error("--cache-ceil-mb 0 leaves --cache-mb auto no room; for no cache say --cache-mb 0")
     if ahead and a.cache_mb == 0:
         ap.error(f"{' and '.join(ahead)} read experts ahead into the cache, and --cache-mb 0 has none; "
                  "give it a budget (--cache-mb N or auto)")
+
+
+def floor_mb(a: argparse.Namespace) -> float:
+    """--cache-floor-mb, or its default (the flag defaults to None so a conflict can be seen)."""
+    return DEFAULT_FLOOR_MB if a.cache_floor_mb is None else a.cache_floor_mb
 
 
 def _notice(msg: str) -> None:
@@ -196,13 +227,14 @@ def run(a: argparse.Namespace) -> int:
 
         path, demo_cache_mb = default_model(progress=_notice)
         a.model = str(path)
-        if a.cache_mb is None:
+        if a.cache_mb is None and a.cache_floor_mb is None and a.cache_ceil_mb is None:
             a.cache_mb = demo_cache_mb
         if a.prompt is None and a.file is None:
             a.prompt, a.chat = DEMO_PROMPT, True
     settings = Settings(
         model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
-        cache_mb=a.cache_mb, cache_floor_mb=a.cache_floor_mb, io_threads=a.io_threads,
+        cache_mb=a.cache_mb, cache_floor_mb=floor_mb(a), cache_ceil_mb=a.cache_ceil_mb, force=a.force,
+        io_threads=a.io_threads,
         odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace, preload=a.preload,
         lane_timeout=a.lane_timeout, shm_backend=a.shm, cache_policy=a.cache_policy, overlap=a.overlap,
         prefetch=a.prefetch, spec_gate=a.spec_gate, spec_warmup=a.spec_warmup, spec_recall_min=a.spec_recall_min,
@@ -237,6 +269,7 @@ def run(a: argparse.Namespace) -> int:
                 csv_file.write(telemetry.csv_row(line) + "\n")
 
         res = engine.generate(tokens, a.n_predict, on_token)
+        engine.files.check_unchanged("the answer above may not be the model's; run again")
         if a.progress:
             out.write(f"{telemetry.ANSWER_BANNER}\n{res.text}\n{telemetry.PERF_BANNER}\n")
         else:

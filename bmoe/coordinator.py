@@ -30,6 +30,12 @@ from bmoe.spec import SpecGate
 
 MiB = 1 << 20
 MAX_MERGED_READ = 4 * MiB
+DEFAULT_FLOOR_MB = 1536.0
+
+
+def _mib_up(nbytes: int) -> str:
+    """MiB rounded up to 0.1, so a number printed as "use --cache-mb N" is enough."""
+    return f"{-(-nbytes * 10 // MiB) / 10:g}"
 
 
 class ConfigError(ValueError):
@@ -46,8 +52,10 @@ class Settings:
     n_ctx: int = 2048
     threads: int = 0
     stream: bool = True
-    cache_mb: float | None = None  # None: sized from available memory
-    cache_floor_mb: float = 1536.0
+    cache_mb: float | None = None  # None: sized from available memory (auto_cache_bytes)
+    cache_floor_mb: float = DEFAULT_FLOOR_MB
+    cache_ceil_mb: float | None = None  # caps the auto size; None: no cap
+    force: bool = False  # accept a budget below one token's working set
     io_threads: int = 2
     odirect: bool = True
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
@@ -141,16 +149,21 @@ class Streamer:
                                   t.n_expert, t.expert_bytes))
         self.n_expert = max(r.n_expert for r in regions)
         self.slab = Slab(layout(regions), shm_backend)
-        try:
+        self.pool: LanePool | None = None
+        try:  # a signal may land anywhere in here: what exists so far is released
             self.cache = ExpertCache(self.slab, regions, budget, cache_policy)
             self.pool = LanePool(io_threads, self.slab.name, [str(p) for p in files.paths], odirect,
                                  timeout=lane_timeout)
+            by_name = {t.name: t for t in tensors}
+            for r in regions:
+                by_name[r.name].rebind(self.slab.base + r.slab_offset)
         except BaseException:
-            self.slab.close()
+            try:
+                if self.pool is not None:
+                    self.pool.close()
+            finally:
+                self.slab.close()
             raise
-        by_name = {t.name: t for t in tensors}
-        for r in regions:
-            by_name[r.name].rebind(self.slab.base + r.slab_offset)
         self.overlap = overlap
         self.prefetch = prefetch
         self.spec: SpecGate | None = None
@@ -401,9 +414,18 @@ class Streamer:
                 self.slab.close()
 
 
-def auto_cache_bytes(expert_bytes: int, floor_mb: float) -> int:
-    avail = psutil.virtual_memory().available - int(floor_mb * MiB)
-    return max(0, min(expert_bytes, avail))
+def auto_cache_bytes(expert_bytes: int, floor_mb: float, ceil_mb: float | None = None) -> tuple[int, str]:
+    """The `--cache-mb auto` budget: the least of available memory minus the floor, the ceiling and
+    every expert's bytes; with the terms it compared, for the notice that reports it."""
+    avail = psutil.virtual_memory().available
+    terms = [(max(0, avail - int(floor_mb * MiB)),
+              f"available {avail / MiB:.0f} MiB minus --cache-floor-mb {floor_mb:g}"),
+             (expert_bytes, f"experts total {expert_bytes / MiB:.0f} MiB")]
+    if ceil_mb is not None:
+        terms.append((int(ceil_mb * MiB), f"--cache-ceil-mb {ceil_mb:g}"))
+    budget = min(b for b, _ in terms)
+    why = "; ".join(f"{'=> ' if b == budget else ''}{what}" for b, what in terms)
+    return budget, why
 
 
 class Engine:
@@ -472,23 +494,39 @@ class Engine:
         if not cap.tensors:
             raise ModelError("llama.cpp computed no expert matmul (MUL_MAT_ID) for this model; run it with --no-stream")
         tensors = list(cap.tensors.values())
-        expert_total = sum(t.nbytes for t in tensors)
         s = self.settings
-        if s.cache_mb is None:
-            self.budget = auto_cache_bytes(expert_total, s.cache_floor_mb)
-            notice(f"cache budget {self.budget / MiB:.0f} MiB (auto: available memory minus "
-                   f"{s.cache_floor_mb:.0f} MiB, experts total {expert_total / MiB:.0f} MiB)")
-        else:
+        if s.cache_mb is not None:
             self.budget = int(s.cache_mb * MiB)
-        if (s.prefetch or s.spec_gate) and self.budget <= 0:
+        else:
+            self.budget, why = auto_cache_bytes(sum(t.nbytes for t in tensors), s.cache_floor_mb, s.cache_ceil_mb)
+            auto_notice = f"cache budget {self.budget / MiB:.1f} MiB (auto, the least of: {why})"
+        if (s.prefetch or s.spec_gate) and self.budget <= 0 and s.cache_mb is not None:
             raise ConfigError("--prefetch and --spec-gate read experts ahead into the cache, and this run has "
                               "none; give it a budget with --cache-mb (or drop those flags)")
         self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect, s.lane_timeout,
                                  s.shm_backend, s.overlap, s.prefetch, s.cache_policy)
-        need = self.streamer.cache.layer_working_set(max(1, self.files.n_expert_used))
-        if 0 < self.budget < need:
-            raise ConfigError(f"--cache-mb {self.budget / MiB:g} is below one layer's working set "
-                              f"({need / MiB:.1f} MiB); use --cache-mb {need / MiB:.1f} or more, or 0 for no cache")
+        top_k = max(1, self.files.n_expert_used)
+        layer_need = self.streamer.cache.layer_working_set(top_k)
+        token_need = self.streamer.cache.token_working_set(top_k)
+        if s.cache_mb is None:
+            if 0 < self.budget < token_need and not s.force:
+                auto_notice += (f"; that is below one token's working set ({token_need / MiB:.1f} MiB), where a "
+                                "cache thrashes, so this run has none (as --cache-mb 0); --force keeps it")
+                self.budget = self.streamer.cache.budget = 0
+            notice(auto_notice)
+            if (s.prefetch or s.spec_gate) and self.budget <= 0:
+                raise ConfigError("--prefetch and --spec-gate read experts ahead into the cache, and --cache-mb "
+                                  "auto found no room for one; free memory, lower --cache-floor-mb, or drop "
+                                  "those flags")
+        what = "--cache-mb " + (f"{s.cache_mb:g}" if s.cache_mb is not None else f"auto ({self.budget / MiB:.1f})")
+        if 0 < self.budget < layer_need:
+            raise ConfigError(f"{what} is below one layer's working set ({layer_need / MiB:.1f} MiB), which even "
+                              f"--force cannot run; use --cache-mb {_mib_up(token_need)} (one token's working set) "
+                              "or more, or 0 for no cache")
+        if 0 < self.budget < token_need and not s.force:
+            raise ConfigError(f"{what} is below one token's working set ({token_need / MiB:.1f} MiB): the cache "
+                              "would thrash, each token evicting experts the next one needs again; use --cache-mb "
+                              f"{_mib_up(token_need)} or more, 0 for no cache, or --force to run with it anyway")
         st = self.streamer
         self.hook.on_route = st.on_route
         if s.overlap:

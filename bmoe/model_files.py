@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,23 @@ class ModelFiles:
     @property
     def expert_bytes(self) -> int:
         return sum(e.nbytes for n, e in self.extents.items() if EXPERT_TENSOR.match(n))
+
+    def check_unchanged(self, fix: str) -> None:
+        """Raise ModelError (ending with `fix`) if a file's size or mtime differs from when it was opened.
+
+        The offset table the lanes read by, and llama.cpp's mapping of the rest of the model,
+        describe the file as it was; a file rewritten since then would feed the matmuls other
+        bytes than plain llama.cpp loading it now, so the process must load it again.
+        """
+        for p, size, mtime in zip(self.paths, self.sizes, self.mtimes):
+            try:
+                st = p.stat()
+            except OSError as e:
+                raise ModelError(f"model file {p} is gone ({e.strerror}) since it was loaded; {fix}") from e
+            if (st.st_size, st.st_mtime) != (size, mtime):
+                what = (f"size {size} -> {st.st_size} bytes" if st.st_size != size
+                        else f"modified at {time.strftime('%H:%M:%S', time.localtime(st.st_mtime))}")
+                raise ModelError(f"model file {p} changed since it was loaded ({what}); {fix}")
 
 
 def shard_paths(path: Path) -> list[Path]:

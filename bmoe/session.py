@@ -38,6 +38,10 @@ Decisions where the contract is silent:
   `llama_chat_apply_template` cannot pass it; on other templates `think` changes nothing. A
   template llama.cpp does not recognise is rendered with jinja2 too. A model without a chat template
   is run as plain text: the conversation is the concatenation of its messages.
+- A model file whose size or mtime changed since the load is found before each `generate` and is
+  fatal (`BMOE_ERROR` with the request's id, naming the file, "restart the session"): the loaded
+  offsets and llama.cpp's mapping describe the old file, so no later answer could be trusted to be
+  the model's, and only a new load fixes that.
 - Fatal: anything that ends the process (a failed load, a lane failure, a decode error) first
   writes `BMOE_ERROR` with `fatal:true` (id of the generation in flight, else -1) and exits 1;
   SIGINT/SIGTERM do the same with exit 130/143. Shared memory and lanes are released on every
@@ -61,7 +65,7 @@ from typing import Any, Callable, Iterator
 
 import llama_cpp
 
-from bmoe import telemetry
+from bmoe import cli, telemetry
 from bmoe.coordinator import Cancelled, ConfigError, Engine, Settings, TokenStat
 from bmoe.llama import SamplerSettings
 
@@ -392,7 +396,7 @@ class Session:
 
     def profile(self) -> None:
         """The per-process table (coordinator, lanes) on stderr, on demand; stdout stays protocol-only."""
-        from bmoe import cli, profile
+        from bmoe import profile
 
         rows = profile.collect(cli.workers(self.engine))
         print(profile.table(rows, self.engine.resident_bytes()), file=sys.stderr, flush=True)
@@ -417,6 +421,7 @@ class Session:
             self.out.line(tag, obj)
 
     def run(self, req: Generate) -> None:
+        self.engine.files.check_unchanged("restart the session to load it again")  # fatal: see the notes
         base = [] if req.clear_kv else self.messages
         msgs = base + [{"role": "user", "content": req.prompt}]
         try:
@@ -514,6 +519,7 @@ SETTINGS_FROM_FLAGS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "stream": lambda a: not a.no_stream,
     "odirect": lambda a: not a.no_odirect,
     "shm_backend": lambda a: a.shm,
+    "cache_floor_mb": lambda a: cli.floor_mb(a),
     "sampler": lambda a: SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
 }
 
@@ -525,7 +531,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
         path, demo_cache_mb = default_model(progress=_notice)
         a.model = str(path)
-        if a.cache_mb is None:
+        if a.cache_mb is None and a.cache_floor_mb is None and a.cache_ceil_mb is None:
             a.cache_mb = demo_cache_mb
     kw = {}
     for f in dataclasses.fields(Settings):

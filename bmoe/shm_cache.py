@@ -19,6 +19,7 @@ from pathlib import Path
 import posix_ipc
 
 from bmoe.cache_policy import DEFAULT_POLICY, Policy, make_policy
+from bmoe.model_files import EXPERT_TENSOR, ModelFiles
 
 PAGE = 4096
 SHM_PREFIX = "bmoe-"
@@ -382,8 +383,37 @@ class ExpertCache:
         return any(st[o] != ABSENT for o in self.regions[ri].experts_on_page(page) if o != e)
 
     def layer_working_set(self, top_k: int) -> int:
-        """Bytes of the largest layer's routed set for one token (the smallest useful budget)."""
-        best = 0
-        for idxs in self.by_layer.values():
-            best = max(best, sum(top_k * (_up(self.regions[i].expert_bytes) + PAGE) for i in idxs))
-        return best
+        """Bytes of the largest layer's routed set for one token: below it a layer cannot run."""
+        return max(working_sets(self.regions, top_k).values())
+
+    def token_working_set(self, top_k: int) -> int:
+        """Bytes one decode token routes through: every MoE layer's set together (see working_sets)."""
+        return sum(working_sets(self.regions, top_k).values())
+
+
+def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
+    """Per MoE layer, the bytes its `top_k` costliest experts are charged (whole pages, as the
+    cache charges them).
+
+    A decode token visits the layers in a fixed cycle, so a budget below their sum evicts,
+    somewhere in the cycle, slices the next token needs again: the cache only thrashes.
+    """
+    need: dict[int, int] = {}
+    for r in regions:
+        spans = sorted((p1 - p0 for p0, p1 in map(r.page_span, range(r.n_expert))), reverse=True)
+        need[r.layer] = need.get(r.layer, 0) + sum(spans[:top_k])
+    return need
+
+
+def file_regions(files: ModelFiles) -> list[Region]:
+    """The expert regions of a model read from its GGUF table alone (no llama.cpp load), placed as
+    `layout` places them, so page-rounded sizes match what a running cache charges."""
+    regions = []
+    for name, ext in sorted(files.extents.items()):
+        m = EXPERT_TENSOR.match(name)
+        if m and files.n_expert > 1:
+            layer, kind = int(name.split(".")[1]), name.split(".")[2]
+            regions.append(Region(name, layer, kind, ext.file_index, ext.offset, files.n_expert,
+                                  ext.nbytes // files.n_expert))
+    layout(regions)
+    return regions

@@ -40,13 +40,18 @@ class SpecGate:
         self._seq = 0
         self._sent: dict[int, float] = {}
         self.ring = Slab(RING_SLOTS * n_embd * 4, shm_backend)
+        self.proc: subprocess.Popen | None = None
         cmd = [sys.executable, "-m", "bmoe.workers.spec_gate", "--ring", self.ring.name,
                "--slots", str(RING_SLOTS), "--embd", str(n_embd), "--arch", arch, "--top-k", str(top_k),
                "--layers", ",".join(map(str, layers)), *paths]
-        self.proc: subprocess.Popen | None = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.pid = self.proc.pid
-        self.unpacker = msgpack.Unpacker()
-        hello = self._hello(timeout=60.0)
+        try:  # a signal while the gate starts (it reads every router) must not leave it or the ring behind
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.pid = self.proc.pid
+            self.unpacker = msgpack.Unpacker()
+            hello = self._hello(timeout=60.0)
+        except BaseException:
+            self.close()
+            raise
         if hello is None:
             self._stop(f"the spec-gate process did not start (exit code {self.proc.poll()})")
         elif not hello[1]:

@@ -34,7 +34,7 @@ def answer_and_summary(stdout: str) -> tuple[str, list[str]]:
 
 def test_streams_the_same_answer_as_plain_llama_cpp(model: str) -> None:
     plain = run_cli("-m", model, "-p", PROMPT, "-n", "24", "--no-stream")
-    streamed = run_cli("-m", model, "-p", PROMPT, "-n", "24", "--cache-mb", "0.6", "--io-threads", "2")
+    streamed = run_cli("-m", model, "-p", PROMPT, "-n", "24", "--cache-mb", "1", "--io-threads", "2")
     assert plain.returncode == 0, plain.stderr
     assert streamed.returncode == 0, streamed.stderr
     text_plain, summary_plain = answer_and_summary(plain.stdout)
@@ -65,7 +65,8 @@ def test_dense_model_runs_plain_with_a_notice() -> None:
     assert r.stdout.count("generation: 4 tokens") == 1
 
 
-@pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated", "budget", "prompt-file", "context"])
+@pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated", "budget", "token-budget", "prompt-file",
+                                  "context"])
 def test_bad_input_is_named_with_its_fix(model: str, tmp_path, case: str) -> None:
     args = ["-p", PROMPT, "-n", "8"]
     if case == "missing":
@@ -80,8 +81,13 @@ def test_bad_input_is_named_with_its_fix(model: str, tmp_path, case: str) -> Non
         m.write_bytes(data[: len(data) * 2 // 3])
         want = "is truncated"
     elif case == "budget":
-        m, want = model, "is below one layer's working set"
+        m, want = model, "--cache-mb 0.05 is below one layer's working set (0.2 MiB)"
         args += ["--cache-mb", "0.05"]
+    elif case == "token-budget":
+        m = model
+        want = ("--cache-mb 0.5 is below one token's working set (0.9 MiB): the cache would thrash, each token "
+                "evicting experts the next one needs again; use --cache-mb 1 or more, 0 for no cache, or --force")
+        args += ["--cache-mb", "0.5"]
     elif case == "prompt-file":
         m, want = model, "cannot read prompt file"
         args = ["-f", str(tmp_path / "missing.txt")]
@@ -99,6 +105,72 @@ def test_bad_input_is_named_with_its_fix(model: str, tmp_path, case: str) -> Non
 def test_bad_flags_exit_2(model: str, flags: list[str]) -> None:
     r = run_cli("-m", model, *flags)
     assert r.returncode == 2 and "error:" in r.stderr
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--cache-mb", "2", "--cache-ceil-mb", "3"],
+     "--cache-ceil-mb size --cache-mb auto, and --cache-mb 2 is fixed; drop --cache-ceil-mb or use --cache-mb auto"),
+    (["--cache-mb", "0", "--cache-floor-mb", "100", "--cache-ceil-mb", "3"],
+     "--cache-floor-mb and --cache-ceil-mb size --cache-mb auto, and --cache-mb 0 is fixed"),
+    (["--no-stream", "--cache-ceil-mb", "3"], "--cache-ceil-mb size the expert cache, and --no-stream has none"),
+    (["--cache-ceil-mb", "0"], "--cache-ceil-mb 0 leaves --cache-mb auto no room; for no cache say --cache-mb 0"),
+    (["--cache-ceil-mb", "-1"], "argument --cache-ceil-mb: must be a number of MiB, 0 or more"),
+    (["--cache-floor-mb", "lots"], "argument --cache-floor-mb: 'lots' is not a number of MiB"),
+])
+def test_cache_sizing_flag_conflicts_exit_2(model: str, flags: list[str], msg: str) -> None:
+    r = run_cli("-m", model, "-p", "x", *flags)
+    assert r.returncode == 2 and f"bmoe-cli: error: {msg}" in r.stderr, r.stderr
+
+
+def test_force_runs_below_one_tokens_working_set(model: str) -> None:
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "-t", "1", "--cache-mb", "0.5", "--force")
+    assert r.returncode == 0, r.stderr
+    assert CACHE.match(answer_and_summary(r.stdout)[1][-1])
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_auto_budget_is_capped_by_the_ceiling(model: str, force: bool) -> None:
+    """auto = the least of available memory minus the floor, the ceiling and every expert; one below
+    one token's working set means no cache, unless --force."""
+    ceil = "0.5" if force else "2"
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "-t", "1", "--cache-floor-mb", "0", "--cache-ceil-mb", ceil,
+                *(["--force"] if force else []))
+    assert r.returncode == 0, r.stderr
+    (note,) = [x for x in r.stderr.splitlines() if "cache budget" in x]
+    assert note.startswith(f"bmoe: cache budget {float(ceil):.1f} MiB (auto, the least of: available ")
+    assert f"MiB minus --cache-floor-mb 0; experts total 3 MiB; => --cache-ceil-mb {ceil})" in note
+    assert CACHE.match(answer_and_summary(r.stdout)[1][-1]), "the cache is on"
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "-t", "1", "--cache-ceil-mb", "0.5")
+    assert r.returncode == 0, r.stderr
+    (note,) = [x for x in r.stderr.splitlines() if "cache budget" in x]
+    assert note.endswith("that is below one token's working set (0.9 MiB), where a cache thrashes, so this run has "
+                         "none (as --cache-mb 0); --force keeps it"), note
+    assert [s.split(":")[0] for s in answer_and_summary(r.stdout)[1]] == ["generation", "moe-stream"]
+
+
+def test_model_file_changed_during_a_run_is_an_error(model: str, tmp_path, monkeypatch, capsys) -> None:
+    from bmoe import cli
+    from bmoe.coordinator import Engine
+
+    copy = tmp_path / "m.gguf"
+    copy.write_bytes(open(model, "rb").read())
+    generate = Engine.generate
+
+    def touch_mid_run(self, tokens, n, on_piece):
+        def piece(i, text, stat):
+            on_piece(i, text, stat)
+            if i == 2:
+                os.utime(copy, (copy.stat().st_atime, copy.stat().st_mtime + 5))
+        return generate(self, tokens, n, piece)
+
+    monkeypatch.setattr(Engine, "generate", touch_mid_run)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # leave pytest's own handlers alone
+    before = bmoe_segments()
+    assert cli.main(["-m", str(copy), "-p", PROMPT, "-n", "6", "-t", "1", "--cache-mb", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"bmoe-cli: error: model file {copy} changed since it was loaded (modified at " in err
+    assert err.rstrip().endswith("the answer above may not be the model's; run again")
+    assert bmoe_segments() == before
 
 
 def test_help_has_examples() -> None:

@@ -47,7 +47,8 @@ def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes:
     ref = reference(path)
     expert_bytes = open_model(path).expert_bytes
     cache_mb = {"zero": 0.0, "third": expert_bytes / 3 / MiB}.get(budget, expert_bytes * 2 / MiB)  # pages
-    res, _ = generate(path, cache_mb=cache_mb, io_threads=lanes, preload=budget == "preload")
+    # force: a third is just under one token's page-rounded working set for mxfp4's small slices
+    res, _ = generate(path, cache_mb=cache_mb, io_threads=lanes, preload=budget == "preload", force=True)
     assert res.ids == ref.ids
     assert res.text == ref.text
     hits = sum(s.hits for s in res.steps)

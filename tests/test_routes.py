@@ -17,7 +17,7 @@ PROMPT = "The engineers tested the bridge with heavy trucks and measured how far
 def test_trace_records_routes_and_router_inputs(synth, tmp_path, arch: str) -> None:
     model = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     trace_path = tmp_path / "t.jsonl"
-    traced = run_cli("-m", model, "-p", PROMPT, "-n", "16", "--cache-mb", "0.5", "--route-trace", str(trace_path))
+    traced = run_cli("-m", model, "-p", PROMPT, "-n", "16", "--cache-mb", "1", "--route-trace", str(trace_path))
     plain = run_cli("-m", model, "-p", PROMPT, "-n", "16", "--no-stream")
     assert traced.returncode == 0, traced.stderr
     assert traced.stdout.split("\ngeneration:")[0] == plain.stdout.split("\ngeneration:")[0], "tracing is lossless"

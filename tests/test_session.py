@@ -239,12 +239,14 @@ def test_session_settings_follow_every_flag() -> None:
     from bmoe.coordinator import Settings
     from bmoe.session import SETTINGS_FROM_FLAGS, settings_from_args
 
-    a = build_parser().parse_args(["-m", "m.gguf", "-c", "512", "-t", "3", "--no-stream", "--temp", "0.5"])
+    a = build_parser().parse_args(["-m", "m.gguf", "-c", "512", "-t", "3", "--no-stream", "--temp", "0.5",
+                                   "--cache-ceil-mb", "64", "--force"])
     names = {f.name for f in dataclasses.fields(Settings)}
     missing = sorted(n for n in names if n not in SETTINGS_FROM_FLAGS and not hasattr(a, n))
     assert not missing, f"map these Settings fields in bmoe.session.SETTINGS_FROM_FLAGS: {missing}"
     st = settings_from_args(a)
     assert (st.model, st.n_ctx, st.threads, st.stream, st.sampler.temp) == ("m.gguf", 512, 3, False, 0.5)
+    assert (st.cache_ceil_mb, st.force, st.cache_floor_mb) == (64, True, 1536)
 
 
 def test_a_failed_load_is_one_fatal_line(tmp_path) -> None:
@@ -477,3 +479,31 @@ def test_profile_on_demand_goes_to_stderr(model: str) -> None:
         assert "coordinator" in s.stderr and "io_lane 0" in s.stderr and "io_lane 1" in s.stderr
         assert not s.stray
         assert s.close() == 0
+
+
+def test_model_file_changed_under_the_session_is_fatal(model: str, tmp_path) -> None:
+    """A size or mtime change is found before the next generate: a fatal line naming the file and
+    the fix, exit 1, and nothing left behind."""
+    copy = tmp_path / "changing.gguf"
+    copy.write_bytes(open(model, "rb").read())
+    before = bmoe_segments()
+    s = start(str(copy), "--cache-mb", "2")
+    lanes = psutil.Process(s.proc.pid).children()
+    try:
+        evs, _ = s.ask(1, P1, n_predict=3)
+        check_turn(evs, 1, 3)
+        with open(copy, "ab") as f:
+            f.write(b"\0" * 4096)
+        size = copy.stat().st_size
+        evs = list(s.generate(2, P2, n_predict=3))
+        rc = s.proc.wait(60)
+    finally:
+        s.kill()
+    assert [tag for tag, _ in evs] == ["ERROR"]
+    ev = evs[0][1]
+    assert ev["fatal"] is True and ev["id"] == 2
+    assert ev["msg"] == (f"generation 2 failed: model file {copy} changed since it was loaded "
+                         f"(size {size - 4096} -> {size} bytes); restart the session to load it again")
+    assert rc == 1 and not s.stray and not bmoe_segments() - before
+    _, alive = psutil.wait_procs(lanes, timeout=5)
+    assert not alive

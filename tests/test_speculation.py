@@ -171,7 +171,7 @@ def test_quantized_router_turns_spec_gate_off_with_a_notice(synth) -> None:
 def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     csv = tmp_path / "run.csv"
-    r = run_cli("-m", path, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "0.6", "--overlap",
+    r = run_cli("-m", path, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "1", "--overlap",
                 "--prefetch", "2", "--spec-gate", "--spec-recall-min", "0", "--progress", "--csv", str(csv))
     assert r.returncode == 0, r.stderr
     run = telemetry.parse_output(r.stdout)
@@ -187,7 +187,7 @@ def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
         assert abs(p["compute_ms"] - (p["wall_ms"] - p["stall_ms"] - p["mgmt_ms"])) < 0.01
     assert "stall_s/tok=" in csv.read_text().splitlines()[-1]
 
-    r = run_cli("-m", path, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "0.6", "--spec-gate",
+    r = run_cli("-m", path, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "1", "--spec-gate",
                 "--spec-warmup", "6", "--spec-recall-min", "100")
     assert re.search(r"^moe-spec-gate: [\d.]+% router prediction recall \(auto-disabled below 100%\)$",
                      r.stdout, re.M), r.stdout
