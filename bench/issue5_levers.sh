@@ -8,7 +8,7 @@
 # Run it on a quiet machine: about 25 runs of 30-120 s each. Knobs (environment variables):
 #   MODEL=path (default bench/models/demo64.gguf, built by bmoe-demo when missing)
 #   LIMIT_MB=2700   memory limit (cgroup, else a balloon)      SMALL_MB=900 LARGE_MB=1800  budgets
-#   N=24 REPEATS=2 WARMUP=0 THREADS=1 OUT=dir   EXTRA='...' more bmoe-bench flags
+#   N=24 REPEATS=2 WARMUP=0 THREADS=1 LANES=3 (--io-threads) OUT=dir   EXTRA='...' more bmoe-bench flags
 # One compute thread by default: llama.cpp's spinning thread pool slows down many times over when
 # the I/O lanes or another process take a core, which would drown the levers' effect in noise.
 # Quick check that it starts: N=2 REPEATS=1 EXTRA='--no-bandwidth' $0
@@ -23,6 +23,7 @@ N=${N:-24}
 REPEATS=${REPEATS:-2}
 WARMUP=${WARMUP:-0}
 THREADS=${THREADS:-1}
+LANES=${LANES:-3}
 EXTRA=${EXTRA:-}
 OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue5}
 if [[ ! -f $MODEL ]]; then
@@ -41,7 +42,7 @@ done
 # shellcheck disable=SC2086  # EXTRA is a list of flags
 "$PY" -m bmoe.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
     -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" \
-    --common "-t $THREADS -c 512 --chat --io-threads 2" --mem-limit-mb "$LIMIT_MB" \
+    --common "-t $THREADS -c 512 --chat --io-threads $LANES" --bw-threads 1,2,3,4 --mem-limit-mb "$LIMIT_MB" \
     "${configs[@]}" --config "resident=--cache-mb 6000 --preload" --compute-ref resident \
     --out "$OUT" $EXTRA
 echo "issue5: report in $OUT/report.md" >&2

@@ -27,9 +27,11 @@ from bmoe.routes import TraceWriter
 from bmoe.cache_policy import DEFAULT_POLICY
 from bmoe.shm_cache import ABSENT, ExpertCache, Region, Slab, layout, sweep_stale_segments
 from bmoe.spec import SpecGate
+from bmoe.workers.io_lane import CANCELLED
 
 MiB = 1 << 20
 MAX_MERGED_READ = 4 * MiB
+SPEC_QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)
 DEFAULT_FLOOR_MB = 1536.0
 
 
@@ -92,6 +94,7 @@ class Speculation:
     bytes: int = 0
     prefetched: int = 0
     useful: int = 0
+    cancelled: int = 0  # speculative orders dropped unread (mispredictions caught in time)
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Order:
     """Reads sent to one lane: the slices they fill and, if speculative, the experts read ahead."""
 
     keys: list[Key]
+    lane: int
     ahead: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -170,6 +174,8 @@ class Streamer:
         self.layers = sorted(self.cache.by_layer)
         self.cycle_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.inflight: dict[int, Order] = {}
+        self.cancelled: set[int] = set()  # speculative orders asked to be dropped, not yet answered
+        self.replaced: dict[int, list[int]] = {}  # cancelled order -> demand orders re-reading what it held
         self.order_of: dict[Key, int] = {}
         self.wishes: list[tuple[int, int]] = []
         self.down_orders: dict[int, list[int]] = {}
@@ -198,7 +204,8 @@ class Streamer:
         if predicted is not None and self.spec is not None:
             self.spec.score(predicted, set(self.last_routes[layer]))
         self._count_useful(layer, wanted)
-        self.wishes.clear()  # demand first: speculative reads not yet sent are dropped
+        self.wishes.clear()  # demand first: speculative reads not yet sent are dropped,
+        self._cancel_speculation(layer, wanted)  # and those for this layer still queued are mispredictions
         missing = self.cache.plan(layer, wanted)
         now, later = self._send_demand(layer, wanted, missing)
         self._plan_speculation(layer)
@@ -216,7 +223,7 @@ class Streamer:
 
     def down_pending(self, layer: int) -> bool:
         orders = self.down_orders.get(layer)
-        if orders and any(o in self.inflight for o in orders):
+        if orders and any(self._live(o) for o in orders):
             return True
         self.down_orders.pop(layer, None)
         return False
@@ -270,9 +277,9 @@ class Streamer:
 
     def _send(self, lane: int, share: list[tuple[ReadOrder, list[Key]]],
               ahead: list[tuple[int, int]] | None = None) -> int:
-        oid = self.pool.send(lane, [r for r, _ in share])
+        oid = self.pool.send(lane, [r for r, _ in share], speculative=bool(ahead))
         keys = [k for _, ks in share for k in ks]
-        self.inflight[oid] = Order(keys, ahead or [])
+        self.inflight[oid] = Order(keys, lane, ahead or [])
         for k in keys:
             self.order_of[k] = oid
         return oid
@@ -294,15 +301,35 @@ class Streamer:
                 self.wishes.append((layer, e))
 
     def _pump(self) -> None:
-        """Hand queued speculative reads to lanes that have nothing in flight."""
-        idle = self.pool.idle()
-        while self.wishes and idle:
+        """Queue wished-for speculative reads in the lanes, one expert per order, up to
+        SPEC_QUEUE_PER_LANE per lane; the lanes serve them only when no demand order waits."""
+        queued = [0] * len(self.pool.lanes)
+        for order in self.inflight.values():
+            if order.ahead:
+                queued[order.lane] += 1
+        while self.wishes and min(queued) < SPEC_QUEUE_PER_LANE:
             layer, e = self.wishes.pop(0)
             keys = self.cache.admit_speculative(layer, [e])
             if keys:
+                lane = queued.index(min(queued))
                 share = merge_keyed([(self.cache.regions[ri].read_order(x), (l, ri, x)) for l, ri, x in keys],
                                     MAX_MERGED_READ)
-                self._send(idle.pop(0), share, ahead=[(layer, e)])
+                self._send(lane, share, ahead=[(layer, e)])
+                queued[lane] += 1
+
+    def _cancel_speculation(self, layer: int | None, routed: list[int] = ()) -> None:
+        """Ask the lanes to drop the speculative orders for `layer` (None: all layers) that they have
+        not started, except those for experts the layer routed to."""
+        by_lane: dict[int, list[int]] = {}
+        for oid, order in self.inflight.items():
+            if not order.ahead or oid in self.cancelled:
+                continue
+            at, e = order.ahead[0]
+            if layer is None or (at == layer and e not in routed):
+                by_lane.setdefault(order.lane, []).append(oid)
+                self.cancelled.add(oid)
+        for lane, oids in by_lane.items():
+            self.pool.lanes[lane].cancel(oids)
 
     def _on_predictions(self) -> None:
         for seq, layer, ids in self.spec.receive():
@@ -344,7 +371,7 @@ class Streamer:
         """
         t0 = time.perf_counter_ns()
         spent = 0
-        while any(o in self.inflight for o in orders):
+        while any(self._live(o) for o in orders):
             if self.cache.unreleased:
                 r0 = time.perf_counter_ns()
                 self.cache.release_evicted()
@@ -359,8 +386,12 @@ class Streamer:
         for oid in [o for o in self.pool.done if o in self.inflight]:
             nbytes, busy = self.pool.take(oid)
             order = self.inflight.pop(oid)
+            self.cancelled.discard(oid)
             for k in order.keys:
                 del self.order_of[k]
+            if nbytes == CANCELLED:
+                self._abandon(oid, order)
+                continue
             self.cache.commit(order.keys)
             self.read_bytes += nbytes
             self.busy_ns += busy
@@ -369,12 +400,28 @@ class Streamer:
                 self.speculation.prefetched += len(order.ahead)
                 self.read_ahead.update(order.ahead)
 
+    def _abandon(self, oid: int, order: Order) -> None:
+        """A cancelled order read nothing: its slices are absent again. Should a layer have come to
+        need one meanwhile (its routing saw it loading), it is read now, and waits that were on
+        the cancelled order follow the new one."""
+        self.speculation.cancelled += 1
+        needed = [k for k in order.keys if k in self.cache.pinned]
+        self.cache.abandon([k for k in order.keys if k not in self.cache.pinned])
+        if needed:
+            self.replaced[oid] = self._spread(needed)
+
+    def _live(self, oid: int) -> bool:
+        """An order still to wait for: in flight, or cancelled and replaced by orders in flight."""
+        return oid in self.inflight or any(self._live(o) for o in self.replaced.get(oid, ()))
+
     def settle(self) -> None:
         """Finish every read in flight and drop queued ones: the cache is consistent again."""
         self.wishes.clear()
         self.down_orders.clear()
         self.predictions.clear()
+        self._cancel_speculation(None)
         self._wait(list(self.inflight))
+        self.replaced.clear()
 
     # ---- whole-cache operations ----------------------------------------------------------------
 

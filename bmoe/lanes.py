@@ -12,6 +12,8 @@ from typing import Callable, TypeVar
 
 import msgpack
 
+from bmoe.workers.io_lane import CANCELLED
+
 ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
 T = TypeVar("T")
 
@@ -58,7 +60,7 @@ class Lane:
         self.cmd += list(paths)
         self.index = index
         self.stats = LaneStats()
-        self.pending: dict[int, tuple[float, list[ReadOrder]]] = {}
+        self.pending: dict[int, tuple[float, list[ReadOrder], bool]] = {}  # id -> (sent at, reads, speculative)
         self.odirect = False
         self._spawn()
 
@@ -68,16 +70,23 @@ class Lane:
         self.unpacker = msgpack.Unpacker()
         self.eof = False
 
-    def send(self, order_id: int, reads: list[ReadOrder]) -> None:
-        self.pending[order_id] = (time.monotonic(), reads)
+    def send(self, order_id: int, reads: list[ReadOrder], speculative: bool = False) -> None:
+        self.pending[order_id] = (time.monotonic(), reads, speculative)
+        self._write(["s", order_id, reads] if speculative else [order_id, reads])
+
+    def cancel(self, order_ids: list[int]) -> None:
+        """Drop these speculative orders if the lane has not started them (it answers CANCELLED)."""
+        self._write(["c", order_ids])
+
+    def _write(self, msg: list) -> None:
         try:
-            self.proc.stdin.write(msgpack.packb([order_id, reads]))
+            self.proc.stdin.write(msgpack.packb(msg))
             self.proc.stdin.flush()
         except (BrokenPipeError, ValueError):
             self.eof = True  # found dead; the pool restarts it and re-sends what is pending
 
     def pending_bytes(self) -> int:
-        return sum(r[2] for _, reads in self.pending.values() for r in reads)
+        return sum(r[2] for _, reads, _ in self.pending.values() for r in reads)
 
     def respawn(self) -> None:
         """Replace a dead or hung process and re-issue everything it had not finished."""
@@ -85,8 +94,8 @@ class Lane:
         self._spawn()
         orders = list(self.pending.items())
         self.pending.clear()
-        for order_id, (_, reads) in orders:
-            self.send(order_id, reads)
+        for order_id, (_, reads, speculative) in orders:
+            self.send(order_id, reads, speculative)
 
     def stop(self, timeout: float = 2.0) -> None:
         try:
@@ -163,10 +172,11 @@ class LanePool:
             load[i] += r[2]
         return [self.send(i, share) for i, share in enumerate(shares) if share]
 
-    def send(self, lane_index: int, reads: list[ReadOrder]) -> int:
-        """One order to one lane; it reads in arrival order. Returns the order id."""
+    def send(self, lane_index: int, reads: list[ReadOrder], speculative: bool = False) -> int:
+        """One order to one lane, which reads demand orders in arrival order before any
+        speculative one. Returns the order id."""
         self._next_id += 1
-        self.lanes[lane_index].send(self._next_id, reads)
+        self.lanes[lane_index].send(self._next_id, reads, speculative)
         return self._next_id
 
     def idle(self) -> list[int]:
@@ -196,7 +206,7 @@ class LanePool:
         for lane in self.lanes:
             if not lane.pending:
                 continue
-            oldest = min(t for t, _ in lane.pending.values())
+            oldest = min(t for t, _, _ in lane.pending.values())
             if lane.eof or lane.proc.poll() is not None:
                 self._replace(lane, f"exited with code {lane.proc.poll()}")
             elif now - oldest > self.timeout:
@@ -213,7 +223,8 @@ class LanePool:
         return total
 
     def take(self, order_id: int) -> tuple[int, int]:
-        """(bytes, lane busy ns) of a completed order; raises the lane's error if it failed."""
+        """(bytes, lane busy ns) of a completed order, bytes = CANCELLED for a speculative order
+        dropped unread; raises the lane's error if it failed."""
         nbytes, busy_ns, err = self.done.pop(order_id)
         if err:
             raise LaneError(err)
@@ -246,9 +257,10 @@ class LanePool:
         lane.unpacker.feed(chunk)
         for order_id, nbytes, busy_ns, err in lane.unpacker:
             lane.pending.pop(order_id, None)
-            lane.stats.orders += 1
-            lane.stats.bytes += nbytes
-            lane.stats.busy_ns += busy_ns
+            if nbytes != CANCELLED:
+                lane.stats.orders += 1
+                lane.stats.bytes += nbytes
+                lane.stats.busy_ns += busy_ns
             self.done[order_id] = (nbytes, busy_ns, err)
 
     def busy_ns(self) -> int:

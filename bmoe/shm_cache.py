@@ -312,6 +312,14 @@ class ExpertCache:
             self.state[ri][e] = LOADING
         self.used += need
 
+    def abandon(self, slices: list[tuple[int, int, int]]) -> None:
+        """Reads of these LOADING slices were cancelled before they started: absent again."""
+        for key in slices:
+            _, ri, e = key
+            self.state[ri][e] = ABSENT
+            self.used -= self.charge(ri, e)
+            self.speculative.discard(key)
+
     def commit(self, slices: list[tuple[int, int, int]]) -> None:
         """The reads of these LOADING slices completed: they are resident now."""
         for key in slices:

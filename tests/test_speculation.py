@@ -211,7 +211,7 @@ def test_session_done_reports_recall_and_stall(synth) -> None:
     from bmoe.session import SessionClient
 
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
-    flags = ["-m", path, "-t", "1", "--cache-mb", "0.6", "--overlap", "--prefetch", "1"]
+    flags = ["-m", path, "-t", "1", "--cache-mb", "1", "--overlap", "--prefetch", "1"]
     with SessionClient(flags + ["--spec-gate", "--spec-recall-min", "0"]) as s:
         done = list(s.generate(1, PROMPT, n_predict=16))[-1]
         again = list(s.generate(2, PROMPT, n_predict=16, clear_kv=True))[-1]

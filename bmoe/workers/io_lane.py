@@ -2,7 +2,9 @@
 
 Run as `python -m bmoe.workers.io_lane INDEX --shm NAME FILE...` so `ps` shows
 its role. Orders arrive on stdin and completions leave on stdout, both as
-msgpack: order `[id, [[file, offset, length, slab_offset, needed], ...]]`, completion
+msgpack: demand order `[id, [[file, offset, length, slab_offset, needed], ...]]`,
+speculative order `["s", id, [...]]`, cancel `["c", [id, ...]]` (speculative orders not
+started yet are dropped and answered with bytes = -1), completion
 `[id, bytes, busy_ns, error_or_None]`. The lane owns no cache state; it only
 moves bytes. It exits on EOF, so it never outlives its coordinator.
 """
@@ -10,7 +12,9 @@ moves bytes. It exits on EOF, so it never outlives its coordinator.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import select
 import signal
 import sys
 import time
@@ -18,6 +22,8 @@ import time
 import msgpack
 
 from bmoe.shm_cache import open_segment
+
+CANCELLED = -1  # the byte count of a completion whose speculative order was cancelled unread
 
 
 class Reader:
@@ -79,29 +85,54 @@ def read_with_retry(reader: Reader, view: memoryview, offset: int, needed: int) 
 
 
 def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
+    """Read orders as they come, demand before speculative; queued speculative orders can be cancelled.
+
+    Between two reads the lane takes in whatever arrived, so a demand order waits
+    for at most the one read under way, however many speculative orders are queued.
+    """
     view = memoryview(open_segment(shm_name))
     readers = [Reader(p, odirect) for p in paths]
     out = sys.stdout.buffer
     out.write(msgpack.packb(["hello", index, os.getpid(), all(r.odirect for r in readers)]))
     out.flush()
     unpacker = msgpack.Unpacker()
-    stdin = sys.stdin.buffer.raw
+    fd = sys.stdin.buffer.raw.fileno()
+    demand: collections.deque = collections.deque()
+    spec: collections.OrderedDict = collections.OrderedDict()
     while True:
-        chunk = os.read(stdin.fileno(), 1 << 16)
-        if not chunk:
-            break
-        unpacker.feed(chunk)
-        for order_id, reads in unpacker:
-            t0 = time.perf_counter_ns()
-            total, err = 0, None
-            try:
-                for fi, off, length, slab_off, needed in reads:
-                    total += read_with_retry(readers[fi], view[slab_off:slab_off + length], off, needed)
-            except OSError as e:
-                err = str(e)
-            busy = time.perf_counter_ns() - t0
-            out.write(msgpack.packb([order_id, total, busy, err]))
-            out.flush()
+        idle = not demand and not spec
+        while idle or select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return
+            unpacker.feed(chunk)
+            idle = False
+        for msg in unpacker:
+            if msg[0] == "s":
+                spec[msg[1]] = msg[2]
+            elif msg[0] == "c":
+                for order_id in msg[1]:
+                    if spec.pop(order_id, None) is not None:
+                        out.write(msgpack.packb([order_id, CANCELLED, 0, None]))
+                out.flush()
+            else:
+                demand.append(msg)
+        if demand:
+            order_id, reads = demand.popleft()
+        elif spec:
+            order_id, reads = spec.popitem(last=False)
+        else:
+            continue
+        t0 = time.perf_counter_ns()
+        total, err = 0, None
+        try:
+            for fi, off, length, slab_off, needed in reads:
+                total += read_with_retry(readers[fi], view[slab_off:slab_off + length], off, needed)
+        except OSError as e:
+            err = str(e)
+        busy = time.perf_counter_ns() - t0
+        out.write(msgpack.packb([order_id, total, busy, err]))
+        out.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
