@@ -408,7 +408,7 @@ def bandwidth_for(bw: dict[int, float], threads: int) -> tuple[int, float] | Non
 
 
 def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
-              compute_ref: str | None = None) -> list[dict]:
+              compute_ref: str | None = None, common: list[str] = ()) -> list[dict]:
     """Per-configuration medians; with `compute_ref` (a run with every expert resident) also each
     streaming configuration's overlap limit, 1 / max(compute s/token, MiB per token ÷ bandwidth)."""
     out = []
@@ -439,7 +439,7 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
              "overlap_limit_tok_s": None, "pct_of_limit": None,
              "speedup_vs_mmap": None, "s_per_token_vs_mmap": None}
         if "--no-stream" not in c.flags:
-            s["io_threads"] = io_threads_of(c.flags)
+            s["io_threads"] = io_threads_of([*common, *c.flags])  # a configuration's flag wins
             pick = bandwidth_for(bw, s["io_threads"])
             if pick:
                 s["bw_threads"], s["bw_mib_s"] = pick
@@ -1038,7 +1038,7 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
                              "writable, so other files stayed cached")
     meta["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
     meta["interrupted"] = interrupted
-    summary = summarize(configs, records, used, a.compute_ref)
+    summary = summarize(configs, records, used, a.compute_ref, a.common)
     chart_note = write_chart(out / "tok_s.png", summary)
     if chart_note:
         _notice(chart_note)

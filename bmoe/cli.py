@@ -117,15 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preload", action="store_true",
                     help="read every expert into the cache at start (when the budget holds them all)")
     ap.add_argument("--no-stream", action="store_true", help="plain llama.cpp (mmap), no expert streaming")
-    ap.add_argument("--overlap", action="store_true",
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="read asynchronously: wait for gate/up slices at the routing node and for down slices "
-                         "only before the down matmul; speculative reads run during compute")
+                         "only before the down matmul; speculative reads run during compute (default: on "
+                         "when streaming; --no-overlap waits for every read at the routing node)")
     ap.add_argument("--prefetch", type=positive_int, default=0, metavar="K",
-                    help="after a layer routes, read ahead on idle lanes the experts the previous token routed "
-                         "at the next K layers (needs a cache)")
-    ap.add_argument("--spec-gate", action="store_true",
+                    help="after a layer routes, read ahead the experts the previous token routed at the next "
+                         "K layers (needs a cache; off by default: with --spec-gate it measured slower)")
+    ap.add_argument("--spec-gate", action=argparse.BooleanOptionalAction, default=None,
                     help="predict the next layer's experts from this layer's router input in a separate "
-                         "process and read them ahead (needs a cache and F32/F16 routers)")
+                         "process and read them ahead (needs a cache and F32/F16 routers; default: on when "
+                         "the run has a cache and such routers)")
     ap.add_argument("--spec-warmup", type=positive_int, default=512, metavar="N",
                     help="predictions scored before the recall governor may switch --spec-gate off (default 512)")
     ap.add_argument("--spec-recall-min", type=_percent, default=75.0, metavar="P",
@@ -152,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_flags(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Combinations argparse cannot see; exit code 2 like any other bad flag."""
-    ahead = [f for f, on in (("--prefetch", a.prefetch), ("--spec-gate", a.spec_gate)) if on]
+    """Combinations argparse cannot see (exit code 2 like any other bad flag); then the levers left
+    to their defaults are settled: --overlap on when streaming, --spec-gate None (= on when the
+    run turns out to have a cache and F32/F16 routers)."""
+    ahead = [f for f, on in (("--prefetch", a.prefetch), ("--spec-gate", a.spec_gate is True)) if on]
     if a.no_stream and (ahead or a.overlap):
         ap.error(f"{' and '.join(ahead + (['--overlap'] if a.overlap else []))} stream experts; "
                  "drop them or drop --no-stream")
@@ -169,6 +173,10 @@ def check_flags(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if ahead and a.cache_mb == 0:
         ap.error(f"{' and '.join(ahead)} read experts ahead into the cache, and --cache-mb 0 has none; "
                  "give it a budget (--cache-mb N or auto)")
+    if a.overlap is None:
+        a.overlap = not a.no_stream
+    if a.spec_gate is None and (a.no_stream or a.cache_mb == 0):
+        a.spec_gate = False
 
 
 def floor_mb(a: argparse.Namespace) -> float:

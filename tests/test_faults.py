@@ -76,3 +76,41 @@ def test_lanes_failing_again_and_again_end_the_run_clearly(model: str) -> None:
 
     with pytest.raises(LaneError, match=r"lanes have failed \d+ times in this run"):
         run_with(model, injure)
+
+
+def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders(tmp_path) -> None:
+    """Real lane process, real slab: orders sent while the lane is stopped are served demand first,
+    then speculative in order; the cancelled speculative ones are never read."""
+    from bmoe.lanes import LanePool
+    from bmoe.shm_cache import Slab
+    from bmoe.workers.io_lane import CANCELLED
+
+    data = os.urandom(16 * 4096)
+    f = tmp_path / "f.bin"
+    f.write_bytes(data)
+    slab = Slab(16 * 4096)
+    pool = LanePool(1, slab.name, [str(f)], odirect=False)
+    try:
+        lane = pool.lanes[0]
+        lane.proc.send_signal(signal.SIGSTOP)
+        page = lambda i: [(0, i * 4096, 4096, i * 4096, 4096)]  # noqa: E731
+        spec = [pool.send(0, page(i), speculative=True) for i in range(5)]
+        demand = pool.send(0, page(8))
+        lane.cancel([spec[2], spec[3]])
+        lane.proc.send_signal(signal.SIGCONT)
+        order: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(order) < 6 and time.monotonic() < deadline:
+            pool.poll(0.5)
+            for oid in list(pool.done):
+                order.append(oid)
+                nbytes, _ = pool.take(oid)
+                assert (nbytes == CANCELLED) == (oid in (spec[2], spec[3]))
+        assert order == [spec[2], spec[3], demand, spec[0], spec[1], spec[4]]
+        for i in (0, 1, 4, 8):
+            assert slab.mm[i * 4096:(i + 1) * 4096] == data[i * 4096:(i + 1) * 4096]
+        for i in (2, 3):
+            assert slab.mm[i * 4096:(i + 1) * 4096] == bytes(4096), "a cancelled order read nothing"
+    finally:
+        pool.close()
+        slab.close()

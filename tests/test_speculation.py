@@ -218,7 +218,7 @@ def test_session_done_reports_recall_and_stall(synth) -> None:
         assert s.close() == 0
     assert done[0] == "DONE" and 0 < done[1]["spec_recall_pct"] <= 100 and done[1]["stall_s_tok"] > 0
     assert again[0] == "DONE" and again[1]["text"] == done[1]["text"], "the warm cache changes no byte"
-    with SessionClient(flags) as s:
+    with SessionClient(flags + ["--no-spec-gate"]) as s:
         plain = list(s.generate(1, PROMPT, n_predict=16))[-1]
         assert s.close() == 0
     assert plain[1]["spec_recall_pct"] == -1 and plain[1]["text"] == done[1]["text"]

@@ -34,7 +34,8 @@ def number(v: object, kind: type) -> bool:
 
 @pytest.mark.parametrize("cache", ["1", "0"])  # 1 MiB: a third of the experts
 def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) -> None:
-    run, csv_text, stdout = progress_run(model, tmp_path, "--cache-mb", cache)
+    """Serial mode's formulas (the overlap ones: tests/test_speculation.py)."""
+    run, csv_text, stdout = progress_run(model, tmp_path, "--cache-mb", cache, "--no-overlap", "--no-spec-gate")
     assert not run.stray, f"lines outside the contract: {run.stray[:5]}"
     progress = [obj for tag, obj in run.events if tag == "PROGRESS"]
     assert progress and all(tag in ("LOAD", "PROGRESS") for tag, _ in run.events)
@@ -81,8 +82,8 @@ def test_without_progress_only_answer_and_summary(model: str) -> None:
     r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "--cache-mb", "1")
     assert r.returncode == 0, r.stderr
     assert "BMOE_" not in r.stdout and telemetry.ANSWER_BANNER not in r.stdout
-    tail = r.stdout.splitlines()[-3:]
-    assert [telemetry.parse_summary(x)[0] for x in tail] == ["generation", "moe-stream", "moe-cache"]
+    tail = r.stdout.splitlines()[-4:]  # the default levers: overlap and spec-gate
+    assert [telemetry.parse_summary(x)[0] for x in tail] == ["generation", "moe-stream", "moe-cache", "moe-spec-gate"]
 
 
 def test_older_csv_without_trailing_columns_parses() -> None:
