@@ -792,6 +792,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache budgets as %% of all expert bytes (default 10,25,50,75)")
     po.add_argument("-m", "--model", help="the model the traces came from (default: the path in each trace)")
     po.add_argument("--out", metavar="PATH", help="also write the table (markdown) to PATH")
+    po.add_argument("--no-prefill", action="store_true",
+                    help="start decode from an empty cache; by default a pass that routes every expert of "
+                         "every layer comes first, as a prompt of a few dozen tokens does in a live run")
     r.add_argument("-m", "--model", required=True, help="GGUF model (first shard of a split model)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (default: bmoe-cli's)")
@@ -1077,7 +1080,7 @@ def cmd_policies(a: argparse.Namespace) -> int:
     from bmoe import policy_sim
 
     try:
-        rows = policy_sim.simulate(a.traces, a.budgets, a.model, progress=_notice)
+        rows = policy_sim.simulate(a.traces, a.budgets, a.model, progress=_notice, prefill=not a.no_prefill)
     except (OSError, ValueError, KeyError) as e:
         raise BenchError(f"cannot replay the traces: {e}") from e
     text = policy_sim.table(rows)

@@ -87,8 +87,8 @@ def belady_future(t: Trace) -> dict[tuple[int, int], list[int]]:
 
 
 def simulate(paths: list[str], budgets: list[int], model: str | None = None,
-             progress: Callable[[str], None] = lambda s: None) -> list[Row]:
-    """Every policy and Belady at every budget on every trace."""
+             progress: Callable[[str], None] = lambda s: None, prefill: bool = True) -> list[Row]:
+    """Every policy and Belady at every budget on every trace (after a prefill pass, see routes.replay)."""
     rows = []
     regions_of: dict[str, list] = {}
     for path in paths:
@@ -106,13 +106,13 @@ def simulate(paths: list[str], budgets: list[int], model: str | None = None,
         name = Path(path).stem
         for pct in budgets:
             makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, lambda p=p: p) for p in POLICIES]
-            makers.append((BELADY, lambda: Belady(t.layers, future)))
+            makers.append((BELADY, lambda: Belady(t.layers, future, prefill_tokens=int(prefill))))
             for pname, make in makers:
                 progress(f"{name}: {pname} at {pct}% ...")
                 t0 = time.perf_counter()
                 policy = make()
                 wants = isinstance(policy, str) and POLICIES[policy].wants_predictions
-                hit, mib = replay(t, regions, pct, policy, hints if wants else None)
+                hit, mib = replay(t, regions, pct, policy, hints if wants else None, prefill)
                 us = (time.perf_counter() - t0) * 1e6 / len(t.routes)
                 rows.append(Row(name, pname, pct, hit, mib, us))
     return rows

@@ -149,14 +149,22 @@ def expert_regions(model: str | Path) -> list[Region]:
 
 
 def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Policy = "lru",
-           predictions: list[list[list[tuple[int, list[int]]]]] | None = None) -> tuple[float, float]:
+           predictions: list[list[list[tuple[int, list[int]]]]] | None = None,
+           prefill: bool = False) -> tuple[float, float]:
     """Hit rate and MiB read per token of a cache policy, for a budget as a share of all expert bytes.
 
     The replay runs the live ExpertCache (without memory), so its numbers are the cache's.
     `predictions[step][i]` lists (layer, experts) hints given to the cache before layer i's routing.
+    With `prefill`, decode starts after a pass that routed every expert of every layer, as a
+    prompt of a few dozen tokens does in a live run (the trace holds decode tokens only); that
+    pass is not counted.
     """
     total = sum(r.nbytes for r in regions)
     cache = ExpertCache(_NoSlab(), regions, int(total * budget_pct / 100), policy)  # type: ignore[arg-type]
+    if prefill:
+        for layer in t.layers:
+            cache.commit(cache.plan(layer, list(range(max(regions[i].n_expert for i in cache.by_layer[layer])))))
+        cache.stats = type(cache.stats)()
     read = 0
     for step, routes in enumerate(t.routes):
         for i, layer in enumerate(t.layers):

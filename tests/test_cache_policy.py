@@ -218,3 +218,18 @@ def test_bench_policies_replays_a_recorded_trace(synth, tmp_path) -> None:
     bad = subprocess.run([sys.executable, "-m", "bmoe.bench", "policies", str(trace), "--budgets", "0,50"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "percentages from 1 to 100" in bad.stderr
+
+
+def test_next_use_is_not_locked_by_a_prefill_that_read_every_expert() -> None:
+    """A prompt routes every expert of every layer once. The layer-cycle order (cycle, cycle-lfu)
+    then keeps the first layers' full sets and evicts each later layer's experts right after use;
+    next-use weighs how often an expert is routed, so the stale full sets go."""
+    layers = 8
+    prefill = [[list(range(N_EXPERT))] * layers]
+    decode = [[[0, 1]] * layers for _ in range(30)]  # two hot experts per layer, every token
+    hits = {}
+    for name in ("lru", "cycle-lfu", "next-use"):
+        cache = run(name, prefill + decode, budget_slices=3 * layers, check=False)
+        hits[name] = cache.stats.hits
+    assert hits["next-use"] > hits["cycle-lfu"]
+    assert hits["next-use"] >= hits["lru"]
