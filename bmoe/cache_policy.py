@@ -211,11 +211,27 @@ class NextUse(CycleLFU):
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
         self.start: int | None = None
+        # Each layer's keys least frequent first. Decay scales every count alike, so the order
+        # changes only when one of the layer's experts is used: it is kept until then.
+        self.order: dict[int, list[Key]] = {}
 
     def begin(self, layer: int) -> None:
         super().begin(layer)
         if self.start is None:
             self.start = self.token - 1
+
+    def touch(self, key: Key) -> None:
+        super().touch(key)
+        self.order.pop(key[0], None)
+
+    def admit(self, key: Key, speculative: bool = False) -> None:
+        super().admit(key, speculative)
+        self.order.pop(key[0], None)
+
+    def in_layer(self, layer: int) -> Iterator[Key]:
+        if layer not in self.order:
+            self.order[layer] = list(super().in_layer(layer))
+        return iter(self.order[layer])  # keys evicted since are skipped by _push
 
     def frequency(self, layer: int, expert: int) -> float:
         tokens = max(1, self.token - (self.start or 0))

@@ -120,9 +120,9 @@ def test_lru_reproduces_the_old_cache_exactly(seed: int) -> None:
 def test_cyclic_pattern_defeats_lru_but_not_the_layer_cycle() -> None:
     """Each layer always routes the same 2 experts; the cache holds 3 of the 4 layers: LRU's worst case."""
     steps = [[[0, 1]] * 4] * 30
-    hit = {name: run(name, steps, budget_slices=6).stats.hit_pct for name in ("lru", "cycle", "cycle-lfu")}
+    hit = {name: run(name, steps, budget_slices=6).stats.hit_pct for name in ("lru", "cycle", "cycle-lfu", "next-use")}
     assert hit["lru"] == 0.0
-    assert hit["cycle"] > 60 and hit["cycle-lfu"] > 60
+    assert hit["cycle"] > 60 and hit["cycle-lfu"] > 60 and hit["next-use"] > 60
     belady = run(Belady(range(4), future_of(steps)), steps, budget_slices=6).stats.hit_pct
     assert belady >= hit["cycle"]
 
