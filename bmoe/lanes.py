@@ -179,10 +179,6 @@ class LanePool:
         self.lanes[lane_index].send(self._next_id, reads, speculative)
         return self._next_id
 
-    def idle(self) -> list[int]:
-        """Lanes with nothing in flight."""
-        return [i for i, lane in enumerate(self.lanes) if not lane.pending]
-
     def poll(self, timeout: float, extra: dict[int, Callable[[], None]] | None = None) -> None:
         """Collect completions into `done` (waiting up to `timeout` s for one), replacing failed lanes.
 
