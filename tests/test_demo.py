@@ -158,11 +158,13 @@ def test_cli(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == str(model)
 
 
-def test_default_model_budget_is_a_quarter(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_budget_is_a_quarter(model: Path, quarter_mb: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quarter of the experts, or one token's working set where page rounding puts that higher."""
     monkeypatch.setattr(demo, "build_demo", lambda *a, **k: model)
     path, mb = demo.default_model()
     assert path == model
-    assert mb == pytest.approx(open_model(model).expert_bytes / 4 / MiB, abs=0.1)
+    assert quarter_mb >= open_model(model).expert_bytes / 4 / MiB
+    assert mb == pytest.approx(quarter_mb, abs=0.1)
 
 
 # --- running it ------------------------------------------------------------------------------
