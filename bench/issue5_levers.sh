@@ -33,9 +33,10 @@ fi
 configs=()
 for mb in "$SMALL_MB" "$LARGE_MB"; do
   c="--cache-mb $mb"
-  configs+=(--config "serial-$mb=$c"
-            --config "overlap-$mb=$c --overlap"
-            --config "overlap-p1-$mb=$c --overlap --prefetch 1"
+  # every lever spelled out: bmoe-cli's defaults (--overlap --spec-gate) follow this benchmark
+  configs+=(--config "serial-$mb=$c --no-overlap --no-spec-gate"
+            --config "overlap-$mb=$c --overlap --no-spec-gate"
+            --config "overlap-p1-$mb=$c --overlap --prefetch 1 --no-spec-gate"
             --config "overlap-spec-$mb=$c --overlap --spec-gate"
             --config "overlap-p1-spec-$mb=$c --overlap --prefetch 1 --spec-gate")
 done

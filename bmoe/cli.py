@@ -124,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefetch", type=positive_int, default=0, metavar="K",
                     help="after a layer routes, read ahead the experts the previous token routed at the next "
                          "K layers (needs a cache; off by default: with --spec-gate it measured slower)")
-    ap.add_argument("--spec-gate", action=argparse.BooleanOptionalAction, default=None,
+    ap.add_argument("--spec-gate", action=argparse.BooleanOptionalAction, default=False,
                     help="predict the next layer's experts from this layer's router input in a separate "
-                         "process and read them ahead (needs a cache and F32/F16 routers; default: on when "
-                         "the run has a cache and such routers)")
+                         "process and read them ahead (needs a cache and F32/F16 routers; off by default: "
+                         "with the next-use cache policy its mispredicted reads cost more than it hides)")
     ap.add_argument("--spec-warmup", type=positive_int, default=512, metavar="N",
                     help="predictions scored before the recall governor may switch --spec-gate off (default 512)")
     ap.add_argument("--spec-recall-min", type=_percent, default=75.0, metavar="P",
@@ -154,10 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_flags(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Combinations argparse cannot see (exit code 2 like any other bad flag); then the levers left
-    to their defaults are settled: --overlap on when streaming, --spec-gate None (= on when the
-    run turns out to have a cache and F32/F16 routers)."""
-    ahead = [f for f, on in (("--prefetch", a.prefetch), ("--spec-gate", a.spec_gate is True)) if on]
+    """Combinations argparse cannot see (exit code 2 like any other bad flag); then --overlap, left
+    to its default, is settled: on when streaming."""
+    ahead = [f for f, on in (("--prefetch", a.prefetch), ("--spec-gate", a.spec_gate)) if on]
     if a.no_stream and (ahead or a.overlap):
         ap.error(f"{' and '.join(ahead + (['--overlap'] if a.overlap else []))} stream experts; "
                  "drop them or drop --no-stream")
@@ -175,8 +174,6 @@ def check_flags(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                  "give it a budget (--cache-mb N or auto)")
     if a.overlap is None:
         a.overlap = not a.no_stream
-    if a.spec_gate is None and (a.no_stream or a.cache_mb == 0):
-        a.spec_gate = False
 
 
 def floor_mb(a: argparse.Namespace) -> float:

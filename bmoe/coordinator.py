@@ -68,7 +68,7 @@ class Settings:
     shm_backend: str = "auto"
     overlap: bool = False
     prefetch: int = 0
-    spec_gate: bool | None = False  # None: on when the run has a cache (bmoe-cli's default)
+    spec_gate: bool = False
     spec_warmup: int = 512
     spec_recall_min: float = 75.0
     cache_policy: str = DEFAULT_POLICY
@@ -547,7 +547,7 @@ class Engine:
         else:
             self.budget, why = auto_cache_bytes(sum(t.nbytes for t in tensors), s.cache_floor_mb, s.cache_ceil_mb)
             auto_notice = f"cache budget {self.budget / MiB:.1f} MiB (auto, the least of: {why})"
-        if (s.prefetch or s.spec_gate is True) and self.budget <= 0 and s.cache_mb is not None:
+        if (s.prefetch or s.spec_gate) and self.budget <= 0 and s.cache_mb is not None:
             raise ConfigError("--prefetch and --spec-gate read experts ahead into the cache, and this run has "
                               "none; give it a budget with --cache-mb (or drop those flags)")
         self.streamer = Streamer(self.files, tensors, self.budget, s.io_threads, s.odirect, s.lane_timeout,
@@ -561,7 +561,7 @@ class Engine:
                                 "cache thrashes, so this run has none (as --cache-mb 0); --force keeps it")
                 self.budget = self.streamer.cache.budget = 0
             notice(auto_notice)
-            if (s.prefetch or s.spec_gate is True) and self.budget <= 0:
+            if (s.prefetch or s.spec_gate) and self.budget <= 0:
                 raise ConfigError("--prefetch and --spec-gate read experts ahead into the cache, and --cache-mb "
                                   "auto found no room for one; free memory, lower --cache-floor-mb, or drop "
                                   "those flags")
@@ -579,7 +579,7 @@ class Engine:
         if s.overlap:
             self.hook.down_nodes = cap.down_inputs
             self.hook.down_pending, self.hook.on_down = st.down_pending, st.on_down
-        if s.spec_gate or (s.spec_gate is None and self.budget > 0 and not st.cache.holds_everything):
+        if s.spec_gate:
             gate = SpecGate([str(p) for p in self.files.paths], self.files.arch, st.layers,
                             self.files.n_expert_used, llama_cpp.llama_model_n_embd(self.model),
                             s.shm_backend, s.spec_warmup, s.spec_recall_min, notice)

@@ -42,10 +42,10 @@ def test_streams_the_same_answer_as_plain_llama_cpp(model: str) -> None:
     text, summary = answer_and_summary(streamed.stdout)
     assert text == text_plain and text.strip()
     assert len(summary_plain) == 1 and GEN.match(summary_plain[0])
-    # defaults: --overlap (stall_s/tok= on moe-stream) and --spec-gate (its recall line) are on
-    assert len(summary) == 4, summary
+    # default: --overlap (stall_s/tok= on moe-stream); --spec-gate is off
+    assert len(summary) == 3, summary
     assert GEN.match(summary[0]) and STREAM.match(summary[1]) and CACHE.match(summary[2]), summary
-    assert "stall_s/tok=" in summary[1] and summary[3].startswith("moe-spec-gate: ")
+    assert "stall_s/tok=" in summary[1]
     serial = run_cli("-m", model, "-p", PROMPT, "-n", "24", "--cache-mb", "1", "--no-overlap", "--no-spec-gate")
     text, summary = answer_and_summary(serial.stdout)
     assert text == text_plain and len(summary) == 3 and "stall_s/tok=" not in summary[1], summary

@@ -82,8 +82,8 @@ def test_without_progress_only_answer_and_summary(model: str) -> None:
     r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "--cache-mb", "1")
     assert r.returncode == 0, r.stderr
     assert "BMOE_" not in r.stdout and telemetry.ANSWER_BANNER not in r.stdout
-    tail = r.stdout.splitlines()[-4:]  # the default levers: overlap and spec-gate
-    assert [telemetry.parse_summary(x)[0] for x in tail] == ["generation", "moe-stream", "moe-cache", "moe-spec-gate"]
+    tail = r.stdout.splitlines()[-3:]
+    assert [telemetry.parse_summary(x)[0] for x in tail] == ["generation", "moe-stream", "moe-cache"]
 
 
 def test_older_csv_without_trailing_columns_parses() -> None:
