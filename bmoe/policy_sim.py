@@ -19,7 +19,9 @@ import numpy as np
 
 from bmoe import routers
 from bmoe.cache_policy import POLICIES, Belady, Policy
-from bmoe.routes import Trace, expert_regions, replay
+from bmoe.model_files import open_model
+from bmoe.routes import Trace, replay
+from bmoe.shm_cache import file_regions
 
 PREDICT_AHEAD = 2
 BELADY = "belady"
@@ -99,7 +101,7 @@ def simulate(paths: list[str], budgets: list[int], model: str | None = None,
         if m not in regions_of:
             if not Path(m).exists():
                 raise ValueError(f"the trace's model {m} does not exist; pass the model with -m")
-            regions_of[m] = expert_regions(m)
+            regions_of[m] = file_regions(open_model(m))
         regions = regions_of[m]
         hints = merge_hints(temporal_hints(t), spec_gate_hints(t, m))
         future = belady_future(t)

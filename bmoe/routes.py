@@ -12,11 +12,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
 import numpy as np
 
 from bmoe.cache_policy import Policy
-from bmoe.shm_cache import ExpertCache, Region, layout
+from bmoe.model_files import open_model
+from bmoe.shm_cache import ExpertCache, Region, file_regions
 
 BUDGETS_PCT = (10, 25, 50, 75)
 
@@ -129,25 +129,6 @@ class _NoSlab:
         pass
 
 
-def expert_regions(model: str | Path) -> list[Region]:
-    from bmoe.model_files import EXPERT_TENSOR, open_model
-    import re
-
-    files = open_model(model)
-    reader_shapes = {}
-    for p in files.paths:
-        for t in gguf.GGUFReader(p).tensors:
-            if EXPERT_TENSOR.match(t.name):
-                reader_shapes[t.name] = int(t.shape[-1])
-    regions = []
-    for name, n_expert in sorted(reader_shapes.items()):
-        ext = files.extents[name]
-        layer, kind = re.match(r"blk\.(\d+)\.(\w+)\.weight", name).groups()
-        regions.append(Region(name, int(layer), kind, ext.file_index, ext.offset, n_expert, ext.nbytes // n_expert))
-    layout(regions)
-    return regions
-
-
 def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Policy = "lru",
            predictions: list[list[list[tuple[int, list[int]]]]] | None = None,
            prefill: bool = False) -> tuple[float, float]:
@@ -179,7 +160,7 @@ def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Pol
 def report(path: str | Path, model: str | Path | None = None) -> str:
     t = Trace.read(path)
     model = model or t.header["model"]
-    regions = expert_regions(model)
+    regions = file_regions(open_model(model))
     lines = [f"routes: {path} ({len(t.routes)} tokens, {len(t.layers)} MoE layers, "
              f"{t.header['n_expert']} experts, top-{t.header['top_k']})",
              f"previous-token reuse: {previous_token_reuse(t):.1f}%"]
