@@ -21,7 +21,7 @@ import llama_cpp
 
 from bmoe import seam
 from bmoe.lanes import LanePool, ReadOrder, merge_keyed, merge_reads
-from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, make_sampler
+from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, load_model, make_sampler
 from bmoe.model_files import ModelError, ModelFiles, open_model
 from bmoe.routes import TraceWriter
 from bmoe.cache_policy import DEFAULT_POLICY
@@ -507,9 +507,7 @@ class Engine:
         self.load_s = time.perf_counter() - t0
 
     def _load(self, streaming: bool) -> None:
-        mp = llama_cpp.llama_model_default_params()
-        mp.use_extra_bufts = False  # repacked weights would not match the file layout
-        self.model = llama_cpp.llama_model_load_from_file(str(self.settings.model).encode(), mp)
+        self.model = load_model(self.settings.model)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
         cp = llama_cpp.llama_context_default_params()

@@ -177,16 +177,14 @@ def calibrate(src: Path, progress: Progress = None, threads: int = 0) -> list[np
     import llama_cpp
 
     from bmoe.calibration_text import DIALOGUES, PASSAGES
-    from bmoe.llama import Vocab, init_backend
+    from bmoe.llama import Vocab, init_backend, load_model
 
     init_backend()
     reader = gguf.GGUFReader(src)
     n_layer = int(reader.get_field(f"{ARCH}.block_count").contents())
     del reader
     cap = _NodeCapture(n_layer)
-    mp = llama_cpp.llama_model_default_params()
-    mp.use_extra_bufts = False
-    model = llama_cpp.llama_model_load_from_file(str(src).encode(), mp)
+    model = load_model(src)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {src}")
     ctx = batch = None
@@ -632,7 +630,7 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
     """
     import llama_cpp
 
-    from bmoe.llama import SamplerSettings, Vocab, init_backend, make_sampler
+    from bmoe.llama import SamplerSettings, Vocab, init_backend, load_model, make_sampler
 
     init_backend()
     reader = gguf.GGUFReader(path)
@@ -642,9 +640,7 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
     routers = {t.name: np.array(t.data, np.float32) for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
     del reader
     cap = _NodeCapture(n_layer, topk=True)
-    mp = llama_cpp.llama_model_default_params()
-    mp.use_extra_bufts = False
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    model = load_model(path)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     ctx = sampler = None

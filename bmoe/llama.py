@@ -32,6 +32,15 @@ def init_backend(verbose: bool = False) -> None:
         _backend_ready = True
 
 
+def load_model(path: object) -> llama_cpp.llama_model_p | None:
+    """llama.cpp's default mmap load, without repacking: a repacked (extra buffer type) weight
+    would no longer match the file layout that expert streaming and the demo builder rely on.
+    None when llama.cpp cannot load the file; the caller says why."""
+    mp = llama_cpp.llama_model_default_params()
+    mp.use_extra_bufts = False
+    return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+
+
 @dataclass
 class SamplerSettings:
     temp: float = 0.0
