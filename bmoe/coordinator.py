@@ -20,7 +20,7 @@ import psutil
 import llama_cpp
 
 from bmoe import seam
-from bmoe.lanes import LanePool, ReadOrder, merge_keyed, merge_reads
+from bmoe.lanes import LanePool, ReadOrder, merge_keyed
 from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, load_model, make_sampler
 from bmoe.model_files import ModelError, ModelFiles, open_model
 from bmoe.routes import TraceWriter
@@ -265,8 +265,7 @@ class Streamer:
         """Demand reads over all lanes, largest first onto the least-loaded one; returns order ids."""
         if not keys:
             return []
-        merged = merge_keyed([(self.cache.regions[ri].read_order(e), (l, ri, e)) for l, ri, e in keys],
-                             MAX_MERGED_READ)
+        merged = self._merged(keys)
         load = [lane.pending_bytes() for lane in self.pool.lanes]
         shares: list[list[tuple[ReadOrder, list[Key]]]] = [[] for _ in load]
         for item in sorted(merged, key=lambda x: -x[0][2]):
@@ -312,9 +311,7 @@ class Streamer:
             keys = self.cache.admit_speculative(layer, [e])
             if keys:
                 lane = queued.index(min(queued))
-                share = merge_keyed([(self.cache.regions[ri].read_order(x), (l, ri, x)) for l, ri, x in keys],
-                                    MAX_MERGED_READ)
-                self._send(lane, share, ahead=[(layer, e)])
+                self._send(lane, self._merged(keys), ahead=[(layer, e)])
                 queued[lane] += 1
 
     def _cancel_speculation(self, layer: int | None, routed: list[int] = ()) -> None:
@@ -435,13 +432,14 @@ class Streamer:
             experts = list(range(max(c.regions[i].n_expert for i in c.by_layer[layer])))
             missing = c.plan(layer, experts)
             if missing:
-                total += self.pool.wait(self.pool.submit(self._reads(missing)))
+                total += self.pool.wait(self.pool.submit([r for r, _ in self._merged(missing)]))
             c.commit(missing)
         c.stats = type(c.stats)()
         return total
 
-    def _reads(self, slices: list[Key]) -> list[ReadOrder]:
-        return merge_reads([self.cache.regions[ri].read_order(e) for _, ri, e in slices], MAX_MERGED_READ)
+    def _merged(self, keys: list[Key]) -> list[tuple[ReadOrder, list[Key]]]:
+        """The slices' reads, adjacent ones merged, each with the slices it fills."""
+        return merge_keyed([(self.cache.regions[k[1]].read_order(k[2]), k) for k in keys], MAX_MERGED_READ)
 
     def take_counters(self) -> tuple[int, int, int, int]:
         """(io, mgmt, stall ns, bytes read) since the last call; io is lane busy time under overlap."""
