@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from bmoe import profile, seam, telemetry
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
@@ -226,7 +228,23 @@ def workers(engine: Engine) -> list[tuple[str, int]]:
     return [(f"io_lane {lane.index}", lane.pid) for lane in engine.streamer.pool.lanes]
 
 
-def run(a: argparse.Namespace) -> int:
+# Settings fields whose flag has another name or form; every other field is taken from the flag of
+# the same name. tests/test_session.py checks every field is covered.
+SETTINGS_FROM_FLAGS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "model": lambda a: a.model,
+    "n_ctx": lambda a: a.ctx_size,
+    "threads": lambda a: a.threads or 0,
+    "stream": lambda a: not a.no_stream,
+    "odirect": lambda a: not a.no_odirect,
+    "shm_backend": lambda a: a.shm,
+    "cache_floor_mb": floor_mb,
+    "sampler": lambda a: SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
+}
+
+
+def settings_from_args(a: argparse.Namespace) -> Settings:
+    """The Settings of a one-shot run or a session: the flags, and the demo model with its budget
+    when no -m is given."""
     if a.model is None:
         from bmoe.demo import default_model
 
@@ -234,17 +252,19 @@ def run(a: argparse.Namespace) -> int:
         a.model = str(path)
         if a.cache_mb is None and a.cache_floor_mb is None and a.cache_ceil_mb is None:
             a.cache_mb = demo_cache_mb
-        if a.prompt is None and a.file is None:
-            a.prompt, a.chat = DEMO_PROMPT, True
-    settings = Settings(
-        model=a.model, n_ctx=a.ctx_size, threads=a.threads or 0, stream=not a.no_stream,
-        cache_mb=a.cache_mb, cache_floor_mb=floor_mb(a), cache_ceil_mb=a.cache_ceil_mb, force=a.force,
-        io_threads=a.io_threads,
-        odirect=not a.no_odirect, verbose=a.verbose, route_trace=a.route_trace, preload=a.preload,
-        lane_timeout=a.lane_timeout, shm_backend=a.shm, cache_policy=a.cache_policy, overlap=a.overlap,
-        prefetch=a.prefetch, spec_gate=a.spec_gate, spec_warmup=a.spec_warmup, spec_recall_min=a.spec_recall_min,
-        sampler=SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
-    )
+    kw = {}
+    for f in dataclasses.fields(Settings):
+        if f.name in SETTINGS_FROM_FLAGS:
+            kw[f.name] = SETTINGS_FROM_FLAGS[f.name](a)
+        elif hasattr(a, f.name):
+            kw[f.name] = getattr(a, f.name)
+    return Settings(**kw)
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.model is None and a.prompt is None and a.file is None:
+        a.prompt, a.chat = DEMO_PROMPT, True
+    settings = settings_from_args(a)
     prompt = _read_prompt(a)
     csv_file = open(a.csv, "w", buffering=1) if a.csv else None
     engine = Engine(settings, notice=_notice)

@@ -67,7 +67,6 @@ import llama_cpp
 
 from bmoe import cli, telemetry
 from bmoe.coordinator import Cancelled, ConfigError, Engine, Settings, TokenStat
-from bmoe.llama import SamplerSettings
 
 MiB = 1 << 20
 NO_ID = -1
@@ -510,38 +509,6 @@ class Session:
 # ---- process entry (bmoe-cli --session) ----------------------------------------------------------
 
 
-# Settings fields whose flag has another name or form; every other field is taken from the flag of
-# the same name. Keep in step with cli.run() (tests/test_session.py checks every field is covered).
-SETTINGS_FROM_FLAGS: dict[str, Callable[[argparse.Namespace], Any]] = {
-    "model": lambda a: a.model,
-    "n_ctx": lambda a: a.ctx_size,
-    "threads": lambda a: a.threads or 0,
-    "stream": lambda a: not a.no_stream,
-    "odirect": lambda a: not a.no_odirect,
-    "shm_backend": lambda a: a.shm,
-    "cache_floor_mb": lambda a: cli.floor_mb(a),
-    "sampler": lambda a: SamplerSettings(temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed),
-}
-
-
-def settings_from_args(a: argparse.Namespace) -> Settings:
-    """The Settings one-shot `bmoe-cli` builds from the same flags (and the same default model)."""
-    if a.model is None:
-        from bmoe.demo import default_model
-
-        path, demo_cache_mb = default_model(progress=_notice)
-        a.model = str(path)
-        if a.cache_mb is None and a.cache_floor_mb is None and a.cache_ceil_mb is None:
-            a.cache_mb = demo_cache_mb
-    kw = {}
-    for f in dataclasses.fields(Settings):
-        if f.name in SETTINGS_FROM_FLAGS:
-            kw[f.name] = SETTINGS_FROM_FLAGS[f.name](a)
-        elif hasattr(a, f.name):
-            kw[f.name] = getattr(a, f.name)
-    return Settings(**kw)
-
-
 def _fatal(out: Output, rid: int, exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         msg, code = "interrupted (SIGINT); the session ended", EXIT_SIGINT
@@ -579,7 +546,7 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
     engine: Engine | None = None
     session: Session | None = None
     try:
-        engine = Engine(settings_from_args(a), notice=_notice)
+        engine = Engine(cli.settings_from_args(a), notice=_notice)
         session = Session(engine, out, a.n_predict)
         out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.files.arch, "n_ctx": session.n_ctx})
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",

@@ -191,7 +191,7 @@ def test_unknown_policy_is_refused_with_the_valid_names() -> None:
 
 def test_session_takes_the_cache_policy_flag() -> None:
     from bmoe.cli import build_parser
-    from bmoe.session import settings_from_args
+    from bmoe.cli import settings_from_args
 
     a = build_parser().parse_args(["-m", "x.gguf", "--session", "--cache-policy", "cycle"])
     assert settings_from_args(a).cache_policy == "cycle"

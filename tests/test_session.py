@@ -238,13 +238,13 @@ def test_session_settings_follow_every_flag() -> None:
 
     from bmoe.cli import build_parser
     from bmoe.coordinator import Settings
-    from bmoe.session import SETTINGS_FROM_FLAGS, settings_from_args
+    from bmoe.cli import SETTINGS_FROM_FLAGS, settings_from_args
 
     a = build_parser().parse_args(["-m", "m.gguf", "-c", "512", "-t", "3", "--no-stream", "--temp", "0.5",
                                    "--cache-ceil-mb", "64", "--force"])
     names = {f.name for f in dataclasses.fields(Settings)}
     missing = sorted(n for n in names if n not in SETTINGS_FROM_FLAGS and not hasattr(a, n))
-    assert not missing, f"map these Settings fields in bmoe.session.SETTINGS_FROM_FLAGS: {missing}"
+    assert not missing, f"map these Settings fields in bmoe.cli.SETTINGS_FROM_FLAGS: {missing}"
     st = settings_from_args(a)
     assert (st.model, st.n_ctx, st.threads, st.stream, st.sampler.temp) == ("m.gguf", 512, 3, False, 0.5)
     assert (st.cache_ceil_mb, st.force, st.cache_floor_mb) == (64, True, 1536)
