@@ -7,7 +7,7 @@ import dataclasses
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from bmoe import profile, seam, telemetry
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
@@ -31,29 +31,31 @@ DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 EXIT_ERROR = 1
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
+T = TypeVar("T", int, float)
+
+
+def _number(text: str, convert: Callable[[str], T], noun: str, ok: Callable[[T], bool], rule: str) -> T:
+    """The core of the numeric argparse types: `text` converted, and within its rule."""
+    try:
+        v = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not {noun}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(rule)
+    return v
 
 
 def _cache_mb(text: str) -> float | None:
     if text == "auto":
         return None
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of MiB or 'auto'") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError("must be 0 (no cache), a positive number of MiB, or 'auto'")
-    return v
+    return _number(text, float, "a number of MiB or 'auto'", lambda v: not v < 0,
+                   "must be 0 (no cache), a positive number of MiB, or 'auto'")
 
 
 def _mib(text: str) -> float:
     """argparse type for --cache-floor-mb and --cache-ceil-mb: a MiB count, 0 or more."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of MiB") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError("must be a number of MiB, 0 or more")
-    return v
+    return _number(text, float, "a number of MiB", lambda v: v >= 0 and v != float("inf"),
+                   "must be a number of MiB, 0 or more")
 
 
 def _cache_policy(text: str) -> str:
@@ -63,24 +65,12 @@ def _cache_policy(text: str) -> str:
 
 
 def _percent(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not 0 <= v <= 100:
-        raise argparse.ArgumentTypeError("must be a percentage from 0 to 100")
-    return v
+    return _number(text, float, "a number", lambda v: 0 <= v <= 100, "must be a percentage from 0 to 100")
 
 
 def positive_int(text: str) -> int:
     """argparse type for counts (shared by the project's commands)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
-    return v
+    return _number(text, int, "a whole number", lambda v: v >= 1, "must be 1 or more")
 
 
 def build_parser() -> argparse.ArgumentParser:
