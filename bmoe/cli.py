@@ -11,7 +11,7 @@ from typing import Any, Callable, TypeVar
 
 from bmoe import profile, seam, telemetry
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
-from bmoe.coordinator import DEFAULT_FLOOR_MB, ConfigError, Engine, Result, Settings, TokenStat
+from bmoe.coordinator import DEFAULT_FLOOR_MB, SPEC_PRECISION_PCT, ConfigError, Engine, Result, Settings, TokenStat
 from bmoe.lanes import LaneError
 from bmoe.llama import SamplerSettings
 from bmoe.model_files import ModelError
@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-recall-min", type=_percent, default=75.0, metavar="P",
                     help="switch --spec-gate off for the run when its recall is below P%% after the warm-up; "
                          "0 = never (default 75)")
+    ap.add_argument("--spec-precision", type=_percent, default=SPEC_PRECISION_PCT, metavar="P",
+                    help="read a predicted expert ahead only when predictions as sure as this one came true "
+                         "at least P%% of the time (measured per band of router probability as the run goes; "
+                         f"0 = read every prediction; default {SPEC_PRECISION_PCT:g})")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's own chat template")
     ap.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=40, help="top-k when sampling (default 40)")

@@ -31,6 +31,7 @@ from bmoe.workers.io_lane import CANCELLED
 
 MiB = 1 << 20
 MAX_MERGED_READ = 4 * MiB
+SPEC_PRECISION_PCT = 70.0  # --spec-precision default: see bench/reports/
 SPEC_QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)
 DEFAULT_FLOOR_MB = 1536.0
 
@@ -71,6 +72,7 @@ class Settings:
     spec_gate: bool = False
     spec_warmup: int = 512
     spec_recall_min: float = 75.0
+    spec_precision: float = SPEC_PRECISION_PCT
     cache_policy: str = DEFAULT_POLICY
 
 
@@ -181,7 +183,9 @@ class Streamer:
         self.down_orders: dict[int, list[int]] = {}
         self.last_routes: dict[int, list[int]] = {}
         self.predictions: dict[int, set[int]] = {}
-        self.read_ahead: set[tuple[int, int]] = set()
+        self.guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (confidence band, expert) absent when predicted
+        self.read_ahead: set[tuple[int, int]] = set()  # finished reads ahead not yet routed
+        self.used_in_flight: set[int] = set()  # orders read ahead that their layer routed before they finished
         self.speculation = Speculation()
         self.cache.defer_release = True  # freed while lanes read: see _wait
         self.route_seq = 0
@@ -203,6 +207,8 @@ class Streamer:
         predicted = self.predictions.pop(layer, None)
         if predicted is not None and self.spec is not None:
             self.spec.score(predicted, set(self.last_routes[layer]))
+            for band, e in self.guesses.pop(layer, ()):
+                self.spec.confidence.score(band, e in self.last_routes[layer])
         self._count_useful(layer, wanted)
         self.wishes.clear()  # demand first: speculative reads not yet sent are dropped,
         self._cancel_speculation(layer, wanted)  # and those for this layer still queued are mispredictions
@@ -293,11 +299,13 @@ class Streamer:
         self._pump()
 
     def _wish(self, layer: int, experts) -> None:
-        st = self.cache.state
         for e in experts:
-            if (layer, e) not in self.wishes and any(
-                    st[ri][e] == ABSENT for ri in self.cache.by_layer[layer]):
+            if (layer, e) not in self.wishes and self._absent(layer, e):
                 self.wishes.append((layer, e))
+
+    def _absent(self, layer: int, expert: int) -> bool:
+        st = self.cache.state
+        return any(st[ri][expert] == ABSENT for ri in self.cache.by_layer[layer])
 
     def _pump(self) -> None:
         """Queue wished-for speculative reads in the lanes, one expert per order, up to
@@ -329,24 +337,30 @@ class Streamer:
             self.pool.lanes[lane].cancel(oids)
 
     def _on_predictions(self) -> None:
-        for seq, layer, ids in self.spec.receive():
+        conf = self.spec.confidence
+        for seq, layer, ids, probs in self.spec.receive():
             if self.routed_at.get(layer, 0) > seq:
                 continue  # the layer routed before the prediction arrived: too late to use
             self.predictions[layer] = set(ids)
+            guesses = [(conf.band(p), e) for e, p in zip(ids, probs) if self._absent(layer, e)]
+            self.guesses[layer] = guesses
             before = len(self.wishes)
-            self._wish(layer, ids)
+            self._wish(layer, [e for band, e in guesses if conf.worth(band)])
             self.wishes[:] = self.wishes[before:] + self.wishes[:before]  # the next layer comes first
         self._pump()
 
     def _count_useful(self, layer: int, wanted: list[int]) -> None:
-        if not self.read_ahead:
-            return
+        """A read ahead is useful when its layer routes the expert: counted now if it finished, else
+        when it does (the demand waits for it instead of reading again)."""
         st = self.cache.state
         for e in wanted:
             if (layer, e) in self.read_ahead:
                 self.read_ahead.discard((layer, e))
                 if all(st[ri][e] != ABSENT for ri in self.cache.by_layer[layer]):
                     self.speculation.useful += 1
+        for oid, order in self.inflight.items():
+            if order.ahead and order.ahead[0][0] == layer and order.ahead[0][1] in wanted:
+                self.used_in_flight.add(oid)
 
     # ---- completions ---------------------------------------------------------------------------
 
@@ -384,6 +398,8 @@ class Streamer:
             nbytes, busy = self.pool.take(oid)
             order = self.inflight.pop(oid)
             self.cancelled.discard(oid)
+            used = oid in self.used_in_flight
+            self.used_in_flight.discard(oid)
             for k in order.keys:
                 del self.order_of[k]
             if nbytes == CANCELLED:
@@ -395,7 +411,10 @@ class Streamer:
             if order.ahead:
                 self.speculation.bytes += nbytes
                 self.speculation.prefetched += len(order.ahead)
-                self.read_ahead.update(order.ahead)
+                if used:
+                    self.speculation.useful += len(order.ahead)
+                else:
+                    self.read_ahead.update(order.ahead)
 
     def _abandon(self, oid: int, order: Order) -> None:
         """A cancelled order read nothing: its slices are absent again. Should a layer have come to
@@ -416,6 +435,7 @@ class Streamer:
         self.wishes.clear()
         self.down_orders.clear()
         self.predictions.clear()
+        self.guesses.clear()
         self._cancel_speculation(None)
         self._wait(list(self.inflight))
         self.replaced.clear()
@@ -578,7 +598,8 @@ class Engine:
         if s.spec_gate:
             gate = SpecGate([str(p) for p in self.files.paths], self.files.arch, st.layers,
                             self.files.n_expert_used, llama_cpp.llama_model_n_embd(self.model),
-                            s.shm_backend, s.spec_warmup, s.spec_recall_min, notice)
+                            s.shm_backend, s.spec_warmup, s.spec_recall_min, notice,
+                            self.files.n_expert, s.spec_precision)
             if gate.active:
                 st.spec = gate
                 self.hook.on_router_input = self._router_input

@@ -67,7 +67,7 @@ def spec_gate_hints(t: Trace, model: str | Path) -> Hints | None:
             h = t.hidden[s, i]
             p = None if np.isnan(h).any() else pred.predict(layer, h)
             if p is not None:
-                out[s][i].append((p[0], p[1].tolist()))
+                out[s][i].append((p.layer, p.ids.tolist()))
     return out
 
 

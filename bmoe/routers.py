@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -64,6 +65,12 @@ def _f32(t: gguf.ReaderTensor) -> np.ndarray:
     return np.array(t.data, dtype=np.float32).reshape(-1)
 
 
+class Prediction(NamedTuple):
+    layer: int  # the layer predicted for
+    ids: np.ndarray  # its top-k experts, most probable first
+    probs: np.ndarray  # their router softmax probabilities over all experts: how sure each guess is
+
+
 class Predictor:
     """Layer l's router input → the top-k experts layer `next_of[l]` will probably route."""
 
@@ -81,8 +88,8 @@ class Predictor:
                 safe = np.where(np.abs(g0) > 1e-6, g0, 1.0)
                 self.scale[layer] = np.where(np.abs(g0) > 1e-6, g1 / safe, 0.0).astype(np.float32)
 
-    def predict(self, layer: int, x: np.ndarray) -> tuple[int, np.ndarray] | None:
-        """(next layer, predicted expert ids best first), or None after the last MoE layer."""
+    def predict(self, layer: int, x: np.ndarray) -> Prediction | None:
+        """The next MoE layer's probable experts, or None after the last MoE layer."""
         nxt = self.next_of.get(layer)
         if nxt is None:
             return None
@@ -93,4 +100,6 @@ class Predictor:
             logits = logits + r.bias
         k = min(self.top_k, logits.size)
         top = np.argpartition(-logits, k - 1)[:k]
-        return nxt, top[np.argsort(-logits[top], kind="stable")]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        e = np.exp(logits - logits[top[0]])
+        return Prediction(nxt, top, e[top] / e.sum())

@@ -114,10 +114,10 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
         for i, layer in enumerate(t.layers):
             h = t.hidden[step, i]
             p = None if np.isnan(h).any() else pred.predict(layer, h)
-            if p is None or not routes.get(p[0]):
+            if p is None or not routes.get(p.layer):
                 continue
-            actual = set(routes[p[0]])
-            hit += len(set(p[1].tolist()) & actual)
+            actual = set(routes[p.layer])
+            hit += len(set(p.ids.tolist()) & actual)
             total += len(actual)
     return 100.0 * hit / total if total else 0.0
 

@@ -10,6 +10,7 @@ run; so does a recall below the floor after the warm-up.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import select
 import subprocess
@@ -29,8 +30,10 @@ class SpecGate:
     """One spec-gate worker process and its ring."""
 
     def __init__(self, paths: list[str], arch: str, layers: list[int], top_k: int, n_embd: int,
-                 shm_backend: str, warmup: int, recall_min: float, notice: Callable[[str], None]) -> None:
+                 shm_backend: str, warmup: int, recall_min: float, notice: Callable[[str], None],
+                 n_expert: int, min_precision: float) -> None:
         self.notice = notice
+        self.confidence = Confidence(n_expert, min_precision)
         self.n_embd = n_embd
         self.warmup = warmup
         self.recall_min = recall_min
@@ -93,8 +96,8 @@ class SpecGate:
         except (BrokenPipeError, ValueError):
             self._stop(f"spec-gate (pid {self.pid}) exited with code {self.proc.poll()}; --spec-gate off for this run")
 
-    def receive(self) -> list[tuple[int, int, list[int]]]:
-        """Predictions that arrived: (route seq at request time, layer, expert ids)."""
+    def receive(self) -> list[tuple[int, int, list[int], list[float]]]:
+        """Predictions that arrived: (route seq at request time, layer, expert ids, their probabilities)."""
         if not self.active:
             return []
         chunk = os.read(self.fd, 1 << 16)
@@ -103,7 +106,7 @@ class SpecGate:
             return []
         self.unpacker.feed(chunk)
         self._sent.clear()  # it answers the newest request and drops the others
-        return [(seq, layer, ids) for seq, layer, ids in self.unpacker]
+        return [(seq, layer, ids, probs) for seq, layer, ids, probs in self.unpacker]
 
     def score(self, predicted: set[int], routed: set[int]) -> None:
         """Recall bookkeeping; after the warm-up a recall under the floor latches the feature off."""
@@ -144,3 +147,43 @@ class SpecGate:
             self._end_process()
         finally:
             self.ring.close()
+
+
+class Confidence:
+    """Which predicted experts are worth a speculative read, learned from how often guesses came true.
+
+    A wrong guess costs a whole read on a flash that is usually the bottleneck, and the guesses
+    that matter are the ones for experts the cache lacks: those are the predictor's weakest (the
+    cache already holds what is routed often). So every predicted expert that was absent when
+    the prediction came in is scored against the layer's routing, per band of router probability
+    (a quarter octave, relative to a uniform 1/n_expert), and only bands whose measured precision
+    reaches the floor are read. A band is trusted once it holds MIN_SAMPLES outcomes; every band
+    above a trusted one is trusted too (precision grows with probability). Scoring does not depend
+    on reading, so a band can become trusted without ever being read.
+    """
+
+    BANDS_PER_OCTAVE = 4
+    LOWEST = -3  # octaves below uniform: everything under 1/(8 n_expert) shares the first band
+    BANDS = 8 * BANDS_PER_OCTAVE  # up to 32x uniform
+    MIN_SAMPLES = 16
+
+    def __init__(self, n_expert: int, min_precision_pct: float) -> None:
+        self.n_expert = n_expert
+        self.floor = min_precision_pct / 100.0
+        self.seen = [0] * self.BANDS
+        self.right = [0] * self.BANDS
+        self.trusted_from = 0 if self.floor <= 0 else self.BANDS  # the lowest trusted band
+
+    def band(self, prob: float) -> int:
+        octaves = math.log2(max(prob * self.n_expert, 1e-9)) - self.LOWEST
+        return min(self.BANDS - 1, max(0, int(octaves * self.BANDS_PER_OCTAVE)))
+
+    def worth(self, band: int) -> bool:
+        return band >= self.trusted_from
+
+    def score(self, band: int, routed: bool) -> None:
+        self.seen[band] += 1
+        self.right[band] += routed
+        if self.floor > 0:
+            self.trusted_from = next((b for b in range(self.BANDS) if self.seen[b] >= self.MIN_SAMPLES
+                                      and self.right[b] >= self.floor * self.seen[b]), self.BANDS)

@@ -63,7 +63,7 @@ def _gate(path: str, cache_mb: float, overlap: bool, prefetch: int, spec_gate: b
           chat: bool = False, n: int = N_PREDICT) -> tuple[Result, Ran, SlabCheck]:
     ref = reference(path, chat, n)
     res, e, sc = _run(path, chat, n, cache_mb=cache_mb, io_threads=2, overlap=overlap, prefetch=prefetch,
-                      spec_gate=spec_gate, spec_recall_min=0)
+                      spec_gate=spec_gate, spec_recall_min=0, spec_precision=0)
     assert not sc.bad, sc.bad[:5]
     assert sc.checked > 0
     assert res.ids == ref.ids and res.text == ref.text
@@ -100,11 +100,40 @@ def test_demo_gate(demo_model: str, overlap: bool, prefetch: int, spec_gate: boo
         assert e.streamer.spec.recall_pct > 50
 
 
+def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_model: str) -> None:
+    """--spec-precision: with a high floor fewer predicted experts are read and more of them are used,
+    and the output does not change."""
+    runs = {}
+    for floor in (0, 90):
+        res, _, sc = _run(demo_model, True, 16, cache_mb=open_model(demo_model).expert_bytes / 2 / MiB,
+                          io_threads=2, overlap=True, spec_gate=True, spec_recall_min=0, spec_precision=floor)
+        assert not sc.bad and res.ids == reference(demo_model, True, 16).ids
+        runs[floor] = res.speculation
+    assert runs[90].prefetched < runs[0].prefetched
+    assert runs[90].useful * runs[0].prefetched >= runs[0].useful * runs[90].prefetched
+
+
+def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> None:
+    c = spec.Confidence(n_expert=64, min_precision_pct=75)
+    low, high = c.band(1 / 64), c.band(4 / 64)
+    assert c.band(1e-12) == 0 and c.band(1.0) == c.BANDS - 1 and low < high
+    assert not c.worth(low) and not c.worth(high), "nothing is read before there is evidence"
+    for i in range(c.MIN_SAMPLES - 1):
+        c.score(high, True)
+    assert not c.worth(high), "too few outcomes yet"
+    c.score(high, True)
+    assert c.worth(high) and c.worth(c.BANDS - 1) and not c.worth(low), "bands above a trusted one are trusted"
+    for i in range(c.MIN_SAMPLES):
+        c.score(low, i % 2 == 0)  # 50 % < 75 %
+    assert not c.worth(low) and c.worth(high)
+    assert spec.Confidence(64, 0).worth(0), "a floor of 0 reads every prediction"
+
+
 def test_governor_switches_spec_gate_off_mid_run_losslessly(synth) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     ref = reference(path)
     res, e, sc = _run(path, cache_mb=open_model(path).expert_bytes / 3 / MiB, io_threads=2, overlap=True,
-                      prefetch=1, spec_gate=True, spec_warmup=12, spec_recall_min=99.5)
+                      prefetch=1, spec_gate=True, spec_warmup=12, spec_recall_min=99.5, spec_precision=0)
     assert not sc.bad and res.ids == ref.ids
     g = e.streamer.spec
     assert g.disabled_below == 99.5 and not g.active and g.proc is None
@@ -200,6 +229,7 @@ def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
     (["--overlap", "--no-stream"], "--no-stream"),
     (["--prefetch", "0"], "--prefetch"),
     (["--spec-recall-min", "120"], "percentage"),
+    (["--spec-precision", "-1"], "percentage"),
 ])
 def test_bad_lever_flags_exit_2(synth, flags: list[str], msg: str) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))

@@ -3,7 +3,7 @@
 Run as `python -m bmoe.workers.spec_gate --ring NAME ... FILE...` so `ps` shows its
 role. The coordinator copies layer l's router input into slot s of the shared ring
 and sends `[seq, layer, slot]` (msgpack, stdin); the gate answers
-`[seq, next_layer, [ids...]]` on stdout. When several requests are waiting only the
+`[seq, next_layer, [ids...], [probs...]]` on stdout (most probable first). When several requests are waiting only the
 newest is answered: an older one would arrive too late to be of use. It owns no
 cache state and exits on EOF, so it never outlives its coordinator.
 """
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         seq, layer, slot = msg
         got = predictor.predict(layer, ring[slot].copy())
         if got is not None:
-            out.write(msgpack.packb([seq, got[0], got[1].tolist()]))
+            out.write(msgpack.packb([seq, got.layer, got.ids.tolist(), got.probs.tolist()]))
             out.flush()
 
 
