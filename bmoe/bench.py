@@ -80,7 +80,8 @@ examples:
 
 Each policy runs in the live ExpertCache with no memory behind it, so its hit rate is what
 bmoe-cli --cache-policy NAME gets on the same routing. 'belady' is the offline optimum (it knows
-the future) and only exists here. 'predict' is told the temporal and spec-gate predictions the
+the future) and 'next-token-oracle' is next-use told the next token's routing (a bound for any
+next-token predictor); both only exist here. 'predict' is told the temporal and spec-gate predictions the
 trace allows (spec-gate needs the trace's .hidden.npy).
 """
 
@@ -784,8 +785,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("-m", "--model", help="the model the trace came from (default: the path in the trace)")
     po = sub.add_parser("policies", epilog=POLICIES_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="replay routing traces through every cache policy and Belady's bound",
-                        description="Replay traces written by bmoe-cli --route-trace through LRU, Belady's MIN "
-                                    "and every candidate cache policy; print hit rate and MiB read per token "
+                        description="Replay traces written by bmoe-cli --route-trace through LRU, Belady's MIN, "
+                                    "a next-token oracle and every candidate cache policy; print hit rate and MiB read per token "
                                     "for each policy and budget, and the distance to LRU and to Belady.")
     po.add_argument("traces", nargs="+", metavar="TRACE", help="trace files from bmoe-cli --route-trace")
     po.add_argument("--budgets", type=_budget_list, default=[10, 25, 50, 75], metavar="LIST",

@@ -378,3 +378,38 @@ class Belady(Policy):
 
     def victims(self, layer: int | None) -> Iterator[Key]:
         return iter(sorted(self.resident, key=self.next_use, reverse=True))
+
+
+class NextTokenOracle(NextUse):
+    """`next-use` told the next token's routing exactly: a bound for any next-token predictor.
+
+    A slice its expert is routed at within the next N layer steps gets its true distance; any
+    other is known to wait past its layer's next visit, d + N/p (N(1/p - 1) more steps expected
+    after that visit, as in `next-use`). Its distance to Belady is what knowing more than one
+    token ahead is worth. Simulator only (`future` as in `Belady`).
+    """
+
+    name = "next-token-oracle"
+
+    def __init__(self, layers: Sequence[int], future: dict[tuple[int, int], list[int]],
+                 prefill_tokens: int = 0) -> None:
+        super().__init__(layers)
+        self.future = future
+        self.prefill_tokens = prefill_tokens
+        self.now = -1
+
+    def begin(self, layer: int) -> None:
+        super().begin(layer)
+        self.now = (self.token - 1 - self.prefill_tokens) * len(self.layers) + self.pos[layer]
+
+    def _wait(self, key: Key, cur: int) -> float:
+        n = len(self.layers)
+        soon = next((u for u in self.future.get((key[0], key[2]), ()) if self.now < u <= self.now + n), None)
+        if soon is not None:
+            return soon - self.now
+        return ((self.pos[key[0]] - cur) % n or n) + n / self.frequency(key[0], key[2])
+
+    def victims(self, layer: int | None) -> Iterator[Key]:
+        cur = self.pos.get(layer, 0)
+        keys = [k for lay in self.layers for k in self.by_layer[lay]]
+        return iter(sorted(keys, key=lambda k: self._wait(k, cur), reverse=True))

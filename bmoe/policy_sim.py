@@ -1,4 +1,8 @@
-"""`bmoe-bench policies`: replay route traces through every cache policy and Belady's bound.
+"""`bmoe-bench policies`: replay route traces through every cache policy and two bounds.
+
+The bounds need the trace's future, so only the simulator runs them: Belady's MIN (the offline
+optimum) and `next-token-oracle` (`next-use` told the next token's routing: what a perfect
+next-token predictor could add).
 
 Each policy runs inside the live `ExpertCache` (with no memory behind it), so a simulated hit rate
 is what `bmoe-cli --cache-policy NAME` gets on the same routing. Prediction-aware policies are
@@ -18,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from bmoe import routers
-from bmoe.cache_policy import POLICIES, Belady, Policy
+from bmoe.cache_policy import POLICIES, Belady, NextTokenOracle, Policy
 from bmoe.model_files import open_model
 from bmoe.routes import Trace, replay
 from bmoe.shm_cache import file_regions
@@ -108,6 +112,8 @@ def simulate(paths: list[str], budgets: list[int], model: str | None = None,
         name = Path(path).stem
         for pct in budgets:
             makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, lambda p=p: p) for p in POLICIES]
+            makers.append((NextTokenOracle.name,
+                           lambda: NextTokenOracle(t.layers, future, prefill_tokens=int(prefill))))
             makers.append((BELADY, lambda: Belady(t.layers, future, prefill_tokens=int(prefill))))
             for pname, make in makers:
                 progress(f"{name}: {pname} at {pct}% ...")
