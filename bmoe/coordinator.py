@@ -3,8 +3,9 @@
 Flow per MoE layer and step: llama.cpp computes up to the layer's routing node
 `ffn_moe_topk-L`; the eval hook hands the routed ids here; the cache pins the
 layer's slices, evicts to stay within budget, and the lanes read the misses
-into the slab. Only then does the hook return and llama.cpp run the expert
-matmuls, whose weight tensors point into the slab. Output is therefore
+into slots of the slab, which the cache maps into the window the expert weight
+tensors point into (shm_cache). Only then does the hook return and llama.cpp run
+the expert matmuls. Output is therefore
 computed from exactly the bytes plain llama.cpp would use.
 """
 
@@ -25,7 +26,7 @@ from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, load_mo
 from bmoe.model_files import ModelError, ModelFiles, open_model
 from bmoe.routes import TraceWriter
 from bmoe.cache_policy import DEFAULT_POLICY
-from bmoe.shm_cache import ABSENT, ExpertCache, Region, Slab, layout, sweep_stale_segments
+from bmoe.shm_cache import ABSENT, ExpertCache, Region, Slab, Window, layout, slab_size, sweep_stale_segments
 from bmoe.spec import SpecGate
 from bmoe.workers.io_lane import CANCELLED
 
@@ -154,21 +155,20 @@ class Streamer:
             regions.append(Region(t.name, t.layer, t.kind, ext.file_index, ext.offset,
                                   t.n_expert, t.expert_bytes))
         self.n_expert = max(r.n_expert for r in regions)
-        self.slab = Slab(layout(regions), shm_backend)
+        window_size = layout(regions)
+        self.slab = Slab(slab_size(regions), shm_backend)
+        self.window: Window | None = None
         self.pool: LanePool | None = None
         try:  # a signal may land anywhere in here: what exists so far is released
-            self.cache = ExpertCache(self.slab, regions, budget, cache_policy)
+            self.window = Window(window_size, self.slab)
+            self.cache = ExpertCache(self.window, regions, budget, cache_policy)
             self.pool = LanePool(io_threads, self.slab.name, [str(p) for p in files.paths], odirect,
                                  timeout=lane_timeout)
-            by_name = {t.name: t for t in tensors}
+            self.tensors = {t.name: t for t in tensors}  # llama.cpp's expert tensors, pointing into the window
             for r in regions:
-                by_name[r.name].rebind(self.slab.base + r.slab_offset)
+                self.tensors[r.name].rebind(self.window.base + r.window_offset, r.stride)
         except BaseException:
-            try:
-                if self.pool is not None:
-                    self.pool.close()
-            finally:
-                self.slab.close()
+            self._release_memory()
             raise
         self.overlap = overlap
         self.prefetch = prefetch
@@ -187,10 +187,11 @@ class Streamer:
         self.read_ahead: set[tuple[int, int]] = set()  # finished reads ahead not yet routed
         self.used_in_flight: set[int] = set()  # orders read ahead that their layer routed before they finished
         self.speculation = Speculation()
-        self.cache.defer_release = True  # freed while lanes read: see _wait
+        self.cache.defer_release = True  # unmapped and given back while lanes read: see _wait
         self.route_seq = 0
         self.routed_at: dict[int, int] = {}
         self.io_ns = self.mgmt_ns = self.stall_ns = self.read_bytes = self.busy_ns = 0
+        self.commit_ns = 0  # mapping arrived slots into the window, ever (for _wait's split)
 
     # ---- the hook's entry points ---------------------------------------------------------------
 
@@ -222,7 +223,7 @@ class Streamer:
             self.stall_ns += self._wait(now)
         else:
             self.io_ns += self._wait(now + later)
-        if self.cache.unreleased:  # nothing to wait for: free the evicted pages now
+        if self.cache.pending_release:  # nothing to wait for: do it now
             t2 = time.perf_counter_ns()
             self.cache.release_evicted()
             self.mgmt_ns += time.perf_counter_ns() - t2
@@ -243,7 +244,9 @@ class Streamer:
         addr, n_embd, n_tokens = seam.last_router_input(node)
         if n_tokens == 1 and n_embd == self.spec.n_embd:  # decode: prefill routes nearly every expert anyway
             self.spec.send(layer, addr, self.route_seq)
+        t0 = time.perf_counter_ns()
         self._tick()
+        self.mgmt_ns += time.perf_counter_ns() - t0
 
     def skip(self, layer: int) -> bool:
         """A layer whose every expert is resident under a budget that holds them all needs no stop."""
@@ -377,19 +380,22 @@ class Streamer:
     def _wait(self, orders: list[int]) -> int:
         """Block until these orders completed; returns the wall time blocked (ns).
 
-        Pages of evicted slices are freed here first, while the lanes read; that time
+        Evicted slices' window ranges are unmapped here first, while the lanes read (and
+        pages to give back are given back); that time, and mapping the slots that arrive,
         is cache management, not waiting.
         """
         t0 = time.perf_counter_ns()
+        committed = self.commit_ns
         spent = 0
         while any(self._live(o) for o in orders):
-            if self.cache.unreleased:
+            if self.cache.pending_release:
                 r0 = time.perf_counter_ns()
                 self.cache.release_evicted()
                 spent += time.perf_counter_ns() - r0
             self.pool.poll(0.5, self._extra())
             self._collect()
             self._pump()
+        spent += self.commit_ns - committed
         self.mgmt_ns += spent
         return time.perf_counter_ns() - t0 - spent
 
@@ -405,7 +411,9 @@ class Streamer:
             if nbytes == CANCELLED:
                 self._abandon(oid, order)
                 continue
+            c0 = time.perf_counter_ns()
             self.cache.commit(order.keys)
+            self.commit_ns += time.perf_counter_ns() - c0
             self.read_bytes += nbytes
             self.busy_ns += busy
             if order.ahead:
@@ -459,7 +467,7 @@ class Streamer:
 
     def _merged(self, keys: list[Key]) -> list[tuple[ReadOrder, list[Key]]]:
         """The slices' reads, adjacent ones merged, each with the slices it fills."""
-        return merge_keyed([(self.cache.regions[k[1]].read_order(k[2]), k) for k in keys], MAX_MERGED_READ)
+        return merge_keyed([(self.cache.read_order(k), k) for k in keys], MAX_MERGED_READ)
 
     def take_counters(self) -> tuple[int, int, int, int]:
         """(io, mgmt, stall ns, bytes read) since the last call; io is lane busy time under overlap."""
@@ -473,8 +481,16 @@ class Streamer:
             if self.spec is not None:
                 self.spec.close()
         finally:
-            try:
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        try:
+            if self.pool is not None:
                 self.pool.close()
+        finally:
+            try:
+                if self.window is not None:
+                    self.window.close()
             finally:
                 self.slab.close()
 
@@ -544,7 +560,7 @@ class Engine:
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
 
     def _start_streaming(self, notice: Callable[[str], None]) -> None:
-        """One warm-up decode finds the expert tensors; then they are rebound into the slab."""
+        """One warm-up decode finds the expert tensors; then they are rebound into the window."""
         cap = self.hook.capture = seam.Capture()
         try:
             self._decode([self.vocab.warmup_token()])

@@ -122,13 +122,6 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
     return 100.0 * hit / total if total else 0.0
 
 
-class _NoSlab:
-    """Replays need no memory: eviction only updates the bookkeeping."""
-
-    def release(self, start: int, end: int) -> None:
-        pass
-
-
 def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Policy = "lru",
            predictions: list[list[list[tuple[int, list[int]]]]] | None = None,
            prefill: bool = False) -> tuple[float, float]:
@@ -141,7 +134,7 @@ def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Pol
     pass is not counted.
     """
     total = sum(r.nbytes for r in regions)
-    cache = ExpertCache(_NoSlab(), regions, int(total * budget_pct / 100), policy)  # type: ignore[arg-type]
+    cache = ExpertCache(None, regions, int(total * budget_pct / 100), policy)
     if prefill:
         for layer in t.layers:
             cache.commit(cache.plan(layer, list(range(max(regions[i].n_expert for i in cache.by_layer[layer])))))

@@ -148,8 +148,12 @@ class ExpertTensor:
     def nbytes(self) -> int:
         return self.n_expert * self.expert_bytes
 
-    def rebind(self, data_addr: int) -> None:
-        tensor_at(self.addr).data = data_addr
+    def rebind(self, data_addr: int, stride: int) -> None:
+        """Point llama.cpp at the experts' new home: expert e at data_addr + e * stride."""
+        t = tensor_at(self.addr)
+        t.data = data_addr
+        t.nb[2] = stride
+        t.nb[3] = stride * int(t.ne[2])
 
 
 @dataclass

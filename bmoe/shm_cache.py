@@ -1,15 +1,21 @@
-"""The expert cache: a sparse POSIX shared-memory slab and the LRU that decides what stays.
+"""The expert cache: slots in a POSIX shared-memory slab, mapped where llama.cpp looks for experts.
 
-The slab holds every expert tensor's byte range, each region placed so that
-`slab_offset ≡ file_offset (mod 4096)`. An O_DIRECT read of an expert slice's
-4 KiB-aligned superset then lands in place: the extra bytes at either end are
-the neighbours' own bytes at their own places. Pages cost RAM only once a lane
-writes them, and eviction gives them back (MADV_REMOVE), so the segment's
-allocated blocks *are* the cache and are measured from the segment itself.
+llama.cpp reads expert e of a tensor at `data + e * nb[2]`. bmoe points every expert tensor into
+one reserved address range (the window) with a stride of a page more than an expert, placed so
+that each expert starts at the same offset within its page as in the file: an O_DIRECT read of
+its 4 KiB-aligned superset then fills whole pages that are the expert's alone. Those pages live
+in a slot of the slab, the shared segment the I/O lanes write into; a resident expert's window
+pages map its slot (mmap MAP_FIXED), an absent one's are inaccessible (a stray read faults
+instead of computing with someone else's weights). Evicting frees the slot for the next read
+without giving its pages back, so steady-state decode neither frees nor faults in memory (both
+cost more CPU than the read itself). Slots are given back (MADV_REMOVE) only when pages of one
+slot size must make room for another, so the slab's allocated blocks, measured from the segment,
+stay within the budget.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -38,7 +44,7 @@ def _up(x: int) -> int:
 
 @dataclass
 class Region:
-    """One expert tensor's place in the file and in the slab."""
+    """One expert tensor's place in the file and in the window."""
 
     name: str
     layer: int
@@ -47,43 +53,56 @@ class Region:
     file_offset: int
     n_expert: int
     expert_bytes: int
-    slab_offset: int = 0
+    window_offset: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.n_expert * self.expert_bytes
 
+    @property
+    def stride(self) -> int:
+        """Window bytes from one expert to the next: a page more than an expert, so no two share a
+        page and each keeps its in-page offset from the file."""
+        return self.expert_bytes + PAGE
+
+    @property
+    def slot_bytes(self) -> int:
+        """Slab bytes one of this tensor's experts takes (its aligned superset; the largest one)."""
+        return max(_up((self.file_offset + e * self.expert_bytes) % PAGE + self.expert_bytes)
+                   for e in range(self.n_expert))
+
     def slice_bounds(self, e: int) -> tuple[int, int]:
-        """Slab bytes [start, end) of expert e."""
-        start = self.slab_offset + e * self.expert_bytes
+        """Window bytes [start, end) of expert e."""
+        start = self.window_offset + e * self.stride
         return start, start + self.expert_bytes
 
     def page_span(self, e: int) -> tuple[int, int]:
         s, t = self.slice_bounds(e)
         return _down(s), _up(t)
 
-    def read_order(self, e: int) -> tuple[int, int, int, int, int]:
-        """(file index, file offset, length, slab offset, needed) of the aligned superset read.
+    def read_order(self, e: int, slot: int) -> tuple[int, int, int, int, int]:
+        """(file index, file offset, length, slab offset, needed) of the aligned superset read into `slot`.
 
         `needed` is how many of those bytes must exist in the file: the superset
         may run past end of file, the slice itself may not.
         """
         p0, p1 = self.page_span(e)
-        return self.file_index, self.file_offset + (p0 - self.slab_offset), p1 - p0, p0, self.slice_bounds(e)[1] - p0
-
-    def experts_on_page(self, page: int) -> range:
-        lo = max(0, (page - self.slab_offset) // self.expert_bytes)
-        hi = min(self.n_expert - 1, (page + PAGE - 1 - self.slab_offset) // self.expert_bytes)
-        return range(lo, hi + 1)
+        s, t = self.slice_bounds(e)
+        return self.file_index, self.file_offset + e * self.expert_bytes - (s - p0), p1 - p0, slot, t - p0
 
 
 def layout(regions: list[Region]) -> int:
-    """Assign congruent slab offsets; returns the slab size."""
+    """Assign window offsets congruent to the file's (mod PAGE); returns the window size."""
     cursor = 0
     for r in sorted(regions, key=lambda r: (r.file_index, r.file_offset)):
-        r.slab_offset = cursor + r.file_offset % PAGE
-        cursor = _up(r.slab_offset + r.nbytes)
+        r.window_offset = cursor + r.file_offset % PAGE
+        cursor = _up(r.window_offset + r.n_expert * r.stride)
     return max(cursor, PAGE)
+
+
+def slab_size(regions: list[Region]) -> int:
+    """Slab bytes for every expert at once (the segment is sparse: only written slots cost RAM)."""
+    return max(sum(r.n_expert * r.slot_bytes for r in regions), PAGE)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -174,6 +193,54 @@ class Slab:
             pass
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_NONE, _MAP_FIXED, _MAP_NORESERVE, _MAP_POPULATE = 0, 0x10, 0x4000, 0x8000
+
+
+class Window:
+    """The address range llama.cpp's expert tensors point into; slots of the slab are mapped into it.
+
+    Reserved inaccessible; `map` makes a range show a slot, `unmap` makes it inaccessible
+    again. `view` is the whole range as bytes (reading an unmapped part faults: tests only).
+    """
+
+    def __init__(self, size: int, slab: Slab) -> None:
+        self.size = size
+        self.slab = slab
+        addr = _libc.mmap(None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if addr == _MAP_FAILED:
+            raise OSError(ctypes.get_errno(), f"cannot reserve {size} bytes of address space for the experts")
+        self.base: int = addr
+        self.view = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+    def _mmap(self, offset: int, length: int, prot: int, flags: int, fd: int, slab_offset: int) -> None:
+        if _libc.mmap(self.base + offset, length, prot, flags | _MAP_FIXED, fd, slab_offset) == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map {length} bytes of the expert window ({os.strerror(err)}); "
+                               "if this is ENOMEM, raise vm.max_map_count or lower --cache-mb")
+
+    def map(self, offset: int, length: int, slab_offset: int) -> None:
+        self._mmap(offset, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE,
+                   self.slab.fd, slab_offset)
+
+    def unmap(self, offset: int, length: int) -> None:
+        self._mmap(offset, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+
+    def close(self) -> None:
+        if self.base:
+            try:
+                self.view.release()
+            except BufferError:
+                pass  # a view still exported: the mapping goes with the process
+            else:
+                _libc.munmap(self.base, self.size)
+            self.base = 0
+
+
 def open_segment(name: str) -> mmap.mmap:
     """A lane's mapping of the slab, by the name the coordinator passed it."""
     if name.startswith("/proc/"):
@@ -211,23 +278,28 @@ class CacheStats:
 class ExpertCache:
     """(layer, tensor, expert) slices under a byte budget; a policy (bmoe.cache_policy) picks what goes.
 
-    A slice is charged the whole pages it spans from the moment its read is
-    planned (LOADING) until it is evicted, so the budget bounds the segment's
-    real allocated bytes even with reads in flight. The slices the current layer
-    is about to use are pinned: they may push residency past the budget by at
-    most one layer's routed set, never get evicted under the matmul that needs
-    them. A LOADING slice is never evicted: a lane is writing its pages.
+    A slice is charged its slot from the moment its read is planned (LOADING)
+    until it is evicted. Freed slots keep their pages for the next read of the
+    same size; the slab's pages (slots in use + free slots kept) stay within the
+    budget, even with reads in flight. The slices the current layer is about to
+    use are pinned: they may push residency past the budget by at most one
+    layer's routed set, never get evicted under the matmul that needs them. A
+    LOADING slice is never evicted: a lane is writing its slot.
 
     Slices read on a prediction (`admit_speculative`) enter the policy's order at
     the cold end; a real hit promotes them. Until their layer next routes they are
     "expected" and evicted only when nothing else can go; a prediction the layer
     did not route is then left cold, so mispredictions are the first to leave.
+
+    `window` is None in trace replays: the same decisions, no memory behind them.
     """
 
-    def __init__(self, slab: Slab, regions: list[Region], budget: int, policy: str | Policy = DEFAULT_POLICY) -> None:
-        self.slab = slab
+    def __init__(self, window: Window | None, regions: list[Region], budget: int,
+                 policy: str | Policy = DEFAULT_POLICY) -> None:
+        self.window = window
         self.regions = regions
         self.budget = budget
+        self.slot_size = [r.slot_bytes for r in regions]
         self.by_layer: dict[int, list[int]] = {}
         for i, r in enumerate(regions):
             self.by_layer.setdefault(r.layer, []).append(i)
@@ -237,13 +309,18 @@ class ExpertCache:
         self.stats = CacheStats()
         self.resident_in_layer = {layer: 0 for layer in self.by_layer}
         self.slices_in_layer = {layer: sum(regions[i].n_expert for i in idxs) for layer, idxs in self.by_layer.items()}
-        self.holds_everything = budget >= sum(self.charge(ri, e) for ri, r in enumerate(regions)
-                                              for e in range(r.n_expert))
+        self.holds_everything = budget >= sum(self.slot_size[ri] * r.n_expert for ri, r in enumerate(regions))
         self.defer_release = False
-        self.unreleased: dict[tuple[int, int, int], None] = {}
+        self.unreleased: dict[tuple[int, int, int], None] = {}  # evicted, window range not yet unmapped
         self.pinned: set[tuple[int, int, int]] = set()
         self.speculative: set[tuple[int, int, int]] = set()  # LOADING on a prediction
         self.expected: dict[int, set[tuple[int, int, int]]] = {layer: set() for layer in self.by_layer}
+        self.slot_of: dict[tuple[int, int, int], int] = {}
+        self.warm: dict[int, list[int]] = {}  # slot size -> free slots whose pages are kept
+        self.warm_bytes = 0
+        self.cold: dict[int, list[int]] = {}  # slot size -> free slots whose pages were given back
+        self.giving_back: list[tuple[int, int]] = []  # (slab offset, size): free, pages to give back
+        self.top = 0  # slab bytes handed out as slots so far
 
     def layer_complete(self, layer: int) -> bool:
         """Every expert of the layer is resident and, with a budget that holds all, stays so."""
@@ -255,8 +332,7 @@ class ExpertCache:
         self.stats.hits += n
 
     def charge(self, ri: int, e: int) -> int:
-        p0, p1 = self.regions[ri].page_span(e)
-        return p1 - p0
+        return self.slot_size[ri]
 
     def layer_slices(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
         return [(layer, ri, e) for ri in self.by_layer.get(layer, ()) for e in experts]
@@ -304,13 +380,43 @@ class ExpertCache:
             out += keys
         return out
 
+    def read_order(self, key: tuple[int, int, int]) -> tuple[int, int, int, int, int]:
+        """The read that fills a LOADING slice's slot."""
+        return self.regions[key[1]].read_order(key[2], self.slot_of[key])
+
     def _reserve(self, keys: list[tuple[int, int, int]]) -> None:
         need = sum(self.charge(ri, e) for _, ri, e in keys)
         if not self._make_room(need, protect_expected=True):
             self._make_room(need, protect_expected=False)  # demand may go over by the pinned set
-        for _, ri, e in keys:
-            self.state[ri][e] = LOADING
         self.used += need
+        for key in keys:
+            _, ri, e = key
+            self.state[ri][e] = LOADING
+            self.slot_of[key] = self._take(self.slot_size[ri])
+
+    def _take(self, size: int) -> int:
+        """A free slot of `size`: one that kept its pages if any, else new pages, after giving back
+        kept pages of other sizes so that slots in use + kept stay within the budget."""
+        if self.warm.get(size):
+            self.warm_bytes -= size
+            return self.warm[size].pop()
+        while self.used + self.warm_bytes > self.budget and self.warm_bytes:
+            other = next(sz for sz, slots in self.warm.items() if slots)
+            self.warm_bytes -= other
+            self.giving_back.append((self.warm[other].pop(), other))
+        if not self.defer_release or (not self.cold.get(size) and any(sz == size for _, sz in self.giving_back)):
+            self.release_evicted()  # (a slot of this size still on its way back: use it, the slab stays bounded)
+        if self.cold.get(size):
+            return self.cold[size].pop()
+        self.top += size
+        if self.window is not None and self.top > self.window.slab.size:
+            raise RuntimeError(f"expert slab exhausted ({self.top} > {self.window.slab.size} bytes)")
+        return self.top - size
+
+    def _free(self, key: tuple[int, int, int]) -> None:
+        size = self.slot_size[key[1]]
+        self.warm.setdefault(size, []).append(self.slot_of.pop(key))
+        self.warm_bytes += size
 
     def abandon(self, slices: list[tuple[int, int, int]]) -> None:
         """Reads of these LOADING slices were cancelled before they started: absent again."""
@@ -319,12 +425,17 @@ class ExpertCache:
             self.state[ri][e] = ABSENT
             self.used -= self.charge(ri, e)
             self.speculative.discard(key)
+            self._free(key)
 
     def commit(self, slices: list[tuple[int, int, int]]) -> None:
-        """The reads of these LOADING slices completed: they are resident now."""
+        """The reads of these LOADING slices completed: they are resident now, in the window too."""
         for key in slices:
             layer, ri, e = key
+            if self.window is not None:
+                p0, p1 = self.regions[ri].page_span(e)
+                self.window.map(p0, p1 - p0, self.slot_of[key])
             self.state[ri][e] = RESIDENT
+            self.unreleased.pop(key, None)
             self.policy.admit(key, speculative=key in self.speculative)
             self.resident_in_layer[layer] += 1
             if key in self.speculative:
@@ -355,40 +466,36 @@ class ExpertCache:
         self.state[ri][e] = ABSENT
         self.resident_in_layer[key[0]] -= 1
         self.stats.evictions += 1
-        if self.defer_release:
-            self.unreleased[key] = None
-        else:
-            self._release(ri, e)
+        self._free(key)  # its old window range is nobody's to read: a new read may fill the slot now
+        self.unreleased[key] = None
+        if not self.defer_release:
+            self.release_evicted()
+
+    @property
+    def pending_release(self) -> bool:
+        return bool(self.unreleased or self.giving_back)
 
     def release_evicted(self) -> int:
-        """Give evicted slices' pages back now; returns how many slices were released.
+        """Make evicted slices' window ranges inaccessible and give back the pages queued by `_take`;
+        returns how many window ranges were unmapped.
 
-        With `defer_release` the coordinator calls this while lanes read, so freeing
-        pages (the costliest part of eviction) overlaps with I/O. Edge pages are
-        judged by the neighbours' state now, not at eviction: a neighbour being read
-        since then keeps its page. A slice planned again in between keeps its pages,
-        which its new read rewrites.
+        With `defer_release` the coordinator calls this while lanes read, so the system calls
+        overlap with I/O. A slice planned again in between keeps its range, which its commit maps.
         """
         n = 0
-        for _, ri, e in self.unreleased:
-            if self.state[ri][e] == ABSENT:
-                self._release(ri, e)
-                n += 1
+        if self.window is not None:
+            for _, ri, e in self.unreleased:
+                if self.state[ri][e] == ABSENT:
+                    p0, p1 = self.regions[ri].page_span(e)
+                    self.window.unmap(p0, p1 - p0)
+                    n += 1
+            for offset, size in self.giving_back:
+                self.window.slab.release(offset, offset + size)
         self.unreleased.clear()
+        for offset, size in self.giving_back:
+            self.cold.setdefault(size, []).append(offset)
+        self.giving_back.clear()
         return n
-
-    def _release(self, ri: int, e: int) -> None:
-        r = self.regions[ri]
-        p0, p1 = r.page_span(e)
-        if self._page_shared(ri, e, p0):
-            p0 += PAGE
-        if p1 > p0 and self._page_shared(ri, e, p1 - PAGE):
-            p1 -= PAGE
-        self.slab.release(p0, p1)
-
-    def _page_shared(self, ri: int, e: int, page: int) -> bool:
-        st = self.state[ri]
-        return any(st[o] != ABSENT for o in self.regions[ri].experts_on_page(page) if o != e)
 
     def layer_working_set(self, top_k: int) -> int:
         """Bytes of the largest layer's routed set for one token: below it a layer cannot run."""
@@ -400,16 +507,14 @@ class ExpertCache:
 
 
 def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
-    """Per MoE layer, the bytes its `top_k` costliest experts are charged (whole pages, as the
-    cache charges them).
+    """Per MoE layer, the bytes its `top_k` experts are charged (whole slots, as the cache charges them).
 
     A decode token visits the layers in a fixed cycle, so a budget below their sum evicts,
     somewhere in the cycle, slices the next token needs again: the cache only thrashes.
     """
     need: dict[int, int] = {}
     for r in regions:
-        spans = sorted((p1 - p0 for p0, p1 in map(r.page_span, range(r.n_expert))), reverse=True)
-        need[r.layer] = need.get(r.layer, 0) + sum(spans[:top_k])
+        need[r.layer] = need.get(r.layer, 0) + min(top_k, r.n_expert) * r.slot_bytes
     return need
 
 

@@ -123,7 +123,7 @@ class SlabCheck:
                 s, t = r.slice_bounds(e)
                 want = os.pread(self._fds[r.file_index], t - s, r.file_offset + e * r.expert_bytes)
                 self.checked += 1
-                if bytes(self.st.slab.mm[s:t]) != want:
+                if bytes(self.st.window.view[s:t]) != want:
                     self.bad.append(f"{r.name} expert {e} at the {where}: slab differs from the file "
                                     f"(state {c.state[ri][e]})")
 

@@ -17,11 +17,6 @@ from tests.conftest import run_cli
 N_EXPERT = 8
 
 
-class NoSlab:
-    def release(self, start: int, end: int) -> None:
-        pass
-
-
 def regions(layers: int, kinds: int = 1) -> list[Region]:
     """`kinds` expert tensors per layer, every slice exactly one page (charge = PAGE)."""
     out = []
@@ -37,7 +32,7 @@ def run(policy, steps: list[list[list[int]]], budget_slices: int, kinds: int = 1
         check: bool = True) -> ExpertCache:
     """Replay steps[token][layer] = experts; after each layer, the budget holds unless only pinned slices remain."""
     n_layers = len(steps[0])
-    cache = ExpertCache(NoSlab(), regions(n_layers, kinds), budget_slices * PAGE, policy)  # type: ignore[arg-type]
+    cache = ExpertCache(None, regions(n_layers, kinds), budget_slices * PAGE, policy)
     for step in steps:
         for layer, experts in enumerate(step):
             missing = cache.plan(layer, experts)
@@ -105,7 +100,7 @@ def old_lru(steps: list[list[list[int]]], budget_slices: int) -> list[tuple[int,
 def test_lru_reproduces_the_old_cache_exactly(seed: int) -> None:
     steps = random_steps(seed)
     ref = old_lru(steps, budget_slices=7)
-    cache = ExpertCache(NoSlab(), regions(4), 7 * PAGE, "lru")  # type: ignore[arg-type]
+    cache = ExpertCache(None, regions(4), 7 * PAGE, "lru")
     trail = []
     for step in steps:
         for layer, experts in enumerate(step):
@@ -210,7 +205,7 @@ def test_bench_policies_replays_a_recorded_trace(synth, tmp_path) -> None:
     assert out.read_text().strip() == r.stdout.strip()
     rows = {m[0]: [float(x) for x in re.findall(r"([\d.]+)% / ", m[1])]
             for m in re.findall(r"^\| ([a-z][\w-]*) \| (.*)$", r.stdout, re.M) if m[0] != "policy"}
-    assert set(rows) == {*POLICIES, "belady"}
+    assert set(rows) == {*POLICIES, "next-token-oracle", "belady"}
     assert all(len(v) == 2 for v in rows.values())
     for name, hits in rows.items():
         assert all(h <= b + 1e-9 for h, b in zip(hits, rows["belady"])), name

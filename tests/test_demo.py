@@ -212,7 +212,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
             if target and layer == target["layer"] and target["expert"] in ids:
                 for r, data in target["bytes"]:
                     start, end = r.slice_bounds(target["expert"])
-                    st.slab.mm[start:end] = data
+                    st.window.view[start:end] = data
                 hits += 1
 
         eng.hook.on_route = on_route
@@ -236,7 +236,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
                 target.clear()
                 for r, data in originals:  # put the right bytes back for the next case
                     start, end = r.slice_bounds(victim)
-                    st.slab.mm[start:end] = data
+                    st.window.view[start:end] = data
                 assert hits > 0, f"expert {victim} of layer {layer} was never routed"
                 assert got != ref, f"a {name} expert {victim} in layer {layer} left the output unchanged"
         finally:

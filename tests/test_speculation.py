@@ -285,7 +285,7 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
                 if r.kind == zeroed and layer == st.layers[-1]:
                     for x in routed[layer]:
                         s, t = r.slice_bounds(x)
-                        st.slab.mm[s:t] = bytes(t - s)
+                        st.window.view[s:t] = bytes(t - s)
 
         e.hook.on_route, e.hook.on_down = on_route, on_down
         e.hook.down_pending = lambda layer: True  # stop at every down input, reads done or not
