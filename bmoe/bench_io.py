@@ -2,7 +2,7 @@
 
 bmoe reads one expert slice at a time: tensors `blk.N.ffn_*_exps.weight` have ggml shape
 [.., .., n_expert] and one expert's slice is n_bytes / n_expert, read as its 4 KiB-aligned
-superset (so it lands in place in the slab). This measures exactly those requests at random
+superset (it fills one slot of the slab). This measures exactly those requests at random
 experts, single-threaded and with several threads (Python threads release the GIL in preadv).
 """
 
