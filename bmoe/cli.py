@@ -178,7 +178,8 @@ def floor_mb(a: argparse.Namespace) -> float:
     return DEFAULT_FLOOR_MB if a.cache_floor_mb is None else a.cache_floor_mb
 
 
-def _notice(msg: str) -> None:
+def notice(msg: str) -> None:
+    """One line for the user on stderr, in the form both modes share."""
     print(f"bmoe: {msg}", file=sys.stderr, flush=True)
 
 
@@ -243,7 +244,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
     if a.model is None:
         from bmoe.demo import default_model
 
-        path, demo_cache_mb = default_model(progress=_notice)
+        path, demo_cache_mb = default_model(progress=notice)
         a.model = str(path)
         if a.cache_mb is None and a.cache_floor_mb is None and a.cache_ceil_mb is None:
             a.cache_mb = demo_cache_mb
@@ -262,7 +263,7 @@ def run(a: argparse.Namespace) -> int:
     settings = settings_from_args(a)
     prompt = _read_prompt(a)
     csv_file = open(a.csv, "w", buffering=1) if a.csv else None
-    engine = Engine(settings, notice=_notice)
+    engine = Engine(settings, notice=notice)
     try:
         tokens = engine.prompt_tokens(prompt, a.chat)
         out = sys.stdout
@@ -300,7 +301,7 @@ def run(a: argparse.Namespace) -> int:
         st = engine.streamer
         if st and st.spec is not None and not a.prefetch:  # the contract's moe-prefetch line is --prefetch's
             sp = res.speculation
-            _notice(telemetry.prefetch_line(sp.bytes, sp.useful, sp.prefetched))
+            notice(telemetry.prefetch_line(sp.bytes, sp.useful, sp.prefetched))
         if csv_file:
             csv_file.write(telemetry.csv_summary(telemetry.RunTotals.of(lines, overlap=a.overlap),
                                                  res.hit_pct() if engine.cache_active else -1.0) + "\n")

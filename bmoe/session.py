@@ -77,10 +77,6 @@ DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache
 EXIT_OK, EXIT_ERROR, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 130, 143
 
 
-def _notice(msg: str) -> None:
-    print(f"bmoe: {msg}", file=sys.stderr, flush=True)
-
-
 def _safe(text: str) -> str:
     """Text that encodes as UTF-8 (lone surrogates from a request are escaped)."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -309,7 +305,7 @@ class Session:
     the request reader thread only queues requests, answers bad ones and flags cancels."""
 
     def __init__(self, engine: Engine, out: Output, n_predict: int,
-                 notice: Callable[[str], None] = _notice) -> None:
+                 notice: Callable[[str], None] = cli.notice) -> None:
         self.engine = engine
         self.out = out
         self.n_predict = n_predict
@@ -464,15 +460,14 @@ class Session:
         self._finish("DONE", self._done(turn, cancelled, text, len(suffix)))
 
     def _on_token(self, turn: Turn, piece: str, st: TokenStat) -> None:
-        from bmoe.cli import token_line  # the one-shot --progress line, so both modes write the same
 
         if turn.prefill_s is None:
             turn.prefill_s = max(0.0, time.perf_counter() - turn.t_start - st.wall_ns / 1e9)
         turn.text += piece
         turn.hits += st.hits
         turn.lookups += st.lookups
-        line = token_line(st, len(turn.lines) + 1, turn.req.n_predict, self._hit_pct(turn),
-                          self.engine.settings.overlap)
+        line = cli.token_line(st, len(turn.lines) + 1, turn.req.n_predict, self._hit_pct(turn),
+                              self.engine.settings.overlap)
         turn.lines.append(line)
         self.out.raw(telemetry.token_lines(line, turn.text))
 
@@ -542,11 +537,11 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
                                ("--progress", a.progress), ("--csv", a.csv))
                if on]
     if ignored:
-        _notice(f"{', '.join(ignored)} ignored in session mode (prompts come from stdin)")
+        cli.notice(f"{', '.join(ignored)} ignored in session mode (prompts come from stdin)")
     engine: Engine | None = None
     session: Session | None = None
     try:
-        engine = Engine(cli.settings_from_args(a), notice=_notice)
+        engine = Engine(cli.settings_from_args(a), notice=cli.notice)
         session = Session(engine, out, a.n_predict)
         out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.files.arch, "n_ctx": session.n_ctx})
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",
@@ -556,7 +551,7 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
             session.profile()
         return EXIT_OK
     except ClientGone:
-        _notice("stdout closed; ending the session")
+        cli.notice("stdout closed; ending the session")
         return EXIT_ERROR
     except BaseException as e:  # noqa: BLE001 - every end writes its fatal line first
         rid = session.in_flight if session is not None and session.in_flight is not None else NO_ID
