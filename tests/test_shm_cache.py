@@ -70,10 +70,11 @@ def _fill(cache: ExpertCache, slab: Slab, keys: list) -> None:
         slab.mm[at:at + t - s] = bytes([1 + key[2]]) * (t - s)
 
 
-def test_lru_evicts_oldest_keeps_pinned_and_maps_slots_into_the_window() -> None:
+@pytest.mark.parametrize("backend", ["posix", "memfd"])
+def test_lru_evicts_oldest_keeps_pinned_and_maps_slots_into_the_window(backend: str) -> None:
     regs = regions_for(3 * PAGE // 2, n_expert=8, layers=4)
     window_size = layout(regs)
-    slab = Slab(slab_size(regs))
+    slab = Slab(slab_size(regs), backend)
     window = Window(window_size, slab)
     try:
         per_slice = max(r.slot_bytes for r in regs)
