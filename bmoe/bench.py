@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bmoe import bench_io, bench_sys
+from bmoe.argtypes import nonneg_int, positive_float, positive_int
 
 MiB = 1 << 20
 EXIT_ERROR = 1
@@ -716,33 +717,6 @@ def _thread_list(text: str) -> list[int]:
     return xs
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = _nonneg_int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError("must be more than 0")
-    return v
-
-
 def _flags(text: str) -> list[str]:
     try:
         argv = shlex.split(text)
@@ -800,16 +774,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = r.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (default: bmoe-cli's)")
     src.add_argument("-f", "--file", help="read the prompt from this file")
-    r.add_argument("-n", "--n-predict", type=_positive_int, default=32, help="tokens per run (default 32)")
+    r.add_argument("-n", "--n-predict", type=positive_int, default=32, help="tokens per run (default 32)")
     r.add_argument("--config", action="append", type=parse_config, default=[], metavar="NAME='FLAGS'",
                    help="a configuration: a name and the bmoe-cli flags it runs with; repeat for more")
     r.add_argument("--no-baseline", action="store_true",
                    help=f"leave out the built-in baseline {BASELINE_NAME}='{shlex.join(BASELINE_FLAGS)}'")
     r.add_argument("--common", type=_flags, default=[], metavar="'FLAGS'",
                    help="bmoe-cli flags for every configuration, baseline included (e.g. '-t 2 -c 512')")
-    r.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (default 3)")
-    r.add_argument("--warmup", type=_nonneg_int, default=1, help="warm-up rounds, not counted (default 1)")
-    r.add_argument("--mem-limit-mb", type=_positive_float, default=None, metavar="M",
+    r.add_argument("--repeats", type=positive_int, default=3, help="measured rounds (default 3)")
+    r.add_argument("--warmup", type=nonneg_int, default=1, help="warm-up rounds, not counted (default 1)")
+    r.add_argument("--mem-limit-mb", type=positive_float, default=None, metavar="M",
                    help="run each bmoe-cli process tree with only M MiB of memory (cgroup, else a balloon)")
     r.add_argument("--limit-method", choices=("auto", "cgroup", "balloon"), default="auto",
                    help="how --mem-limit-mb is applied: auto (default) = cgroup, falling back to a balloon")
@@ -820,7 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--drop-caches", choices=("all", "file", "none"), default="all",
                    help="before each run: 'all' (default) = drop the model file from the page cache and "
                         "echo 1 > /proc/sys/vm/drop_caches when writable; 'file' = the model file only")
-    r.add_argument("--bw-mb", type=_positive_float, default=256.0,
+    r.add_argument("--bw-mb", type=positive_float, default=256.0,
                    help="MiB read per O_DIRECT bandwidth measurement (default 256)")
     r.add_argument("--bw-threads", type=_thread_list, default=[1, 2, 4], metavar="LIST",
                    help="thread counts for the bandwidth measurement (default 1,2,4)")
@@ -829,12 +803,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a configuration with every expert resident (e.g. --config resident='--cache-mb 9000 "
                         "--preload'); it runs without the memory limit, and its s/token is the compute cost "
                         "in each configuration's overlap limit, 1 / max(compute, MiB per token ÷ bandwidth)")
-    r.add_argument("--skip-tokens", type=_nonneg_int, default=0, metavar="K",
+    r.add_argument("--skip-tokens", type=nonneg_int, default=0, metavar="K",
                    help="leave each run's first K tokens out of the per-token s/token median/p95 (cache "
                         "fill); needs bmoe-cli --csv (default 0)")
     r.add_argument("--timeout", type=float, default=0.0, metavar="S",
                    help="kill a run after S seconds (default: no limit)")
-    r.add_argument("--sample-interval", type=_positive_float, default=0.1, metavar="S",
+    r.add_argument("--sample-interval", type=positive_float, default=0.1, metavar="S",
                    help="memory sampling interval in seconds (default 0.1)")
     r.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default bench/reports/<date-time>)")

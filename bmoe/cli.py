@@ -7,9 +7,10 @@ import dataclasses
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from bmoe import profile, seam, telemetry
+from bmoe.argtypes import number, percent, positive_int
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
 from bmoe.coordinator import DEFAULT_FLOOR_MB, SPEC_PRECISION_PCT, ConfigError, Engine, Result, Settings, TokenStat
 from bmoe.lanes import LaneError
@@ -31,30 +32,18 @@ DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 EXIT_ERROR = 1
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
-T = TypeVar("T", int, float)
-
-
-def _number(text: str, convert: Callable[[str], T], noun: str, ok: Callable[[T], bool], rule: str) -> T:
-    """The core of the numeric argparse types: `text` converted, and within its rule."""
-    try:
-        v = convert(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not {noun}") from None
-    if not ok(v):
-        raise argparse.ArgumentTypeError(rule)
-    return v
 
 
 def _cache_mb(text: str) -> float | None:
     if text == "auto":
         return None
-    return _number(text, float, "a number of MiB or 'auto'", lambda v: not v < 0,
+    return number(text, float, "a number of MiB or 'auto'", lambda v: not v < 0,
                    "must be 0 (no cache), a positive number of MiB, or 'auto'")
 
 
 def _mib(text: str) -> float:
     """argparse type for --cache-floor-mb and --cache-ceil-mb: a MiB count, 0 or more."""
-    return _number(text, float, "a number of MiB", lambda v: v >= 0 and v != float("inf"),
+    return number(text, float, "a number of MiB", lambda v: v >= 0 and v != float("inf"),
                    "must be a number of MiB, 0 or more")
 
 
@@ -62,15 +51,6 @@ def _cache_policy(text: str) -> str:
     if text not in POLICIES:
         raise argparse.ArgumentTypeError(f"unknown cache policy {text!r}; choose one of {', '.join(POLICIES)}")
     return text
-
-
-def _percent(text: str) -> float:
-    return _number(text, float, "a number", lambda v: 0 <= v <= 100, "must be a percentage from 0 to 100")
-
-
-def positive_int(text: str) -> int:
-    """argparse type for counts (shared by the project's commands)."""
-    return _number(text, int, "a whole number", lambda v: v >= 1, "must be 1 or more")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "measured 4-5%% faster with a cache of a third of the experts, 4-5%% slower with a sixth)")
     ap.add_argument("--spec-warmup", type=positive_int, default=512, metavar="N",
                     help="predictions scored before the recall governor may switch --spec-gate off (default 512)")
-    ap.add_argument("--spec-recall-min", type=_percent, default=75.0, metavar="P",
+    ap.add_argument("--spec-recall-min", type=percent, default=75.0, metavar="P",
                     help="switch --spec-gate off for the run when its recall is below P%% after the warm-up; "
                          "0 = never (default 75)")
-    ap.add_argument("--spec-precision", type=_percent, default=SPEC_PRECISION_PCT, metavar="P",
+    ap.add_argument("--spec-precision", type=percent, default=SPEC_PRECISION_PCT, metavar="P",
                     help="read a predicted expert ahead only when predictions as sure as this one came true "
                          "at least P%% of the time (measured per band of router probability as the run goes; "
                          f"0 = read every prediction; default {SPEC_PRECISION_PCT:g})")

@@ -731,7 +731,7 @@ The path is printed on stdout; progress goes to stderr.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bmoe.cli import positive_int
+    from bmoe.argtypes import positive_int
 
     ap = argparse.ArgumentParser(
         prog="bmoe-demo", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
+from bmoe.argtypes import positive_float, positive_int
+
 ARCHES: tuple[str, ...] = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
 QUANTS: tuple[str, ...] = ("f16", "q8_0", "q4_0", "mxfp4")
 ROUTER_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
@@ -474,21 +476,21 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--arch", choices=ARCHES, default="qwen3moe", help="llama.cpp architecture")
-    ap.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
-    ap.add_argument("--experts", type=int, default=8, help="experts per layer (default 8)")
-    ap.add_argument("--top-k", type=int, default=2, help="experts used per token (default 2)")
-    ap.add_argument("--embd", type=int, default=128,
+    ap.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default 4)")
+    ap.add_argument("--experts", type=positive_int, default=8, help="experts per layer (default 8)")
+    ap.add_argument("--top-k", type=positive_int, default=2, help="experts used per token (default 2)")
+    ap.add_argument("--embd", type=positive_int, default=128,
                     help="hidden size, multiple of 32 (default 128)")
-    ap.add_argument("--ff", type=int, default=None,
+    ap.add_argument("--ff", type=positive_int, default=None,
                     help="expert FFN width, multiple of 32 (default 256; set by --size-gb)")
     ap.add_argument("--quant", choices=QUANTS, default="q8_0",
                     help="type of the expert tensors (default q8_0)")
     ap.add_argument("--router", choices=ROUTER_TYPES, default="f32",
                     help="type of the router tensors (default f32; q8_0 makes a model --spec-gate refuses)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
-    ap.add_argument("--size-gb", type=float, default=None,
+    ap.add_argument("--size-gb", type=positive_float, default=None,
                     help="target file size in GB: chooses --ff (cannot be combined with --ff)")
-    ap.add_argument("--splits", type=int, default=1,
+    ap.add_argument("--splits", type=positive_int, default=1,
                     help="write N llama.cpp split shards (<stem>-0000i-of-0000N.gguf) instead of one file")
     ap.add_argument("-o", "--output", required=True, help="output .gguf path")
     args = ap.parse_args(argv)

@@ -197,6 +197,13 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         synth.main(["--ff", "256", "--size-gb", "1", "-o", str(out)])
     with pytest.raises(SystemExit):
         synth.main(["--embd", "100", "-o", str(out)])
+    capsys.readouterr()
+    for flags, msg in ((["--layers", "0"], "--layers: must be 1 or more"),
+                       (["--experts", "many"], "--experts: 'many' is not a whole number"),
+                       (["--size-gb", "inf"], "--size-gb: must be a finite number more than 0")):
+        with pytest.raises(SystemExit) as exc:
+            synth.main([*flags, "-o", str(out)])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_rejects_bad_shapes(tmp_path: Path) -> None:
