@@ -4,9 +4,7 @@
 #   MODEL=path (default bench/models/demo64.gguf)  LIMIT_MB=2600  CACHES="900 1800"  N=32
 #   REPEATS=2 WARMUP=1 THREADS=$(nproc) OUT=dir
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY=${PYTHON:-$REPO/.venv/bin/python}
-MODEL=${MODEL:-$REPO/bench/models/demo64.gguf}
+source "$(dirname "${BASH_SOURCE[0]}")/demo64.sh"  # REPO, PY, MODEL (built when missing)
 LIMIT_MB=${LIMIT_MB:-2600}
 CACHES=${CACHES:-"900 1800"}
 N=${N:-32}
@@ -14,10 +12,6 @@ REPEATS=${REPEATS:-2}
 WARMUP=${WARMUP:-1}
 THREADS=${THREADS:-$(nproc)}
 OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue3/limited}
-if [[ ! -f $MODEL ]]; then
-  mkdir -p "$(dirname "$MODEL")"
-  "$PY" -m bmoe.demo --experts 64 --top-k 8 -o "$MODEL"
-fi
 configs=()
 for c in $CACHES; do configs+=(--config "serial-${c}=--cache-mb $c --io-threads 2"); done
 "$PY" -m bmoe.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \

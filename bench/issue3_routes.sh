@@ -3,13 +3,7 @@
 # `bmoe-bench routes` says of each (previous-token reuse, next-layer router recall, LRU curve).
 #   MODEL=path (default bench/models/demo64.gguf, written by bmoe-demo when missing)  OUT=dir  N=150
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY=${PYTHON:-$REPO/.venv/bin/python}
-MODEL=${MODEL:-$REPO/bench/models/demo64.gguf}
-if [[ ! -f $MODEL ]]; then
-  mkdir -p "$(dirname "$MODEL")"
-  "$PY" -m bmoe.demo --experts 64 --top-k 8 -o "$MODEL"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/demo64.sh"  # REPO, PY, MODEL (built when missing)
 OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue3/traces}
 N=${N:-150}
 mkdir -p "$OUT"

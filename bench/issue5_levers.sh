@@ -13,9 +13,7 @@
 # the I/O lanes or another process take a core, which would drown the levers' effect in noise.
 # Quick check that it starts: N=2 REPEATS=1 EXTRA='--no-bandwidth' $0
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY=${PYTHON:-$REPO/.venv/bin/python}
-MODEL=${MODEL:-$REPO/bench/models/demo64.gguf}
+source "$(dirname "${BASH_SOURCE[0]}")/demo64.sh"  # REPO, PY, MODEL (built when missing)
 LIMIT_MB=${LIMIT_MB:-2700}
 SMALL_MB=${SMALL_MB:-900}
 LARGE_MB=${LARGE_MB:-1800}
@@ -26,10 +24,6 @@ THREADS=${THREADS:-1}
 LANES=${LANES:-3}
 EXTRA=${EXTRA:-}
 OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue5}
-if [[ ! -f $MODEL ]]; then
-  mkdir -p "$(dirname "$MODEL")"
-  "$PY" -m bmoe.demo --experts 64 --top-k 8 -o "$MODEL"
-fi
 configs=()
 for mb in "$SMALL_MB" "$LARGE_MB"; do
   c="--cache-mb $mb"

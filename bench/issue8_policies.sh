@@ -14,9 +14,7 @@
 # reads, so the policy alone decides what is read.
 # Quick check that it starts: N=2 REPEATS=1 WARMUP=0 EXTRA='--no-bandwidth' $0
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY=${PYTHON:-$REPO/.venv/bin/python}
-MODEL=${MODEL:-$REPO/bench/models/demo64.gguf}
+source "$(dirname "${BASH_SOURCE[0]}")/demo64.sh"  # REPO, PY, MODEL (built when missing)
 LIMIT_MB=${LIMIT_MB:-2700}
 CACHE_MB=${CACHE_MB:-1290 2000}
 POLICY=${POLICY:-next-use}
@@ -27,10 +25,6 @@ THREADS=${THREADS:-1}
 SKIP=${SKIP:-0}
 EXTRA=${EXTRA:-}
 OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue8/limited}
-if [[ ! -f $MODEL ]]; then
-  mkdir -p "$(dirname "$MODEL")"
-  "$PY" -m bmoe.demo --experts 64 --top-k 8 -o "$MODEL"
-fi
 # shellcheck disable=SC2086  # EXTRA is a list of flags
 configs=()
 for mb in $CACHE_MB; do

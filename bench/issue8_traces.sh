@@ -4,17 +4,11 @@
 #   MODEL=path (default bench/models/demo64.gguf, written by bmoe-demo when missing)
 #   OUT=dir (default bench/reports/<date>-issue8)  N=150  BUDGETS=10,25,50,75  ONLY=traces|policies
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY=${PYTHON:-$REPO/.venv/bin/python}
-MODEL=${MODEL:-$REPO/bench/models/demo64.gguf}
+source "$(dirname "${BASH_SOURCE[0]}")/demo64.sh"  # REPO, PY, MODEL (built when missing)
 OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue8}
 N=${N:-150}
 BUDGETS=${BUDGETS:-10,25,50,75}
 ONLY=${ONLY:-}
-if [[ ! -f $MODEL ]]; then
-  mkdir -p "$(dirname "$MODEL")"
-  "$PY" -m bmoe.demo --experts 64 --top-k 8 -o "$MODEL"
-fi
 declare -A PROMPTS=(
   [story]="Write a story about a lighthouse keeper who finds a message in a bottle."
   [factual]="Explain how the human heart pumps blood through the body, step by step."
