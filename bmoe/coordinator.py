@@ -355,11 +355,10 @@ class Streamer:
     def _count_useful(self, layer: int, wanted: list[int]) -> None:
         """A read ahead is useful when its layer routes the expert: counted now if it finished, else
         when it does (the demand waits for it instead of reading again)."""
-        st = self.cache.state
         for e in wanted:
             if (layer, e) in self.read_ahead:
                 self.read_ahead.discard((layer, e))
-                if all(st[ri][e] != ABSENT for ri in self.cache.by_layer[layer]):
+                if not self._absent(layer, e):  # not evicted before its layer routed
                     self.speculation.useful += 1
         for oid, order in self.inflight.items():
             if order.ahead and order.ahead[0][0] == layer and order.ahead[0][1] in wanted:
