@@ -6,5 +6,5 @@ PY=${PYTHON:-$REPO/.venv/bin/python}
 MODEL=${MODEL:-$REPO/bench/models/demo64.gguf}
 if [[ ! -f $MODEL ]]; then
   mkdir -p "$(dirname "$MODEL")"
-  "$PY" -m bmoe.demo --experts 64 --top-k 8 -o "$MODEL"
+  "$PY" -m bmoe.tools.demo --experts 64 --top-k 8 -o "$MODEL"
 fi

@@ -48,14 +48,14 @@ if [[ ! -f $MODEL ]]; then
     echo "issue2: writing a ${SIZE_GB} GB synthetic model to $MODEL (once) ..." >&2
     mkdir -p "$(dirname "$MODEL")"
     # realistic shape (24 layers, 64 experts, top-8); --size-gb picks the expert width
-    "$PY" -m bmoe.synth --arch qwen3moe --layers 24 --experts 64 --top-k 8 --embd 1024 \
+    "$PY" -m bmoe.tools.synth --arch qwen3moe --layers 24 --experts 64 --top-k 8 --embd 1024 \
         --size-gb "$SIZE_GB" --quant q8_0 -o "$MODEL"
 fi
 
 # Sizes from the GGUF: file, expert tensors, other tensors, one layer's routed experts (top-k slices).
 read -r SIZE_MIB EXPERT_MIB OTHER_MIB LAYER_MIB < <("$PY" - "$MODEL" <<'PY'
 import sys, gguf
-from bmoe import bench_io
+from bmoe.tools import bench_io
 from bmoe.model_files import shard_paths
 from pathlib import Path
 paths = shard_paths(Path(sys.argv[1]))
@@ -87,7 +87,7 @@ mkdir -p "$OUT"
 COMMON="-t $THREADS -c $CTX"
 # shellcheck disable=SC2086  # EXTRA is a list of flags
 if [[ -z $ONLY || $ONLY == limited ]]; then
-    "$PY" -m bmoe.bench run -m "$MODEL" -p "$PROMPT" -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" \
+    "$PY" -m bmoe.tools.bench run -m "$MODEL" -p "$PROMPT" -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" \
         --common "$COMMON" --mem-limit-mb "$LIMIT_MB" --timeout "$TIMEOUT" \
         --config "stream-io2=--cache-mb $CACHE_MB --io-threads 2" \
         --config "stream-io4=--cache-mb $CACHE_MB --io-threads 4" \
@@ -95,7 +95,7 @@ if [[ -z $ONLY || $ONLY == limited ]]; then
 fi
 # shellcheck disable=SC2086
 if [[ -z $ONLY || $ONLY == resident ]]; then
-    "$PY" -m bmoe.bench run -m "$MODEL" -p "$PROMPT" -n "$N2" --skip-tokens "$SKIP2" --repeats "$REPEATS" \
+    "$PY" -m bmoe.tools.bench run -m "$MODEL" -p "$PROMPT" -n "$N2" --skip-tokens "$SKIP2" --repeats "$REPEATS" \
         --warmup "$WARMUP" --common "$COMMON" --timeout "$TIMEOUT" \
         --config "resident=--cache-mb $RESIDENT_MB --io-threads 2 --preload" \
         --out "$OUT/resident" $EXTRA

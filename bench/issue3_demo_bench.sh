@@ -14,6 +14,6 @@ THREADS=${THREADS:-$(nproc)}
 OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue3/limited}
 configs=()
 for c in $CACHES; do configs+=(--config "serial-${c}=--cache-mb $c --io-threads 2"); done
-"$PY" -m bmoe.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
+"$PY" -m bmoe.tools.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
     -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" --common "-t $THREADS -c 512 --chat" \
     --mem-limit-mb "$LIMIT_MB" "${configs[@]}" --out "$OUT"

@@ -16,5 +16,5 @@ for name in story factual code; do
   echo "issue3: tracing $name ($N tokens) ..." >&2
   "$PY" -m bmoe.cli -m "$MODEL" --chat -p "${PROMPTS[$name]}" -n "$N" --cache-mb 2000 \
       --route-trace "$OUT/$name.jsonl" > "$OUT/$name.out"
-  "$PY" -m bmoe.bench routes "$OUT/$name.jsonl" -m "$MODEL" | tee "$OUT/$name.routes.txt"
+  "$PY" -m bmoe.tools.bench routes "$OUT/$name.jsonl" -m "$MODEL" | tee "$OUT/$name.routes.txt"
 done

@@ -35,7 +35,7 @@ for mb in "$SMALL_MB" "$LARGE_MB"; do
             --config "overlap-p1-spec-$mb=$c --overlap --prefetch 1 --spec-gate")
 done
 # shellcheck disable=SC2086  # EXTRA is a list of flags
-"$PY" -m bmoe.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
+"$PY" -m bmoe.tools.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
     -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" \
     --common "-t $THREADS -c 512 --chat --io-threads $LANES" --bw-threads 1,2,3,4 --mem-limit-mb "$LIMIT_MB" \
     "${configs[@]}" --config "resident=--cache-mb 6000 --preload" --compute-ref resident \

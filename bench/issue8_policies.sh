@@ -35,7 +35,7 @@ for mb in $CACHE_MB; do
             --config "$POLICY-overlap-$mb=--cache-policy $POLICY --cache-mb $mb --overlap --no-spec-gate")
 done
 # shellcheck disable=SC2086  # EXTRA is a list of flags
-"$PY" -m bmoe.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
+"$PY" -m bmoe.tools.bench run -m "$MODEL" -p "Write a story about a lighthouse keeper who finds a message in a bottle." \
     -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" --skip-tokens "$SKIP" --no-baseline \
     --common "-t $THREADS -c 512 --chat --io-threads 2" --mem-limit-mb "$LIMIT_MB" \
     "${configs[@]}" --out "$OUT" $EXTRA

@@ -23,6 +23,6 @@ if [[ -z $ONLY || $ONLY == traces ]]; then
   done
 fi
 if [[ -z $ONLY || $ONLY == policies ]]; then
-  "$PY" -m bmoe.bench policies "$OUT/traces/story.jsonl" "$OUT/traces/factual.jsonl" "$OUT/traces/code.jsonl" \
+  "$PY" -m bmoe.tools.bench policies "$OUT/traces/story.jsonl" "$OUT/traces/factual.jsonl" "$OUT/traces/code.jsonl" \
       -m "$MODEL" --budgets "$BUDGETS" --out "$OUT/policies-table.md"
 fi

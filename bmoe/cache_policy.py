@@ -19,13 +19,15 @@ A key is a slice `(layer, region index, expert)`. The interface, all on the deco
 - `predict(keys)`: optional hints, the slices expected within the next few layers (spec-gate or
   temporal prefetcher). Prediction-aware policies keep them; others ignore the call.
 
-Policies here (`POLICIES`): `lru` (global least-recently-used: the cache's historical
-behaviour, exactly), `cycle` (evict from the layer whose next use in the 0..N-1 layer cycle is
-furthest ahead of the current layer; least recently used first within it), `cycle-lfu` (the same
-layer order, least frequently used first within the layer, with decaying counts), `quota` (equal
-per-layer shares: evict from the layer holding most slices) and `predict` (`cycle-lfu` that never
-gives up a predicted slice while another candidate is left). `Belady` is the offline optimum
-(MIN): it needs the future, so only the simulator can run it.
+Policies here (`POLICIES`): `next-use` (the default: evict the slice whose next use is expected
+furthest away over all layers, from the layer cycle and each expert's decayed routing frequency),
+`lru` (global least-recently-used: the cache's historical behaviour, exactly), `cycle` (evict
+from the layer whose next use in the 0..N-1 layer cycle is furthest ahead of the current layer;
+least recently used first within it), `cycle-lfu` (the same layer order, least frequently used
+first within the layer, with decaying counts), `quota` (equal per-layer shares: evict from the
+layer holding most slices) and `predict` (`cycle-lfu` that never gives up a predicted slice while
+another candidate is left). The bounds that need the future (Belady's MIN, a next-token oracle)
+live with the simulator, in bmoe.tools.policy_bounds.
 """
 
 from __future__ import annotations
@@ -333,100 +335,3 @@ def make_policy(name: str, layers: Sequence[int]) -> Policy:
         return POLICIES[name](layers)
     except KeyError:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-
-
-class Future:
-    """The trace's routing ahead of the replay position, for the simulator-only bounds.
-
-    `uses[(layer, expert)]` is the sorted list of positions (token index × N + layer position)
-    at which that expert is routed; `now` is the current position, set by the policy's `begin`.
-    `prefill_tokens` token passes come before the trace's first (not in `uses`).
-    """
-
-    NEVER = float("inf")
-
-    def __init__(self, uses: dict[tuple[int, int], list[int]], prefill_tokens: int) -> None:
-        self.uses = uses
-        self.prefill_tokens = prefill_tokens
-        self.cursor: dict[tuple[int, int], int] = {}
-        self.now = -1
-
-    def at(self, token: int, n_layers: int, pos: int) -> None:
-        self.now = (token - 1 - self.prefill_tokens) * n_layers + pos
-
-    def next_use(self, layer: int, expert: int) -> float:
-        """The first position after now at which the expert is routed (NEVER if none)."""
-        ek = (layer, expert)
-        uses = self.uses.get(ek, ())
-        i = self.cursor.get(ek, 0)
-        while i < len(uses) and uses[i] <= self.now:
-            i += 1
-        self.cursor[ek] = i
-        return uses[i] if i < len(uses) else self.NEVER
-
-
-class Belady(Policy):
-    """Belady's MIN: evict the slice whose next use is furthest in the future (offline bound).
-
-    `future` as in `Future`. Simulator only.
-    """
-
-    name = "belady"
-
-    def __init__(self, layers: Sequence[int], future: dict[tuple[int, int], list[int]],
-                 prefill_tokens: int = 0) -> None:
-        super().__init__(layers)
-        self.future = Future(future, prefill_tokens)
-        self.resident: set[Key] = set()
-
-    def begin(self, layer: int) -> None:
-        super().begin(layer)
-        self.future.at(self.token, len(self.layers), self.pos[layer])
-
-    def next_use(self, key: Key) -> float:
-        return self.future.next_use(key[0], key[2])
-
-    def touch(self, key: Key) -> None:
-        pass
-
-    def admit(self, key: Key, speculative: bool = False) -> None:
-        self.resident.add(key)
-
-    def forget(self, key: Key) -> None:
-        self.resident.discard(key)
-
-    def victims(self, layer: int | None) -> Iterator[Key]:
-        return iter(sorted(self.resident, key=self.next_use, reverse=True))
-
-
-class NextTokenOracle(NextUse):
-    """`next-use` told the next token's routing exactly: a bound for any next-token predictor.
-
-    A slice its expert is routed at within the next N layer steps gets its true distance; any
-    other is known to wait past its layer's next visit, d + N/p (N(1/p - 1) more steps expected
-    after that visit, as in `next-use`). Its distance to Belady is what knowing more than one
-    token ahead is worth. Simulator only (`future` as in `Future`).
-    """
-
-    name = "next-token-oracle"
-
-    def __init__(self, layers: Sequence[int], future: dict[tuple[int, int], list[int]],
-                 prefill_tokens: int = 0) -> None:
-        super().__init__(layers)
-        self.future = Future(future, prefill_tokens)
-
-    def begin(self, layer: int) -> None:
-        super().begin(layer)
-        self.future.at(self.token, len(self.layers), self.pos[layer])
-
-    def _wait(self, key: Key, cur: int) -> float:
-        n = len(self.layers)
-        soon = self.future.next_use(key[0], key[2]) - self.future.now
-        if soon <= n:
-            return soon
-        return ((self.pos[key[0]] - cur) % n or n) + n / self.frequency(key[0], key[2])
-
-    def victims(self, layer: int | None) -> Iterator[Key]:
-        cur = self.pos.get(layer, 0)
-        keys = [k for lay in self.layers for k in self.by_layer[lay]]
-        return iter(sorted(keys, key=lambda k: self._wait(k, cur), reverse=True))

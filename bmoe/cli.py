@@ -222,7 +222,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
     """The Settings of a one-shot run or a session: the flags, and the demo model with its budget
     when no -m is given."""
     if a.model is None:
-        from bmoe.demo import default_model
+        from bmoe.tools.demo import default_model
 
         path, demo_cache_mb = default_model(progress=notice)
         a.model = str(path)

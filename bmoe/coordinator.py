@@ -24,13 +24,13 @@ from bmoe import seam
 from bmoe.lanes import LanePool, ReadOrder, merge_keyed
 from bmoe.llama import SamplerSettings, TextStream, Vocab, init_backend, load_model, make_sampler
 from bmoe.model_files import ModelError, ModelFiles, open_model
-from bmoe.routes import TraceWriter
+from bmoe.route_trace import TraceWriter
 from bmoe.cache_policy import DEFAULT_POLICY
 from bmoe.shm_cache import ABSENT, ExpertCache, Region, Slab, Window, layout, slab_size, sweep_stale_segments
-from bmoe.spec import SpecGate
+from bmoe.speculation import SpecGate
 from bmoe.workers.io_lane import CANCELLED
+from bmoe.units import MiB
 
-MiB = 1 << 20
 MAX_MERGED_READ = 4 * MiB
 SPEC_PRECISION_PCT = 70.0  # --spec-precision default: see bench/reports/
 SPEC_QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import os
 import sys
-from dataclasses import dataclass
 
 import llama_cpp
+
+from bmoe.model_files import ModelError
+from bmoe.settings import SamplerSettings
 
 _backend_ready = False
 _log_verbose = False
@@ -41,12 +44,22 @@ def load_model(path: object) -> llama_cpp.llama_model_p | None:
     return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
 
 
-@dataclass
-class SamplerSettings:
-    temp: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    seed: int = 0
+def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, eval_cb: object = None,
+                n_ubatch: int | None = None) -> llama_cpp.llama_context_p:
+    """The one way bmoe makes a llama.cpp context: a batch as large as the context (a prompt is one
+    `llama_decode`), ubatches of at most 512 unless asked, `threads` 0 = every core, and the eval
+    callback (a ggml_backend_sched_eval_callback) when one is given."""
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = n_ctx
+    cp.n_ubatch = n_ubatch or min(512, n_ctx)
+    cp.n_threads = cp.n_threads_batch = threads or os.cpu_count() or 1
+    if eval_cb is not None:
+        cp.cb_eval = eval_cb
+        cp.cb_eval_user_data = None
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    if not ctx:
+        raise ModelError(f"llama.cpp could not create a context of {n_ctx} tokens; lower -c")
+    return ctx
 
 
 def make_sampler(s: SamplerSettings) -> llama_cpp.llama_sampler_p:

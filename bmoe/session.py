@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 import json
 import os
 import queue
@@ -66,9 +65,9 @@ from typing import Any, Callable, Iterator
 import llama_cpp
 
 from bmoe import cli, telemetry
-from bmoe.coordinator import Cancelled, ConfigError, Engine, Settings, TokenStat
+from bmoe.coordinator import Cancelled, ConfigError, Engine, TokenStat
+from bmoe.units import MiB
 
-MiB = 1 << 20
 NO_ID = -1
 TAGS = ("READY", "BEGIN", "LOAD", "PROGRESS", "DONE", "ERROR")
 DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache_hit_pct", "n_prompt",

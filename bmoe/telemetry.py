@@ -13,8 +13,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
+from bmoe.units import MiB
 
-MiB = 1 << 20
 
 PROGRESS_KEYS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "mgmt_ms", "stall_ms", "read_mb",
                  "cache_hit_pct", "text")

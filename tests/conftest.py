@@ -45,7 +45,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def synth(model_dir: Path) -> Callable[..., Path]:
     """Write (once per session) a synthetic model for these parameters."""
-    from bmoe.synth import write_model
+    from bmoe.tools.synth import write_model
 
     made: dict[tuple, Path] = {}
 

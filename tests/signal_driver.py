@@ -24,7 +24,7 @@ import sys
 import llama_cpp
 import psutil
 
-from bmoe import cli, coordinator, seam, spec
+from bmoe import cli, coordinator, seam, speculation
 
 
 
@@ -62,13 +62,13 @@ def arm(phase: str, sig: int) -> None:
 
         seam.Capture.visit = visit_and_fire
     elif phase == "spec-start":
-        hello = spec.SpecGate._hello
+        hello = speculation.SpecGate._hello
 
-        def fire_then_hello(self: spec.SpecGate, timeout: float) -> list | None:
+        def fire_then_hello(self: speculation.SpecGate, timeout: float) -> list | None:
             fire()
             return hello(self, timeout)
 
-        spec.SpecGate._hello = fire_then_hello
+        speculation.SpecGate._hello = fire_then_hello
     elif phase == "prefill":
         on_route = coordinator.Streamer.on_route
 

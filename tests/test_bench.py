@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bmoe import bench, bench_io, bench_sys
+from bmoe.tools import bench, bench_io, bench_sys
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = {"config", "flags", "repeat", "phase", "round", "tok_s", "s_per_token_median", "s_per_token_p95",
@@ -52,7 +52,7 @@ def our_cgroups(h: bench_sys.CgroupHierarchy, pid: int) -> list[Path]:
 
 def bench_cmd(model: Path, out: Path, *extra: str) -> list[str]:
     # -t 1: on a busy 2-core machine llama.cpp's spinning thread pool makes -t 2 very slow
-    return [sys.executable, "-m", "bmoe.bench", "run", "-m", str(model), "-p", "Once upon a time", "-n", "6",
+    return [sys.executable, "-m", "bmoe.tools.bench", "run", "-m", str(model), "-p", "Once upon a time", "-n", "6",
             "--common", "-t 1 -c 256", "--config", "c0=--cache-mb 0", "--config", "c1=--cache-mb 1",
             "--warmup", "0", "--bw-mb", "4", "--bw-threads", "1,2", "--drop-caches", "file",
             "--out", str(out), *extra]
@@ -215,7 +215,7 @@ def test_oom_killed_run_is_recorded_as_failure(tiny: Path, tmp_path: Path) -> No
     h = cgroup_usable()
     if h is None:
         pytest.skip("no writable memory cgroup here")
-    cmd = [sys.executable, "-m", "bmoe.bench", "run", "-m", str(tiny), "-n", "4", "--no-baseline",
+    cmd = [sys.executable, "-m", "bmoe.tools.bench", "run", "-m", str(tiny), "-n", "4", "--no-baseline",
            "--config", "tight=-t 1 --cache-mb 0", "--warmup", "0", "--repeats", "1", "--no-bandwidth",
            "--drop-caches", "file", "--mem-limit-mb", "24", "--limit-method", "cgroup", "--out", str(tmp_path / "o")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -233,7 +233,7 @@ def test_ctrl_c_stops_the_run_and_removes_the_cgroup(tiny: Path, tmp_path: Path)
     h = cgroup_usable()
     if h is None:
         pytest.skip("no writable memory cgroup here")
-    cmd = [sys.executable, "-m", "bmoe.bench", "run", "-m", str(tiny), "-n", "32000", "--no-baseline",
+    cmd = [sys.executable, "-m", "bmoe.tools.bench", "run", "-m", str(tiny), "-n", "32000", "--no-baseline",
            "--config", "long=-t 1 -c 32768 --cache-mb 0", "--warmup", "0", "--repeats", "2", "--no-bandwidth",
            "--drop-caches", "file", "--mem-limit-mb", "2000", "--limit-method", "cgroup", "--out", str(tmp_path / "o")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -261,8 +261,8 @@ def test_ctrl_c_stops_the_run_and_removes_the_cgroup(tiny: Path, tmp_path: Path)
 
 
 def test_help_has_examples_and_room_for_more_commands() -> None:
-    r = subprocess.run([sys.executable, "-m", "bmoe.bench", "run", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "run", "--help"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "examples:" in r.stdout and "--mem-limit-mb" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "bmoe.bench", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "--help"], capture_output=True, text=True, timeout=60)
     assert "run" in r.stdout and "routes" in r.stdout

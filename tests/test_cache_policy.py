@@ -10,7 +10,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from bmoe.cache_policy import POLICIES, Belady, Predictive, make_policy
+from bmoe.cache_policy import POLICIES, Predictive, make_policy
+from bmoe.tools.policy_bounds import Belady
 from bmoe.shm_cache import PAGE, RESIDENT, ExpertCache, Region, layout
 from tests.conftest import run_cli
 
@@ -199,7 +200,7 @@ def test_bench_policies_replays_a_recorded_trace(synth, tmp_path) -> None:
                   "--cache-mb", "0", "--route-trace", str(trace))
     assert rec.returncode == 0, rec.stderr
     out = tmp_path / "p.md"
-    r = subprocess.run([sys.executable, "-m", "bmoe.bench", "policies", str(trace), "--budgets", "25,50",
+    r = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "policies", str(trace), "--budgets", "25,50",
                         "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert out.read_text().strip() == r.stdout.strip()
@@ -210,7 +211,7 @@ def test_bench_policies_replays_a_recorded_trace(synth, tmp_path) -> None:
     for name, hits in rows.items():
         assert all(h <= b + 1e-9 for h, b in zip(hits, rows["belady"])), name
     assert rows["belady"][1] > 0
-    bad = subprocess.run([sys.executable, "-m", "bmoe.bench", "policies", str(trace), "--budgets", "0,50"],
+    bad = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "policies", str(trace), "--budgets", "0,50"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "percentages from 1 to 100" in bad.stderr
 

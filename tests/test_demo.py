@@ -18,17 +18,17 @@ import gguf
 import numpy as np
 import pytest
 
-from bmoe import demo
+from bmoe.tools import demo
 from bmoe.coordinator import Engine, Settings
 from bmoe.model_files import open_model
 from bmoe.shm_cache import file_regions, working_sets
+from bmoe.units import MiB
 
 EXPERTS, TOP_K = 8, 2
 FACT = "What is the capital of France?"
 STORY = "Write a short story about a dragon."
 N_FACT, N_STORY = 32, 48
 N_CTX = 512
-MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")

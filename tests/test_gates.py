@@ -8,13 +8,13 @@ import pytest
 
 from bmoe.coordinator import Engine, Result, Settings
 from bmoe.model_files import open_model
-from bmoe.synth import ARCHES
+from bmoe.tools.synth import ARCHES
+from bmoe.units import MiB
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
 N_PREDICT = 48
 MIN_TOKENS = 32
-MiB = 1 << 20
 
 CASES = [(arch, "q8_0") for arch in ARCHES] + [
     ("qwen3moe", "q4_0"), ("qwen3moe", "f16"), ("llama", "q4_0"), ("llama", "f16"), ("gpt-oss", "mxfp4"),
@@ -62,7 +62,7 @@ def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes:
 
 
 def test_split_model_streams_from_every_shard(tmp_path) -> None:
-    from bmoe.synth import write_model
+    from bmoe.tools.synth import write_model
 
     first = write_model(tmp_path / "split.gguf", layers=6, experts=8, top_k=2, splits=3)
     files = open_model(first)
@@ -75,7 +75,7 @@ def test_split_model_streams_from_every_shard(tmp_path) -> None:
 
 def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
     from bmoe.model_files import ModelError
-    from bmoe.synth import write_model
+    from bmoe.tools.synth import write_model
 
     first = write_model(tmp_path / "gap.gguf", layers=2, splits=2)
     (tmp_path / "gap-00002-of-00002.gguf").unlink()

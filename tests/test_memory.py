@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bmoe.coordinator import Engine, Settings
+from bmoe.units import MiB
 
-MiB = 1 << 20
 PROMPT = "Describe how a river carves a canyon over many thousands of years of slow and patient work"
 
 

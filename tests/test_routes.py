@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from bmoe import routers, routes
+from bmoe import routers
+from bmoe.route_trace import Trace
 from tests.conftest import run_cli
 
 PROMPT = "The engineers tested the bridge with heavy trucks and measured how far the deck would bend"
@@ -21,7 +22,7 @@ def test_trace_records_routes_and_router_inputs(synth, tmp_path, arch: str) -> N
     plain = run_cli("-m", model, "-p", PROMPT, "-n", "16", "--no-stream")
     assert traced.returncode == 0, traced.stderr
     assert traced.stdout.split("\ngeneration:")[0] == plain.stdout.split("\ngeneration:")[0], "tracing is lossless"
-    t = routes.Trace.read(trace_path)
+    t = Trace.read(trace_path)
     n_tokens = int(re.search(r"generation: (\d+) tokens", traced.stdout).group(1))
     assert len(t.routes) == n_tokens and t.layers == [0, 1, 2, 3]
     assert all(len(step[layer]) == 2 for step in t.routes for layer in t.layers)
@@ -42,7 +43,7 @@ def test_bench_routes_reports_reuse_recall_and_lru_curve(synth, tmp_path) -> Non
     trace_path = tmp_path / "t.jsonl"
     assert run_cli("-m", model, "-p", PROMPT, "-n", "24", "--cache-mb", "0",
                    "--route-trace", str(trace_path)).returncode == 0
-    r = subprocess.run([sys.executable, "-m", "bmoe.bench", "routes", str(trace_path)],
+    r = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "routes", str(trace_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     reuse = float(re.search(r"previous-token reuse: ([\d.]+)%", r.stdout).group(1))

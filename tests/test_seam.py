@@ -12,7 +12,7 @@ import pytest
 from bmoe import seam
 from bmoe.coordinator import Engine, Settings
 from bmoe.shm_cache import RESIDENT
-from bmoe.synth import ARCHES
+from bmoe.tools.synth import ARCHES
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp above the sea"
 

@@ -445,9 +445,9 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
 
 def test_demo_model_session() -> None:
     try:
-        from bmoe import demo
+        from bmoe.tools import demo
     except ImportError:
-        pytest.skip("bmoe.demo is not there")
+        pytest.skip("bmoe.tools.demo is not there")
     path = demo.default_path(demo.DEMO_EXPERTS, demo.DEMO_TOP_K)
     if not path.exists():
         pytest.skip(f"the demo model is not built ({path}); `bmoe-demo --experts 16 --top-k 4` builds it")

@@ -20,8 +20,8 @@ from bmoe.model_files import open_model
 from bmoe.session import SessionClient
 from bmoe.shm_cache import SHM_DIR, file_regions, working_sets
 from tests.conftest import REPO, bmoe_segments
+from bmoe.units import MiB
 
-MiB = 1 << 20
 REQUESTS, WARMUP = 200, 30
 WORDS = ("river stone king winter market lantern harbour garden letter bridge forest candle engine "
          "mountain clock painter sailor village storm silver").split()

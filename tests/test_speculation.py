@@ -16,15 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from bmoe import demo, spec, telemetry
+from bmoe import speculation, telemetry
+from bmoe.tools import demo
 from bmoe.coordinator import Engine, Result, Settings
 from bmoe.model_files import open_model
 from tests.conftest import SlabCheck, run_cli
+from bmoe.units import MiB
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
 N_PREDICT = 40
-MiB = 1 << 20
 MODES = list(itertools.product([False, True], [0, 1, 2], [False, True]))  # overlap, prefetch, spec-gate
 MODE_IDS = [f"{'overlap' if o else 'serial'}-p{p}-{'spec' if g else 'nospec'}" for o, p, g in MODES]
 
@@ -114,7 +115,7 @@ def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_mode
 
 
 def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> None:
-    c = spec.Confidence(n_expert=64, min_precision_pct=75)
+    c = speculation.Confidence(n_expert=64, min_precision_pct=75)
     low, high = c.band(1 / 64), c.band(4 / 64)
     assert c.band(1e-12) == 0 and c.band(1.0) == c.BANDS - 1 and low < high
     assert not c.worth(low) and not c.worth(high), "nothing is read before there is evidence"
@@ -126,7 +127,7 @@ def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> N
     for i in range(c.MIN_SAMPLES):
         c.score(low, i % 2 == 0)  # 50 % < 75 %
     assert not c.worth(low) and c.worth(high)
-    assert spec.Confidence(64, 0).worth(0), "a floor of 0 reads every prediction"
+    assert speculation.Confidence(64, 0).worth(0), "a floor of 0 reads every prediction"
 
 
 def test_governor_switches_spec_gate_off_mid_run_losslessly(synth) -> None:
@@ -164,7 +165,7 @@ def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(synth) -
 
 
 def test_hung_spec_gate_turns_the_feature_off(synth, monkeypatch) -> None:
-    monkeypatch.setattr(spec, "HANG_S", 0.3)
+    monkeypatch.setattr(speculation, "HANG_S", 0.3)
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     ref = reference(path)
     notices: list[str] = []

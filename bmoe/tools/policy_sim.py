@@ -22,10 +22,12 @@ from typing import Callable
 import numpy as np
 
 from bmoe import routers
-from bmoe.cache_policy import POLICIES, Belady, NextTokenOracle, Policy
+from bmoe.cache_policy import POLICIES, Policy
 from bmoe.model_files import open_model
-from bmoe.routes import Trace, replay
+from bmoe.route_trace import Trace
+from bmoe.tools.route_stats import replay
 from bmoe.shm_cache import file_regions
+from bmoe.tools.policy_bounds import Belady, NextTokenOracle
 
 PREDICT_AHEAD = 2
 BELADY = "belady"

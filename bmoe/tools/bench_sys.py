@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from bmoe.units import MiB
 
-MiB = 1 << 20
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "bmoe-"  # bmoe.shm_cache.SHM_PREFIX; segments are named bmoe-<owner pid>-<random>
 CGROUP_PREFIX = "bmoe-bench-"
@@ -295,7 +295,7 @@ class Balloon:
     def __init__(self, nbytes: int, timeout: float = 300.0) -> None:
         self.nbytes = nbytes
         self.locked = False
-        self.proc = subprocess.Popen([sys.executable, "-m", "bmoe.bench_sys", "balloon", str(nbytes)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bmoe.tools.bench_sys", "balloon", str(nbytes)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         t = threading.Timer(timeout, self.proc.kill)
         t.start()
@@ -476,5 +476,5 @@ def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "balloon":
         sys.exit(_balloon_main(int(sys.argv[2])))
-    print("usage: python -m bmoe.bench_sys balloon NBYTES", file=sys.stderr)
+    print("usage: python -m bmoe.tools.bench_sys balloon NBYTES", file=sys.stderr)
     sys.exit(2)

@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bmoe import bench_io, bench_sys
+from bmoe.tools import bench_io, bench_sys
 from bmoe.argtypes import nonneg_int, positive_float, positive_int
+from bmoe.units import MiB
 
-MiB = 1 << 20
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_SIGINT = 130
@@ -1042,17 +1042,17 @@ def _print_summary(summary: list[dict]) -> None:
 
 
 def cmd_routes(a: argparse.Namespace) -> int:
-    from bmoe import routes
+    from bmoe.tools import route_stats
 
     try:
-        print(routes.report(a.trace, a.model))
+        print(route_stats.report(a.trace, a.model))
     except (OSError, ValueError, KeyError) as e:
         raise BenchError(f"cannot read trace {a.trace}: {e}") from e
     return 0
 
 
 def cmd_policies(a: argparse.Namespace) -> int:
-    from bmoe import policy_sim
+    from bmoe.tools import policy_sim
 
     try:
         rows = policy_sim.simulate(a.traces, a.budgets, a.model, progress=_notice, prefill=not a.no_prefill)

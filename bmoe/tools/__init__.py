@@ -1,0 +1,1 @@
+"""Tools beside the product: benchmarks, model builders, policy simulation. The coordinator never imports them."""

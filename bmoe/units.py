@@ -1,0 +1,3 @@
+"""Units shared by every module."""
+
+MiB = 1 << 20
