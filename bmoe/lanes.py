@@ -7,25 +7,19 @@ import selectors
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import msgpack
 
-from bmoe.workers.io_lane import CANCELLED
 
 ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
 T = TypeVar("T")
 
 
-def merge_reads(orders: list[ReadOrder], max_len: int) -> list[ReadOrder]:
-    """Fewer, larger reads: in file order, reads that touch or overlap in one file at the same
-    file-to-slab distance become one (never longer than max_len unless a single read is)."""
-    return [r for r, _ in merge_keyed([(o, None) for o in orders], max_len)]
-
-
 def merge_keyed(items: list[tuple[ReadOrder, T]], max_len: int) -> list[tuple[ReadOrder, list[T]]]:
-    """merge_reads that also says which items each merged read covers."""
+    """Fewer, larger reads: in file order, reads that touch or overlap in one file at the same
+    file-to-slab distance become one (never longer than max_len unless a single read is); each
+    merged read comes with the items it covers."""
     out: list[tuple[ReadOrder, list[T]]] = []
     for (fi, off, length, slab_off, needed), key in sorted(items, key=lambda x: x[0]):
         if out:
@@ -39,15 +33,19 @@ def merge_keyed(items: list[tuple[ReadOrder, T]], max_len: int) -> list[tuple[Re
     return out
 
 
+def spread(items: list[tuple[ReadOrder, T]], load: list[int]) -> list[list[tuple[ReadOrder, T]]]:
+    """Reads shared out over lanes already holding `load` bytes: largest first onto the least loaded."""
+    load = list(load)
+    shares: list[list[tuple[ReadOrder, T]]] = [[] for _ in load]
+    for item in sorted(items, key=lambda x: -x[0][2]):
+        i = load.index(min(load))
+        shares[i].append(item)
+        load[i] += item[0][2]
+    return shares
+
+
 class LaneError(RuntimeError):
     pass
-
-
-@dataclass
-class LaneStats:
-    orders: int = 0
-    bytes: int = 0
-    busy_ns: int = 0
 
 
 class Lane:
@@ -59,7 +57,6 @@ class Lane:
             self.cmd.append("--no-odirect")
         self.cmd += list(paths)
         self.index = index
-        self.stats = LaneStats()
         self.pending: dict[int, tuple[float, list[ReadOrder], bool]] = {}  # id -> (sent at, reads, speculative)
         self.odirect = False
         self._spawn()
@@ -162,16 +159,6 @@ class LanePool:
                 return None
             lane.unpacker.feed(chunk)
 
-    def submit(self, reads: list[ReadOrder]) -> list[int]:
-        """Spread reads over the lanes, largest first onto the least-loaded lane."""
-        shares: list[list[ReadOrder]] = [[] for _ in self.lanes]
-        load = [lane.pending_bytes() for lane in self.lanes]
-        for r in sorted(reads, key=lambda r: -r[2]):
-            i = load.index(min(load))
-            shares[i].append(r)
-            load[i] += r[2]
-        return [self.send(i, share) for i, share in enumerate(shares) if share]
-
     def send(self, lane_index: int, reads: list[ReadOrder], speculative: bool = False) -> int:
         """One order to one lane, which reads demand orders in arrival order before any
         speculative one. Returns the order id."""
@@ -208,16 +195,6 @@ class LanePool:
             elif now - oldest > self.timeout:
                 self._replace(lane, f"did not answer within {self.timeout:g} s")
 
-    def wait(self, ids: list[int]) -> int:
-        """Block until every order in ids completed; returns the bytes they read."""
-        want = set(ids)
-        while not want.issubset(self.done):
-            self.poll(0.5)
-        total = 0
-        for i in ids:
-            total += self.take(i)[0]
-        return total
-
     def take(self, order_id: int) -> tuple[int, int]:
         """(bytes, lane busy ns) of a completed order, bytes = CANCELLED for a speculative order
         dropped unread; raises the lane's error if it failed."""
@@ -253,14 +230,7 @@ class LanePool:
         lane.unpacker.feed(chunk)
         for order_id, nbytes, busy_ns, err in lane.unpacker:
             lane.pending.pop(order_id, None)
-            if nbytes != CANCELLED:
-                lane.stats.orders += 1
-                lane.stats.bytes += nbytes
-                lane.stats.busy_ns += busy_ns
             self.done[order_id] = (nbytes, busy_ns, err)
-
-    def busy_ns(self) -> int:
-        return sum(lane.stats.busy_ns for lane in self.lanes)
 
     def close(self) -> None:
         for lane in self.lanes:

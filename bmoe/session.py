@@ -51,116 +51,23 @@ Decisions where the contract is silent:
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
-import llama_cpp
-
-from bmoe import cli, telemetry
-from bmoe.coordinator import Cancelled, ConfigError, Engine, TokenStat
+from bmoe import console, flags, profile, telemetry
+from bmoe.chat import Renderer, common_prefix
+from bmoe.coordinator import Cancelled, Engine
+from bmoe.protocol import CANCEL, CLOSE, DONE_KEYS, NO_ID, PROFILE, Generate, RequestError, safe, parse_request
+from bmoe.settings import ConfigError, Settings
 from bmoe.units import MiB
 
-NO_ID = -1
-TAGS = ("READY", "BEGIN", "LOAD", "PROGRESS", "DONE", "ERROR")
-DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache_hit_pct", "n_prompt",
-             "n_past", "cache_resident_mib", "cache_budget_mib", "spec_recall_pct", "stall_s_tok",
-             "mgmt_s_tok", "text")
 EXIT_OK, EXIT_ERROR, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 130, 143
-
-
-def _safe(text: str) -> str:
-    """Text that encodes as UTF-8 (lone surrogates from a request are escaped)."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _short(value: object, n: int = 60) -> str:
-    r = repr(value)
-    return r if len(r) <= n else r[:n] + "..."
-
-
-# ---- requests ------------------------------------------------------------------------------------
-
-
-class RequestError(Exception):
-    """A request the session rejects without ending (BMOE_ERROR fatal:false)."""
-
-    def __init__(self, rid: int, msg: str) -> None:
-        super().__init__(msg)
-        self.id = rid
-        self.msg = msg
-
-
-@dataclass
-class Generate:
-    id: int
-    prompt: str
-    n_predict: int
-    think: bool
-    clear_kv: bool
-
-
-CANCEL, CLOSE, PROFILE = "cancel", "close", "profile"
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def parse_request(line: bytes | str, n_predict: int) -> Generate | str | None:
-    """One stdin line → a Generate, CANCEL, CLOSE, or None for a blank line; RequestError otherwise."""
-    if isinstance(line, bytes):
-        try:
-            line = line.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError(NO_ID, "malformed request: the line is not valid UTF-8") from None
-    if not line.strip():
-        return None
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError) as e:
-        raise RequestError(NO_ID, f"malformed request: not a JSON object ({_safe(str(e))[:120]})") from None
-    if not isinstance(obj, dict):
-        raise RequestError(NO_ID, f"malformed request: expected a JSON object, got {type(obj).__name__}")
-    rid = obj["id"] if _is_int(obj.get("id")) else NO_ID
-    if "cmd" not in obj:
-        raise RequestError(rid, "missing field 'cmd' (generate, cancel or close)")
-    cmd = obj["cmd"]
-    if cmd in (CANCEL, CLOSE, PROFILE):
-        return cmd
-    if cmd != "generate":
-        raise RequestError(rid, f"unknown command {_safe(_short(cmd))}; expected generate, cancel, close "
-                                "or profile")
-    if "id" not in obj:
-        raise RequestError(NO_ID, "generate: missing field 'id' (an integer)")
-    if not _is_int(obj["id"]):
-        raise RequestError(NO_ID, f"generate: field 'id' must be an integer, got {_safe(_short(obj['id']))}")
-    if "prompt" not in obj:
-        raise RequestError(rid, "generate: missing field 'prompt' (a string)")
-    prompt = obj["prompt"]
-    if not isinstance(prompt, str):
-        raise RequestError(rid, f"generate: field 'prompt' must be a string, got {type(prompt).__name__}")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError(rid, "generate: field 'prompt' holds an unpaired surrogate (\\ud800-\\udfff)") from None
-    n = obj.get("n_predict", n_predict)
-    if not _is_int(n) or n < 1:
-        raise RequestError(rid, f"generate: field 'n_predict' must be an integer >= 1, got {_safe(_short(n))}")
-    flags = {}
-    for key in ("think", "clear_kv"):
-        v = obj.get(key, True)
-        if not isinstance(v, bool):
-            raise RequestError(rid, f"generate: field '{key}' must be true or false, got {_safe(_short(v))}")
-        flags[key] = v
-    return Generate(rid, prompt, n, flags["think"], flags["clear_kv"])
+CONTEXT_FIX = "shorten it, lower n_predict, start a new chat (clear_kv:true) or restart the session with a larger -c"
 
 
 # ---- output --------------------------------------------------------------------------------------
@@ -210,77 +117,7 @@ class Output:
         self.raw([telemetry.tagged(tag, obj)])
 
     def error(self, rid: int, msg: str, fatal: bool = False) -> None:
-        self.line("ERROR", {"id": rid, "fatal": fatal, "msg": _safe(msg)})
-
-
-# ---- chat rendering ------------------------------------------------------------------------------
-
-
-class Renderer:
-    """A conversation → prompt text with the model's own chat template (see the module notes)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.vocab = engine.vocab
-        raw = llama_cpp.llama_model_chat_template(engine.model, None)
-        self.template: bytes | None = raw or None
-        self.reads_thinking = bool(self.template and b"enable_thinking" in self.template)
-        self._jinja: Any = None
-
-    def render(self, messages: list[dict[str, str]], think: bool) -> str:
-        if self.template is None:
-            return "".join(m["content"] for m in messages)
-        if not think and self.reads_thinking:
-            return self._render_jinja(messages, enable_thinking=False)
-        text = self._render_llama(messages)
-        return self._render_jinja(messages) if text is None else text
-
-    def _render_llama(self, messages: list[dict[str, str]]) -> str | None:
-        """llama_chat_apply_template, add_ass=True (what one-shot --chat does); None if unsupported."""
-        msgs = (llama_cpp.llama_chat_message * len(messages))()
-        keep = []  # the encoded strings must outlive the call
-        for m, src in zip(msgs, messages):
-            role, content = src["role"].encode(), src["content"].encode()
-            keep += [role, content]
-            m.role, m.content = role, content
-        cap = 2 * sum(len(x) for x in keep) + 1024
-        buf = ctypes.create_string_buffer(cap)
-        n = llama_cpp.llama_chat_apply_template(self.template, msgs, len(messages), True, buf, cap)
-        if n > cap:
-            buf = ctypes.create_string_buffer(n)
-            n = llama_cpp.llama_chat_apply_template(self.template, msgs, len(messages), True, buf, n)
-        if n < 0:
-            return None
-        return buf.raw[:n].decode(errors="replace")
-
-    def _token_text(self, tok: int) -> str:
-        if tok < 0:
-            return ""
-        return (llama_cpp.llama_vocab_get_text(self.vocab.ptr, tok) or b"").decode(errors="replace")
-
-    def _render_jinja(self, messages: list[dict[str, str]], **kwargs: Any) -> str:
-        if self._jinja is None:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            bos = self._token_text(llama_cpp.llama_vocab_bos(self.vocab.ptr))
-            eos = self._token_text(llama_cpp.llama_vocab_eos(self.vocab.ptr))
-            self._jinja = (Jinja2ChatFormatter(self.template.decode(errors="replace"), eos, bos), bos)
-        fmt, bos = self._jinja
-        try:
-            text = fmt(messages=messages, **kwargs).prompt
-        except Exception as e:  # noqa: BLE001 - a template error is the request's, not the session's
-            raise ConfigError(f"the model's chat template failed to render: {e}") from None
-        # tokenize() adds BOS itself when the vocab asks for it: do not send a second one
-        if bos and text.startswith(bos) and llama_cpp.llama_vocab_get_add_bos(self.vocab.ptr):
-            text = text[len(bos):]
-        return text
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+        self.line("ERROR", {"id": rid, "fatal": fatal, "msg": safe(msg)})
 
 
 # ---- the session ---------------------------------------------------------------------------------
@@ -291,10 +128,8 @@ class Turn:
     """What one generation accumulates for its per-token lines and its BMOE_DONE."""
 
     req: Generate
-    lines: list[telemetry.TokenLine] = field(default_factory=list)
+    tally: telemetry.Tally
     text: str = ""
-    hits: int = 0
-    lookups: int = 0
     t_start: float = 0.0
     prefill_s: float | None = None
 
@@ -304,13 +139,13 @@ class Session:
     the request reader thread only queues requests, answers bad ones and flags cancels."""
 
     def __init__(self, engine: Engine, out: Output, n_predict: int,
-                 notice: Callable[[str], None] = cli.notice) -> None:
+                 notice: Callable[[str], None] = console.notice) -> None:
         self.engine = engine
         self.out = out
         self.n_predict = n_predict
         self.notice = notice
-        self.renderer = Renderer(engine)
-        self.n_ctx = min(engine.n_ctx, engine.settings.n_ctx)
+        self.renderer = Renderer(engine.vocab, engine.chat_template())
+        self.overlap = engine.streaming and engine.settings.streaming.overlap
         self.messages: list[dict[str, str]] = []
         self.kv_tokens: list[int] = []  # exactly the tokens in the KV, in order
         self.requests: queue.Queue[Generate | str] = queue.Queue()
@@ -389,10 +224,8 @@ class Session:
         return None
 
     def profile(self) -> None:
-        """The per-process table (coordinator, lanes) on stderr, on demand; stdout stays protocol-only."""
-        from bmoe import profile
-
-        rows = profile.collect(cli.workers(self.engine))
+        """The per-process table (coordinator, workers) on stderr, on demand; stdout stays protocol-only."""
+        rows = profile.collect(self.engine.worker_pids())
         print(profile.table(rows, self.engine.resident_bytes()), file=sys.stderr, flush=True)
 
     # -- main thread --
@@ -420,26 +253,20 @@ class Session:
         msgs = base + [{"role": "user", "content": req.prompt}]
         try:
             tokens = self.engine.vocab.tokenize(self.renderer.render(msgs, req.think), add_special=True)
-            if not tokens:
-                raise ConfigError("the prompt is empty")
-            if len(tokens) + req.n_predict > self.n_ctx:
-                what = "the prompt" if req.clear_kv else "the conversation with this prompt"
-                raise ConfigError(
-                    f"{what} ({len(tokens)} tokens) plus n_predict {req.n_predict} exceeds the context "
-                    f"of {self.n_ctx} tokens; shorten it, lower n_predict, start a new chat "
-                    "(clear_kv:true) or restart the session with a larger -c")
+            self.engine.check_fits(len(tokens), req.n_predict, CONTEXT_FIX)
         except ConfigError as e:
-            self._finish("ERROR", {"id": req.id, "fatal": False, "msg": _safe(str(e))})
+            self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
             return
         self.out.line("BEGIN", {"id": req.id})
         keep = 0 if req.clear_kv else min(common_prefix(self.kv_tokens, tokens), len(tokens) - 1)
         keep = self.engine.kv_keep(keep)
         self.kv_tokens = self.kv_tokens[:keep]
         self.messages = base
-        turn = Turn(req, t_start=time.perf_counter())
+        turn = Turn(req, telemetry.Tally(req.n_predict, self.overlap, self.engine.cache_active),
+                    t_start=time.perf_counter())
         suffix = tokens[keep:]
         try:
-            res = self.engine.generate_after(suffix, req.n_predict, lambda i, p, st: self._on_token(turn, p, st))
+            res = self.engine.generate(suffix, req.n_predict, lambda i, p, st: self._on_token(turn, p, st), CONTEXT_FIX)
         except Cancelled:
             self.engine.kv_keep(keep)  # roll the turn back to the prefix it reused
             cancelled, text = True, turn.text
@@ -448,7 +275,7 @@ class Session:
         except ConfigError as e:  # should not happen (checked above); keep serving all the same
             self.engine.kv_keep(keep)
             self._check_kv()
-            self._finish("ERROR", {"id": req.id, "fatal": False, "msg": _safe(str(e))})
+            self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
             return
         else:
             cancelled, text = False, res.text
@@ -458,22 +285,11 @@ class Session:
         self._check_kv()
         self._finish("DONE", self._done(turn, cancelled, text, len(suffix)))
 
-    def _on_token(self, turn: Turn, piece: str, st: TokenStat) -> None:
-
+    def _on_token(self, turn: Turn, piece: str, st: telemetry.TokenStat) -> None:
         if turn.prefill_s is None:
             turn.prefill_s = max(0.0, time.perf_counter() - turn.t_start - st.wall_ns / 1e9)
         turn.text += piece
-        turn.hits += st.hits
-        turn.lookups += st.lookups
-        line = cli.token_line(st, len(turn.lines) + 1, turn.req.n_predict, self._hit_pct(turn),
-                              self.engine.settings.overlap)
-        turn.lines.append(line)
-        self.out.raw(telemetry.token_lines(line, turn.text))
-
-    def _hit_pct(self, turn: Turn) -> float:
-        if not self.engine.cache_active:
-            return -1.0
-        return 100.0 * turn.hits / turn.lookups if turn.lookups else 0.0
+        self.out.raw(telemetry.token_lines(turn.tally.add(st), turn.text))
 
     def _check_kv(self) -> None:
         """The token list must describe the KV exactly; if not (a bug), start clean rather than lie."""
@@ -485,15 +301,17 @@ class Session:
 
     def _done(self, turn: Turn, cancelled: bool, text: str, n_prompt: int) -> dict[str, Any]:
         e = self.engine
-        totals = telemetry.RunTotals.of(turn.lines, overlap=e.settings.overlap)
+        totals = turn.tally.totals()
+        gate = e.spec_gate_recall()
         tok_s = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
         obj = {
             "id": turn.req.id, "cancelled": cancelled, "tokens": totals.tokens, "tok_s": round(tok_s, 3),
             "prefill_s": round(turn.prefill_s or 0.0, 4), "load_s": round(e.load_s, 3),
-            "cache_hit_pct": round(self._hit_pct(turn), 2), "n_prompt": n_prompt, "n_past": len(self.kv_tokens),
+            "cache_hit_pct": round(turn.tally.hit_pct, 2), "n_prompt": n_prompt, "n_past": len(self.kv_tokens),
             "cache_resident_mib": round(e.resident_bytes() / MiB, 2),
-            "cache_budget_mib": round(e.budget / MiB if e.streamer else 0.0, 2),
-            "spec_recall_pct": round(e.streamer.spec.recall_pct, 2) if e.streamer and e.streamer.spec else -1.0, "stall_s_tok": round(totals.per_tok(totals.stall_s), 5),
+            "cache_budget_mib": round(e.budget / MiB if e.streaming else 0.0, 2),
+            "spec_recall_pct": round(gate[0], 2) if gate else -1.0,
+            "stall_s_tok": round(totals.per_tok(totals.stall_s), 5),
             "mgmt_s_tok": round(totals.per_tok(totals.mgmt_s), 5), "text": text,
         }
         assert tuple(obj) == DONE_KEYS
@@ -515,7 +333,7 @@ def _fatal(out: Output, rid: int, exc: BaseException) -> int:
             msg = f"{type(exc).__name__}: {msg}"
         if rid != NO_ID:
             msg = f"generation {rid} failed: {msg}"
-    print(f"bmoe-cli: error: {msg}", file=sys.stderr, flush=True)
+    console.error(msg)
     with out.lock:
         try:
             out.error(rid, msg, fatal=True)
@@ -525,7 +343,7 @@ def _fatal(out: Output, rid: int, exc: BaseException) -> int:
     return code
 
 
-def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
+def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
     """`bmoe-cli --session`: load once, then serve requests until close, EOF or a signal."""
     try:
         sys.stdout.reconfigure(encoding="utf-8", errors="backslashreplace")
@@ -536,13 +354,13 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
                                ("--progress", a.progress), ("--csv", a.csv))
                if on]
     if ignored:
-        cli.notice(f"{', '.join(ignored)} ignored in session mode (prompts come from stdin)")
+        console.notice(f"{', '.join(ignored)} ignored in session mode (prompts come from stdin)")
     engine: Engine | None = None
     session: Session | None = None
     try:
-        engine = Engine(cli.settings_from_args(a), notice=cli.notice)
+        engine = Engine(flags.resolve_model(a, settings), notice=console.notice)
         session = Session(engine, out, a.n_predict)
-        out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.files.arch, "n_ctx": session.n_ctx})
+        out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.files.arch, "n_ctx": engine.n_ctx})
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",
                          daemon=True).start()
         session.serve()
@@ -550,7 +368,7 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
             session.profile()
         return EXIT_OK
     except ClientGone:
-        cli.notice("stdout closed; ending the session")
+        console.notice("stdout closed; ending the session")
         return EXIT_ERROR
     except BaseException as e:  # noqa: BLE001 - every end writes its fatal line first
         rid = session.in_flight if session is not None and session.in_flight is not None else NO_ID
@@ -559,146 +377,3 @@ def serve(a: argparse.Namespace, stdin_fd: int = 0) -> int:
         out.seal()
         if engine is not None:
             engine.close()
-
-
-# ---- the client ----------------------------------------------------------------------------------
-
-
-class SessionError(RuntimeError):
-    """The session process ended, or answered something other than the protocol expects."""
-
-
-Event = tuple[str, dict[str, Any]]
-
-
-class SessionClient:
-    """Drive a `bmoe-cli --session` subprocess.
-
-        with SessionClient(["-m", "model.gguf", "--cache-mb", "500"]) as s:
-            print(s.ready["arch"])
-            for tag, ev in s.generate(1, "Why is the sky blue?", n_predict=32):
-                if tag == "PROGRESS":
-                    print(ev["text"])
-
-    stdout and stderr are read on their own threads (so neither pipe can fill up and stall the
-    session); `lines` keeps every stdout line, `stray` the ones that are not protocol lines.
-    """
-
-    def __init__(self, args: list[str], *, ready_timeout: float = 600.0, cwd: str | None = None,
-                 env: dict[str, str] | None = None, python: str = sys.executable) -> None:
-        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([python, "-m", "bmoe.cli", "--session", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env)
-        self.lines: list[str] = []
-        self.stray: list[str] = []
-        self._stderr: list[bytes] = []
-        self._events: queue.Queue[Event | None] = queue.Queue()
-        self._threads = [threading.Thread(target=self._read_stdout, daemon=True),
-                         threading.Thread(target=self._read_stderr, daemon=True)]
-        for t in self._threads:
-            t.start()
-        self.ready: dict[str, Any] = {}
-        try:
-            tag, obj = self.next_event(ready_timeout)
-            if tag != "READY":
-                raise SessionError(f"expected BMOE_READY, got BMOE_{tag} {obj}")
-            self.ready = obj
-        except BaseException:
-            self.kill()
-            raise
-
-    def _read_stdout(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self.lines.append(line)
-            ev = telemetry.parse_tagged(line)
-            if ev is None:
-                self.stray.append(line)
-            else:
-                self._events.put(ev)
-        self._events.put(None)
-
-    def _read_stderr(self) -> None:
-        for raw in self.proc.stderr:
-            self._stderr.append(raw)
-
-    @property
-    def stderr(self) -> str:
-        return b"".join(self._stderr).decode("utf-8", errors="replace")
-
-    def next_event(self, timeout: float | None = 300.0) -> Event:
-        """The next protocol line; SessionError when the process ended or nothing came in time."""
-        try:
-            ev = self._events.get(timeout=timeout)
-        except queue.Empty:
-            raise SessionError(f"no line from the session in {timeout} s") from None
-        if ev is None:
-            self._events.put(None)  # stay at end of stream
-            self.proc.wait()
-            raise SessionError(f"the session ended (exit {self.proc.returncode}); stderr:\n{self.stderr[-2000:]}")
-        return ev
-
-    def send(self, obj: dict[str, Any] | str | bytes) -> None:
-        """A request (dict → one JSON line; str/bytes sent as they are, newline added if missing)."""
-        if isinstance(obj, dict):
-            data = (json.dumps(obj) + "\n").encode()
-        else:
-            data = obj.encode("utf-8", "surrogateescape") if isinstance(obj, str) else obj
-            if not data.endswith(b"\n"):
-                data += b"\n"
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
-
-    def generate(self, id: int, prompt: str, timeout: float | None = 300.0, **opts: Any) -> Iterator[Event]:
-        """Send a generate request; iterate its events up to and including its DONE or ERROR
-        (or a fatal ERROR). Options: n_predict, think, clear_kv."""
-        self.send({"cmd": "generate", "id": id, "prompt": prompt, **opts})
-        return self.events_until(id, timeout)
-
-    def events_until(self, id: int, timeout: float | None = 300.0) -> Iterator[Event]:
-        while True:
-            tag, obj = self.next_event(timeout)
-            yield tag, obj
-            if (tag in ("DONE", "ERROR") and obj.get("id") == id) or (tag == "ERROR" and obj.get("fatal")):
-                return
-
-    def ask(self, id: int, prompt: str, **opts: Any) -> tuple[list[Event], Event]:
-        """generate() collected: (all events, the final DONE/ERROR event)."""
-        evs = list(self.generate(id, prompt, **opts))
-        return evs, evs[-1]
-
-    def close(self, timeout: float = 120.0) -> int:
-        """Send close, wait for the process to end, return its exit code."""
-        if self.proc.poll() is None:
-            try:
-                self.send({"cmd": "close"})
-                self.proc.stdin.close()
-            except (BrokenPipeError, OSError, ValueError):
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._join()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self._join()
-
-    def _join(self) -> None:
-        for t in self._threads:
-            t.join(10)
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                f.close()
-            except (OSError, ValueError):
-                pass
-
-    def __enter__(self) -> "SessionClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -20,6 +20,8 @@ from typing import Callable
 
 import msgpack
 
+from bmoe.model_files import ModelFiles
+from bmoe.settings import SpecSettings
 from bmoe.shm_cache import Slab
 
 RING_SLOTS = 8
@@ -29,14 +31,13 @@ HANG_S = 5.0
 class SpecGate:
     """One spec-gate worker process and its ring."""
 
-    def __init__(self, paths: list[str], arch: str, layers: list[int], top_k: int, n_embd: int,
-                 shm_backend: str, warmup: int, recall_min: float, notice: Callable[[str], None],
-                 n_expert: int, min_precision: float) -> None:
+    def __init__(self, files: ModelFiles, layers: list[int], n_embd: int, spec: SpecSettings,
+                 shm_backend: str, notice: Callable[[str], None]) -> None:
         self.notice = notice
-        self.confidence = Confidence(n_expert, min_precision)
+        self.confidence = Confidence(files.n_expert, spec.precision)
         self.n_embd = n_embd
-        self.warmup = warmup
-        self.recall_min = recall_min
+        self.warmup = spec.warmup
+        self.recall_min = spec.recall_min
         self.active = False
         self.disabled_below: float | None = None  # set when the governor fired
         self.predicted = self.hits = self.scored = 0
@@ -45,8 +46,9 @@ class SpecGate:
         self.ring = Slab(RING_SLOTS * n_embd * 4, shm_backend)
         self.proc: subprocess.Popen | None = None
         cmd = [sys.executable, "-m", "bmoe.workers.spec_gate", "--ring", self.ring.name,
-               "--slots", str(RING_SLOTS), "--embd", str(n_embd), "--arch", arch, "--top-k", str(top_k),
-               "--layers", ",".join(map(str, layers)), *paths]
+               "--slots", str(RING_SLOTS), "--embd", str(n_embd), "--arch", files.arch,
+               "--top-k", str(files.n_expert_used), "--layers", ",".join(map(str, layers)),
+               *[str(p) for p in files.paths]]
         try:  # a signal while the gate starts (it reads every router) must not leave it or the ring behind
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self.pid = self.proc.pid

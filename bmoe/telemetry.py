@@ -1,8 +1,9 @@
 """Every line of the telemetry contract (shared/spec/telemetry.md), written and parsed in one place.
 
-The formats are the user's: keep every word, unit, key and column order. The
-parser is what tests, the session client and `bmoe-bench` read output with;
-it reads JSON by key and CSV by column name, as the contract asks consumers to.
+The formats are the user's: keep every word, unit, key and column order. `Tally` turns the
+engine's per-token measurements into the contract's units for every edge (one-shot, session).
+The parser is what tests, the session client and `bmoe-bench` read output with; it reads JSON
+by key and CSV by column name, as the contract asks consumers to.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ CSV_COLUMNS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "read_bytes", 
 CSV_OPTIONAL = ("stall_ms", "mgmt_ms")
 ANSWER_BANNER = "=== answer ==="
 PERF_BANNER = "=== perf ==="
+
+
+@dataclass
+class TokenStat:
+    """One decode step (sample a token, then decode it) as the engine measured it: ns and bytes."""
+
+    wall_ns: int
+    io_ns: int
+    mgmt_ns: int
+    read_bytes: int
+    hits: int
+    lookups: int
+    stall_ns: int = 0
 
 
 @dataclass
@@ -104,6 +118,35 @@ class RunTotals:
 
     def per_tok(self, x: float) -> float:
         return x / self.tokens if self.tokens else 0.0
+
+
+class Tally:
+    """One generation's token lines, each with the cache hit rate so far (-1 without a cache)."""
+
+    def __init__(self, steps: int, overlap: bool, cache_active: bool) -> None:
+        self.steps = steps
+        self.overlap = overlap
+        self.cache_active = cache_active
+        self.lines: list[TokenLine] = []
+        self.hits = self.lookups = 0
+
+    @property
+    def hit_pct(self) -> float:
+        if not self.cache_active:
+            return -1.0
+        return 100.0 * self.hits / self.lookups if self.lookups else 0.0
+
+    def add(self, st: TokenStat) -> TokenLine:
+        self.hits += st.hits
+        self.lookups += st.lookups
+        line = TokenLine(step=len(self.lines) + 1, steps=self.steps, wall_ms=st.wall_ns / 1e6,
+                         io_ms=st.io_ns / 1e6, mgmt_ms=st.mgmt_ns / 1e6, stall_ms=st.stall_ns / 1e6,
+                         read_bytes=st.read_bytes, cache_hit_pct=self.hit_pct, overlap=self.overlap)
+        self.lines.append(line)
+        return line
+
+    def totals(self) -> RunTotals:
+        return RunTotals.of(self.lines, overlap=self.overlap)
 
 
 def generation_line(t: RunTotals) -> str:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -9,7 +10,9 @@ from typing import Callable
 import psutil
 import pytest
 
-from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
+from bmoe import flags
+from bmoe.settings import Settings
+from bmoe.shm_cache import SHM_DIR, SHM_PREFIX, Window
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,6 +71,17 @@ def no_leaked_segments() -> None:
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
 
 
+def settings_for(model: object, *cli_flags: object) -> Settings:
+    """The Settings `bmoe-cli -m MODEL FLAGS...` would run with: tests take the user's path to them."""
+    ap = flags.build_parser()
+    return flags.check(ap, ap.parse_args(["-m", str(model), *map(str, cli_flags)]))
+
+
+def window_bytes(window: Window) -> memoryview:
+    """The whole expert window as bytes (an absent expert's range faults when touched)."""
+    return memoryview((ctypes.c_char * window.size).from_address(window.base)).cast("B")
+
+
 def run_cli(*args: str, timeout: float = 240, **kw: object) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "bmoe.cli", *args], capture_output=True, text=True,
@@ -85,6 +99,7 @@ class SlabCheck:
 
     def __init__(self, engine: object) -> None:
         self.st = engine.streamer
+        self.window = window_bytes(self.st.window)
         self.hook = engine.hook
         self.checked = 0
         self.bad: list[str] = []
@@ -123,7 +138,7 @@ class SlabCheck:
                 s, t = r.slice_bounds(e)
                 want = os.pread(self._fds[r.file_index], t - s, r.file_offset + e * r.expert_bytes)
                 self.checked += 1
-                if bytes(self.st.window.view[s:t]) != want:
+                if bytes(self.window[s:t]) != want:
                     self.bad.append(f"{r.name} expert {e} at the {where}: slab differs from the file "
                                     f"(state {c.state[ri][e]})")
 

@@ -24,7 +24,7 @@ import sys
 import llama_cpp
 import psutil
 
-from bmoe import cli, coordinator, seam, speculation
+from bmoe import cli, seam, speculation, streamer
 
 
 
@@ -70,14 +70,14 @@ def arm(phase: str, sig: int) -> None:
 
         speculation.SpecGate._hello = fire_then_hello
     elif phase == "prefill":
-        on_route = coordinator.Streamer.on_route
+        on_route = streamer.Streamer.on_route
 
-        def route_and_fire(self: coordinator.Streamer, layer: int, ids: object) -> None:
+        def route_and_fire(self: streamer.Streamer, layer: int, ids: object) -> None:
             on_route(self, layer, ids)
             if len(ids) > 1:
                 fire()
 
-        coordinator.Streamer.on_route = route_and_fire
+        streamer.Streamer.on_route = route_and_fire
     elif phase != "idle":
         raise SystemExit(f"unknown phase {phase}")
 

@@ -12,7 +12,8 @@ import pytest
 
 from bmoe.cache_policy import POLICIES, Predictive, make_policy
 from bmoe.tools.policy_bounds import Belady
-from bmoe.shm_cache import PAGE, RESIDENT, ExpertCache, Region, layout
+from bmoe.expert_cache import RESIDENT, ExpertCache, Region, layout
+from bmoe.shm_cache import PAGE
 from tests.conftest import run_cli
 
 N_EXPERT = 8
@@ -186,11 +187,10 @@ def test_unknown_policy_is_refused_with_the_valid_names() -> None:
 
 
 def test_session_takes_the_cache_policy_flag() -> None:
-    from bmoe.cli import build_parser
-    from bmoe.cli import settings_from_args
+    from bmoe.flags import build_parser, check
 
-    a = build_parser().parse_args(["-m", "x.gguf", "--session", "--cache-policy", "cycle"])
-    assert settings_from_args(a).cache_policy == "cycle"
+    ap = build_parser()
+    assert check(ap, ap.parse_args(["-m", "x.gguf", "--session", "--cache-policy", "cycle"])).cache.policy == "cycle"
 
 
 def test_bench_policies_replays_a_recorded_trace(synth, tmp_path) -> None:

@@ -162,12 +162,12 @@ def test_model_file_changed_during_a_run_is_an_error(model: str, tmp_path, monke
     copy.write_bytes(open(model, "rb").read())
     generate = Engine.generate
 
-    def touch_mid_run(self, tokens, n, on_piece):
+    def touch_mid_run(self, tokens, n, on_piece, **kw):
         def piece(i, text, stat):
             on_piece(i, text, stat)
             if i == 2:
                 os.utime(copy, (copy.stat().st_atime, copy.stat().st_mtime + 5))
-        return generate(self, tokens, n, piece)
+        return generate(self, tokens, n, piece, **kw)
 
     monkeypatch.setattr(Engine, "generate", touch_mid_run)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # leave pytest's own handlers alone

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from bmoe.tools import demo
-from bmoe.coordinator import Engine, Settings
+from bmoe.coordinator import Engine
 from bmoe.model_files import open_model
-from bmoe.shm_cache import file_regions, working_sets
+from bmoe.expert_cache import file_regions, working_sets
 from bmoe.units import MiB
+from tests.conftest import settings_for, window_bytes
 
 EXPERTS, TOP_K = 8, 2
 FACT = "What is the capital of France?"
@@ -47,10 +48,10 @@ def quarter_mb(model: Path) -> float:
     return max(files.expert_bytes / 4, token) / MiB
 
 
-def _engine(model: Path, **kw: object) -> Engine:
+def _engine(model: Path, *flags: object) -> Engine:
     # One compute thread: the model is tiny, and llama.cpp's spinning thread pool slows down
     # many times over when another process (a parallel test, a build) competes for the cores.
-    return Engine(Settings(model=str(model), n_ctx=N_CTX, threads=1, **kw))
+    return Engine(settings_for(model, "-c", N_CTX, "-t", 1, *flags))
 
 
 def _run(engine: Engine, prompt: str, n: int) -> list[int]:
@@ -61,7 +62,7 @@ def _run(engine: Engine, prompt: str, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(model: Path) -> dict[str, tuple[list[int], str]]:
     """Plain llama.cpp (no streaming): the token ids and text every other run is compared with."""
-    eng = _engine(model, stream=False)
+    eng = _engine(model, "--no-stream")
     try:
         out = {}
         for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
@@ -179,7 +180,7 @@ def test_answers_like_smollm2(reference: dict[str, tuple[list[int], str]]) -> No
 
 def test_streaming_gives_the_same_tokens(model: Path, quarter_mb: float,
                                          reference: dict[str, tuple[list[int], str]]) -> None:
-    eng = _engine(model, stream=True, cache_mb=quarter_mb)
+    eng = _engine(model, "--cache-mb", quarter_mb)
     try:
         for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
             assert _run(eng, prompt, n) == reference[prompt][0], prompt
@@ -195,9 +196,10 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
 
     The budget holds every expert, so after the first run nothing is re-read and the runs are
     quick; the slab is the same one a smaller budget would use."""
-    eng = _engine(model, stream=True, cache_mb=4 * quarter_mb + 64)
+    eng = _engine(model, "--cache-mb", 4 * quarter_mb + 64)
     try:
         st = eng.streamer
+        window = window_bytes(st.window)
         inner = eng.hook.on_route
         eng.hook.skip_route = None  # every routing decision goes through the wrapper below
         uses: collections.Counter[tuple[int, int]] = collections.Counter()
@@ -212,7 +214,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
             if target and layer == target["layer"] and target["expert"] in ids:
                 for r, data in target["bytes"]:
                     start, end = r.slice_bounds(target["expert"])
-                    st.window.view[start:end] = data
+                    window[start:end] = data
                 hits += 1
 
         eng.hook.on_route = on_route
@@ -236,7 +238,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
                 target.clear()
                 for r, data in originals:  # put the right bytes back for the next case
                     start, end = r.slice_bounds(victim)
-                    st.window.view[start:end] = data
+                    window[start:end] = data
                 assert hits > 0, f"expert {victim} of layer {layer} was never routed"
                 assert got != ref, f"a {name} expert {victim} in layer {layer} left the output unchanged"
         finally:

@@ -9,8 +9,9 @@ import time
 import psutil
 import pytest
 
-from bmoe.coordinator import Engine, Settings
+from bmoe.coordinator import Engine
 from bmoe.lanes import LaneError
+from tests.conftest import settings_for
 
 PROMPT = "On the far side of the lake there was a workshop where clocks were repaired by hand"
 
@@ -22,16 +23,16 @@ def model(synth) -> str:
 
 @pytest.fixture(scope="module")
 def reference(model: str) -> list[int]:
-    e = Engine(Settings(model=model, n_ctx=256, threads=2, stream=False))
+    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--no-stream"))
     try:
         return e.generate(e.prompt_tokens(PROMPT, chat=False), 32).ids
     finally:
         e.close()
 
 
-def run_with(model: str, injure, **kw: object) -> tuple[list[int], int]:
+def run_with(model: str, injure, *flags: object) -> tuple[list[int], int]:
     """Generate with no cache (every token reads) and `injure(engine, step)` after each token."""
-    e = Engine(Settings(model=model, n_ctx=256, threads=2, cache_mb=0, io_threads=2, **kw))
+    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 0, "--io-threads", 2, *flags))
     try:
         res = e.generate(e.prompt_tokens(PROMPT, chat=False), 32, lambda i, s, st: injure(e, i))
         return res.ids, e.streamer.pool.restarts
@@ -63,7 +64,7 @@ def test_hung_lane_is_replaced_within_the_timeout(model: str, reference: list[in
             os.kill(lane.pid, signal.SIGSTOP)
 
     t0 = time.monotonic()
-    ids, restarts = run_with(model, injure, lane_timeout=1.5)
+    ids, restarts = run_with(model, injure, "--lane-timeout", 1.5)
     assert ids == reference
     assert restarts == 1 and time.monotonic() - t0 < 60
     assert not psutil.pid_exists(stopped[0]), "the hung process was killed, not left stopped"

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from bmoe.coordinator import Engine, Settings
+from bmoe.coordinator import Engine
 from bmoe.units import MiB
+from tests.conftest import settings_for
 
 PROMPT = "Describe how a river carves a canyon over many thousands of years of slow and patient work"
 
 
 def test_resident_bytes_never_exceed_budget_plus_one_layer(synth) -> None:
     path = synth(arch="qwen3moe", layers=6, experts=32, top_k=2, embd=128, ff=384)
-    probe = Engine(Settings(model=str(path), n_ctx=512, cache_mb=1e6))
+    probe = Engine(settings_for(path, "-c", 512, "--cache-mb", 1e6))
     expert_bytes = sum(r.nbytes for r in probe.streamer.cache.regions)
     probe.close()
     budget_mb = expert_bytes / 5 / MiB
-    e = Engine(Settings(model=str(path), n_ctx=512, cache_mb=budget_mb, io_threads=2))
+    e = Engine(settings_for(path, "-c", 512, "--cache-mb", budget_mb, "--io-threads", 2))
     try:
         per_token: list[int] = []
         toks = e.prompt_tokens(PROMPT, chat=False)

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 
 from bmoe import seam
-from bmoe.coordinator import Engine, Settings
-from bmoe.shm_cache import RESIDENT
+from bmoe.coordinator import Engine
+from bmoe.expert_cache import RESIDENT
 from bmoe.tools.synth import ARCHES
+from tests.conftest import settings_for, window_bytes
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp above the sea"
 
 
-def engine(path, **kw) -> Engine:
-    return Engine(Settings(model=str(path), n_ctx=256, threads=2, **kw))
+def engine(path, *flags: object) -> Engine:
+    return Engine(settings_for(path, "-c", 256, "-t", 2, *flags))
 
 
 def test_struct_layout_matches_ggml() -> None:
@@ -33,7 +34,7 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
     reader = gguf.GGUFReader(path)
     file_tensors = {t.name: t for t in reader.tensors if t.name.endswith("_exps.weight")}
-    e = engine(path, cache_mb=1000)
+    e = engine(path, "--cache-mb", 1000)
     try:
         regions = e.streamer.cache.regions
         assert {r.name for r in regions} == set(file_tensors), "capture must find exactly the file's expert tensors"
@@ -59,7 +60,7 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
 def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -> None:
     """Recompute top-k from the router's own logits node and compare with the strided read."""
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
-    e = engine(path, cache_mb=1000)
+    e = engine(path, "--cache-mb", 1000)
     seen: dict[int, np.ndarray] = {}
     logits: dict[int, np.ndarray] = {}
     strides: list[tuple[int, int]] = []
@@ -108,18 +109,17 @@ def _swap_callback(e: Engine, cb) -> None:
     """Re-create the context with another eval callback (test-only instrumentation)."""
     import llama_cpp
 
+    from bmoe.llama import new_context
+
     llama_cpp.llama_free(e.ctx)
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 256, 256, 2, 2
-    cp.cb_eval, cp.cb_eval_user_data = cb, None
     e._test_cb = cb
-    e.ctx = llama_cpp.llama_init_from_model(e.model, cp)
+    e.ctx = new_context(e.model, 256, 2, cb)
 
 
 def test_llama_cpp_computes_from_the_slab(synth) -> None:
     """Corrupting a resident expert's slab bytes changes the output: nothing reads the mmap any more."""
     path = synth(arch="qwen3moe", layers=3, experts=8, top_k=2)
-    e = engine(path, cache_mb=1000)
+    e = engine(path, "--cache-mb", 1000)
     try:
         toks = e.prompt_tokens(PROMPT, chat=False)
         good = e.generate(toks, 16).ids
@@ -130,7 +130,7 @@ def test_llama_cpp_computes_from_the_slab(synth) -> None:
             for ex in range(r.n_expert):
                 if cache.state[ri][ex] == RESIDENT:
                     s, t = r.slice_bounds(ex)
-                    e.streamer.window.view[s:t] = bytes(t - s)
+                    window_bytes(e.streamer.window)[s:t] = bytes(t - s)
         bad = e.generate(toks, 16).ids
     finally:
         e.close()

@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from bmoe import telemetry
-from bmoe.session import DONE_KEYS, TAGS, SessionClient
+from bmoe.protocol import DONE_KEYS, TAGS
+from bmoe.session_client import SessionClient
 from tests.conftest import REPO, bmoe_segments, run_cli
 
 FAST = ["-t", "1", "--io-threads", "2"]
@@ -232,22 +233,36 @@ def test_close_and_eof_end_with_exit_0_and_no_shared_memory(model: str, how: str
     assert not alive
 
 
-def test_session_settings_follow_every_flag() -> None:
-    """Each Settings field comes from a flag, so --session runs with what one-shot runs with."""
+def _leaves(obj: object, prefix: str = "") -> dict[str, object]:
     import dataclasses
 
-    from bmoe.cli import build_parser
-    from bmoe.coordinator import Settings
-    from bmoe.cli import SETTINGS_FROM_FLAGS, settings_from_args
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out.update(_leaves(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {prefix + f.name: v})
+    return out
 
-    a = build_parser().parse_args(["-m", "m.gguf", "-c", "512", "-t", "3", "--no-stream", "--temp", "0.5",
-                                   "--cache-ceil-mb", "64", "--force"])
-    names = {f.name for f in dataclasses.fields(Settings)}
-    missing = sorted(n for n in names if n not in SETTINGS_FROM_FLAGS and not hasattr(a, n))
-    assert not missing, f"map these Settings fields in bmoe.cli.SETTINGS_FROM_FLAGS: {missing}"
-    st = settings_from_args(a)
-    assert (st.model, st.n_ctx, st.threads, st.stream, st.sampler.temp) == ("m.gguf", 512, 3, False, 0.5)
-    assert (st.cache_ceil_mb, st.force, st.cache_floor_mb) == (64, True, 1536)
+
+def test_every_setting_has_a_flag() -> None:
+    """Each Settings field (every group) is set by some flag, so --session, one-shot and the tests all
+    reach every setting the same way; and the flags' defaults are the Settings' defaults."""
+    from bmoe.flags import build_parser, settings_from_args
+    from bmoe.settings import Settings
+
+    ap = build_parser()
+    defaults = settings_from_args(ap.parse_args([]), "m.gguf")
+    assert _leaves(defaults) == _leaves(Settings(model="m.gguf")), "flag defaults differ from Settings defaults"
+    fixed = [["-c", "512", "-t", "3", "--verbose", "--route-trace", "t.jsonl", "--temp", "0.5", "--top-k", "7",
+              "--top-p", "0.5", "--seed", "9", "--cache-policy", "lru", "--force", "--preload",
+              "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
+              "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
+              "--spec-precision", "9", "--cache-mb", "64"],
+             ["--no-stream"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"]]
+    changed = set()
+    for argv in fixed:
+        got = _leaves(settings_from_args(ap.parse_args(argv), "other.gguf"))
+        changed |= {k for k, v in got.items() if v != _leaves(defaults)[k]}
+    assert changed == set(_leaves(defaults)), f"no flag sets {sorted(set(_leaves(defaults)) - changed)}"
 
 
 def test_a_failed_load_is_one_fatal_line(tmp_path) -> None:
@@ -311,12 +326,13 @@ QWEN_LIKE = (
 
 def test_rendering_the_conversation(model: str) -> None:
     """One turn renders as one-shot --chat does; think:false reaches templates that read it."""
-    from bmoe.coordinator import Engine, Settings
-    from bmoe.session import Renderer
+    from bmoe.chat import Renderer
+    from bmoe.coordinator import Engine
+    from tests.conftest import settings_for
 
-    e = Engine(Settings(model=model, n_ctx=256, threads=1, stream=False))
+    e = Engine(settings_for(model, "-c", 256, "-t", 1, "--no-stream"))
     try:
-        r = Renderer(e)
+        r = Renderer(e.vocab, e.chat_template())
         msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "more"}]
         assert r.render(msgs[:1], think=True) == e.vocab.chat_prompt("hi")

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from bmoe import telemetry
-from bmoe.session import SessionClient
+from bmoe.session_client import SessionClient
 from tests.conftest import REPO, bmoe_segments
 
 PROMPT = "The lighthouse keeper wrote in his log every night about the ships and the weather " * 12

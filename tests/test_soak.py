@@ -17,8 +17,9 @@ import psutil
 import pytest
 
 from bmoe.model_files import open_model
-from bmoe.session import SessionClient
-from bmoe.shm_cache import SHM_DIR, file_regions, working_sets
+from bmoe.session_client import SessionClient
+from bmoe.expert_cache import file_regions, working_sets
+from bmoe.shm_cache import SHM_DIR
 from tests.conftest import REPO, bmoe_segments
 from bmoe.units import MiB
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from bmoe import speculation, telemetry
-from bmoe.tools import demo
-from bmoe.coordinator import Engine, Result, Settings
+from bmoe.coordinator import Engine, Result
 from bmoe.model_files import open_model
-from tests.conftest import SlabCheck, run_cli
+from bmoe.tools import demo
 from bmoe.units import MiB
+from tests.conftest import SlabCheck, run_cli, settings_for, window_bytes
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
@@ -35,12 +35,13 @@ class Ran:
 
     def __init__(self, e: Engine) -> None:
         self.streamer = e.streamer
+        self.gate = e.streamer.ahead.gate if e.streamer else None
         self.router_stop = e.hook.on_router_input is not None
 
 
-def _run(path: str, prompt_chat: bool = False, n: int = N_PREDICT, check: bool = True,
-         **kw: object) -> tuple[Result, Ran, SlabCheck | None]:
-    e = Engine(Settings(model=path, n_ctx=512, threads=1, **kw))
+def _run(path: str, prompt_chat: bool = False, n: int = N_PREDICT, *flags: object,
+         check: bool = True) -> tuple[Result, Ran, SlabCheck | None]:
+    e = Engine(settings_for(path, "-c", 512, "-t", 1, *flags))
     sc = SlabCheck(e) if check and e.streamer else None
     try:
         res = e.generate(e.prompt_tokens(PROMPT, chat=prompt_chat), n)
@@ -56,15 +57,18 @@ _refs: dict[tuple[str, bool, int], Result] = {}
 
 def reference(path: str, chat: bool = False, n: int = N_PREDICT) -> Result:
     if (path, chat, n) not in _refs:
-        _refs[path, chat, n] = _run(path, chat, n, stream=False)[0]
+        _refs[path, chat, n] = _run(path, chat, n, "--no-stream")[0]
     return _refs[path, chat, n]
 
 
 def _gate(path: str, cache_mb: float, overlap: bool, prefetch: int, spec_gate: bool,
           chat: bool = False, n: int = N_PREDICT) -> tuple[Result, Ran, SlabCheck]:
     ref = reference(path, chat, n)
-    res, e, sc = _run(path, chat, n, cache_mb=cache_mb, io_threads=2, overlap=overlap, prefetch=prefetch,
-                      spec_gate=spec_gate, spec_recall_min=0, spec_precision=0)
+    levers = ["--overlap" if overlap else "--no-overlap", "--spec-gate" if spec_gate else "--no-spec-gate"]
+    if prefetch:
+        levers += ["--prefetch", prefetch]
+    res, e, sc = _run(path, chat, n, "--cache-mb", cache_mb, "--io-threads", 2, *levers,
+                      "--spec-recall-min", 0, "--spec-precision", 0)
     assert not sc.bad, sc.bad[:5]
     assert sc.checked > 0
     assert res.ids == ref.ids and res.text == ref.text
@@ -72,7 +76,7 @@ def _gate(path: str, cache_mb: float, overlap: bool, prefetch: int, spec_gate: b
     if prefetch or spec_gate:
         assert res.speculation.prefetched > 0 and res.speculation.bytes > 0
     if spec_gate:
-        assert e.streamer.spec is not None and e.streamer.spec.scored > 0
+        assert e.gate is not None and e.gate.scored > 0
     if overlap:
         assert any(s.stall_ns > 0 for s in res.steps)
     else:
@@ -98,7 +102,7 @@ def test_demo_gate(demo_model: str, overlap: bool, prefetch: int, spec_gate: boo
     res, e, _ = _gate(demo_model, open_model(demo_model).expert_bytes / 2 / MiB, overlap, prefetch, spec_gate,
                       chat=True, n=16)
     if spec_gate:  # real routing: the predictor must do far better than chance (2 of 8 = 25 %)
-        assert e.streamer.spec.recall_pct > 50
+        assert e.gate.recall_pct > 50
 
 
 def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_model: str) -> None:
@@ -106,8 +110,9 @@ def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_mode
     and the output does not change."""
     runs = {}
     for floor in (0, 90):
-        res, _, sc = _run(demo_model, True, 16, cache_mb=open_model(demo_model).expert_bytes / 2 / MiB,
-                          io_threads=2, overlap=True, spec_gate=True, spec_recall_min=0, spec_precision=floor)
+        res, _, sc = _run(demo_model, True, 16, "--cache-mb", open_model(demo_model).expert_bytes / 2 / MiB,
+                          "--io-threads", 2, "--overlap", "--spec-gate", "--spec-recall-min", 0,
+                          "--spec-precision", floor)
         assert not sc.bad and res.ids == reference(demo_model, True, 16).ids
         runs[floor] = res.speculation
     assert runs[90].prefetched < runs[0].prefetched
@@ -133,10 +138,11 @@ def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> N
 def test_governor_switches_spec_gate_off_mid_run_losslessly(synth) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     ref = reference(path)
-    res, e, sc = _run(path, cache_mb=open_model(path).expert_bytes / 3 / MiB, io_threads=2, overlap=True,
-                      prefetch=1, spec_gate=True, spec_warmup=12, spec_recall_min=99.5, spec_precision=0)
+    res, e, sc = _run(path, False, N_PREDICT, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
+                      "--io-threads", 2, "--overlap", "--prefetch", 1, "--spec-gate", "--spec-warmup", 12,
+                      "--spec-recall-min", 99.5, "--spec-precision", 0)
     assert not sc.bad and res.ids == ref.ids
-    g = e.streamer.spec
+    g = e.gate
     assert g.disabled_below == 99.5 and not g.active and g.proc is None
     assert 12 <= g.scored < 3 * len(res.ids), "it fired after the warm-up, mid-run"
     assert not e.router_stop, "the per-layer router stop goes with it"
@@ -146,10 +152,10 @@ def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(synth) -
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     ref = reference(path)
     notices: list[str] = []
-    e = Engine(Settings(model=path, n_ctx=512, threads=1, cache_mb=open_model(path).expert_bytes / 3 / MiB,
-                        overlap=True, spec_gate=True, spec_recall_min=0), notice=notices.append)
+    e = Engine(settings_for(path, "-c", 512, "-t", 1, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
+                            "--overlap", "--spec-gate", "--spec-recall-min", 0), notice=notices.append)
     try:
-        g = e.streamer.spec
+        g = e.streamer.ahead.gate
         pid = g.pid
         assert "bmoe.workers.spec_gate" in " ".join(open(f"/proc/{pid}/cmdline").read().split("\0"))
 
@@ -169,10 +175,10 @@ def test_hung_spec_gate_turns_the_feature_off(synth, monkeypatch) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     ref = reference(path)
     notices: list[str] = []
-    e = Engine(Settings(model=path, n_ctx=512, threads=1, cache_mb=open_model(path).expert_bytes / 3 / MiB,
-                        spec_gate=True, spec_recall_min=0), notice=notices.append)
+    e = Engine(settings_for(path, "-c", 512, "-t", 1, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
+                            "--no-overlap", "--spec-gate", "--spec-recall-min", 0), notice=notices.append)
     try:
-        g = e.streamer.spec
+        g = e.streamer.ahead.gate
         pid = g.pid
 
         def on_piece(i: int, _text: str, _st: object) -> None:
@@ -239,7 +245,7 @@ def test_bad_lever_flags_exit_2(synth, flags: list[str], msg: str) -> None:
 
 
 def test_session_done_reports_recall_and_stall(synth) -> None:
-    from bmoe.session import SessionClient
+    from bmoe.session_client import SessionClient
 
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     flags = ["-m", path, "-t", "1", "--cache-mb", "1", "--overlap", "--prefetch", "1"]
@@ -265,7 +271,7 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
     lasts one layer of one token."""
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path, n=16)
-    e = Engine(Settings(model=path, n_ctx=512, threads=1, cache_mb=0, io_threads=1, overlap=True))
+    e = Engine(settings_for(path, "-c", 512, "-t", 1, "--cache-mb", 0, "--io-threads", 1, "--overlap"))
     try:
         st = e.streamer
         assert set(e.hook.down_nodes.values()) == set(st.layers)
@@ -286,7 +292,7 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
                 if r.kind == zeroed and layer == st.layers[-1]:
                     for x in routed[layer]:
                         s, t = r.slice_bounds(x)
-                        st.window.view[s:t] = bytes(t - s)
+                        window_bytes(st.window)[s:t] = bytes(t - s)
 
         e.hook.on_route, e.hook.on_down = on_route, on_down
         e.hook.down_pending = lambda layer: True  # stop at every down input, reads done or not

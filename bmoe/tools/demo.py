@@ -583,7 +583,7 @@ def default_model(progress: Progress = None) -> tuple[Path, float]:
     cache that only thrashes.
     """
     from bmoe.model_files import open_model
-    from bmoe.shm_cache import file_regions, working_sets
+    from bmoe.expert_cache import file_regions, working_sets
 
     path = build_demo(DEMO_EXPERTS, DEMO_TOP_K, progress=progress)
     files = open_model(path)

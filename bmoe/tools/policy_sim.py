@@ -26,7 +26,7 @@ from bmoe.cache_policy import POLICIES, Policy
 from bmoe.model_files import open_model
 from bmoe.route_trace import Trace
 from bmoe.tools.route_stats import replay
-from bmoe.shm_cache import file_regions
+from bmoe.expert_cache import file_regions
 from bmoe.tools.policy_bounds import Belady, NextTokenOracle
 
 PREDICT_AHEAD = 2

@@ -13,7 +13,7 @@ import numpy as np
 from bmoe.cache_policy import Policy
 from bmoe.model_files import open_model
 from bmoe.route_trace import Trace
-from bmoe.shm_cache import ExpertCache, Region, file_regions
+from bmoe.expert_cache import ExpertCache, Region, file_regions
 from bmoe.units import MiB
 
 BUDGETS_PCT = (10, 25, 50, 75)
@@ -69,7 +69,7 @@ def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Pol
     if prefill:
         for layer in t.layers:
             cache.commit(cache.plan(layer, list(range(max(regions[i].n_expert for i in cache.by_layer[layer])))))
-        cache.stats = type(cache.stats)()
+        cache.reset_stats()
     read = 0
     for step, routes in enumerate(t.routes):
         for i, layer in enumerate(t.layers):

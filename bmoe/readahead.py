@@ -1,0 +1,194 @@
+"""Reads ahead of demand: the previous token's experts (`--prefetch K`) and the spec-gate's predictions.
+
+Wished-for experts wait in a list on the coordinator and go to the lanes one expert per order,
+up to QUEUE_PER_LANE orders per lane; a lane serves them only when no demand order waits, so a
+demand read waits for at most the one read under way. When a layer routes, its orders for
+experts it did not pick (mispredictions) are cancelled if the lane has not started them, and the
+wish list is rebuilt from the new position in the layer cycle. A read ahead is useful when its
+layer routes the expert; one still in flight then counts when it lands (the demand waits for it).
+The cache admits these slices at the cold end and protects them until their layer routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from bmoe import seam
+from bmoe.expert_cache import ABSENT
+from bmoe.speculation import SpecGate
+from bmoe.workers.io_lane import CANCELLED
+
+if TYPE_CHECKING:
+    from bmoe.streamer import Order, Streamer
+
+QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)
+
+
+@dataclass
+class Speculation:
+    """What the reads ahead did in one generation: the moe-prefetch / moe-spec-gate numbers."""
+
+    bytes: int = 0
+    prefetched: int = 0
+    useful: int = 0
+    cancelled: int = 0  # orders dropped unread (mispredictions caught in time)
+
+
+class ReadAhead:
+    """The wish list, the spec-gate's predictions and how they fared, for one Streamer."""
+
+    def __init__(self, streamer: Streamer, prefetch: int) -> None:
+        self.st = streamer
+        self.cache = streamer.cache
+        self.prefetch = prefetch
+        self.gate: SpecGate | None = None
+        self.layers = sorted(self.cache.by_layer)
+        self.cycle_pos = {layer: i for i, layer in enumerate(self.layers)}
+        self.wishes: list[tuple[int, int]] = []
+        self.cancelled: set[int] = set()  # orders asked to be dropped, not yet answered
+        self.last_routes: dict[int, list[int]] = {}
+        self.predictions: dict[int, set[int]] = {}
+        self.guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (confidence band, expert) absent when predicted
+        self.read_ahead: set[tuple[int, int]] = set()  # finished reads ahead not yet routed
+        self.used_in_flight: set[int] = set()  # orders whose layer routed their expert before they finished
+        self.counts = Speculation()
+        self.route_seq = 0
+        self.routed_at: dict[int, int] = {}
+
+    @property
+    def listening(self) -> bool:
+        """A running spec-gate may have predictions to pick up."""
+        return self.gate is not None and self.gate.active
+
+    def handlers(self) -> dict[int, Callable[[], None]]:
+        """File descriptors to watch beside the lanes' (LanePool.poll's `extra`)."""
+        return {self.gate.fd: self._on_predictions} if self.listening else {}
+
+    # ---- per layer -----------------------------------------------------------------------------
+
+    def on_route(self, layer: int, ids: np.ndarray, wanted: list[int]) -> None:
+        """The layer routed: score what was predicted for it, count reads ahead that it used, and
+        drop wishes (demand goes first) and its queued mispredictions."""
+        self.route_seq += 1
+        self.routed_at[layer] = self.route_seq
+        self.last_routes[layer] = [int(x) for x in ids[-1]] if len(ids) else []
+        predicted = self.predictions.pop(layer, None)
+        if predicted is not None and self.gate is not None:
+            self.gate.score(predicted, set(self.last_routes[layer]))
+            for band, e in self.guesses.pop(layer, ()):
+                self.gate.confidence.score(band, e in self.last_routes[layer])
+        self._count_useful(layer, wanted)
+        self.wishes.clear()
+        self.cancel(layer, wanted)
+
+    def after_demand(self, layer: int) -> None:
+        """Wish for the previous token's experts of the next `prefetch` layers, nearest first."""
+        if self.prefetch:
+            pos = self.cycle_pos[layer]
+            for j in range(1, self.prefetch + 1):
+                nxt = self.layers[(pos + j) % len(self.layers)]
+                self._wish(nxt, self.last_routes.get(nxt, ()))
+        self.pump()
+
+    def on_router_input(self, layer: int, node: int) -> None:
+        if not self.listening:
+            return
+        addr, n_embd, n_tokens = seam.last_router_input(node)
+        if n_tokens == 1 and n_embd == self.gate.n_embd:  # decode: prefill routes nearly every expert anyway
+            self.gate.send(layer, addr, self.route_seq)
+
+    # ---- the wish list and the lanes -----------------------------------------------------------
+
+    def _wish(self, layer: int, experts) -> None:
+        for e in experts:
+            if (layer, e) not in self.wishes and self.absent(layer, e):
+                self.wishes.append((layer, e))
+
+    def absent(self, layer: int, expert: int) -> bool:
+        st = self.cache.state
+        return any(st[ri][expert] == ABSENT for ri in self.cache.by_layer[layer])
+
+    def pump(self) -> None:
+        """Queue wished-for reads in the lanes, one expert per order, up to QUEUE_PER_LANE per lane."""
+        queued = [0] * len(self.st.pool.lanes)
+        for order in self.st.inflight.values():
+            if order.ahead:
+                queued[order.lane] += 1
+        while self.wishes and min(queued) < QUEUE_PER_LANE:
+            layer, e = self.wishes.pop(0)
+            keys = self.cache.admit_speculative(layer, [e])
+            if keys:
+                lane = queued.index(min(queued))
+                self.st.send(lane, self.st.reads_for(keys), ahead=[(layer, e)])
+                queued[lane] += 1
+
+    def cancel(self, layer: int | None, routed: list[int] = ()) -> None:
+        """Ask the lanes to drop the orders for `layer` (None: all layers) they have not started,
+        except those for experts the layer routed to."""
+        by_lane: dict[int, list[int]] = {}
+        for oid, order in self.st.inflight.items():
+            if not order.ahead or oid in self.cancelled:
+                continue
+            at, e = order.ahead[0]
+            if layer is None or (at == layer and e not in routed):
+                by_lane.setdefault(order.lane, []).append(oid)
+                self.cancelled.add(oid)
+        self.st.cancel(by_lane)
+
+    def _on_predictions(self) -> None:
+        conf = self.gate.confidence
+        for seq, layer, ids, probs in self.gate.receive():
+            if self.routed_at.get(layer, 0) > seq:
+                continue  # the layer routed before the prediction arrived: too late to use
+            self.predictions[layer] = set(ids)
+            guesses = [(conf.band(p), e) for e, p in zip(ids, probs) if self.absent(layer, e)]
+            self.guesses[layer] = guesses
+            before = len(self.wishes)
+            self._wish(layer, [e for band, e in guesses if conf.worth(band)])
+            self.wishes[:] = self.wishes[before:] + self.wishes[:before]  # the next layer comes first
+        self.pump()
+
+    # ---- accounting ----------------------------------------------------------------------------
+
+    def _count_useful(self, layer: int, wanted: list[int]) -> None:
+        for e in wanted:
+            if (layer, e) in self.read_ahead:
+                self.read_ahead.discard((layer, e))
+                if not self.absent(layer, e):  # not evicted before its layer routed
+                    self.counts.useful += 1
+        for oid, order in self.st.inflight.items():
+            if order.ahead and order.ahead[0][0] == layer and order.ahead[0][1] in wanted:
+                self.used_in_flight.add(oid)
+
+    def on_done(self, oid: int, order: Order, nbytes: int) -> None:
+        """An order came back (read, or CANCELLED unread)."""
+        self.cancelled.discard(oid)
+        used = oid in self.used_in_flight
+        self.used_in_flight.discard(oid)
+        if nbytes == CANCELLED:
+            self.counts.cancelled += 1
+        elif order.ahead:
+            self.counts.bytes += nbytes
+            self.counts.prefetched += len(order.ahead)
+            if used:
+                self.counts.useful += len(order.ahead)
+            else:
+                self.read_ahead.update(order.ahead)
+
+    def take_counts(self) -> Speculation:
+        out, self.counts = self.counts, Speculation()
+        return out
+
+    def settle(self) -> None:
+        """Drop every wish and prediction and cancel what the lanes have not started."""
+        self.wishes.clear()
+        self.predictions.clear()
+        self.guesses.clear()
+        self.cancel(None)
+
+    def close(self) -> None:
+        if self.gate is not None:
+            self.gate.close()

@@ -1,0 +1,337 @@
+"""Demand reads: a layer's missing expert slices, read by the lanes and waited for where the graph needs them.
+
+The eval hook (bmoe.seam) calls `on_route` at a layer's routing node `ffn_moe_topk-L` with the
+routed ids. The cache (bmoe.expert_cache) pins the layer's slices and makes room; the missing
+ones go to the lanes at once, gate/up before down, largest read first onto the least-loaded lane.
+Serial (`overlap` off): the hook returns once every read landed. Overlap: it returns once the
+gate/up slices landed, and `on_down` waits for the down slices at the down matmul's input node,
+so those reads run while the gate/up matmuls compute. Reads ahead of demand (prefetch, spec-gate)
+are bmoe.readahead's; this module owns the orders in flight, the waits and the per-token counters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bmoe import seam
+from bmoe.cache_policy import DEFAULT_POLICY
+from bmoe.expert_cache import ExpertCache, Region, layout, slab_size
+from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
+from bmoe.model_files import ModelError, ModelFiles
+from bmoe.readahead import ReadAhead, Speculation
+from bmoe.settings import StreamSettings
+from bmoe.shm_cache import Slab, Window
+from bmoe.speculation import SpecGate
+from bmoe.units import MiB
+from bmoe.workers.io_lane import CANCELLED
+
+MAX_MERGED_READ = 4 * MiB
+
+Key = tuple[int, int, int]  # (layer, region index, expert)
+
+
+@dataclass
+class Order:
+    """Reads sent to one lane: the slices they fill and, if speculative, the experts read ahead."""
+
+    keys: list[Key]
+    lane: int
+    ahead: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Counters:
+    """Nanoseconds, bytes and cache lookups since the last `take_counters`: one token's share."""
+
+    io_ns: int = 0  # serial: waiting for reads; overlap: the lanes' busy time
+    mgmt_ns: int = 0  # cache bookkeeping, mapping and unmapping
+    stall_ns: int = 0  # overlap: compute waiting for reads
+    read_bytes: int = 0
+    hits: int = 0
+    lookups: int = 0
+
+
+def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Region]:
+    """llama.cpp's expert tensors as cache regions, checked against the GGUF table."""
+    regions = []
+    for t in sorted(tensors, key=lambda t: t.name):
+        ext = files.extents.get(t.name)
+        if ext is None or ext.nbytes != t.nbytes:
+            raise ModelError(f"expert tensor {t.name} in llama.cpp does not match the GGUF table; "
+                             "the file changed while loading, reload it")
+        regions.append(Region(t.name, t.layer, t.kind, ext.file_index, ext.offset, t.n_expert, t.expert_bytes))
+    layout(regions)
+    return regions
+
+
+class Streamer:
+    """Cache, slab, window and lanes for one loaded model; `on_route` is the per-layer entry point."""
+
+    def __init__(self, files: ModelFiles, regions: list[Region], tensors: list[seam.ExpertTensor], budget: int,
+                 streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0) -> None:
+        self.files = files
+        self.n_expert = max(r.n_expert for r in regions)
+        self.slab = Slab(slab_size(regions), streaming.shm_backend)
+        self.window: Window | None = None
+        self.pool: LanePool | None = None
+        try:  # a signal may land anywhere in here: what exists so far is released
+            self.window = Window(layout(regions), self.slab)
+            self.cache = ExpertCache(self.window, regions, budget, policy)
+            self.pool = LanePool(streaming.io_threads, self.slab.name, [str(p) for p in files.paths],
+                                 streaming.odirect, timeout=streaming.lane_timeout)
+            self.tensors = {t.name: t for t in tensors}  # llama.cpp's expert tensors, pointing into the window
+            for r in regions:
+                self.tensors[r.name].rebind(self.window.base + r.window_offset, r.stride)
+        except BaseException:
+            self._release_memory()
+            raise
+        self.overlap = streaming.overlap
+        self.cache.defer_release = True  # unmapped and given back while lanes read: see _wait
+        self.down_kind = {ri for ri, r in enumerate(regions) if r.kind == "ffn_down_exps"}
+        self.inflight: dict[int, Order] = {}
+        self.replaced: dict[int, list[int]] = {}  # cancelled order -> demand orders re-reading what it held
+        self.order_of: dict[Key, int] = {}
+        self.down_orders: dict[int, list[int]] = {}
+        self.counters = Counters()
+        self.looked = (0, 0)  # the cache's (hits, lookups) at the last take_counters
+        self.busy_ns = 0  # the lanes' busy time (overlap's io)
+        self.commit_ns = 0  # mapping arrived slots into the window, ever (for _wait's split)
+        self.ahead = ReadAhead(self, prefetch)
+
+    # ---- what the engine may ask ---------------------------------------------------------------
+
+    @property
+    def layers(self) -> list[int]:
+        return self.ahead.layers
+
+    @property
+    def holds_everything(self) -> bool:
+        return self.cache.holds_everything
+
+    def resident_bytes(self) -> int:
+        return self.slab.resident_bytes()
+
+    def worker_pids(self) -> list[tuple[str, int]]:
+        pids = [(f"io_lane {lane.index}", lane.pid) for lane in self.pool.lanes]
+        gate = self.ahead.gate
+        if gate is not None and gate.proc is not None:
+            pids.append(("spec_gate", gate.pid))
+        return pids
+
+    def attach_gate(self, gate: SpecGate) -> None:
+        self.ahead.gate = gate
+
+    @property
+    def gate_running(self) -> bool:
+        return self.ahead.listening
+
+    def gate_recall(self) -> tuple[float, float | None] | None:
+        gate = self.ahead.gate
+        return None if gate is None else (gate.recall_pct, gate.disabled_below)
+
+    def predicted_for(self, layer: int) -> set[int] | None:
+        """What the spec-gate predicted for the layer's coming routing, if anything arrived in time."""
+        return self.ahead.predictions.get(layer)
+
+    def take_speculation(self) -> Speculation:
+        return self.ahead.take_counts()
+
+    # ---- the hook's entry points ---------------------------------------------------------------
+
+    def on_route(self, layer: int, ids: np.ndarray) -> None:
+        t0 = time.perf_counter_ns()
+        self.tick()
+        experts = np.unique(ids)
+        if experts.size and (experts[0] < 0 or experts[-1] >= self.n_expert):
+            raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{self.n_expert - 1}")
+        wanted = experts.tolist()
+        self.ahead.on_route(layer, ids, wanted)
+        missing = self.cache.plan(layer, wanted)
+        now, later = self._send_demand(layer, wanted, missing)
+        self.ahead.after_demand(layer)
+        c = self.counters
+        c.mgmt_ns += time.perf_counter_ns() - t0
+        if self.overlap:
+            self.down_orders[layer] = later
+            c.stall_ns += self._wait(now)
+        else:
+            c.io_ns += self._wait(now + later)
+        if self.cache.pending_release:  # nothing to wait for: do it now
+            t2 = time.perf_counter_ns()
+            self.cache.release_evicted()
+            c.mgmt_ns += time.perf_counter_ns() - t2
+
+    def down_pending(self, layer: int) -> bool:
+        orders = self.down_orders.get(layer)
+        if orders and any(self._live(o) for o in orders):
+            return True
+        self.down_orders.pop(layer, None)
+        return False
+
+    def on_down(self, layer: int) -> None:
+        self.counters.stall_ns += self._wait(self.down_orders.pop(layer, []))
+
+    def on_router_input(self, layer: int, node: int) -> None:
+        """Hand the router input to the spec-gate, then collect what finished (cache management time)."""
+        self.ahead.on_router_input(layer, node)
+        t0 = time.perf_counter_ns()
+        self.tick()
+        self.counters.mgmt_ns += time.perf_counter_ns() - t0
+
+    def skip(self, layer: int) -> bool:
+        """A layer whose every expert is resident under a budget that holds them all needs no stop."""
+        if self.cache.layer_complete(layer):
+            self.cache.count_hits(layer, self.files.n_expert_used)
+            return True
+        return False
+
+    # ---- sending reads -------------------------------------------------------------------------
+
+    def _send_demand(self, layer: int, wanted: list[int], missing: list[Key]) -> tuple[list[int], list[int]]:
+        """Send the layer's missing reads (gate/up before down); returns (await now, await at down)."""
+        split = self.overlap and any(ri in self.down_kind for ri in self.cache.by_layer[layer])
+        now = self.spread([k for k in missing if not (split and k[1] in self.down_kind)])
+        later = self.spread([k for k in missing if split and k[1] in self.down_kind])
+        for key in self.cache.layer_slices(layer, wanted):
+            oid = self.order_of.get(key)  # a read already under way (speculative) covers this slice
+            target = later if split and key[1] in self.down_kind else now
+            if oid is not None and oid not in target:
+                target.append(oid)
+        return now, later
+
+    def spread(self, keys: list[Key]) -> list[int]:
+        """Demand reads over all lanes; returns order ids."""
+        if not keys:
+            return []
+        shares = spread(self.reads_for(keys), [lane.pending_bytes() for lane in self.pool.lanes])
+        return [self.send(i, share) for i, share in enumerate(shares) if share]
+
+    def send(self, lane: int, share: list[tuple[ReadOrder, list[Key]]],
+             ahead: list[tuple[int, int]] | None = None) -> int:
+        """One order to one lane; `ahead` names the experts it reads ahead of demand (speculative)."""
+        oid = self.pool.send(lane, [r for r, _ in share], speculative=bool(ahead))
+        keys = [k for _, ks in share for k in ks]
+        self.inflight[oid] = Order(keys, lane, ahead or [])
+        for k in keys:
+            self.order_of[k] = oid
+        return oid
+
+    def cancel(self, by_lane: dict[int, list[int]]) -> None:
+        """Ask lanes to drop these speculative orders if not started (they answer CANCELLED)."""
+        for lane, oids in by_lane.items():
+            self.pool.lanes[lane].cancel(oids)
+
+    def reads_for(self, keys: list[Key]) -> list[tuple[ReadOrder, list[Key]]]:
+        """The slices' reads, adjacent ones merged, each with the slices it fills."""
+        return merge_keyed([(self.cache.read_order(k), k) for k in keys], MAX_MERGED_READ)
+
+    # ---- completions ---------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Collect what finished and keep idle lanes busy, without blocking."""
+        if self.inflight or self.ahead.listening:
+            self.pool.poll(0, self.ahead.handlers())
+            self._collect()
+            self.ahead.pump()
+
+    def _wait(self, orders: list[int]) -> int:
+        """Block until these orders completed; returns the wall time blocked (ns).
+
+        Evicted slices' window ranges are unmapped here first, while the lanes read (and
+        pages to give back are given back); that time, and mapping the slots that arrive,
+        is cache management, not waiting.
+        """
+        t0 = time.perf_counter_ns()
+        committed = self.commit_ns
+        spent = 0
+        while any(self._live(o) for o in orders):
+            if self.cache.pending_release:
+                r0 = time.perf_counter_ns()
+                self.cache.release_evicted()
+                spent += time.perf_counter_ns() - r0
+            self.pool.poll(0.5, self.ahead.handlers())
+            self._collect()
+            self.ahead.pump()
+        spent += self.commit_ns - committed
+        self.counters.mgmt_ns += spent
+        return time.perf_counter_ns() - t0 - spent
+
+    def _collect(self) -> None:
+        for oid in [o for o in self.pool.done if o in self.inflight]:
+            nbytes, busy = self.pool.take(oid)
+            order = self.inflight.pop(oid)
+            for k in order.keys:
+                del self.order_of[k]
+            self.ahead.on_done(oid, order, nbytes)
+            if nbytes == CANCELLED:
+                self._abandon(oid, order)
+                continue
+            c0 = time.perf_counter_ns()
+            self.cache.commit(order.keys)
+            self.commit_ns += time.perf_counter_ns() - c0
+            self.counters.read_bytes += nbytes
+            self.busy_ns += busy
+
+    def _abandon(self, oid: int, order: Order) -> None:
+        """A cancelled order read nothing: its slices are absent again. Should a layer have come to
+        need one meanwhile (its routing saw it loading), it is read now, and waits that were on
+        the cancelled order follow the new one."""
+        needed = [k for k in order.keys if k in self.cache.pinned]
+        self.cache.abandon([k for k in order.keys if k not in self.cache.pinned])
+        if needed:
+            self.replaced[oid] = self.spread(needed)
+
+    def _live(self, oid: int) -> bool:
+        """An order still to wait for: in flight, or cancelled and replaced by orders in flight."""
+        return oid in self.inflight or any(self._live(o) for o in self.replaced.get(oid, ()))
+
+    def settle(self) -> None:
+        """Finish every read in flight and drop queued ones: the cache is consistent again."""
+        self.down_orders.clear()
+        self.ahead.settle()
+        self._wait(list(self.inflight))
+        self.replaced.clear()
+
+    # ---- whole-cache operations ----------------------------------------------------------------
+
+    def preload(self) -> int:
+        """Read every expert now (only when the budget holds them all); returns bytes read."""
+        c = self.cache
+        if not c.holds_everything:
+            return 0
+        for layer in sorted(c.by_layer):
+            experts = list(range(max(c.regions[i].n_expert for i in c.by_layer[layer])))
+            self._wait(self.spread(c.plan(layer, experts)))
+        c.reset_stats()
+        return self.take_counters().read_bytes
+
+    def take_counters(self) -> Counters:
+        """The counters since the last call; under overlap, io is the lanes' busy time."""
+        out, self.counters = self.counters, Counters()
+        if self.overlap:
+            out.io_ns = self.busy_ns
+        self.busy_ns = 0
+        looked = self.cache.stats.snapshot()
+        out.hits, out.lookups = looked[0] - self.looked[0], looked[1] - self.looked[1]
+        self.looked = looked
+        return out
+
+    def close(self) -> None:
+        try:
+            self.ahead.close()
+        finally:
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        try:
+            if self.pool is not None:
+                self.pool.close()
+        finally:
+            try:
+                if self.window is not None:
+                    self.window.close()
+            finally:
+                self.slab.close()
