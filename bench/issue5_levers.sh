@@ -27,7 +27,7 @@ OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue5}
 configs=()
 for mb in "$SMALL_MB" "$LARGE_MB"; do
   c="--cache-mb $mb"
-  # every lever spelled out: bmoe-cli's defaults (--overlap --spec-gate) follow this benchmark
+  # every lever spelled out: bmoe-cli's defaults follow this benchmark (--overlap on, --prefetch and --spec-gate off)
   configs+=(--config "serial-$mb=$c --no-overlap --no-spec-gate"
             --config "overlap-$mb=$c --overlap --no-spec-gate"
             --config "overlap-p1-$mb=$c --overlap --prefetch 1 --no-spec-gate"

@@ -202,7 +202,9 @@ def csv_summary(t: RunTotals, hit_pct: float) -> str:
 # ---- parsing -------------------------------------------------------------------------------------
 
 _TAGGED = re.compile(r"^BMOE_([A-Z]+) (\{.*\})$")
-_NUM = r"(-?[\d.]+)"
+# a number as the writers print it (`:.2f`, `:g`), nan and inf included: a run that divided by zero still parses
+_NUM = r"(-?(?:\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|nan|inf))"
+_NOTICE = "bmoe: "  # how bmoe-cli's notices on stderr begin
 SUMMARY_GRAMMAR = {
     "generation": re.compile(rf"^generation: (\d+) tokens, {_NUM} s/token \({_NUM} tok/s\)$"),
     "moe-stream": re.compile(
@@ -285,17 +287,44 @@ def parse_output(stdout: str) -> ParsedRun:
     return ParsedRun(events, summary, None if answer_lines is None else "\n".join(answer_lines), stray)
 
 
+def parse_run_summary(stdout: str, stderr: str = "") -> dict[str, dict[str, Any]]:
+    """A run's end-of-run lines by kind, with or without --progress (`parse_output` needs --progress).
+
+    They are the last lines of stdout, from the last `generation:` line on, so an answer that
+    happens to contain such a line cannot pass for them. A kind stdout lacks is taken from a notice
+    on stderr: bmoe-cli prints `bmoe: moe-prefetch: ...` there for --spec-gate without --prefetch.
+    """
+    parsed = [parse_summary(line) for line in stdout.splitlines()]
+    starts = [i for i, p in enumerate(parsed) if p and p[0] == "generation"]
+    summary = dict(p for p in parsed[starts[-1]:] if p) if starts else {}
+    notices = (parse_summary(line[len(_NOTICE):]) for line in stderr.splitlines()
+               if line.startswith(_NOTICE))
+    return {**dict(p for p in notices if p), **summary}
+
+
+def _numbers(pairs: Iterable[tuple[Any, Any]]) -> dict[str, float]:
+    """The pairs whose value is a number: a run killed mid-line leaves a cut value behind."""
+    out = {}
+    for k, v in pairs:
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
 def read_csv(text: str) -> tuple[list[dict[str, float]], dict[str, float]]:
-    """Rows by column name (older files without the trailing columns read as 0) and the summary."""
+    """Rows by column name (older files without the trailing columns read as 0) and the summary;
+    a value that is not a number is left out of its row."""
     rows, summary = [], {}
     data_lines = []
     for line in text.splitlines():
         if line.startswith("# summary"):
-            summary = {k: float(v) for k, v in (kv.split("=", 1) for kv in line[len("# summary"):].split())}
-        elif line and not line.startswith("#"):
+            summary = _numbers(kv.split("=", 1) for kv in line[len("# summary"):].split() if "=" in kv)
+        elif line.strip() and not line.startswith("#"):
             data_lines.append(line)
     for rec in csv.DictReader(io.StringIO("\n".join(data_lines))):
-        row = {k: float(v) for k, v in rec.items() if k is not None and v not in (None, "")}
+        row = _numbers(rec.items())  # a row longer than the header puts a list under None: left out
         for col in CSV_OPTIONAL:
             row.setdefault(col, 0.0)
         rows.append(row)

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bmoe.tools import bench, bench_io, bench_sys
+from bmoe.tools import bench, bench_config, bench_io, bench_numbers, bench_sys
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = {"config", "flags", "repeat", "phase", "round", "tok_s", "s_per_token_median", "s_per_token_p95",
@@ -61,10 +61,10 @@ def bench_cmd(model: Path, out: Path, *extra: str) -> list[str]:
 # ---- pure parts --------------------------------------------------------------------------------
 
 def test_parse_config_accepts_name_and_shell_flags() -> None:
-    c = bench.parse_config("c1g=--cache-mb 1024 --io-threads 4")
+    c = bench_config.parse_config("c1g=--cache-mb 1024 --io-threads 4")
     assert (c.name, c.flags) == ("c1g", ["--cache-mb", "1024", "--io-threads", "4"])
-    assert bench.parse_config("plain=").flags == []
-    assert bench.parse_config("q='--cache-mb' \"0\"").flags == ["--cache-mb", "0"]
+    assert bench_config.parse_config("plain=").flags == []
+    assert bench_config.parse_config("q='--cache-mb' \"0\"").flags == ["--cache-mb", "0"]
 
 
 @pytest.mark.parametrize("text, why", [
@@ -73,7 +73,7 @@ def test_parse_config_accepts_name_and_shell_flags() -> None:
 ])
 def test_parse_config_rejects_bad_syntax(text: str, why: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=why):
-        bench.parse_config(text)
+        bench_config.parse_config(text)
 
 
 def test_bad_config_is_a_usage_error(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,8 +94,8 @@ def test_missing_model_and_duplicate_names_are_clear_errors(tiny: Path, tmp_path
 
 
 def test_schedule_is_round_robin() -> None:
-    cs = [bench.Config(n, []) for n in ("a", "b", "c")]
-    plan = bench.schedule(cs, warmup=1, repeats=2)
+    cs = [bench_config.Config(n, []) for n in ("a", "b", "c")]
+    plan = bench_config.schedule(cs, warmup=1, repeats=2)
     assert [(p, r, c.name) for p, r, c in plan] == [
         ("warmup", 0, "a"), ("warmup", 0, "b"), ("warmup", 0, "c"),
         ("measure", 0, "a"), ("measure", 0, "b"), ("measure", 0, "c"),
@@ -116,24 +116,36 @@ CSV = """step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,m
 """
 
 
-def test_parse_run_summary_and_csv() -> None:
-    r = bench.parse_run(STDOUT)
+def test_run_numbers_from_summary_and_csv() -> None:
+    r = bench_numbers.run_numbers(STDOUT)
     assert r["tokens"] == 4 and r["tok_s"] == 40.0 and r["s_per_token"] == 0.025
     assert r["s_per_token_p95"] == 0.025 and r["p95_source"] == "summary"
     assert r["mib_read"] == 8.0 and r["mib_per_token"] == 2.0 and r["stall_s_per_token"] == 0.0031
     assert r["cache_hit_pct"] == 37.5 and r["cache_resident_mib"] == 1.2
-    r = bench.parse_run(STDOUT, CSV)
+    r = bench_numbers.run_numbers(STDOUT, CSV)
     assert r["p95_source"] == "csv"
     assert r["s_per_token_median"] == pytest.approx(0.025)
     assert r["s_per_token_p95"] == pytest.approx(0.0385)
     assert r["steady_mib_per_token"] == pytest.approx(100 / (1 << 20))
     assert r["tok_s"] == pytest.approx(40.0) and r["s_per_token"] == pytest.approx(0.025)
-    steady = bench.parse_run(STDOUT, CSV, skip_tokens=2)
+    steady = bench_numbers.run_numbers(STDOUT, CSV, skip_tokens=2)
     assert steady["s_per_token_median"] == pytest.approx(0.035) and steady["tok_s"] == pytest.approx(40.0)
-    assert bench.parse_run(STDOUT, CSV, skip_tokens=9)["s_per_token_median"] == pytest.approx(0.025)
-    serial = bench.parse_run(STDOUT.replace(" stall_s/tok=0.0031", ""))
+    assert bench_numbers.run_numbers(STDOUT, CSV, skip_tokens=9)["s_per_token_median"] == pytest.approx(0.025)
+    serial = bench_numbers.run_numbers(STDOUT.replace(" stall_s/tok=0.0031", ""))
     assert serial["mib_per_token"] == 2.0 and serial["stall_s_per_token"] is None
-    assert bench.parse_run("error\n")["tok_s"] is None
+    assert bench_numbers.run_numbers("error\n")["tok_s"] is None
+
+
+def test_run_numbers_reads_ahead_from_stdout_or_the_stderr_notice() -> None:
+    prefetch = "moe-prefetch: 2.00 MiB speculative, 3/4 experts useful (75.0%)"
+    gate = "moe-spec-gate: 81.5% router prediction recall (auto-disabled below 75%)"
+    # --spec-gate without --prefetch: bmoe-cli gives the moe-prefetch numbers as a notice on stderr
+    r = bench_numbers.run_numbers(STDOUT + gate + "\n", stderr=f"bmoe: {prefetch}\n")
+    assert r["spec_mib_per_token"] == 0.5 and r["useful_pct"] == 75.0
+    assert r["spec_recall_pct"] == 81.5 and r["spec_disabled"] is True
+    both = bench_numbers.run_numbers(STDOUT + prefetch + "\n", stderr=f"bmoe: {prefetch.replace('2.00', '8.00')}\n")
+    assert both["spec_mib_per_token"] == 0.5 and both["spec_recall_pct"] is None
+    assert bench_numbers.run_numbers("", stderr=f"bmoe: {prefetch}\n")["spec_mib_per_token"] is None
 
 
 def test_bandwidth_reads_aligned_expert_slices(tiny: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -92,6 +93,36 @@ def test_older_csv_without_trailing_columns_parses() -> None:
     rows, summary = telemetry.read_csv(old)
     assert rows[1]["cache_hit_pct"] == 75.0 and rows[0]["stall_ms"] == 0.0 and rows[0]["mgmt_ms"] == 0.0
     assert summary == {"tokens": 2.0, "s/tok": 0.0055}
+
+
+def test_run_summary_with_or_without_progress() -> None:
+    t = telemetry.RunTotals(tokens=4, wall_s=0.1, io_s=0.05, mgmt_s=0.01, stall_s=0.0, read_bytes=8 << 20)
+    tail = [telemetry.generation_line(t), telemetry.stream_line(t)]
+    quoted = ["the log said", "generation: 9 tokens, 9.9000 s/token (0.10 tok/s)",
+              telemetry.cache_line(99.0, 9 << 20)]  # an answer quoting summary lines is not the summary
+    plain = "\n".join([*quoted, *tail]) + "\n"
+    progress = "\n".join([telemetry.ANSWER_BANNER, *quoted, telemetry.PERF_BANNER, *tail]) + "\n"
+    summary = telemetry.parse_run_summary(plain)
+    assert list(summary) == ["generation", "moe-stream"] and summary["generation"]["tokens"] == 4
+    assert telemetry.parse_run_summary(progress) == summary == telemetry.parse_output(progress).summary
+    assert telemetry.parse_run_summary("no summary\n") == {}
+
+
+def test_run_summary_takes_notices_and_nan() -> None:
+    t = telemetry.RunTotals(tokens=2, wall_s=0.1, io_s=0.0, mgmt_s=0.0, stall_s=0.0, read_bytes=0)
+    stdout = f"{telemetry.generation_line(t)}\n{telemetry.cache_line(float('nan'), 0)}\n"
+    notice = f"bmoe: {telemetry.prefetch_line(3 << 20, 1, 4)}\n"
+    summary = telemetry.parse_run_summary(stdout, "bmoe: lanes started\n" + notice)
+    assert math.isnan(summary["moe-cache"]["hit_pct"])
+    assert summary["moe-prefetch"] == {"speculative_mib": 3.0, "useful": 1, "prefetched": 4, "useful_pct": 25.0}
+    assert "moe-prefetch" not in telemetry.parse_run_summary(stdout, notice.removeprefix("bmoe: "))
+
+
+def test_csv_cut_short_by_a_kill_still_parses() -> None:
+    text = "step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct\n1,2,5.0,1.0,4.0,4096,50.0\n2,2,6.0,0.0,-"
+    rows, summary = telemetry.read_csv(text)
+    assert rows[1]["wall_ms"] == 6.0 and "compute_ms" not in rows[1] and rows[0]["read_bytes"] == 4096
+    assert summary == {}
 
 
 def test_profile_lists_each_lane_and_their_reads_match(model: str, tmp_path) -> None:

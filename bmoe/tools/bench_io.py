@@ -149,12 +149,3 @@ def measure(paths: list[Path], tensors: list[ExpertTensor], total_mb: float, thr
     total = sum(done)
     return Bandwidth(threads, total / MiB / dt if dt > 0 else 0.0, total, len(reqs), dt,
                      "O_DIRECT" if direct else "buffered+DONTNEED")
-
-
-def request_sizes(tensors: list[ExpertTensor]) -> dict[int, int]:
-    """Aligned request size -> number of expert tensors that issue it (expert 1's superset)."""
-    sizes: dict[int, int] = {}
-    for t in tensors:
-        n = t.request(min(1, t.n_expert - 1))[1]
-        sizes[n] = sizes.get(n, 0) + 1
-    return sizes

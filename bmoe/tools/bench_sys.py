@@ -98,10 +98,6 @@ class CgroupHierarchy:
     root: Path  # the mount point of the hierarchy holding the memory controller
     parent: Path  # where per-run cgroups are created
 
-    @property
-    def label(self) -> str:
-        return f"cgroup v{self.version} at {self.parent}"
-
 
 def find_cgroup(parent: str | None = None) -> CgroupHierarchy | None:
     """The memory-controller hierarchy, v1 preferred; None when there is none."""

@@ -1,0 +1,87 @@
+"""`bmoe-bench run`'s configurations: a name and the bmoe-cli flags it runs with, and their order.
+
+The benchmark sets some bmoe-cli flags itself (CONTROLLED); a configuration may not override them,
+or its runs would not measure what the report says they measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from dataclasses import dataclass
+
+from bmoe.settings import StreamSettings
+
+BASELINE_NAME = "mmap"
+BASELINE_FLAGS = ["--no-stream"]
+# bmoe-cli options the benchmark sets itself; a configuration may not override them.
+CONTROLLED = {"-m", "--model", "-p", "--prompt", "-f", "--file", "-n", "--n-predict", "--csv"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+@dataclass
+class Config:
+    """bmoe-cli flags under a name; the name labels the configuration's runs, log files and rows."""
+
+    name: str
+    flags: list[str]
+
+    @property
+    def text(self) -> str:
+        return shlex.join(self.flags)
+
+
+def parse_config(text: str) -> Config:
+    """`NAME=FLAGS` (FLAGS split like a shell would) -> Config."""
+    name, eq, flags = text.partition("=")
+    name = name.strip()
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME='FLAGS', e.g. --config c1g='--cache-mb 1024 --io-threads 4'")
+    if not _NAME.match(name):
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: a configuration name is letters, digits and _.+- (it names files)")
+    try:
+        argv = shlex.split(flags)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot split the flags ({e})") from None
+    for f in argv:
+        if f.split("=", 1)[0] in CONTROLLED:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {f.split('=', 1)[0]} is set by bmoe-bench itself (-m/-p/-f/-n/--csv); "
+                "pass it to bmoe-bench instead")
+    return Config(name, argv)
+
+
+def parse_common(text: str) -> list[str]:
+    """`--common 'FLAGS'` -> the flags; the benchmark's own flags are refused as in a configuration."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot split the flags ({e})") from None
+    bad = [f for f in argv if f.split("=", 1)[0] in CONTROLLED]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]} is set by bmoe-bench itself (-m/-p/-f/-n/--csv)")
+    return argv
+
+
+def io_threads_of(flags: list[str]) -> int:
+    """The I/O lanes bmoe-cli runs with under these flags: the bandwidth to compare it with is the
+    one measured at that thread count."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--io-threads", type=int, default=None)
+    try:
+        ns, _ = p.parse_known_args(flags)
+    except SystemExit:
+        ns = argparse.Namespace(io_threads=None)
+    return ns.io_threads or StreamSettings.io_threads
+
+
+def schedule(configs: list[Config], warmup: int, repeats: int) -> list[tuple[str, int, Config]]:
+    """(phase, round, config) in run order: rounds of every configuration, round-robin."""
+    out = []
+    for phase, rounds in (("warmup", warmup), ("measure", repeats)):
+        for r in range(rounds):
+            out.extend((phase, r, c) for c in configs)
+    return out
