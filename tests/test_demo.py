@@ -18,8 +18,8 @@ import gguf
 import numpy as np
 import pytest
 
-from bmoe.tools import demo
 from bmoe.coordinator import Engine
+from bmoe.tools import demo, demo_routers, demo_write
 from bmoe.model_files import open_model
 from bmoe.expert_cache import file_regions, working_sets
 from bmoe.units import MiB
@@ -111,37 +111,38 @@ def test_file_is_a_llama_moe_with_copied_experts(model: Path) -> None:
             assert np.array_equal(down[0, :, 2:], down[e, :, 2:])
             nz = scale[0] != 0
             ratio = np.median(scale[e][nz] / scale[0][nz])
-            want = demo.signature_gain(layer, e, TOP_K) / demo.signature_gain(layer, 0, TOP_K)
+            want = demo_routers.signature_gain(layer, e, TOP_K) / demo_routers.signature_gain(layer, 0, TOP_K)
             assert abs(ratio - want) < 2e-3, (layer, e, ratio, want)
 
 
 def test_neighbouring_experts_differ_by_at_least_the_gain() -> None:
     for layer, top_k in ((0, 2), (7, 8)):
-        s = demo.signature_scale(top_k)
-        g = [demo.signature_gain(layer, e, top_k) for e in range(64)]
+        s = demo_routers.signature_scale(top_k)
+        g = [demo_routers.signature_gain(layer, e, top_k) for e in range(64)]
         assert all(abs(a - b) >= s - 1e-12 for a, b in zip(g, g[1:]))
         assert all(s / 2 <= abs(x - 1) <= s for x in g)
-    assert demo.signature_scale(2) < demo.signature_scale(8) <= 0.3
+    assert demo_routers.signature_scale(2) < demo_routers.signature_scale(8) <= 0.3
 
 
 def test_routers_are_deterministic_and_use_every_expert() -> None:
     rng = np.random.default_rng(0)
     states = rng.standard_normal((600, 64)).astype(np.float32) + 3 * rng.standard_normal(64).astype(np.float32)
-    w1, s1 = demo.make_router(states, 16, 4, seed=5)
-    w2, s2 = demo.make_router(states, 16, 4, seed=5)
+    w1, s1 = demo_routers.make_router(states, 16, 4, seed=5)
+    w2, s2 = demo_routers.make_router(states, 16, 4, seed=5)
     assert np.array_equal(w1, w2) and s1 == s2
     ids = np.argsort(-(states @ w1.T), axis=1)[:, :4]
     assert len(np.unique(ids[:, 0])) == 16
-    p = demo._softmax(states @ w1.T)
+    p = demo_routers._softmax(states @ w1.T)
     mass = np.sort(p, axis=1)[:, -4:].sum(axis=1).mean()
-    assert abs(mass - demo.TOPK_MASS) < 0.01
+    assert abs(mass - demo_routers.TOPK_MASS) < 0.01
 
 
 def test_size_and_names() -> None:
-    assert demo.experts_for_size(5.5) == 64
-    assert demo.experts_for_size(1.4) == 16
+    src = demo.source_model()
+    assert demo_write.experts_for_size(5.5, src) == 64
+    assert demo_write.experts_for_size(1.4, src) == 16
     with pytest.raises(ValueError):
-        demo.experts_for_size(0.05)
+        demo_write.experts_for_size(0.05, src)
     p = demo.default_path(16, 4)
     assert p.parent == demo.cache_dir() and "e16" in p.name and "k4" in p.name
 
@@ -157,6 +158,16 @@ def test_cli(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert demo.main(["--experts", str(EXPERTS), "--top-k", str(TOP_K), "-q"]) == 0  # cached: no rebuild
     assert capsys.readouterr().out.strip() == str(model)
+
+
+def test_stats_come_from_a_cli_route_trace(model: Path) -> None:
+    r = demo.routing_report(model, n_predict=24)
+    assert 2 <= r["tokens"] <= 24
+    assert r["uniform_reuse"] == 100 * TOP_K / EXPERTS
+    assert all(0 <= r[k] <= 100 for k in r if k != "tokens")
+    assert r["reuse"] > r["uniform_reuse"]  # routing follows the text, not chance
+    assert r["next_layer_recall"] > 0 and r["busiest_quarter"] >= 25
+    assert r["lru_hit_50"] >= r["lru_hit_25"] and r["lru_hit_50"] > 0
 
 
 def test_default_model_budget_is_a_quarter(model: Path, quarter_mb: float, monkeypatch: pytest.MonkeyPatch) -> None:

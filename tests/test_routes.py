@@ -9,6 +9,7 @@ import pytest
 
 from bmoe import routers
 from bmoe.route_trace import Trace
+from bmoe.tools import route_stats
 from tests.conftest import run_cli
 
 PROMPT = "The engineers tested the bridge with heavy trucks and measured how far the deck would bend"
@@ -51,3 +52,13 @@ def test_bench_routes_reports_reuse_recall_and_lru_curve(synth, tmp_path) -> Non
     curve = [float(x) for x in re.findall(r"(\d+)%: ([\d.]+)% hit", r.stdout) for x in x[1:]]
     assert 0 <= reuse <= 100 and 0 < recall <= 100
     assert len(curve) == 4 and curve[-1] >= curve[0] and curve[-1] > 0
+
+
+def test_concentration_figures_of_a_trace() -> None:
+    """Layer 0 sends 3 of 4 routes to expert 0; layer 1 spreads evenly over the 8 experts."""
+    routes = [{0: [0, 1], 1: [0, 1]}, {0: [0, 2], 1: [2, 3]}, {0: [0, 3], 1: [4, 5]}, {0: [0, 4], 1: [6, 7]}]
+    t = Trace({"top_k": 2, "n_expert": 8}, [0, 1], routes, None)
+    assert route_stats.uniform_reuse(t) == 25.0
+    # the busiest 2 of 8 experts: 5 of layer 0's 8 routes, 2 of layer 1's 8
+    assert route_stats.busiest_quarter(t) == pytest.approx(100 * (5 / 8 + 2 / 8) / 2)
+    assert route_stats.previous_token_reuse(t) == pytest.approx(100 * 3 / 12)

@@ -11,6 +11,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from bmoe.llama import new_context
 from bmoe.tools import synth
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away into the dark forest."
@@ -49,12 +50,7 @@ class _Run:
         self.model = llama_cpp.llama_model_load_from_file(
             str(path).encode(), llama_cpp.llama_model_default_params())
         assert self.model, f"llama.cpp refused {path}"
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = 256
-        cparams.n_threads = cparams.n_threads_batch = 2
-        cparams.cb_eval = self._cb
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
-        assert self.ctx
+        self.ctx = new_context(self.model, 256, threads=2, eval_cb=self._cb)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
 

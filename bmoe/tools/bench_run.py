@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bmoe import flags
 from bmoe.tools import bench_io, bench_machine, bench_report, bench_sys
 from bmoe.tools.bench_config import BASELINE_FLAGS, BASELINE_NAME, Config, schedule
 from bmoe.tools.bench_numbers import run_numbers
@@ -40,16 +41,12 @@ def notice(msg: str) -> None:
 
 
 def check_cli_flags(configs: list[Config], common: list[str]) -> None:
-    """Reject flags bmoe-cli would reject, before any run starts (best effort)."""
-    try:
-        from bmoe.cli import build_parser
-    except Exception:  # noqa: BLE001 - the CLI is optional for this check
-        return
+    """Reject flags bmoe-cli would reject, alone or together, before any run starts."""
     for c in configs:
-        p = build_parser()
+        p = flags.build_parser()
         p.exit_on_error = False
         try:
-            p.parse_args(["-m", "x.gguf", *common, *c.flags])
+            flags.check(p, p.parse_args(["-m", "x.gguf", *common, *c.flags]))
         except argparse.ArgumentError as e:
             raise BenchError(f"configuration {c.name!r}: bmoe-cli rejects its flags: {e}") from None
         except SystemExit:

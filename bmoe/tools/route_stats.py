@@ -1,7 +1,8 @@
-"""What a route trace says: previous-token reuse, next-layer router recall, LRU hit rate by budget.
+"""What a route trace says: previous-token reuse, expert concentration, next-layer router recall, LRU
+hit rate by budget.
 
-`bmoe-bench routes PATH` prints `report`; `replay` runs a trace through the live cache and is
-what `bmoe-bench policies` (bmoe.tools.policy_sim) is built on.
+`bmoe-bench routes PATH` prints `report` and `bmoe-demo --stats` its own summary; `replay` runs a
+trace through the live cache and is what `bmoe-bench policies` (bmoe.tools.policy_sim) is built on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,24 @@ def previous_token_reuse(t: Trace) -> float:
             same += len(now & set(prev.get(layer, ())))
             total += len(now)
     return 100.0 * same / total if total else 0.0
+
+
+def uniform_reuse(t: Trace) -> float:
+    """`previous_token_reuse` if routing were uniformly random (top_k / n_expert): its scale."""
+    return 100.0 * int(t.header["top_k"]) / int(t.header["n_expert"])
+
+
+def busiest_quarter(t: Trace) -> float:
+    """Share of a layer's routes taken by its busiest quarter of experts, averaged over layers:
+    how much a cache holding the popular experts could serve."""
+    n_expert = int(t.header["n_expert"])
+    shares = []
+    for layer in t.layers:
+        ids = [e for step in t.routes for e in step.get(layer, ())]
+        if ids:
+            counts = np.sort(np.bincount(ids, minlength=n_expert))[::-1]
+            shares.append(counts[: max(1, n_expert // 4)].sum() / counts.sum())
+    return 100.0 * float(np.mean(shares)) if shares else 0.0
 
 
 def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> float:

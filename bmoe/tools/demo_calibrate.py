@@ -1,0 +1,182 @@
+"""The demo's calibration: every layer's router input, captured while dense SmolLM2 reads real text.
+
+The router input of the MoE graph is the RMS-normed FFN input, the graph node `ffn_norm-L`
+(src/models/llama.cpp), which is what `ffn_gate_inp` multiplies. The dense model computes the
+same node, so its states over `bmoe.tools.calibration_text` are what the routers are fitted to.
+The states do not depend on the expert count: they are kept in the cache dir and shared by
+every demo size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+CALIBRATION_VERSION = 1  # bump when calibrate() captures something else (it keys the cached states)
+NORM_NODE = b"ffn_norm-"  # router input in llama.cpp's llama graph: cb(cur, "ffn_norm", il)
+_NODE_NAME = re.compile(rb"^ffn_norm-(\d+)$")
+
+
+class _NodeCapture:
+    """cb_eval hook that copies each `ffn_norm-L` node ([n_embd, n_tokens] F32) as it is computed."""
+
+    def __init__(self, n_layer: int) -> None:
+        import llama_cpp
+
+        from bmoe import seam
+
+        self._seam = seam
+        self.rows: list[list[np.ndarray]] = [[] for _ in range(n_layer)]
+        self.error: BaseException | None = None
+        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+
+    def _callback(self, t: int, ask: bool, _user: int) -> bool:
+        try:
+            if ctypes.string_at(t + self._seam.NAME_OFFSET, len(NORM_NODE)) != NORM_NODE:
+                return False
+            m = _NODE_NAME.match(ctypes.string_at(t + self._seam.NAME_OFFSET))
+            if m is None:  # not views named "ffn_norm-3 (reshaped)" and the like
+                return False
+            if ask:
+                return True
+            layer = int(m.group(1))
+            node = self._seam.tensor_at(t)
+            n_embd, n_tok = int(node.ne[0]), int(node.ne[1])
+            if node.type != 0 or int(node.nb[0]) != 4 or int(node.nb[1]) != 4 * n_embd:
+                raise RuntimeError(f"ffn_norm-{layer} is not a contiguous F32 tensor")
+            buf = (ctypes.c_float * (n_embd * n_tok)).from_address(node.data)
+            self.rows[layer].append(np.ctypeslib.as_array(buf).reshape(n_tok, n_embd).copy())
+            return True
+        except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
+            self.error = e
+            return False
+
+
+def _render_dialogue(model: object, turns: tuple[tuple[str, str], ...]) -> str:
+    """A whole dialogue in SmolLM2's own chat template, so calibration sees chat as the CLI sends it."""
+    import llama_cpp
+
+    tmpl = llama_cpp.llama_model_chat_template(model, None)
+    msgs = (llama_cpp.llama_chat_message * len(turns))()
+    keep = []
+    for i, (role, text) in enumerate(turns):
+        r, c = role.encode(), text.encode()
+        keep += [r, c]
+        msgs[i].role, msgs[i].content = r, c
+    cap = 4 * sum(len(t) for _, t in turns) + 4096
+    buf = ctypes.create_string_buffer(cap)
+    n = llama_cpp.llama_chat_apply_template(tmpl, msgs, len(turns), False, buf, cap)
+    if n < 0 or n > cap:
+        raise RuntimeError("llama.cpp could not render SmolLM2's chat template")
+    return buf.raw[:n].decode()
+
+
+def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[np.ndarray]:
+    """Router-input states of every layer over the calibration text: one [n_tokens, n_embd] array per layer.
+
+    Each passage is one sequence decoded with logits requested for every token, so the last
+    layer (which llama.cpp computes only for output rows) sees every token too. The first token
+    of each passage is dropped: its state is the attention-sink outlier every sequence has.
+    """
+    import llama_cpp
+
+    from bmoe.tools.calibration_text import DIALOGUES, PASSAGES
+    from bmoe.llama import Vocab, init_backend, load_model, new_context
+
+    init_backend()
+    model = load_model(src)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {src}")
+    ctx = batch = None
+    try:
+        cap = _NodeCapture(llama_cpp.llama_model_n_layer(model))
+        vocab = Vocab(model)
+        texts = list(PASSAGES) + [_render_dialogue(model, d) for d in DIALOGUES]
+        docs = [vocab.tokenize(t, add_special=False) for t in texts]
+        longest = max(len(d) for d in docs)
+        n_ctx = 1 << max(8, math.ceil(math.log2(longest)))
+        ctx = new_context(model, n_ctx, threads, cap.c_callback, n_ubatch=n_ctx)
+        batch = llama_cpp.llama_batch_init(longest, 0, 1)
+        total = sum(len(d) for d in docs)
+        done, last = 0, 0.0
+        mem = llama_cpp.llama_get_memory(ctx)
+        for doc in docs:
+            llama_cpp.llama_memory_clear(mem, True)
+            batch.n_tokens = len(doc)
+            for i, tok in enumerate(doc):
+                batch.token[i] = tok
+                batch.pos[i] = i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            before = [len(r) for r in cap.rows]
+            rc = llama_cpp.llama_decode(ctx, batch)
+            if cap.error is not None:
+                raise cap.error
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} during calibration")
+            for layer, rows in enumerate(cap.rows):
+                got = sum(r.shape[0] for r in rows[before[layer]:])
+                if got != len(doc):
+                    raise RuntimeError(f"layer {layer} produced {got} router-input rows for {len(doc)} tokens")
+                # drop position 0 (first row of this document's first chunk)
+                rows[before[layer]] = rows[before[layer]][1:]
+            done += len(doc)
+            now = time.monotonic()
+            if now - last >= 1.0 or done == total:
+                last = now
+                say(f"calibration: {done}/{total} tokens ({100 * done // total}%)")
+        return [np.concatenate(r) for r in cap.rows]
+    finally:
+        if batch is not None:
+            llama_cpp.llama_batch_free(batch)
+        if ctx:
+            llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+
+
+def _calibration_key(src: Path) -> str:
+    """What the states depend on: the source file, this capture, llama.cpp's version and the text."""
+    import llama_cpp
+
+    from bmoe.tools import calibration_text
+
+    h = hashlib.sha256()
+    with open(src, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    h.update(repr((CALIBRATION_VERSION, llama_cpp.__version__, calibration_text.PASSAGES,
+                   calibration_text.DIALOGUES)).encode())
+    return h.hexdigest()[:16]
+
+
+def calibration_states(src: Path, cache: Path, say: Callable[[str], None]) -> list[np.ndarray]:
+    """`calibrate`'s states rounded to float16, kept in `cache` so that every demo size built
+    there shares one calibration run."""
+    path = cache / f"calibration-{_calibration_key(src)}.npy"
+    try:
+        states = np.load(path)
+        if states.ndim == 3 and states.dtype == np.float16:
+            say(f"calibration: reusing {path}")
+            return list(states)
+    except (OSError, ValueError):
+        pass
+    states = np.stack(calibrate(src, say)).astype(np.float16)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, states)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        say(f"calibration: could not keep {path} ({e.strerror}); continuing")
+    return list(states)
