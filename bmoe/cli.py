@@ -84,7 +84,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
                 csv_file.write(telemetry.csv_row(line) + "\n")
 
         res = engine.generate(tokens, a.n_predict, on_token)
-        engine.files.check_unchanged("the answer above may not be the model's; run again")
+        engine.check_model_unchanged("the answer above may not be the model's; run again")
         if a.progress:
             out.write(f"{telemetry.ANSWER_BANNER}\n{res.text}\n{telemetry.PERF_BANNER}\n")
         else:

@@ -206,9 +206,21 @@ class Engine:
         """The chat template stored in the GGUF, if any."""
         return llama_cpp.llama_model_chat_template(self.model, None) or None
 
+    @property
+    def arch(self) -> str:
+        return self.files.arch
+
     def prompt_tokens(self, prompt: str, chat: bool) -> list[int]:
-        text = self.vocab.chat_prompt(prompt) if chat else prompt
+        """The prompt's tokens, wrapped in the model's chat template with `chat`."""
+        return self.tokenize(self.vocab.chat_prompt(prompt) if chat else prompt)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""
         return self.vocab.tokenize(text, add_special=True)
+
+    def check_model_unchanged(self, fix: str) -> None:
+        """ModelError when a model file changed since the load (the offsets bmoe reads describe the old one)."""
+        self.files.check_unchanged(fix)
 
     def check_fits(self, n_tokens: int, n_predict: int, fix: str) -> None:
         """The one prompt check: `n_tokens` in the KV after prefill, plus `n_predict`, must fit the context."""

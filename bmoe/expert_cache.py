@@ -336,14 +336,6 @@ class ExpertCache:
         self.giving_back.clear()
         return n
 
-    def layer_working_set(self, top_k: int) -> int:
-        """Bytes of the largest layer's routed set for one token: below it a layer cannot run."""
-        return max(working_sets(self.regions, top_k).values())
-
-    def token_working_set(self, top_k: int) -> int:
-        """Bytes one decode token routes through: every MoE layer's set together (see working_sets)."""
-        return sum(working_sets(self.regions, top_k).values())
-
 
 def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
     """Per MoE layer, the bytes its `top_k` experts are charged (whole slots, as the cache charges them).

@@ -44,7 +44,6 @@ class GgmlTensor(ctypes.Structure):
 
 
 NAME_OFFSET = GgmlTensor.name.offset
-OP_OFFSET = GgmlTensor.op.offset
 TOPK_PREFIX = b"ffn_moe_topk-"
 DOWN_INPUT_PREFIX = b"ffn_moe_"  # every down-matmul input seen so far (swiglu, swiglu_oai, ...)
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input

@@ -248,11 +248,11 @@ class Session:
             self.out.line(tag, obj)
 
     def run(self, req: Generate) -> None:
-        self.engine.files.check_unchanged("restart the session to load it again")  # fatal: see the notes
+        self.engine.check_model_unchanged("restart the session to load it again")  # fatal: see the notes
         base = [] if req.clear_kv else self.messages
         msgs = base + [{"role": "user", "content": req.prompt}]
         try:
-            tokens = self.engine.vocab.tokenize(self.renderer.render(msgs, req.think), add_special=True)
+            tokens = self.engine.tokenize(self.renderer.render(msgs, req.think))
             self.engine.check_fits(len(tokens), req.n_predict, CONTEXT_FIX)
         except ConfigError as e:
             self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
@@ -360,7 +360,7 @@ def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
     try:
         engine = Engine(flags.resolve_model(a, settings), notice=console.notice)
         session = Session(engine, out, a.n_predict)
-        out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.files.arch, "n_ctx": engine.n_ctx})
+        out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.arch, "n_ctx": engine.n_ctx})
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",
                          daemon=True).start()
         session.serve()

@@ -1,0 +1,96 @@
+"""The layout's rules, checked on the source: imports point one way, tools stay beside the product,
+and the light modules stay light (no llama.cpp until a model loads)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "bmoe"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _imports(path: Path) -> set[str]:
+    """bmoe modules a file imports, at the top or inside functions; `if TYPE_CHECKING:` blocks aside."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in MODULES)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bmoe":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in MODULES else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in out if m in MODULES}
+
+
+GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+
+
+def _reach(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_import_graph_is_read_from_the_source() -> None:
+    """The checks below see real edges (a walker that found none would pass them all)."""
+    assert {"bmoe.streamer", "bmoe.settings", "bmoe.seam"} <= GRAPH["bmoe.coordinator"]
+    assert "bmoe.session" in GRAPH["bmoe.cli"]  # a lazy import inside main() counts too
+    assert "bmoe.streamer" not in GRAPH["bmoe.readahead"], "TYPE_CHECKING imports are not edges"
+
+
+def test_no_import_cycles() -> None:
+    cycles = sorted(name for name in GRAPH if name in _reach(name))
+    assert not cycles, f"modules that import themselves through others: {cycles}"
+
+
+def test_the_coordinator_never_imports_the_tools() -> None:
+    assert not [m for m in _reach("bmoe.coordinator") if m.startswith("bmoe.tools")]
+
+
+def test_only_the_flags_reach_into_the_tools_for_the_demo_model() -> None:
+    """A no-argument bmoe-cli runs the demo model, which the flags build on first use; no other
+    product module imports a tool."""
+    into_tools = {name: sorted(m for m in deps if m.startswith("bmoe.tools"))
+                  for name, deps in GRAPH.items() if not name.startswith("bmoe.tools")}
+    assert {name: deps for name, deps in into_tools.items() if deps} == {"bmoe.flags": ["bmoe.tools.demo"]}
+
+
+def test_workers_import_only_what_moves_bytes_or_predicts() -> None:
+    for worker in ("bmoe.workers.io_lane", "bmoe.workers.spec_gate"):
+        assert not _reach(worker) & {"bmoe.coordinator", "bmoe.streamer", "bmoe.expert_cache", "bmoe.cli"}, worker
+
+
+@pytest.mark.parametrize("module", ["bmoe", "bmoe.session_client", "bmoe.protocol", "bmoe.telemetry",
+                                    "bmoe.settings", "bmoe.flags", "bmoe.tools.bench"])
+def test_light_modules_do_not_load_llama_cpp(module: str) -> None:
+    code = f"import sys, {module}; print('llama_cpp' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False", f"importing {module} loads llama.cpp"
