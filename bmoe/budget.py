@@ -1,14 +1,19 @@
-"""How big the expert cache may be: the `--cache-mb` rules, pure (the caller reads the machine).
+"""How big the expert cache may be: the `--cache-mb` rules and how an adaptive budget moves, pure
+(the caller reads the machine: bmoe.memory).
 
 A budget below one layer's routed set cannot run at all; below one token's working set (every
 MoE layer's top-k, page-rounded as the cache charges them) it only thrashes, so it is refused
-unless forced, and `auto` falls back to no cache instead.
+unless forced, and `auto` falls back to no cache instead. `auto` takes the least room any limit
+leaves (a cgroup's, the machine's, an rlimit's) minus the floor; while running, `Adaptive` gives
+memory back as soon as the room falls under the floor and takes it again, with hysteresis, once
+it has stayed free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bmoe.memory import Room
 from bmoe.settings import CacheSettings, ConfigError
 from bmoe.units import MiB
 
@@ -18,13 +23,26 @@ def mib_up(nbytes: int) -> str:
     return f"{-(-nbytes * 10 // MiB) / 10:g}"
 
 
-def auto_cache_bytes(expert_bytes: int, available: int, floor_mb: float,
+def floor(cache: CacheSettings, rooms: list[Room]) -> tuple[int, str]:
+    """Bytes the limits must keep free, and how to say so: --cache-floor-mb, or by default 1536 MiB
+    but at most a quarter of the tightest cgroup limit. Inside a cgroup its charge already holds
+    bmoe's own memory (dense weights, KV, lanes), so the floor only covers what may still grow;
+    1536 MiB in a 2500 MiB container would leave a cache too small to hit."""
+    if cache.floor_mb is not None:
+        return int(cache.floor_mb * MiB), f"--cache-floor-mb {cache.floor_mb:g}"
+    limits = [r.cgroup_limit for r in rooms if r.cgroup_limit]
+    if limits and min(limits) // 4 < cache.FLOOR_MB * MiB:
+        quarter = min(limits) // 4
+        return quarter, f"the floor {quarter / MiB:.0f} MiB (a quarter of the cgroup limit)"
+    return int(cache.FLOOR_MB * MiB), f"--cache-floor-mb {cache.FLOOR_MB:g}"
+
+
+def auto_cache_bytes(expert_bytes: int, rooms: list[Room], floor_bytes: int, floor_text: str,
                      ceil_mb: float | None = None) -> tuple[int, str]:
-    """The `--cache-mb auto` budget: the least of available memory minus the floor, the ceiling and
+    """The `--cache-mb auto` budget: the least of every limit's room minus the floor, the ceiling and
     every expert's bytes; with the terms it compared, for the notice that reports it."""
-    terms = [(max(0, available - int(floor_mb * MiB)),
-              f"available {available / MiB:.0f} MiB minus --cache-floor-mb {floor_mb:g}"),
-             (expert_bytes, f"experts total {expert_bytes / MiB:.0f} MiB")]
+    terms = [(max(0, r.bytes - floor_bytes), f"{r.name} minus {floor_text}") for r in rooms]
+    terms.append((expert_bytes, f"experts total {expert_bytes / MiB:.0f} MiB"))
     if ceil_mb is not None:
         terms.append((int(ceil_mb * MiB), f"--cache-ceil-mb {ceil_mb:g}"))
     budget = min(b for b, _ in terms)
@@ -35,20 +53,22 @@ def auto_cache_bytes(expert_bytes: int, available: int, floor_mb: float,
 @dataclass(frozen=True)
 class Budget:
     bytes: int
+    floor: int  # what an adaptive budget keeps free
     notice: str | None = None  # what `auto` chose and why, for the user
 
 
 def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_need: int, token_need: int,
-           available: int) -> Budget:
+           rooms: list[Room]) -> Budget:
     """The cache budget in bytes for this model, or a ConfigError that names the fix.
 
     `layer_need` / `token_need`: one layer's / one token's working set (bmoe.expert_cache.working_sets).
     """
     notice = None
+    floor_bytes, floor_text = floor(cache, rooms)
     if cache.mb is not None:
         budget = int(cache.mb * MiB)
     else:
-        budget, why = auto_cache_bytes(expert_bytes, available, cache.floor, cache.ceil_mb)
+        budget, why = auto_cache_bytes(expert_bytes, rooms, floor_bytes, floor_text, cache.ceil_mb)
         notice = f"cache budget {budget / MiB:.1f} MiB (auto, the least of: {why})"
         if 0 < budget < token_need and not cache.force:
             notice += (f"; that is below one token's working set ({token_need / MiB:.1f} MiB), where a "
@@ -67,4 +87,50 @@ def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_nee
         raise ConfigError(f"{what} is below one token's working set ({token_need / MiB:.1f} MiB): the cache "
                           "would thrash, each token evicting experts the next one needs again; use --cache-mb "
                           f"{mib_up(token_need)} or more, 0 for no cache, or --force to run with it anyway")
-    return Budget(budget, notice)
+    return Budget(budget, floor_bytes, notice)
+
+
+@dataclass
+class Adaptive:
+    """Moves a running cache's budget with the room the limits leave (bmoe.memory), once per token.
+
+    `room` is measured with the cache's resident pages already charged; the pages it may still
+    take (`budget - resident`) are subtracted first, so a cache that is still filling is not
+    mistaken for free memory. Under the floor the budget shrinks at once by the shortfall and a
+    margin; it grows only after `grow_after` tokens in a row with more than two margins to spare,
+    and never under memory pressure (PSI). A budget that would fall below one token's working set
+    becomes 0 (no cache: every token reads its experts) instead of thrashing.
+    """
+
+    floor: int  # bytes the limits must keep free
+    token_need: int  # one token's working set
+    ceiling: int  # the most the budget may be (every expert's slots, --cache-ceil-mb, a fixed --cache-mb)
+    margin: int = 128 * MiB  # hysteresis: shrink this much below the shortfall, grow only with twice it spare
+    grow_after: int = 4
+    pressure_pct: float = 10.0  # PSI some avg10 above which the budget does not grow
+    calm: int = 0
+
+    def step(self, budget: int, resident: int, room: Room, pressure: float | None = None) -> tuple[int, str] | None:
+        """The new budget and why, or None to keep it."""
+        usable = min(budget, self.ceiling)  # a budget past every expert's slots is never filled
+        spare = room.bytes - max(0, usable - resident) - self.floor
+        if spare < 0:
+            self.calm = 0
+            want = max(0, usable + spare - self.margin)
+            if want < self.token_need:
+                if budget == 0:
+                    return None
+                return 0, (f"{room.name} leaves {room.bytes / MiB:.0f} MiB, under the floor of "
+                           f"{self.floor / MiB:.0f} MiB even at one token's working set "
+                           f"({self.token_need / MiB:.0f} MiB): no cache until memory frees")
+            return want, f"{room.name} leaves {room.bytes / MiB:.0f} MiB, under the floor of {self.floor / MiB:.0f} MiB"
+        if usable < self.ceiling and spare > 2 * self.margin and not (pressure or 0) > self.pressure_pct:
+            self.calm += 1
+            if self.calm >= self.grow_after:
+                self.calm = 0
+                want = min(self.ceiling, usable + spare - self.margin)
+                if want >= max(self.token_need, usable + self.margin):
+                    return want, f"{room.name} leaves {room.bytes / MiB:.0f} MiB free again"
+            return None
+        self.calm = 0
+        return None

@@ -47,7 +47,7 @@ def summary(engine: Engine, res: Result, tally: telemetry.Tally) -> list[str]:
     out = [telemetry.generation_line(totals)]
     if engine.streaming:
         out.append(telemetry.stream_line(totals))
-    if engine.cache_active:
+    if tally.cache_active:
         out.append(telemetry.cache_line(tally.hit_pct, engine.resident_bytes()))
     if engine.streaming and engine.settings.speculation.prefetch:
         sp = res.speculation
@@ -96,7 +96,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
             sp = res.speculation  # the contract's moe-prefetch line is --prefetch's: this goes to stderr
             console.notice(telemetry.prefetch_line(sp.bytes, sp.useful, sp.prefetched))
         if csv_file:
-            csv_file.write(telemetry.csv_summary(tally.totals(), tally.hit_pct) + "\n")
+            csv_file.write(telemetry.csv_summary(tally.totals(), tally.hit_pct, engine.budget) + "\n")
         if a.profile:
             rows = profile.collect(engine.worker_pids())
             print(profile.table(rows, engine.resident_bytes()), file=sys.stderr)

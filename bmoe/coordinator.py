@@ -23,10 +23,12 @@ from typing import Callable
 
 import llama_cpp
 import numpy as np
-import psutil
 
-from bmoe import budget, seam
+from bmoe import seam
+from bmoe.budget import Adaptive, decide
+from bmoe.dense import dense_ranges, pin
 from bmoe.expert_cache import working_sets
+from bmoe.memory import MemoryProbe
 from bmoe.llama import TextStream, Vocab, init_backend, load_model, make_sampler, new_context
 from bmoe.model_files import ModelError, open_model
 from bmoe.readahead import Speculation
@@ -68,7 +70,8 @@ class Engine:
         self.streamer: Streamer | None = None
         self.trace: TraceWriter | None = None
         self.model = self.ctx = None
-        self.budget = 0
+        self.memory = MemoryProbe()
+        self.adaptive: Adaptive | None = None
         self.cancel_requested = False
         t0 = time.perf_counter()
         self.files = open_model(settings.model)
@@ -126,13 +129,25 @@ class Engine:
         tensors = list(cap.tensors.values())
         regions = regions_of(self.files, tensors)
         need = working_sets(regions, max(1, self.files.n_expert_used))
-        decided = budget.decide(s.cache, s.reads_ahead, sum(t.nbytes for t in tensors), max(need.values()),
-                                sum(need.values()), psutil.virtual_memory().available)
+        if s.pin_dense:  # before the expert tensors are rebound: their data pointers find the mapping
+            t0 = time.perf_counter()
+            n = pin(dense_ranges(self.files, tensors))
+            self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
+        # the lanes and pinned weights are there before the budget is decided: they are in the charge
+        st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
+                                      s.speculation.prefetch)
+        expert_bytes = sum(t.nbytes for t in tensors)
+        decided = decide(s.cache, s.reads_ahead, expert_bytes, max(need.values()), sum(need.values()),
+                                self.memory.rooms())
         if decided.notice:
             self.notice(decided.notice)
-        self.budget = decided.bytes
-        st = self.streamer = Streamer(self.files, regions, tensors, self.budget, s.streaming, s.cache.policy,
-                                      s.speculation.prefetch)
+        st.set_budget(decided.bytes)
+        if s.cache.adaptive:
+            most_mb = s.cache.mb if s.cache.mb is not None else s.cache.ceil_mb
+            ceiling = st.full_bytes if most_mb is None else min(st.full_bytes, int(most_mb * MiB))
+            token_need = sum(need.values())
+            self.adaptive = Adaptive(decided.floor, token_need, ceiling, margin=min(128 * MiB, token_need // 2))
+            st.watch = self._adapt
         self.hook.on_route = st.on_route
         if s.streaming.overlap:
             self.hook.down_nodes = cap.down_inputs
@@ -188,8 +203,25 @@ class Engine:
         return self.streamer is not None
 
     @property
+    def budget(self) -> int:
+        """The expert cache's budget in bytes now (0 without streaming or without a cache)."""
+        return self.streamer.budget if self.streamer else 0
+
+    @property
     def cache_active(self) -> bool:
+        """A cache is in use now (an adaptive budget may take it to 0 and back)."""
         return self.streamer is not None and self.budget > 0
+
+    def _adapt(self) -> None:
+        """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
+        memory limits leave (Adaptive)."""
+        st = self.streamer
+        st.watched_at = st.cached_bytes
+        change = self.adaptive.step(st.budget, st.resident_bytes(), self.memory.least(), self.memory.pressure())
+        if change is not None:
+            old = st.budget
+            st.set_budget(change[0])
+            self.notice(f"cache budget {old / MiB:.0f} -> {change[0] / MiB:.0f} MiB: {change[1]}")
 
     def resident_bytes(self) -> int:
         return self.streamer.resident_bytes() if self.streamer else 0
@@ -331,10 +363,12 @@ class Engine:
             res.ids.append(tok)
             new = out.push(self.vocab.piece(tok))
             self._decode([tok])
+            if self.adaptive is not None:
+                self._adapt()
             wall = time.perf_counter_ns() - c0
             if st:
                 c = st.take_counters()
-                stat = TokenStat(wall, c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
+                stat = TokenStat(wall, c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns, st.budget)
                 res.max_resident = max(res.max_resident, st.resident_bytes())
             else:
                 stat = TokenStat(wall, 0, 0, 0, 0, 0)

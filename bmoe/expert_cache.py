@@ -144,7 +144,7 @@ class ExpertCache:
         self.stats = CacheStats()
         self.resident_in_layer = {layer: 0 for layer in self.by_layer}
         self.slices_in_layer = {layer: sum(regions[i].n_expert for i in idxs) for layer, idxs in self.by_layer.items()}
-        self.holds_everything = budget >= sum(self.slot_size[ri] * r.n_expert for ri, r in enumerate(regions))
+        self.total = sum(self.slot_size[ri] * r.n_expert for ri, r in enumerate(regions))
         self.defer_release = False
         self.unreleased: dict[tuple[int, int, int], None] = {}  # evicted, window range not yet unmapped
         self.pinned: set[tuple[int, int, int]] = set()
@@ -156,6 +156,21 @@ class ExpertCache:
         self.cold: dict[int, list[int]] = {}  # slot size -> free slots whose pages were given back
         self.giving_back: list[tuple[int, int]] = []  # (slab offset, size): free, pages to give back
         self.top = 0  # slab bytes handed out as slots so far
+
+    @property
+    def holds_everything(self) -> bool:
+        return self.budget >= self.total
+
+    def set_budget(self, budget: int) -> None:
+        """A new budget, in force at once: evict in the policy's order (never a pinned or loading
+        slice) and give back the pages of free slots until slots in use and kept fit it."""
+        self.budget = budget
+        self._make_room(0, protect_expected=False)
+        while self.warm_bytes and self.used + self.warm_bytes > self.budget:
+            size = next(sz for sz, slots in self.warm.items() if slots)
+            self.warm_bytes -= size
+            self.giving_back.append((self.warm[size].pop(), size))
+        self.release_evicted()
 
     def reset_stats(self) -> None:
         """Start counting afresh (after a preload or a replay's prefill pass, which are not decode)."""

@@ -61,15 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"context size in tokens (default {Settings.n_ctx})")
     ap.add_argument("--cache-mb", type=_cache_mb, default=None,
                     help="expert cache budget in MiB; 0 = no cache (re-read every token); 'auto' (default) "
-                         "= available memory minus --cache-floor-mb, at most --cache-ceil-mb; a budget below "
-                         "one token's working set is refused (auto falls back to no cache) unless --force")
+                         "= the least room any memory limit leaves (the cgroup's, the machine's, an rlimit's) "
+                         "minus --cache-floor-mb, at most --cache-ceil-mb, following free memory while it runs; "
+                         "a budget below one token's working set is refused (auto falls back to no cache) "
+                         "unless --force")
     ap.add_argument("--cache-policy", type=_cache_policy, default=CacheSettings.policy, metavar="NAME",
                     help=f"which experts the cache gives up first: {', '.join(POLICIES)} "
                          f"(default {CacheSettings.policy}; compare them on a trace with `bmoe-bench policies`)")
     ap.add_argument("--cache-floor-mb", type=_mib, default=None,
-                    help=f"memory left to the system by --cache-mb auto (default {CacheSettings.FLOOR_MB:g})")
+                    help=f"memory --cache-mb auto (and --adapt) leaves free under every limit (default "
+                         f"{CacheSettings.FLOOR_MB:g}, at most a quarter of a cgroup's limit)")
     ap.add_argument("--cache-ceil-mb", type=_mib, default=None,
                     help="the most --cache-mb auto may take (default: no cap)")
+    ap.add_argument("--adapt", action="store_true",
+                    help="let a fixed --cache-mb follow free memory too: shrink (giving pages back) when the "
+                         "cgroup or machine runs short of --cache-floor-mb, grow back up to N when it frees "
+                         "(--cache-mb auto always does)")
     ap.add_argument("--force", action="store_true",
                     help="run with a cache budget below one token's working set (it thrashes: every token "
                          "re-reads experts it just evicted)")
@@ -85,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preload", action="store_true",
                     help="read every expert into the cache at start (when the budget holds them all)")
     ap.add_argument("--no-stream", action="store_true", help="plain llama.cpp (mmap), no expert streaming")
+    ap.add_argument("--pin-dense", action="store_true",
+                    help="lock the dense (non-expert) weights in memory (mlock), so a tight memory limit cannot "
+                         "evict them and fault them back in every token; they count against the budget")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="read asynchronously: wait for gate/up slices at the routing node and for down slices "
                          "only before the down matmul; speculative reads run during compute (default: on "
@@ -131,8 +141,9 @@ def settings_from_args(a: argparse.Namespace, model: str) -> Settings:
     """The flags as Settings, for `model` (the demo model's path when no -m was given)."""
     return Settings(
         model=model, n_ctx=a.ctx_size, threads=a.threads or 0, verbose=a.verbose, route_trace=a.route_trace,
+        pin_dense=a.pin_dense,
         cache=CacheSettings(mb=a.cache_mb, floor_mb=a.cache_floor_mb, ceil_mb=a.cache_ceil_mb, force=a.force,
-                            policy=a.cache_policy, preload=a.preload),
+                            policy=a.cache_policy, preload=a.preload, adapt=a.adapt),
         streaming=StreamSettings(enabled=not a.no_stream, io_threads=a.io_threads, odirect=not a.no_odirect,
                                  lane_timeout=a.lane_timeout, shm_backend=a.shm,
                                  overlap=StreamSettings.overlap if a.overlap is None else a.overlap),

@@ -26,12 +26,13 @@ class CacheSettings:
     force: bool = False  # accept a budget below one token's working set
     policy: str = DEFAULT_POLICY
     preload: bool = False  # read every expert at start when the budget holds them all
+    adapt: bool = False  # a fixed `mb` also follows free memory (auto always does)
 
     FLOOR_MB = 1536.0
 
     @property
-    def floor(self) -> float:
-        return self.FLOOR_MB if self.floor_mb is None else self.floor_mb
+    def adaptive(self) -> bool:
+        return self.mb is None or self.adapt
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Settings:
     threads: int = 0  # 0: every core
     verbose: bool = False
     route_trace: str | None = None
+    pin_dense: bool = False  # mlock the dense weights in llama.cpp's mapping (bmoe.dense)
     cache: CacheSettings = field(default_factory=CacheSettings)
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)
@@ -103,7 +105,7 @@ def validate(s: Settings) -> None:
     if s.reads_ahead and not s.streaming.enabled:
         raise ConfigError(f"{_ahead_flags(s)} stream experts; drop them or drop --no-stream")
     sizing = [f for f, v in (("--cache-floor-mb", c.floor_mb), ("--cache-ceil-mb", c.ceil_mb)) if v is not None]
-    if sizing and c.mb is not None:
+    if sizing and c.mb is not None and (c.ceil_mb is not None or not c.adapt):
         raise ConfigError(f"{' and '.join(sizing)} size --cache-mb auto, and --cache-mb {c.mb:g} is fixed; "
                           f"drop {' and '.join(sizing)} or use --cache-mb auto")
     if sizing and not s.streaming.enabled:
@@ -111,6 +113,12 @@ def validate(s: Settings) -> None:
                           "drop one of them")
     if c.ceil_mb == 0:
         raise ConfigError("--cache-ceil-mb 0 leaves --cache-mb auto no room; for no cache say --cache-mb 0")
+    if s.pin_dense and not s.streaming.enabled:
+        raise ConfigError("--pin-dense keeps the dense weights resident while experts stream, and --no-stream "
+                          "streams nothing; drop one of them")
+    if c.adapt and (c.mb == 0 or not s.streaming.enabled):
+        raise ConfigError("--adapt moves the expert cache's budget with free memory, and "
+                          f"{'--cache-mb 0' if s.streaming.enabled else '--no-stream'} has no cache; drop one of them")
     if s.reads_ahead and c.mb == 0:
         raise ConfigError(f"{_ahead_flags(s)} read experts ahead into the cache, and --cache-mb 0 has none; "
                           "give it a budget (--cache-mb N or auto)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from bmoe.units import MiB
 from bmoe.workers.io_lane import CANCELLED
 
 MAX_MERGED_READ = 4 * MiB
+WATCH_STEP = 64 * MiB  # an adaptive budget is checked again once the cache has taken this much more
 
 Key = tuple[int, int, int]  # (layer, region index, expert)
 
@@ -100,6 +102,8 @@ class Streamer:
         self.busy_ns = 0  # the lanes' busy time (overlap's io)
         self.commit_ns = 0  # mapping arrived slots into the window, ever (for _wait's split)
         self.ahead = ReadAhead(self, prefetch)
+        self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine)
+        self.watched_at = 0  # cache bytes at the last check
 
     # ---- what the engine may ask ---------------------------------------------------------------
 
@@ -110,6 +114,26 @@ class Streamer:
     @property
     def holds_everything(self) -> bool:
         return self.cache.holds_everything
+
+    @property
+    def budget(self) -> int:
+        return self.cache.budget
+
+    @property
+    def full_bytes(self) -> int:
+        """What a budget that holds every expert's slot needs."""
+        return self.cache.total
+
+    def set_budget(self, budget: int) -> None:
+        """The cache shrinks to `budget` at once (pages given back), or may grow to it."""
+        t0 = time.perf_counter_ns()
+        self.cache.set_budget(budget)
+        self.counters.mgmt_ns += time.perf_counter_ns() - t0
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes the cache holds or has reserved for reads under way (what the budget bounds)."""
+        return self.cache.used
 
     def resident_bytes(self) -> int:
         return self.slab.resident_bytes()
@@ -148,6 +172,8 @@ class Streamer:
         if experts.size and (experts[0] < 0 or experts[-1] >= self.n_expert):
             raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{self.n_expert - 1}")
         wanted = experts.tolist()
+        if self.watch is not None and self.cache.used - self.watched_at >= WATCH_STEP:
+            self.watch()  # a prefill fills the cache within one token: look before it takes more
         self.ahead.on_route(layer, ids, wanted)
         missing = self.cache.plan(layer, wanted)
         now, later = self._send_demand(layer, wanted, missing)

@@ -19,8 +19,10 @@ from bmoe.units import MiB
 
 PROGRESS_KEYS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "mgmt_ms", "stall_ms", "read_mb",
                  "cache_hit_pct", "text")
+# cache_budget_mib is bmoe's trailing column after the contract's nine (the contract's CSV is
+# additive, read by column name): the budget in force that token, which an adaptive cache moves
 CSV_COLUMNS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "read_bytes", "cache_hit_pct",
-               "stall_ms", "mgmt_ms")
+               "stall_ms", "mgmt_ms", "cache_budget_mib")
 CSV_OPTIONAL = ("stall_ms", "mgmt_ms")
 ANSWER_BANNER = "=== answer ==="
 PERF_BANNER = "=== perf ==="
@@ -37,6 +39,7 @@ class TokenStat:
     hits: int
     lookups: int
     stall_ns: int = 0
+    budget_bytes: int = 0  # the cache budget in force after this token
 
 
 @dataclass
@@ -52,6 +55,7 @@ class TokenLine:
     read_bytes: int
     cache_hit_pct: float
     overlap: bool = False
+    budget_bytes: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -121,7 +125,8 @@ class RunTotals:
 
 
 class Tally:
-    """One generation's token lines, each with the cache hit rate so far (-1 without a cache)."""
+    """One generation's token lines, each with the cache hit rate so far: -1 until a cache is in use
+    (`cache_active` at the start, or a token that ran with a budget: an adaptive one can come back)."""
 
     def __init__(self, steps: int, overlap: bool, cache_active: bool) -> None:
         self.steps = steps
@@ -137,11 +142,13 @@ class Tally:
         return 100.0 * self.hits / self.lookups if self.lookups else 0.0
 
     def add(self, st: TokenStat) -> TokenLine:
+        self.cache_active |= st.budget_bytes > 0
         self.hits += st.hits
         self.lookups += st.lookups
         line = TokenLine(step=len(self.lines) + 1, steps=self.steps, wall_ms=st.wall_ns / 1e6,
                          io_ms=st.io_ns / 1e6, mgmt_ms=st.mgmt_ns / 1e6, stall_ms=st.stall_ns / 1e6,
-                         read_bytes=st.read_bytes, cache_hit_pct=self.hit_pct, overlap=self.overlap)
+                         read_bytes=st.read_bytes, cache_hit_pct=self.hit_pct, overlap=self.overlap,
+                         budget_bytes=st.budget_bytes)
         self.lines.append(line)
         return line
 
@@ -188,15 +195,17 @@ def csv_header() -> str:
 
 def csv_row(t: TokenLine) -> str:
     return (f"{t.step},{t.steps},{t.wall_ms:.3f},{t.io_ms:.3f},{t.compute_ms:.3f},{t.read_bytes},"
-            f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f}")
+            f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f},{t.budget_bytes / MiB:.1f}")
 
 
-def csv_summary(t: RunTotals, hit_pct: float) -> str:
+def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int) -> str:
+    """The `# summary` line; `cache_budget_mib=` (the budget at the end) is bmoe's addition after the contract's keys."""
     tok_s = t.tokens / t.wall_s if t.wall_s > 0 else 0.0
     return (f"# summary tokens={t.tokens} s/tok={t.per_tok(t.wall_s):.4f} tok/s={tok_s:.2f} "
             f"read_mib={t.read_bytes / MiB:.2f} io_s/tok={t.per_tok(t.io_s):.4f} "
             f"compute_s/tok={t.per_tok(t.compute_s):.4f} cache_hit_pct={hit_pct:.2f} "
-            f"stall_s/tok={t.per_tok(t.stall_s):.4f} mgmt_s/tok={t.per_tok(t.mgmt_s):.4f}")
+            f"stall_s/tok={t.per_tok(t.stall_s):.4f} mgmt_s/tok={t.per_tok(t.mgmt_s):.4f} "
+            f"cache_budget_mib={budget_bytes / MiB:.1f}")
 
 
 # ---- parsing -------------------------------------------------------------------------------------

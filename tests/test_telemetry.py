@@ -68,14 +68,17 @@ def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) ->
     assert run.summary["generation"]["tokens"] == len(progress)
     per_tok_sum = sum(o["read_mb"] for o in progress)
     assert abs(per_tok_sum - run.summary["moe-stream"]["read_mib"]) <= 0.01 + 1e-4 * len(progress)
-    # CSV by column name: header exact, rows agree with the JSON lines, summary keys present
+    # CSV by column name: the contract's columns in its order, then bmoe's trailing budget column
     rows, summary = telemetry.read_csv(csv_text)
-    assert csv_text.splitlines()[0] == "step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms"
+    assert csv_text.splitlines()[0] == ("step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms"
+                                        ",cache_budget_mib")
     assert len(rows) == len(progress)
     for row, obj in zip(rows, progress):
         assert row["step"] == obj["step"] and abs(row["wall_ms"] - obj["wall_ms"]) <= ROUND
         assert abs(row["read_bytes"] / 2**20 - obj["read_mb"]) < 1e-3
-    assert re.fullmatch(r"# summary .*stall_s/tok=[\d.]+ mgmt_s/tok=[\d.]+", csv_text.splitlines()[-1])
+    assert re.fullmatch(r"# summary .*stall_s/tok=[\d.]+ mgmt_s/tok=[\d.]+ cache_budget_mib=[\d.]+",
+                        csv_text.splitlines()[-1])
+    assert all(row["cache_budget_mib"] == (0 if cache == "0" else float(cache)) for row in rows)
     assert summary["tokens"] == len(progress)
 
 

@@ -1,0 +1,163 @@
+"""How much more memory this process may take, under every limit that applies to it.
+
+A container's cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`, at this process's cgroup and
+every ancestor), the machine's `MemAvailable`, and `RLIMIT_AS`/`RLIMIT_DATA`. A cgroup's room is
+its limit minus its charge net of the page cache the kernel reclaims first (`inactive_file`):
+the charge already holds bmoe's own memory (coordinator and lanes, the dense weights it keeps
+mapped, the KV, the cache's resident pages), so that is counted, not assumed. Reading it is a few
+small files, cheap enough to do once per token; `MemoryProbe(proc, cgroup_root)` reads a
+fabricated tree in tests.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from bmoe.units import MiB
+
+V1_UNLIMITED = 1 << 62  # v1 reports "no limit" as a page-rounded LONG_MAX
+
+
+@dataclass(frozen=True)
+class Room:
+    """Bytes still to be had under one limit, and what that limit is, for the user."""
+
+    bytes: int
+    name: str  # e.g. "cgroup /docker/x (limit 2500 MiB, charge 900 MiB net of 200 MiB reclaimable)"
+    cgroup_limit: int | None = None  # the limit itself, for a cgroup's room
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _keyed(text: str | None) -> dict[str, int]:
+    out = {}
+    for line in (text or "").splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    return out
+
+
+def _kb(text: str | None) -> dict[str, int]:
+    """`Key:   123 kB` lines (/proc/meminfo, /proc/self/status) as bytes by key."""
+    out = {}
+    for line in (text or "").splitlines():
+        k, _, v = line.partition(":")
+        f = v.split()
+        if len(f) == 2 and f[1] == "kB" and f[0].isdigit():
+            out[k] = int(f[0]) * 1024
+    return out
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text.split()[0]) if text else None
+    except ValueError:
+        return None
+
+
+class MemoryProbe:
+    """The limits of this process; `proc` and `cgroup_root` default to the live system."""
+
+    def __init__(self, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
+        self.proc = proc
+        self.v2: list[Path] = []  # this process's cgroup v2 directories, innermost first
+        self.v1: list[Path] = []  # the same for the v1 memory hierarchy
+        v1_mount = self._v1_mount(cgroup_root)
+        for line in (_read(proc / "self" / "cgroup") or "").splitlines():
+            hid, _, rest = line.partition(":")
+            ctrls, _, rel = rest.partition(":")
+            if hid == "0" and ctrls == "" and (cgroup_root / "cgroup.controllers").exists():
+                self.v2 = self._ancestors(cgroup_root, rel)
+            elif "memory" in ctrls.split(",") and v1_mount is not None:
+                self.v1 = self._ancestors(v1_mount, rel)
+
+    @staticmethod
+    def _v1_mount(cgroup_root: Path) -> Path | None:
+        for name in ("memory", "memory,cpu"):
+            if (cgroup_root / name / "memory.limit_in_bytes").exists():
+                return cgroup_root / name
+        return None
+
+    @staticmethod
+    def _ancestors(root: Path, rel: str) -> list[Path]:
+        """root/rel and each parent up to (not above) root, innermost first; missing ones left out
+        (a container shows its own cgroup as the root)."""
+        parts = [p for p in rel.strip("/").split("/") if p]
+        dirs = [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+        return [d for d in dirs if d.is_dir()]
+
+    @property
+    def in_cgroup(self) -> bool:
+        return bool(self.v1 or self.v2)
+
+    def rooms(self) -> list[Room]:
+        """Every limit that applies, as the room it leaves."""
+        out = [r for r in (self._v2_room(d) for d in self.v2) if r is not None]
+        out += [r for r in (self._v1_room(d) for d in self.v1) if r is not None]
+        avail = _kb(_read(self.proc / "meminfo")).get("MemAvailable")
+        if avail is not None:
+            out.append(Room(avail, f"available {avail / MiB:.0f} MiB"))
+        out += self._rlimit_rooms()
+        return out
+
+    def least(self) -> Room:
+        """The tightest limit (the one that decides)."""
+        return min(self.rooms(), key=lambda r: r.bytes)
+
+    def _cgroup_room(self, d: Path, limit: int, charge: int, reclaimable: int) -> Room:
+        net = max(0, charge - reclaimable)
+        return Room(max(0, limit - net),
+                    f"cgroup {self._label(d)} (limit {limit / MiB:.0f} MiB, charge {charge / MiB:.0f} MiB "
+                    f"net of {reclaimable / MiB:.0f} MiB reclaimable)", limit)
+
+    def _label(self, d: Path) -> str:
+        chain = self.v2 or self.v1
+        return "/" + "/".join(d.relative_to(chain[-1]).parts) if chain else str(d)
+
+    def _v2_room(self, d: Path) -> Room | None:
+        raw = (_read(d / "memory.max") or "").strip()
+        if not raw or raw == "max":
+            return None
+        charge = _int(_read(d / "memory.current"))
+        if charge is None:
+            return None
+        stat = _keyed(_read(d / "memory.stat"))
+        return self._cgroup_room(d, int(raw), charge, stat.get("inactive_file", 0))
+
+    def _v1_room(self, d: Path) -> Room | None:
+        limit = _int(_read(d / "memory.limit_in_bytes"))
+        charge = _int(_read(d / "memory.usage_in_bytes"))
+        if limit is None or charge is None or limit >= V1_UNLIMITED:
+            return None
+        stat = _keyed(_read(d / "memory.stat"))
+        return self._cgroup_room(d, limit, charge, stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+
+    def _rlimit_rooms(self) -> list[Room]:
+        status = _kb(_read(self.proc / "self" / "status"))
+        out = []
+        for res, key, name in ((resource.RLIMIT_AS, "VmSize", "RLIMIT_AS"), (resource.RLIMIT_DATA, "VmData", "RLIMIT_DATA")):
+            soft, _ = resource.getrlimit(res)
+            if soft != resource.RLIM_INFINITY and key in status:
+                used = status[key]
+                out.append(Room(max(0, soft - used), f"{name} {soft / MiB:.0f} MiB ({used / MiB:.0f} MiB in use)"))
+        return out
+
+    def pressure(self) -> float | None:
+        """PSI `some avg10` (% of the last 10 s some task stalled on memory) for this cgroup (v2) or the
+        machine; None where the kernel has no PSI."""
+        for path in ([d / "memory.pressure" for d in self.v2[:1]] + [self.proc / "pressure" / "memory"]):
+            text = _read(path)
+            if text:
+                for line in text.splitlines():
+                    if line.startswith("some "):
+                        fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+                        return float(fields["avg10"])
+        return None
