@@ -113,17 +113,19 @@ class Adaptive:
     def step(self, budget: int, resident: int, room: Room, pressure: float | None = None) -> tuple[int, str] | None:
         """The new budget and why, or None to keep it."""
         usable = min(budget, self.ceiling)  # a budget past every expert's slots is never filled
-        spare = room.bytes - max(0, usable - resident) - self.floor
+        to_fill = max(0, usable - resident)
+        spare = room.bytes - to_fill - self.floor
         if spare < 0:
             self.calm = 0
             want = max(0, usable + spare - self.margin)
+            left = f"{room.name} leaves {room.bytes / MiB:.0f} MiB" + (
+                f", {to_fill / MiB:.0f} MiB of it still to be filled by the cache" if to_fill else "")
             if want < self.token_need:
                 if budget == 0:
                     return None
-                return 0, (f"{room.name} leaves {room.bytes / MiB:.0f} MiB, under the floor of "
-                           f"{self.floor / MiB:.0f} MiB even at one token's working set "
-                           f"({self.token_need / MiB:.0f} MiB): no cache until memory frees")
-            return want, f"{room.name} leaves {room.bytes / MiB:.0f} MiB, under the floor of {self.floor / MiB:.0f} MiB"
+                return 0, (f"{left}: under the floor of {self.floor / MiB:.0f} MiB even at one token's working "
+                           f"set ({self.token_need / MiB:.0f} MiB), so no cache until memory frees")
+            return want, f"{left}: under the floor of {self.floor / MiB:.0f} MiB"
         if usable < self.ceiling and spare > 2 * self.margin and not (pressure or 0) > self.pressure_pct:
             self.calm += 1
             if self.calm >= self.grow_after:

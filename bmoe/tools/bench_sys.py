@@ -286,12 +286,14 @@ def available_bytes() -> int:
 
 
 class Balloon:
-    """A helper process holding `nbytes` of touched anonymous memory (mlocked when allowed)."""
+    """A helper process holding `nbytes` of touched anonymous memory (mlocked when allowed); `cgroup`
+    puts it in that cgroup, beside the run it competes with."""
 
-    def __init__(self, nbytes: int, timeout: float = 300.0) -> None:
+    def __init__(self, nbytes: int, timeout: float = 300.0, cgroup: "Cgroup | None" = None) -> None:
         self.nbytes = nbytes
         self.locked = False
-        self.proc = subprocess.Popen([sys.executable, "-m", "bmoe.tools.bench_sys", "balloon", str(nbytes)],
+        cmd = [sys.executable, "-m", "bmoe.tools.bench_sys", "balloon", str(nbytes)]
+        self.proc = subprocess.Popen(cgroup.wrap(cmd) if cgroup else cmd,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         t = threading.Timer(timeout, self.proc.kill)
         t.start()
