@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Issue 14: bmoe under a memory limit that another process squeezes mid-run.
+"""Issue 14: bmoe under a memory limit, which another process may squeeze mid-run.
 
-Each run: a fresh memory cgroup with --limit-mb; `bmoe-cli` with its default flags (`--cache-mb
-auto`, which adapts) decodes -n tokens inside it; when token --at is out, a balloon process in the
-same cgroup takes --balloon-mb of locked anonymous memory, and frees it when token --until is out.
-The run must finish (no OOM kill), print the text plain llama.cpp prints (`--no-stream`, no limit),
-and its budget must shrink and grow back. The report gives tok/s before, during and after the
-squeeze from the per-token CSV, each run's budget changes, and the cgroup's OOM kills and peak.
+Each run: a fresh memory cgroup with --limit-mb; `bmoe-cli` (default flags: `--cache-mb auto`,
+which adapts; add flags with --flags) decodes -n tokens inside it, from a cold page cache; when
+token --at is out, a balloon process in the same cgroup takes --balloon-mb of locked anonymous
+memory, and frees it when token --until is out (--balloon-mb 0: no balloon). The run must finish
+(no OOM kill) and print the text plain llama.cpp prints (`--no-stream`, no limit). The report gives
+tok/s before, during and after the squeeze from the per-token CSV, each run's budget changes, the
+coordinator's major page faults per decode token (dense weights faulted back in), and the
+cgroup's OOM kills and peak.
 
-    python bench/issue14_adversary.py -m bench/models/demo64.gguf --runs 5 --out bench/reports/DATE-issue14
+    python bench/issue14_adversary.py -m bench/models/demo64.gguf --runs 5 --out bench/reports/DATE-issue14/adversary
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def plain_text(model: str, n: int, flags: list[str]) -> str:
     return telemetry.parse_output(r.stdout).answer
 
 
+def major_faults(pid: int) -> int:
+    """Major page faults of a process so far (/proc/PID/stat, field 12)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[9])
+
+
 def one_run(h: bench_sys.CgroupHierarchy, a: argparse.Namespace, i: int, out: Path) -> dict:
     csv_path = out / f"run{i}.csv"
     bench_sys.drop_file_cache([Path(a.model)])
@@ -52,6 +59,7 @@ def one_run(h: bench_sys.CgroupHierarchy, a: argparse.Namespace, i: int, out: Pa
         balloon: bench_sys.Balloon | None = None
         squeeze = {}
         stdout = []
+        faults: dict[int, int] = {}
         try:
             for line in proc.stdout:
                 stdout.append(line)
@@ -59,7 +67,8 @@ def one_run(h: bench_sys.CgroupHierarchy, a: argparse.Namespace, i: int, out: Pa
                 if not ev or ev[0] != "PROGRESS":
                     continue
                 step = ev[1]["step"]
-                if step == a.at and balloon is None:
+                faults[step] = major_faults(proc.pid)
+                if step == a.at and balloon is None and a.balloon_mb > 0:
                     balloon = bench_sys.Balloon(int(a.balloon_mb * MiB), cgroup=cg)
                     squeeze["taken_at_s"] = round(time.monotonic() - t0, 2)
                     say(f"run {i}: balloon of {a.balloon_mb:g} MiB in the cgroup after token {step}")
@@ -82,6 +91,7 @@ def one_run(h: bench_sys.CgroupHierarchy, a: argparse.Namespace, i: int, out: Pa
         return round(len(ms) / (sum(ms) / 1e3), 3) if ms else None
 
     budgets = [r.get("cache_budget_mib", 0.0) for r in rows]
+    steps = sorted(faults)
     return {
         "run": i, "exit": rc, "oom_kills": oom, "peak_mib": round((peak or 0) / MiB),
         "answer": telemetry.parse_output("".join(stdout)).answer, "tokens": len(rows),
@@ -89,6 +99,8 @@ def one_run(h: bench_sys.CgroupHierarchy, a: argparse.Namespace, i: int, out: Pa
         "budget_start_mib": budgets[0] if budgets else None, "budget_min_mib": min(budgets) if budgets else None,
         "budget_end_mib": budgets[-1] if budgets else None,
         "budget_changes": [x[len("bmoe: "):] for x in err.splitlines() if "cache budget" in x],
+        "major_faults_per_token": round((faults[steps[-1]] - faults[steps[0]]) / (steps[-1] - steps[0]), 1)
+        if len(steps) > 1 else None,
         **squeeze,
     }
 
@@ -102,14 +114,18 @@ def report(a: argparse.Namespace, runs: list[dict], plain: str) -> str:
     lines = [f"# bmoe under a squeezed memory limit ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"`{' '.join(sys.argv)}`", "",
              f"Model {a.model}, cgroup limit {a.limit_mb:g} MiB, bmoe-cli flags `{' '.join(a.flags) or '(defaults)'}`, "
-             f"{a.n} tokens of \"{PROMPT}\"; a balloon takes {a.balloon_mb:g} MiB of locked memory in the same cgroup "
-             f"after token {a.at} and frees it after token {a.until}. Cold page cache before each run.", "",
-             "| run | exit | OOM kills | text = --no-stream | tok/s before | during | after | budget start → min → end MiB | cgroup peak MiB |",
-             "|---:|---:|---:|:---:|---:|---:|---:|---|---:|"]
+             f"{a.n} tokens of \"{PROMPT}\"; " + (
+                 f"a balloon takes {a.balloon_mb:g} MiB of locked memory in the same cgroup after token {a.at} and "
+                 f"frees it after token {a.until}." if a.balloon_mb > 0 else "no balloon.") +
+             " Cold page cache before each run.", "",
+             "| run | exit | OOM kills | text = --no-stream | tok/s before | during | after | budget start → min → end MiB "
+             "| major faults/token | cgroup peak MiB |",
+             "|---:|---:|---:|:---:|---:|---:|---:|---|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['run']} | {r['exit']} | {r['oom_kills']} | {'yes' if r['answer'] == plain else 'NO'} | "
                      f"{r['tok_s_before']} | {r['tok_s_during']} | {r['tok_s_after']} | "
-                     f"{r['budget_start_mib']} → {r['budget_min_mib']} → {r['budget_end_mib']} | {r['peak_mib']} |")
+                     f"{r['budget_start_mib']} → {r['budget_min_mib']} → {r['budget_end_mib']} | "
+                     f"{r['major_faults_per_token']} | {r['peak_mib']} |")
     lines += ["", f"Medians: tok/s before {med([r['tok_s_before'] for r in runs])}, during "
                   f"{med([r['tok_s_during'] for r in runs])}, after {med([r['tok_s_after'] for r in runs])}; "
                   f"OOM kills in all: {sum(r['oom_kills'] or 0 for r in runs)}; "
