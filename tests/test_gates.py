@@ -8,6 +8,7 @@ import pytest
 
 from bmoe.coordinator import Engine, Result
 from bmoe.model_files import open_model
+from bmoe.speculation import SpecGate
 from bmoe.tools.synth import ARCHES
 from bmoe.units import MiB
 from tests.conftest import settings_for
@@ -22,13 +23,14 @@ CASES = [(arch, "q8_0") for arch in ARCHES] + [
 ]
 
 
-def generate(path: str, *flags: object) -> tuple[Result, Engine]:
-    """One greedy run with these bmoe-cli flags; the engine is returned closed, for its final counters."""
+def generate(path: str, *flags: object) -> tuple[Result, SpecGate | None]:
+    """One greedy run with these bmoe-cli flags; with it the run's spec-gate (closed), for its counters."""
     e = Engine(settings_for(path, "-c", 256, "-t", 2, *flags))
     try:
+        gate = e.streamer.ahead.gate if e.streamer else None
         toks = e.prompt_tokens(PROMPT, chat=False)
         assert len(toks) >= 13
-        return e.generate(toks, N_PREDICT), e
+        return e.generate(toks, N_PREDICT), gate
     finally:
         e.close()
 
@@ -117,14 +119,22 @@ def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) ->
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_every_cache_policy_with_speculative_reads_streams_identically(synth, arch: str) -> None:
-    """Prefetch and spec-gate reads enter each policy at its cold end and leave through forget: output stays exact."""
+    """Prefetch and spec-gate reads enter each policy at its cold end and leave through forget: output stays exact.
+
+    The spec-gate trusts every prediction from the start (--spec-precision 0, --spec-recall-min 0),
+    and one run per policy has no --prefetch: what it reads ahead came from the gate's predictions."""
     from bmoe.cache_policy import POLICIES
 
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path)
     cache_mb = open_model(path).expert_bytes / 2 / MiB
+    gate = ["--spec-gate", "--spec-warmup", 1, "--spec-recall-min", 0, "--spec-precision", 0]
     for policy in POLICIES:
-        res, _ = generate(path, "--cache-mb", cache_mb, "--io-threads", 2, "--cache-policy", policy, "--overlap",
-                          "--prefetch", 2, "--spec-gate", "--spec-warmup", 1)
-        assert res.ids == ref.ids and res.text == ref.text, policy
-        assert res.speculation.prefetched > 0, f"{policy}: the run must read ahead, or the gate proves little"
+        for prefetch in ([], ["--prefetch", 2]):
+            res, g = generate(path, "--cache-mb", cache_mb, "--io-threads", 2, "--cache-policy", policy, "--overlap",
+                              *prefetch, *gate)
+            what = f"{policy} {' '.join(map(str, prefetch)) or 'spec-gate only'}"
+            assert res.ids == ref.ids and res.text == ref.text, what
+            assert g.active and g.disabled_below is None and g.scored > 0 and g.predicted > 0, what
+            assert res.speculation.prefetched > 0 and res.speculation.bytes > 0, \
+                f"{what}: the run must read ahead, or the gate proves little"
