@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
 import random
 import signal
+import threading
 import time
 
 import psutil
@@ -123,10 +126,9 @@ def test_chat_turns_prefill_only_their_suffix(model: str) -> None:
     assert [(d["n_prompt"], d["n_past"]) for d in got] == [(d["n_prompt"], d["n_past"]) for d in want]
 
 
-def test_cancel_mid_generation_and_mid_prefill_rolls_the_turn_back(model: str) -> None:
+def test_cancel_mid_generation_rolls_the_turn_back(model: str) -> None:
     with start(model, *ALL_CACHED, "-c", "4096") as s:
         first = chat(s, TURNS[:1], 12)[0]
-        # mid-generation
         s.send({"cmd": "generate", "id": 2, "prompt": "go on forever", "n_predict": 3000, "clear_kv": False})
         evs = []
         for tag, ev in s.events_until(2):
@@ -136,11 +138,11 @@ def test_cancel_mid_generation_and_mid_prefill_rolls_the_turn_back(model: str) -
         done = check_turn(evs, 2, 3000, cancelled=True)
         assert 3 <= done["tokens"] < 3000 and done["text"]
         assert done["n_past"] == first["n_past"]  # rolled back to the reused prefix
-        # mid-prefill: the cancel reaches the reader while the long prompt is being prefilled
+        # a cancel right behind its request: it may land before the prefill starts (mid-prefill:
+        # test_cancel_mid_prefill_rolls_a_half_filled_kv_back), either way nothing of the turn stays
         s.send('{"cmd":"generate","id":3,"prompt":"%s","n_predict":8,"clear_kv":false}\n{"cmd":"cancel"}'
                % ("the king said " * 600))
-        evs = list(s.events_until(3))
-        done = check_turn(evs, 3, 8, cancelled=True)
+        done = check_turn(list(s.events_until(3)), 3, 8, cancelled=True)
         assert done["tokens"] == 0 and done["n_prompt"] > 1000 and done["n_past"] == first["n_past"]
         # a cancel with nothing in flight is ignored: the next lines are the next request's
         s.send({"cmd": "cancel"})
@@ -149,10 +151,127 @@ def test_cancel_mid_generation_and_mid_prefill_rolls_the_turn_back(model: str) -
         assert follow["n_past"] - follow["n_prompt"] - follow["tokens"] == first["n_past"]
         assert s.close() == 0
     assert not s.stray and "KV holds" not in s.stderr
+    assert [first["text"], follow["text"]] == [d["text"] for d in plain_chat(model, TURNS[:2], 12)]
+
+
+def plain_chat(model: str, turns: list[str], n: int) -> list[dict]:
+    """The same chat in a fresh plain-llama.cpp session: what a rolled-back conversation must answer."""
     with start(model, *PLAIN) as ref:
-        want = chat(ref, TURNS[:2], 12)
+        want = chat(ref, turns, n)
         assert ref.close() == 0
-    assert [first["text"], follow["text"]] == [d["text"] for d in want]
+    return want
+
+
+class LocalSession:
+    """bmoe.session.Session over a real Engine in this process, for a test that must act at a known
+    point inside a generation: requests go through a pipe to the session's own reader thread,
+    generations run on a thread of their own, protocol lines come back through a queue."""
+
+    def __init__(self, model: str, *flags: str) -> None:
+        from bmoe.coordinator import Engine
+        from bmoe.session import Output, Session
+        from tests.conftest import settings_for
+
+        self.notices: list[str] = []
+        self.lines: queue.Queue[str] = queue.Queue()
+        self._partial = ""
+        self.engine = Engine(settings_for(model, *FAST, *flags))
+        try:
+            self.session = Session(self.engine, Output(self), n_predict=64, notice=self.notices.append)
+            self.rfd, self.wfd = os.pipe()
+        except BaseException:
+            self.engine.close()
+            raise
+        self.threads = [threading.Thread(target=self.session.read_requests, args=(self.rfd,), daemon=True),
+                        threading.Thread(target=self.session.serve, daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def write(self, text: str) -> None:  # Output's stream
+        self._partial += text
+        *done, self._partial = self._partial.split("\n")
+        for line in done:
+            self.lines.put(line)
+
+    def flush(self) -> None:
+        pass
+
+    def send(self, obj: dict) -> None:
+        os.write(self.wfd, (json.dumps(obj) + "\n").encode())
+
+    def events_until(self, rid: int) -> list:
+        evs = []
+        while not evs or not (evs[-1][0] in ("DONE", "ERROR") and evs[-1][1]["id"] == rid):
+            line = self.lines.get(timeout=600)  # a hung generation fails the test instead of hanging it
+            ev = telemetry.parse_tagged(line)
+            assert ev is not None, f"not a protocol line: {line!r}"
+            evs.append(ev)
+        return evs
+
+    def close(self) -> None:
+        try:
+            self.send({"cmd": "close"})
+            for t in self.threads:
+                t.join(600)
+            assert not any(t.is_alive() for t in self.threads), "the session did not end on close"
+        finally:
+            self.engine.close()
+            os.close(self.wfd)
+            os.close(self.rfd)
+
+
+def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
+    """The cancel lands while the prompt's second ubatch is being computed (-c 1024: ubatches of 512),
+    so the KV already holds the first one; the turn must roll back to the prefix it reused and the
+    conversation go on as if the cancelled turn had never been asked.
+
+    The hook stops the prefill at the second ubatch's first routed layer, sends the cancel down
+    the request pipe and waits until the session's reader thread has handed it to the Engine."""
+    s = LocalSession(model, *ALL_CACHED, "-c", "1024")
+    try:
+        engine = s.engine
+        first_layer = min(engine.streamer.layers)
+        route, cancel, keep = engine.hook.on_route, engine.cancel, engine.kv_keep
+        cancelled, armed = threading.Event(), threading.Event()
+        ubatches: list[tuple[int, int]] = []  # (tokens in the ubatch, KV length) at each prefill ubatch
+        kept: list[tuple[int, int]] = []  # (KV length, n) at each kv_keep(n)
+
+        def on_route(layer, ids):
+            route(layer, ids)
+            if armed.is_set() and layer == first_layer and len(ids) > 1:
+                ubatches.append((len(ids), engine.kv_len()))
+                if len(ubatches) == 2:
+                    s.send({"cmd": "cancel"})
+                    assert cancelled.wait(600), "the cancel never reached the engine"
+
+        def cancel_seen():
+            cancel()
+            cancelled.set()
+
+        def kv_keep(n):
+            kept.append((engine.kv_len(), n))
+            return keep(n)
+
+        engine.hook.on_route, engine.cancel, engine.kv_keep = on_route, cancel_seen, kv_keep
+        s.send({"cmd": "generate", "id": 1, "prompt": TURNS[0], "n_predict": 12})
+        first = check_turn(s.events_until(1), 1, 12)
+        armed.set()
+        s.send({"cmd": "generate", "id": 2, "prompt": "the king said " * 250, "n_predict": 8, "clear_kv": False})
+        done = check_turn(s.events_until(2), 2, 8, cancelled=True)
+        armed.clear()
+        assert done["tokens"] == 0 and done["n_prompt"] > 512 and done["n_past"] == first["n_past"]
+        (n0, kv0), (n1, kv1) = ubatches
+        assert n0 == 512 and kv0 > first["n_past"] and kv1 >= first["n_past"] + 512, ubatches
+        # the rollback had work to do: the aborted prefill left the first ubatch in the KV
+        assert kept[-1][1] == first["n_past"] and kept[-1][0] >= first["n_past"] + 512, kept
+        assert engine.kv_len() == first["n_past"]
+        s.send({"cmd": "generate", "id": 3, "prompt": TURNS[1], "n_predict": 12, "clear_kv": False})
+        follow = check_turn(s.events_until(3), 3, 12)
+        assert follow["n_past"] - follow["n_prompt"] - follow["tokens"] == first["n_past"]
+    finally:
+        s.close()
+    assert not any("KV holds" in n for n in s.notices), s.notices
+    assert [first["text"], follow["text"]] == [d["text"] for d in plain_chat(model, TURNS[:2], 12)]
 
 
 BAD = [  # (line, id the ERROR must carry)
