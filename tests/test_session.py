@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from bmoe import telemetry
-from bmoe.protocol import DONE_KEYS, TAGS
+from bmoe.protocol import TAGS
 from bmoe.session_client import SessionClient
+from tests import spec_lines
 from tests.conftest import REPO, bmoe_segments, run_cli
 
 FAST = ["-t", "1", "--io-threads", "2"]
@@ -25,7 +26,6 @@ PLAIN = ["--no-stream"]  # plain llama.cpp: the reference every streamed answer 
 P1 = "Tell me a story about a king and his people"
 P2 = "What problem did the early family solve with money"
 TURNS = ["hello there how are you", "and then what happened", "tell me more about the king"]
-INT_FIELDS = {"id", "tokens", "n_prompt", "n_past"}
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +46,14 @@ def check_turn(events: list, rid: int, n_predict: int, cancelled: bool = False) 
     assert events[0] == ("BEGIN", {"id": rid}), events[:2]
     tag, done = events[-1]
     assert tag == "DONE", events[-1]
-    assert tuple(done) == DONE_KEYS
-    for k, v in done.items():
-        want = bool if k == "cancelled" else str if k == "text" else int if k in INT_FIELDS else float
+    assert tuple(done) == spec_lines.DONE_KEYS  # the spec's keys, in its order, of its types
+    for (k, v), (_, want) in zip(done.items(), spec_lines.TAGGED["DONE"]):
         assert type(v) is want, (k, v)
     assert done["id"] == rid and done["cancelled"] is cancelled
     assert done["spec_recall_pct"] == -1 or 0 <= done["spec_recall_pct"] <= 100  # -1: no spec-gate running
     steps = [ev for t, ev in events if t == "PROGRESS"]
     assert [ev["step"] for ev in steps] == list(range(1, len(steps) + 1)) and len(steps) == done["tokens"]
-    assert all(ev["steps"] == n_predict and tuple(ev) == telemetry.PROGRESS_KEYS for ev in steps)
+    assert all(ev["steps"] == n_predict and tuple(ev) == spec_lines.PROGRESS_KEYS for ev in steps)
     body = events[1:-1]
     for i, (t, ev) in enumerate(body):
         assert t in ("LOAD", "PROGRESS"), (t, ev)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from bmoe.coordinator import Engine, Result
 from bmoe.model_files import open_model
 from bmoe.tools import demo
 from bmoe.units import MiB
+from tests import spec_lines
 from tests.conftest import SlabCheck, run_cli, settings_for, window_bytes
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
@@ -244,8 +244,8 @@ def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
 
     r = run_cli("-m", path, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "1", "--spec-gate",
                 "--spec-warmup", "6", "--spec-recall-min", "100")
-    assert re.search(r"^moe-spec-gate: [\d.]+% router prediction recall \(auto-disabled below 100%\)$",
-                     r.stdout, re.M), r.stdout
+    disabled = spec_lines.line_regex(spec_lines.SUMMARY["moe-spec-gate"][1])
+    assert disabled.fullmatch(r.stdout.splitlines()[-1]) and "auto-disabled below 100%" in r.stdout, r.stdout
     assert "moe-prefetch:" not in r.stdout, "the prefetch line belongs to --prefetch"
 
 
