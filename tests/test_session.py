@@ -17,7 +17,7 @@ from bmoe import telemetry
 from bmoe.protocol import TAGS
 from bmoe.session_client import SessionClient
 from tests import spec_lines
-from tests.conftest import REPO, bmoe_segments, run_cli
+from tests.conftest import REPO, bmoe_segments, run_cli, still_running
 
 FAST = ["-t", "1", "--io-threads", "2"]
 ALL_CACHED = ["--cache-mb", "100"]  # holds every expert of the model below
@@ -339,7 +339,7 @@ def test_close_and_eof_end_with_exit_0_and_no_shared_memory(model: str, how: str
             check_turn(evs, 1, 4)
         if how == "eof":
             s.proc.stdin.close()
-            rc = s.proc.wait(60)
+            rc = s.proc.wait(600)
         else:
             rc = s.close()
     finally:
@@ -347,8 +347,7 @@ def test_close_and_eof_end_with_exit_0_and_no_shared_memory(model: str, how: str
     assert rc == 0, s.stderr
     assert not s.stray and not any("ERROR" in line for line in s.lines)
     assert not bmoe_segments() - before
-    _, alive = psutil.wait_procs(lanes, timeout=10)
-    assert not alive
+    assert not still_running(lanes)
 
 
 def _leaves(obj: object, prefix: str = "") -> dict[str, object]:
@@ -400,7 +399,7 @@ def test_signals_end_the_session_with_a_fatal_line(model: str, sig: int, code: i
         while s.next_event()[0] != "PROGRESS":
             pass
         s.proc.send_signal(sig)
-        rc = s.proc.wait(60)
+        rc = s.proc.wait(600)
     finally:
         s.kill()
     assert rc == code
@@ -416,7 +415,7 @@ def test_lane_failure_is_fatal_and_cleans_up(model: str) -> None:
     try:
         s.send({"cmd": "generate", "id": 7, "prompt": P1, "n_predict": 4000})
         assert s.next_event()[0] == "BEGIN"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600
         while s.proc.poll() is None and time.monotonic() < deadline:
             try:
                 for lane in psutil.Process(s.proc.pid).children():
@@ -424,7 +423,7 @@ def test_lane_failure_is_fatal_and_cleans_up(model: str) -> None:
             except psutil.Error:
                 pass
             time.sleep(0.05)
-        rc = s.proc.wait(60)
+        rc = s.proc.wait(600)
     finally:
         s.kill()
     tag, ev = telemetry.parse_tagged(s.lines[-1])
@@ -623,7 +622,7 @@ def test_profile_on_demand_goes_to_stderr(model: str) -> None:
         s.send({"cmd": "profile"})
         events = list(s.generate(1, "hello there", n_predict=4))
         assert events[-1][0] == "DONE"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 600
         while "io_lane 1" not in s.stderr and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "coordinator" in s.stderr and "io_lane 0" in s.stderr and "io_lane 1" in s.stderr
@@ -646,7 +645,7 @@ def test_model_file_changed_under_the_session_is_fatal(model: str, tmp_path) -> 
             f.write(b"\0" * 4096)
         size = copy.stat().st_size
         evs = list(s.generate(2, P2, n_predict=3))
-        rc = s.proc.wait(60)
+        rc = s.proc.wait(600)
     finally:
         s.kill()
     assert [tag for tag, _ in evs] == ["ERROR"]
@@ -655,5 +654,4 @@ def test_model_file_changed_under_the_session_is_fatal(model: str, tmp_path) -> 
     assert ev["msg"] == (f"generation 2 failed: model file {copy} changed since it was loaded "
                          f"(size {size - 4096} -> {size} bytes); restart the session to load it again")
     assert rc == 1 and not s.stray and not bmoe_segments() - before
-    _, alive = psutil.wait_procs(lanes, timeout=5)
-    assert not alive
+    assert not still_running(lanes)
