@@ -68,7 +68,7 @@ def test_dense_model_runs_plain_with_a_notice() -> None:
 
 
 @pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated", "budget", "token-budget", "prompt-file",
-                                  "context"])
+                                  "prompt-not-utf8", "context"])
 def test_bad_input_is_named_with_its_fix(model: str, tmp_path, case: str) -> None:
     args = ["-p", PROMPT, "-n", "8"]
     if case == "missing":
@@ -93,11 +93,16 @@ def test_bad_input_is_named_with_its_fix(model: str, tmp_path, case: str) -> Non
     elif case == "prompt-file":
         m, want = model, "cannot read prompt file"
         args = ["-f", str(tmp_path / "missing.txt")]
+    elif case == "prompt-not-utf8":
+        f = tmp_path / "latin1.txt"
+        f.write_bytes("Caf\u00e9 au lait".encode("latin-1"))
+        m, want = model, f"prompt file {f} is not UTF-8 text (byte 3 is 0xe9); save it as UTF-8"
+        args = ["-f", str(f), "-n", "8"]
     else:
         m, want = model, "exceeds the context of 64 tokens; raise -c or shorten the prompt"
         args = ["-p", PROMPT * 4, "-n", "8", "-c", "64"]
     r = run_cli("-m", str(m), *args)
-    assert r.returncode == 1
+    assert r.returncode == 1 and "Traceback" not in r.stderr and not r.stdout, r.stderr
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and errors[0].startswith("bmoe-cli: error: ") and want in errors[0], r.stderr
 

@@ -291,7 +291,9 @@ BAD = [  # (line, id the ERROR must carry)
     ('{"cmd":"generate","id":20,"prompt":5}', 20),
     ('{"cmd":"generate","id":21,"prompt":"\\ud800"}', 21),
     (b'\xff\xfe{"cmd":"generate"}', -1),
+    (b'{"cmd":"generate","id":22,"prompt":"caf\xe9"}', -1),  # Latin-1 inside valid JSON: the line is not UTF-8
 ]
+NOT_UTF8 = {line for line, _ in BAD if isinstance(line, bytes)}
 
 
 def test_every_rejected_request_leaves_the_session_serving(model: str) -> None:
@@ -302,6 +304,8 @@ def test_every_rejected_request_leaves_the_session_serving(model: str) -> None:
             tag, ev = s.next_event(60)
             assert tag == "ERROR" and ev["fatal"] is False and ev["id"] == rid, (line, tag, ev)
             assert ev["msg"]
+            if line in NOT_UTF8:
+                assert ev["msg"] == "malformed request: the line is not valid UTF-8", ev
             evs, _ = s.ask(100 + i, TURNS[0], n_predict=3)
             done = check_turn(evs, 100 + i, 3)
             good = good or done["text"]
