@@ -268,8 +268,11 @@ class Streamer:
 
         Evicted slices' window ranges are unmapped here first, while the lanes read (and
         pages to give back are given back); that time, and mapping the slots that arrive,
-        is cache management, not waiting.
+        is cache management, not waiting. With nothing live there is nothing to wait for: 0,
+        without timing (the stall of a token whose experts were all resident is 0).
         """
+        if not any(self._live(o) for o in orders):
+            return 0
         t0 = time.perf_counter_ns()
         committed = self.commit_ns
         spent = 0

@@ -33,6 +33,14 @@ def bmoe_segments() -> set[str]:
     return out
 
 
+def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of `procs` (workers of a coordinator that has exited) that are still there.
+
+    No waiting: a coordinator stops and reaps its workers before it exits, on every path, so once
+    its exit has been waited for none may be left, not even as a zombie (one it did not reap)."""
+    return [p for p in procs if p.is_running()]
+
+
 def _is_descendant(pid: int) -> bool:
     try:
         return any(a.pid == os.getpid() for a in psutil.Process(pid).parents())

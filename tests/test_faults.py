@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -54,20 +55,49 @@ def test_killed_lane_is_replaced_and_output_unchanged(model: str, reference: lis
     assert killed and restarts == 1
     assert not psutil.pid_exists(killed[0])
 
-def test_hung_lane_is_replaced_within_the_timeout(model: str, reference: list[int]) -> None:
-    stopped = []
+def test_hung_lane_is_replaced_and_output_unchanged(model: str, reference: list[int]) -> None:
+    """A lane that stops answering (SIGSTOP) is found by --lane-timeout, killed and replaced, and
+    its reads re-issued: the output does not change.
+
+    The test waits on the event itself, the run finishing (it cannot finish before the stopped
+    lane is replaced). A watchdog resumes the stopped lane after a generous 600 s, so a product
+    that never notices the hang fails the test instead of hanging it. The timeout stays short
+    (1.5 s: the test's run time is mostly this wait), and nothing else depends on machine speed:
+    on a machine so loaded that a healthy lane leaves a read unanswered for 1.5 s, that lane is
+    replaced too, which is harmless (its reads are re-issued), so the test checks that the stopped
+    lane was among those replaced, not how many were, and lifts the pool's cap on replacements
+    for this run (the cap has its own test below)."""
+    stopped: list[int] = []
+    resumed: list[int] = []
+    finished = threading.Event()
+
+    def watchdog(pid: int) -> None:
+        if not finished.wait(600):
+            resumed.append(pid)
+            os.kill(pid, signal.SIGCONT)
 
     def injure(e: Engine, i: int) -> None:
         if i == 3:
+            e.streamer.pool.max_restarts = 1000
             lane = e.streamer.pool.lanes[0]
             stopped.append(lane.pid)
             os.kill(lane.pid, signal.SIGSTOP)
+            threading.Thread(target=watchdog, args=(lane.pid,), daemon=True).start()
 
-    t0 = time.monotonic()
-    ids, restarts = run_with(model, injure, "--lane-timeout", 1.5)
-    assert ids == reference
-    assert restarts == 1 and time.monotonic() - t0 < 60
-    assert not psutil.pid_exists(stopped[0]), "the hung process was killed, not left stopped"
+    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 0, "--io-threads", 2, "--lane-timeout", 1.5))
+    try:
+        res = e.generate(e.prompt_tokens(PROMPT, chat=False), 32, lambda i, s, st: injure(e, i))
+        finished.set()
+        pool = e.streamer.pool
+        after = pool.lanes[0].pid
+        restarts = pool.restarts
+    finally:
+        finished.set()
+        e.close()
+    assert not resumed, "the stopped lane was not replaced in 600 s"
+    assert res.ids == reference
+    assert stopped and after != stopped[0] and restarts >= 1
+    assert not psutil.pid_exists(stopped[0]), "the hung process was killed and reaped, not left stopped"
 
 
 def test_lanes_failing_again_and_again_end_the_run_clearly(model: str) -> None:
@@ -100,7 +130,7 @@ def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders
         lane.cancel([spec[2], spec[3]])
         lane.proc.send_signal(signal.SIGCONT)
         order: list[int] = []
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 600
         while len(order) < 6 and time.monotonic() < deadline:
             pool.poll(0.5)
             for oid in list(pool.done):

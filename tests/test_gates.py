@@ -8,9 +8,11 @@ import pytest
 
 from bmoe.coordinator import Engine, Result
 from bmoe.model_files import open_model
+from bmoe.speculation import SpecGate
 from bmoe.tools.synth import ARCHES
 from bmoe.units import MiB
-from tests.conftest import settings_for
+from tests import spec_lines
+from tests.conftest import run_cli, settings_for
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
@@ -22,13 +24,14 @@ CASES = [(arch, "q8_0") for arch in ARCHES] + [
 ]
 
 
-def generate(path: str, *flags: object) -> tuple[Result, Engine]:
-    """One greedy run with these bmoe-cli flags; the engine is returned closed, for its final counters."""
+def generate(path: str, *flags: object) -> tuple[Result, SpecGate | None]:
+    """One greedy run with these bmoe-cli flags; with it the run's spec-gate (closed), for its counters."""
     e = Engine(settings_for(path, "-c", 256, "-t", 2, *flags))
     try:
+        gate = e.streamer.ahead.gate if e.streamer else None
         toks = e.prompt_tokens(PROMPT, chat=False)
         assert len(toks) >= 13
-        return e.generate(toks, N_PREDICT), e
+        return e.generate(toks, N_PREDICT), gate
     finally:
         e.close()
 
@@ -117,14 +120,68 @@ def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) ->
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_every_cache_policy_with_speculative_reads_streams_identically(synth, arch: str) -> None:
-    """Prefetch and spec-gate reads enter each policy at its cold end and leave through forget: output stays exact."""
+    """Prefetch and spec-gate reads enter each policy at its cold end and leave through forget: output stays exact.
+
+    The spec-gate trusts every prediction from the start (--spec-precision 0, --spec-recall-min 0),
+    and one run per policy has no --prefetch: what it reads ahead came from the gate's predictions."""
     from bmoe.cache_policy import POLICIES
 
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path)
     cache_mb = open_model(path).expert_bytes / 2 / MiB
+    gate = ["--spec-gate", "--spec-warmup", 1, "--spec-recall-min", 0, "--spec-precision", 0]
     for policy in POLICIES:
-        res, _ = generate(path, "--cache-mb", cache_mb, "--io-threads", 2, "--cache-policy", policy, "--overlap",
-                          "--prefetch", 2, "--spec-gate", "--spec-warmup", 1)
-        assert res.ids == ref.ids and res.text == ref.text, policy
-        assert res.speculation.prefetched > 0, f"{policy}: the run must read ahead, or the gate proves little"
+        for prefetch in ([], ["--prefetch", 2]):
+            res, g = generate(path, "--cache-mb", cache_mb, "--io-threads", 2, "--cache-policy", policy, "--overlap",
+                              *prefetch, *gate)
+            what = f"{policy} {' '.join(map(str, prefetch)) or 'spec-gate only'}"
+            assert res.ids == ref.ids and res.text == ref.text, what
+            assert g.active and g.disabled_below is None and g.scored > 0 and g.predicted > 0, what
+            assert res.speculation.prefetched > 0 and res.speculation.bytes > 0, \
+                f"{what}: the run must read ahead, or the gate proves little"
+
+
+# ---- bmoe-cli options against plain llama.cpp (`--no-stream` with the same options) ----------------
+
+SAMPLING = ["--temp", "0.9", "--top-k", "40", "--top-p", "0.95"]
+
+
+def cli_run(path: str, *flags: object) -> tuple[str, dict, str]:
+    """(answer, summary lines by kind, stderr) of a `bmoe-cli --progress` run of PROMPT."""
+    r = run_cli("-m", path, "-p", PROMPT, "-n", str(MIN_TOKENS), "-t", "1", "--progress", *map(str, flags))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    a, p = lines.index(spec_lines.ANSWER_BANNER), lines.index(spec_lines.PERF_BANNER)
+    return "\n".join(lines[a + 1:p]), {x.split(":")[0]: x for x in lines[p + 1:]}, r.stderr
+
+
+@pytest.mark.parametrize("case", ["sampled", "no-odirect", "cache-auto", "chat"])
+def test_cli_options_stream_what_plain_llama_cpp_computes(synth, case: str) -> None:
+    """Sampling, buffered reads, an auto-sized cache and the chat template: each streamed answer is
+    plain llama.cpp's with the same options, at a budget that forces misses; and each option did
+    change something (a sampled answer is not the greedy one, the chat answer not the raw one)."""
+    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    third = f"{open_model(path).expert_bytes / 3 / MiB:.2f}"
+    same = {"sampled": [*SAMPLING, "--seed", 1234], "chat": ["--chat"]}.get(case, [])
+    cache = {"cache-auto": ["--cache-mb", "auto", "--cache-floor-mb", 0, "--cache-ceil-mb", third],
+             "no-odirect": ["--cache-mb", third, "--no-odirect"]}.get(case, ["--cache-mb", third])
+    plain, _, _ = cli_run(path, "--no-stream", *same)
+    streamed, summary, err = cli_run(path, *same, *cache)
+    assert streamed == plain and plain.strip()
+    hit = float(summary["moe-cache"].split("%")[0].split()[-1])
+    assert 0 < hit < 100, summary["moe-cache"]  # a real cache that misses
+    greedy, _, _ = cli_run(path, "--no-stream")
+    if case == "sampled":
+        other, _, _ = cli_run(path, "--no-stream", *SAMPLING, "--seed", 99)
+        assert plain != greedy and plain != other, "the sampling options and the seed must matter"
+    elif case == "chat":
+        assert plain != greedy, "--chat must wrap the prompt in the model's template"
+    elif case == "cache-auto":
+        assert f"bmoe: cache budget {float(third):.1f} MiB (auto, " in err and f"=> --cache-ceil-mb {third}" in err, err
+    else:
+        assert plain == greedy
+        e = Engine(settings_for(path, "-c", 256, "-t", 1, "--cache-mb", third, "--no-odirect"))
+        try:
+            assert e.streamer.pool.odirect is False and all("--no-odirect" in lane.cmd for lane in e.streamer.pool.lanes)
+        finally:
+            e.close()

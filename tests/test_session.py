@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
 import random
 import signal
+import threading
 import time
 
 import psutil
 import pytest
 
 from bmoe import telemetry
-from bmoe.protocol import DONE_KEYS, TAGS
+from bmoe.protocol import TAGS
 from bmoe.session_client import SessionClient
-from tests.conftest import REPO, bmoe_segments, run_cli
+from tests import spec_lines
+from tests.conftest import REPO, bmoe_segments, run_cli, still_running
 
 FAST = ["-t", "1", "--io-threads", "2"]
 ALL_CACHED = ["--cache-mb", "100"]  # holds every expert of the model below
@@ -22,7 +26,6 @@ PLAIN = ["--no-stream"]  # plain llama.cpp: the reference every streamed answer 
 P1 = "Tell me a story about a king and his people"
 P2 = "What problem did the early family solve with money"
 TURNS = ["hello there how are you", "and then what happened", "tell me more about the king"]
-INT_FIELDS = {"id", "tokens", "n_prompt", "n_past"}
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +46,14 @@ def check_turn(events: list, rid: int, n_predict: int, cancelled: bool = False) 
     assert events[0] == ("BEGIN", {"id": rid}), events[:2]
     tag, done = events[-1]
     assert tag == "DONE", events[-1]
-    assert tuple(done) == DONE_KEYS
-    for k, v in done.items():
-        want = bool if k == "cancelled" else str if k == "text" else int if k in INT_FIELDS else float
+    assert tuple(done) == spec_lines.DONE_KEYS  # the spec's keys, in its order, of its types
+    for (k, v), (_, want) in zip(done.items(), spec_lines.TAGGED["DONE"]):
         assert type(v) is want, (k, v)
     assert done["id"] == rid and done["cancelled"] is cancelled
     assert done["spec_recall_pct"] == -1 or 0 <= done["spec_recall_pct"] <= 100  # -1: no spec-gate running
     steps = [ev for t, ev in events if t == "PROGRESS"]
     assert [ev["step"] for ev in steps] == list(range(1, len(steps) + 1)) and len(steps) == done["tokens"]
-    assert all(ev["steps"] == n_predict and tuple(ev) == telemetry.PROGRESS_KEYS for ev in steps)
+    assert all(ev["steps"] == n_predict and tuple(ev) == spec_lines.PROGRESS_KEYS for ev in steps)
     body = events[1:-1]
     for i, (t, ev) in enumerate(body):
         assert t in ("LOAD", "PROGRESS"), (t, ev)
@@ -123,10 +125,9 @@ def test_chat_turns_prefill_only_their_suffix(model: str) -> None:
     assert [(d["n_prompt"], d["n_past"]) for d in got] == [(d["n_prompt"], d["n_past"]) for d in want]
 
 
-def test_cancel_mid_generation_and_mid_prefill_rolls_the_turn_back(model: str) -> None:
+def test_cancel_mid_generation_rolls_the_turn_back(model: str) -> None:
     with start(model, *ALL_CACHED, "-c", "4096") as s:
         first = chat(s, TURNS[:1], 12)[0]
-        # mid-generation
         s.send({"cmd": "generate", "id": 2, "prompt": "go on forever", "n_predict": 3000, "clear_kv": False})
         evs = []
         for tag, ev in s.events_until(2):
@@ -136,11 +137,11 @@ def test_cancel_mid_generation_and_mid_prefill_rolls_the_turn_back(model: str) -
         done = check_turn(evs, 2, 3000, cancelled=True)
         assert 3 <= done["tokens"] < 3000 and done["text"]
         assert done["n_past"] == first["n_past"]  # rolled back to the reused prefix
-        # mid-prefill: the cancel reaches the reader while the long prompt is being prefilled
+        # a cancel right behind its request: it may land before the prefill starts (mid-prefill:
+        # test_cancel_mid_prefill_rolls_a_half_filled_kv_back), either way nothing of the turn stays
         s.send('{"cmd":"generate","id":3,"prompt":"%s","n_predict":8,"clear_kv":false}\n{"cmd":"cancel"}'
                % ("the king said " * 600))
-        evs = list(s.events_until(3))
-        done = check_turn(evs, 3, 8, cancelled=True)
+        done = check_turn(list(s.events_until(3)), 3, 8, cancelled=True)
         assert done["tokens"] == 0 and done["n_prompt"] > 1000 and done["n_past"] == first["n_past"]
         # a cancel with nothing in flight is ignored: the next lines are the next request's
         s.send({"cmd": "cancel"})
@@ -149,10 +150,127 @@ def test_cancel_mid_generation_and_mid_prefill_rolls_the_turn_back(model: str) -
         assert follow["n_past"] - follow["n_prompt"] - follow["tokens"] == first["n_past"]
         assert s.close() == 0
     assert not s.stray and "KV holds" not in s.stderr
+    assert [first["text"], follow["text"]] == [d["text"] for d in plain_chat(model, TURNS[:2], 12)]
+
+
+def plain_chat(model: str, turns: list[str], n: int) -> list[dict]:
+    """The same chat in a fresh plain-llama.cpp session: what a rolled-back conversation must answer."""
     with start(model, *PLAIN) as ref:
-        want = chat(ref, TURNS[:2], 12)
+        want = chat(ref, turns, n)
         assert ref.close() == 0
-    assert [first["text"], follow["text"]] == [d["text"] for d in want]
+    return want
+
+
+class LocalSession:
+    """bmoe.session.Session over a real Engine in this process, for a test that must act at a known
+    point inside a generation: requests go through a pipe to the session's own reader thread,
+    generations run on a thread of their own, protocol lines come back through a queue."""
+
+    def __init__(self, model: str, *flags: str) -> None:
+        from bmoe.coordinator import Engine
+        from bmoe.session import Output, Session
+        from tests.conftest import settings_for
+
+        self.notices: list[str] = []
+        self.lines: queue.Queue[str] = queue.Queue()
+        self._partial = ""
+        self.engine = Engine(settings_for(model, *FAST, *flags))
+        try:
+            self.session = Session(self.engine, Output(self), n_predict=64, notice=self.notices.append)
+            self.rfd, self.wfd = os.pipe()
+        except BaseException:
+            self.engine.close()
+            raise
+        self.threads = [threading.Thread(target=self.session.read_requests, args=(self.rfd,), daemon=True),
+                        threading.Thread(target=self.session.serve, daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def write(self, text: str) -> None:  # Output's stream
+        self._partial += text
+        *done, self._partial = self._partial.split("\n")
+        for line in done:
+            self.lines.put(line)
+
+    def flush(self) -> None:
+        pass
+
+    def send(self, obj: dict) -> None:
+        os.write(self.wfd, (json.dumps(obj) + "\n").encode())
+
+    def events_until(self, rid: int) -> list:
+        evs = []
+        while not evs or not (evs[-1][0] in ("DONE", "ERROR") and evs[-1][1]["id"] == rid):
+            line = self.lines.get(timeout=600)  # a hung generation fails the test instead of hanging it
+            ev = telemetry.parse_tagged(line)
+            assert ev is not None, f"not a protocol line: {line!r}"
+            evs.append(ev)
+        return evs
+
+    def close(self) -> None:
+        try:
+            self.send({"cmd": "close"})
+            for t in self.threads:
+                t.join(600)
+            assert not any(t.is_alive() for t in self.threads), "the session did not end on close"
+        finally:
+            self.engine.close()
+            os.close(self.wfd)
+            os.close(self.rfd)
+
+
+def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
+    """The cancel lands while the prompt's second ubatch is being computed (-c 1024: ubatches of 512),
+    so the KV already holds the first one; the turn must roll back to the prefix it reused and the
+    conversation go on as if the cancelled turn had never been asked.
+
+    The hook stops the prefill at the second ubatch's first routed layer, sends the cancel down
+    the request pipe and waits until the session's reader thread has handed it to the Engine."""
+    s = LocalSession(model, *ALL_CACHED, "-c", "1024")
+    try:
+        engine = s.engine
+        first_layer = min(engine.streamer.layers)
+        route, cancel, keep = engine.hook.on_route, engine.cancel, engine.kv_keep
+        cancelled, armed = threading.Event(), threading.Event()
+        ubatches: list[tuple[int, int]] = []  # (tokens in the ubatch, KV length) at each prefill ubatch
+        kept: list[tuple[int, int]] = []  # (KV length, n) at each kv_keep(n)
+
+        def on_route(layer, ids):
+            route(layer, ids)
+            if armed.is_set() and layer == first_layer and len(ids) > 1:
+                ubatches.append((len(ids), engine.kv_len()))
+                if len(ubatches) == 2:
+                    s.send({"cmd": "cancel"})
+                    assert cancelled.wait(600), "the cancel never reached the engine"
+
+        def cancel_seen():
+            cancel()
+            cancelled.set()
+
+        def kv_keep(n):
+            kept.append((engine.kv_len(), n))
+            return keep(n)
+
+        engine.hook.on_route, engine.cancel, engine.kv_keep = on_route, cancel_seen, kv_keep
+        s.send({"cmd": "generate", "id": 1, "prompt": TURNS[0], "n_predict": 12})
+        first = check_turn(s.events_until(1), 1, 12)
+        armed.set()
+        s.send({"cmd": "generate", "id": 2, "prompt": "the king said " * 250, "n_predict": 8, "clear_kv": False})
+        done = check_turn(s.events_until(2), 2, 8, cancelled=True)
+        armed.clear()
+        assert done["tokens"] == 0 and done["n_prompt"] > 512 and done["n_past"] == first["n_past"]
+        (n0, kv0), (n1, kv1) = ubatches
+        assert n0 == 512 and kv0 > first["n_past"] and kv1 >= first["n_past"] + 512, ubatches
+        # the rollback had work to do: the aborted prefill left the first ubatch in the KV
+        assert kept[-1][1] == first["n_past"] and kept[-1][0] >= first["n_past"] + 512, kept
+        assert engine.kv_len() == first["n_past"]
+        s.send({"cmd": "generate", "id": 3, "prompt": TURNS[1], "n_predict": 12, "clear_kv": False})
+        follow = check_turn(s.events_until(3), 3, 12)
+        assert follow["n_past"] - follow["n_prompt"] - follow["tokens"] == first["n_past"]
+    finally:
+        s.close()
+    assert not any("KV holds" in n for n in s.notices), s.notices
+    assert [first["text"], follow["text"]] == [d["text"] for d in plain_chat(model, TURNS[:2], 12)]
 
 
 BAD = [  # (line, id the ERROR must carry)
@@ -173,7 +291,9 @@ BAD = [  # (line, id the ERROR must carry)
     ('{"cmd":"generate","id":20,"prompt":5}', 20),
     ('{"cmd":"generate","id":21,"prompt":"\\ud800"}', 21),
     (b'\xff\xfe{"cmd":"generate"}', -1),
+    (b'{"cmd":"generate","id":22,"prompt":"caf\xe9"}', -1),  # Latin-1 inside valid JSON: the line is not UTF-8
 ]
+NOT_UTF8 = {line for line, _ in BAD if isinstance(line, bytes)}
 
 
 def test_every_rejected_request_leaves_the_session_serving(model: str) -> None:
@@ -184,6 +304,8 @@ def test_every_rejected_request_leaves_the_session_serving(model: str) -> None:
             tag, ev = s.next_event(60)
             assert tag == "ERROR" and ev["fatal"] is False and ev["id"] == rid, (line, tag, ev)
             assert ev["msg"]
+            if line in NOT_UTF8:
+                assert ev["msg"] == "malformed request: the line is not valid UTF-8", ev
             evs, _ = s.ask(100 + i, TURNS[0], n_predict=3)
             done = check_turn(evs, 100 + i, 3)
             good = good or done["text"]
@@ -221,7 +343,7 @@ def test_close_and_eof_end_with_exit_0_and_no_shared_memory(model: str, how: str
             check_turn(evs, 1, 4)
         if how == "eof":
             s.proc.stdin.close()
-            rc = s.proc.wait(60)
+            rc = s.proc.wait(600)
         else:
             rc = s.close()
     finally:
@@ -229,8 +351,7 @@ def test_close_and_eof_end_with_exit_0_and_no_shared_memory(model: str, how: str
     assert rc == 0, s.stderr
     assert not s.stray and not any("ERROR" in line for line in s.lines)
     assert not bmoe_segments() - before
-    _, alive = psutil.wait_procs(lanes, timeout=10)
-    assert not alive
+    assert not still_running(lanes)
 
 
 def _leaves(obj: object, prefix: str = "") -> dict[str, object]:
@@ -282,7 +403,7 @@ def test_signals_end_the_session_with_a_fatal_line(model: str, sig: int, code: i
         while s.next_event()[0] != "PROGRESS":
             pass
         s.proc.send_signal(sig)
-        rc = s.proc.wait(60)
+        rc = s.proc.wait(600)
     finally:
         s.kill()
     assert rc == code
@@ -298,7 +419,7 @@ def test_lane_failure_is_fatal_and_cleans_up(model: str) -> None:
     try:
         s.send({"cmd": "generate", "id": 7, "prompt": P1, "n_predict": 4000})
         assert s.next_event()[0] == "BEGIN"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600
         while s.proc.poll() is None and time.monotonic() < deadline:
             try:
                 for lane in psutil.Process(s.proc.pid).children():
@@ -306,7 +427,7 @@ def test_lane_failure_is_fatal_and_cleans_up(model: str) -> None:
             except psutil.Error:
                 pass
             time.sleep(0.05)
-        rc = s.proc.wait(60)
+        rc = s.proc.wait(600)
     finally:
         s.kill()
     tag, ev = telemetry.parse_tagged(s.lines[-1])
@@ -456,33 +577,47 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
     assert all(telemetry.parse_tagged(line) and telemetry.parse_tagged(line)[0] in TAGS for line in s.lines)
 
 
-# ---- the demo model (realistic routing), when it has been built --------------------------------
+# ---- the demo model (realistic routing) ----------------------------------------------------------
 
 
 def test_demo_model_session() -> None:
-    try:
-        from bmoe.tools import demo
-    except ImportError:
-        pytest.skip("bmoe.tools.demo is not there")
-    path = demo.default_path(demo.DEMO_EXPERTS, demo.DEMO_TOP_K)
-    if not path.exists():
-        pytest.skip(f"the demo model is not built ({path}); `bmoe-demo --experts 16 --top-k 4` builds it")
-    budget = ["--cache-mb", "1400", "-t", "2"]  # holds every expert: the second prompt starts warm
+    """The session on a real-routing model: the small demo model the suite builds anyway (8 experts,
+    top-2, as tests/test_demo.py and tests/test_speculation.py use), with a budget holding every expert."""
+    from bmoe.model_files import open_model
+    from bmoe.tools import demo
+    from bmoe.units import MiB
+
+    path = demo.build_demo(8, 2)
+    every = open_model(path).expert_bytes * 1.05 / MiB  # every expert, page rounding included
+    budget = ["--cache-mb", f"{every:.0f}", "-t", "1"]
+    fact, more, n = "What is the capital of France?", "And of Italy?", 8
     with SessionClient(["-m", str(path), *budget], cwd=str(REPO)) as s:
         assert s.ready["arch"] == "llama"
-        ev1, _ = s.ask(1, "What is the capital of France?", n_predict=4)
-        ev2, _ = s.ask(2, "What is the capital of France?", n_predict=4)
-        ev3, _ = s.ask(3, "And of Italy?", n_predict=4, clear_kv=False)
-        d1, d2, d3 = check_turn(ev1, 1, 4), check_turn(ev2, 2, 4), check_turn(ev3, 3, 4)
+        ev1, _ = s.ask(1, fact, n_predict=n)
+        ev2, _ = s.ask(2, fact, n_predict=n)
+        ev3, _ = s.ask(3, more, n_predict=n, clear_kv=False)
+        d1, d2, d3 = check_turn(ev1, 1, n), check_turn(ev2, 2, n), check_turn(ev3, 3, n)
         assert s.close() == 0
     assert not s.stray
-    # the cache holds every expert: the same prompt again routes only experts read the first time
-    assert read_mb(ev1) > 0 and read_mb(ev2) == 0 and d2["text"] == d1["text"]
-    assert d3["n_prompt"] < d2["n_prompt"] + 8 and d3["n_past"] > d2["n_past"]
-    r = run_cli("-m", str(path), "-p", "What is the capital of France?", "-n", "4", "--chat", "--progress",
-                *budget, timeout=600)
+    # the session started with an empty cache and the budget holds every expert: nothing is evicted,
+    # so the same prompt again reads nothing (prefill included) exactly when the slab did not grow
+    assert d1["cache_budget_mib"] == float(f"{every:.0f}") and d1["cache_resident_mib"] > 0
+    assert d2["cache_resident_mib"] == d1["cache_resident_mib"] and read_mb(ev2) == 0
+    assert d2["cache_hit_pct"] == 100.0 and d2["text"] == d1["text"] and d1["text"].strip()
+    # clear_kv:false continues the conversation: it prefills only the new turn, and answers as a
+    # fresh plain-llama.cpp session given the same two turns does
+    assert d3["n_prompt"] < d2["n_prompt"] and d3["n_past"] > d2["n_past"]
+    with SessionClient(["-m", str(path), *PLAIN, "-t", "1"], cwd=str(REPO)) as ref:
+        want = [check_turn(ref.ask(i + 1, p, n_predict=n, clear_kv=i == 0)[0], i + 1, n)
+                for i, p in enumerate((fact, more))]
+        assert ref.close() == 0
+    assert [d2["text"], d3["text"]] == [w["text"] for w in want]
+    assert [(d2["n_prompt"], d2["n_past"]), (d3["n_prompt"], d3["n_past"])] == \
+           [(w["n_prompt"], w["n_past"]) for w in want]
+    # one-shot --chat answers the first turn as the session did
+    r = run_cli("-m", str(path), "-p", fact, "-n", str(n), "--chat", "--progress", *budget, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert d1["text"] == telemetry.parse_output(r.stdout).answer and d1["text"].strip()
+    assert d1["text"] == telemetry.parse_output(r.stdout).answer
 
 
 def test_profile_on_demand_goes_to_stderr(model: str) -> None:
@@ -491,7 +626,7 @@ def test_profile_on_demand_goes_to_stderr(model: str) -> None:
         s.send({"cmd": "profile"})
         events = list(s.generate(1, "hello there", n_predict=4))
         assert events[-1][0] == "DONE"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 600
         while "io_lane 1" not in s.stderr and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "coordinator" in s.stderr and "io_lane 0" in s.stderr and "io_lane 1" in s.stderr
@@ -514,7 +649,7 @@ def test_model_file_changed_under_the_session_is_fatal(model: str, tmp_path) -> 
             f.write(b"\0" * 4096)
         size = copy.stat().st_size
         evs = list(s.generate(2, P2, n_predict=3))
-        rc = s.proc.wait(60)
+        rc = s.proc.wait(600)
     finally:
         s.kill()
     assert [tag for tag, _ in evs] == ["ERROR"]
@@ -523,5 +658,4 @@ def test_model_file_changed_under_the_session_is_fatal(model: str, tmp_path) -> 
     assert ev["msg"] == (f"generation 2 failed: model file {copy} changed since it was loaded "
                          f"(size {size - 4096} -> {size} bytes); restart the session to load it again")
     assert rc == 1 and not s.stray and not bmoe_segments() - before
-    _, alive = psutil.wait_procs(lanes, timeout=5)
-    assert not alive
+    assert not still_running(lanes)

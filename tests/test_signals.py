@@ -18,7 +18,7 @@ import pytest
 
 from bmoe import telemetry
 from bmoe.session_client import SessionClient
-from tests.conftest import REPO, bmoe_segments
+from tests.conftest import REPO, bmoe_segments, still_running
 
 PROMPT = "The lighthouse keeper wrote in his log every night about the ships and the weather " * 12
 SIGNALS = [("SIGTERM", 143), ("SIGINT", 130)]
@@ -62,7 +62,7 @@ def test_signal_during_start_and_prefill(model: str, phase: str, flags: list[str
     before = bmoe_segments()
     r = subprocess.run([sys.executable, "-m", "tests.signal_driver", phase, sig, "-m", model, "-p", PROMPT,
                         "-n", "4", "-c", "1024", "-t", "1", "--io-threads", "2", "--cache-mb", "2", *flags],
-                       capture_output=True, text=True, timeout=120, cwd=REPO,
+                       capture_output=True, text=True, timeout=600, cwd=REPO,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     pids = driver_pids(r.stderr, phase)
     assert r.returncode == code, r.stderr[-2000:]
@@ -85,12 +85,11 @@ def test_signal_while_a_session_is_idle(model: str, sig: str, code: int) -> None
                 if any(w in " ".join(c.cmdline()) for w in WORKERS)]
         assert len(kids) == 3
         s.proc.send_signal(getattr(signal, sig))
-        rc = s.proc.wait(60)
+        rc = s.proc.wait(600)
     finally:
         s.kill()
     assert rc == code, s.stderr[-2000:]
     tag, ev = telemetry.parse_tagged(s.lines[-1])
     assert tag == "ERROR" and ev["fatal"] is True and ev["id"] == -1 and sig in ev["msg"]
     assert bmoe_segments() == before
-    _, alive = psutil.wait_procs(kids, timeout=0.5)
-    assert not alive and not workers_of(model)
+    assert not still_running(kids) and not workers_of(model)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import math
-import re
 
+import psutil
 import pytest
 
 from bmoe import telemetry
-from tests.conftest import run_cli
+from bmoe.coordinator import Engine
+from bmoe.session_client import SessionClient
+from tests import spec_lines
+from tests.conftest import run_cli, settings_for
 
 PROMPT = "Tell me about the harbour town where the fishing boats come home every evening before dark"
 N = 20
-TYPES = {"step": int, "steps": int, "wall_ms": float, "io_ms": float, "compute_ms": float, "mgmt_ms": float,
-         "stall_ms": float, "read_mb": float, "cache_hit_pct": float, "text": str}
 ROUND = 0.01  # ms: every JSON field is rounded to 3 decimals
 
 
@@ -29,10 +30,6 @@ def progress_run(model: str, tmp_path, *flags: str) -> tuple[telemetry.ParsedRun
     return telemetry.parse_output(r.stdout), csv_path.read_text(), r.stdout
 
 
-def number(v: object, kind: type) -> bool:
-    return isinstance(v, int) if kind is int else isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 @pytest.mark.parametrize("cache", ["1", "0"])  # 1 MiB: a third of the experts
 def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) -> None:
     """Serial mode's formulas (the overlap ones: tests/test_speculation.py)."""
@@ -40,11 +37,15 @@ def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) ->
     assert not run.stray, f"lines outside the contract: {run.stray[:5]}"
     progress = [obj for tag, obj in run.events if tag == "PROGRESS"]
     assert progress and all(tag in ("LOAD", "PROGRESS") for tag, _ in run.events)
+    for line in stdout.splitlines()[:len(run.events)]:  # the spec's keys, in its order, of its types
+        spec_lines.check_tagged(line)
     for obj in progress:
-        assert list(obj) == list(telemetry.PROGRESS_KEYS), "keys in the format block's order"
-        assert all(number(obj[k], t) if t is not str else isinstance(obj[k], str) for k, t in TYPES.items())
-        # serial: compute is the residual of wall minus io minus mgmt
-        assert abs(obj["wall_ms"] - (obj["io_ms"] + obj["compute_ms"] + obj["mgmt_ms"])) <= ROUND
+        # compute is a residual (wall - io - mgmt), so restating that formula proves nothing; what can
+        # fail is that the measured terms are disjoint parts of the wall time and the kernels took some
+        assert 0 < obj["compute_ms"] <= obj["wall_ms"]
+        assert obj["io_ms"] >= 0 and obj["mgmt_ms"] >= 0 and obj["io_ms"] + obj["mgmt_ms"] <= obj["wall_ms"] + ROUND
+        # serial io is time blocked on reads: some exactly when the token read experts
+        assert (obj["io_ms"] > 0) == (obj["read_mb"] > 0), obj
         assert obj["stall_ms"] == 0
         assert obj["steps"] == N
         assert (obj["cache_hit_pct"] == -1) == (cache == "0")
@@ -62,7 +63,7 @@ def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) ->
     assert all(b["text"].startswith(a["text"]) for a, b in zip(progress, progress[1:]))
     # banners, then the summary lines
     lines = stdout.splitlines()
-    assert lines.index(telemetry.ANSWER_BANNER) < lines.index(telemetry.PERF_BANNER)
+    assert lines.index(spec_lines.ANSWER_BANNER) < lines.index(spec_lines.PERF_BANNER)
     kinds = list(run.summary)
     assert kinds == (["generation", "moe-stream", "moe-cache"] if cache != "0" else ["generation", "moe-stream"])
     assert run.summary["generation"]["tokens"] == len(progress)
@@ -70,22 +71,105 @@ def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) ->
     assert abs(per_tok_sum - run.summary["moe-stream"]["read_mib"]) <= 0.01 + 1e-4 * len(progress)
     # CSV by column name: the contract's columns in its order, then bmoe's trailing budget column
     rows, summary = telemetry.read_csv(csv_text)
-    assert csv_text.splitlines()[0] == ("step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms"
-                                        ",cache_budget_mib")
+    # the spec's columns in its order, then bmoe's trailing budget column (the contract's CSV is additive)
+    assert csv_text.splitlines()[0] == spec_lines.CSV_HEADER + ",cache_budget_mib"
     assert len(rows) == len(progress)
     for row, obj in zip(rows, progress):
         assert row["step"] == obj["step"] and abs(row["wall_ms"] - obj["wall_ms"]) <= ROUND
         assert abs(row["read_bytes"] / 2**20 - obj["read_mb"]) < 1e-3
-    assert re.fullmatch(r"# summary .*stall_s/tok=[\d.]+ mgmt_s/tok=[\d.]+ cache_budget_mib=[\d.]+",
-                        csv_text.splitlines()[-1])
+    assert spec_lines.csv_summary_matches(csv_text.splitlines()[-1]), csv_text.splitlines()[-1]
+    assert csv_text.splitlines()[-1].endswith(f" cache_budget_mib={summary['cache_budget_mib']:.1f}")
     assert all(row["cache_budget_mib"] == (0 if cache == "0" else float(cache)) for row in rows)
     assert summary["tokens"] == len(progress)
+
+
+def test_serial_io_and_read_bytes_are_what_the_lanes_did(model: str) -> None:
+    """Measured, not derived: with no cache in serial mode every token blocks on reads (io > 0, within
+    its wall time) and its read bytes are the bytes the lane processes read from the file, as the
+    kernel counted them (/proc/PID/io read_bytes: O_DIRECT reads bypass the page cache)."""
+    e = Engine(settings_for(model, "-c", 256, "-t", 1, "--cache-mb", 0, "--no-overlap", "--io-threads", 2))
+    try:
+        pool = e.streamer.pool
+        if not pool.odirect:
+            pytest.skip("the model's file system refuses O_DIRECT: the kernel's read_bytes counts page-cache misses")
+
+        def lanes_read() -> int:
+            return sum(psutil.Process(lane.pid).io_counters().read_bytes for lane in pool.lanes)
+
+        kernel: list[int] = []
+        last = [0]
+
+        def on_piece(i: int, _text: str, _st: object) -> None:
+            now = lanes_read()
+            kernel.append(now - last[0])
+            last[0] = now
+
+        res = e.generate(e.prompt_tokens(PROMPT, chat=False), N, on_piece)
+        pids = [lane.pid for lane in pool.lanes]
+    finally:
+        e.close()
+    assert len(res.steps) == N and pool.restarts == 0 and pids
+    for i, st in enumerate(res.steps):
+        assert 0 < st.io_ns <= st.wall_ns and st.mgmt_ns >= 0 and st.io_ns + st.mgmt_ns <= st.wall_ns, (i, st)
+        assert st.stall_ns == 0
+    # the first delta also holds the prompt's reads (prefill has no callback of its own)
+    assert kernel[0] > res.steps[0].read_bytes > 0
+    assert kernel[1:] == [st.read_bytes for st in res.steps[1:]]
+
+
+def test_every_line_written_is_the_specs(model: str, tmp_path) -> None:
+    """What bmoe-cli and the session write, line by line, against the spec's own lines
+    (tests/data/telemetry_spec_lines.txt: keys and their order, words, units, columns), not against
+    bmoe's constants or parser."""
+    csv_path = tmp_path / "run.csv"
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "12", "-t", "1", "--cache-mb", "1", "--overlap", "--prefetch", "1",
+                "--spec-gate", "--spec-recall-min", "0", "--progress", "--csv", str(csv_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    a, p = lines.index(spec_lines.ANSWER_BANNER), lines.index(spec_lines.PERF_BANNER)
+    tagged = [spec_lines.check_tagged(x) for x in lines[:a]]
+    assert {t for t, _ in tagged} == {"LOAD", "PROGRESS"} and tagged[-1][0] == "PROGRESS"
+    assert "\n".join(lines[a + 1:p]) == tagged[-1][1]["text"], "the answer between the banners"
+    kinds = ["generation", "moe-stream", "moe-cache", "moe-prefetch", "moe-spec-gate"]  # the spec's order
+    assert [x.split(":")[0] for x in lines[p + 1:]] == kinds, lines[p + 1:]
+    for kind, line in zip(kinds, lines[p + 1:]):
+        assert spec_lines.summary_matches(kind, line, overlap=True), line
+    csv = csv_path.read_text().splitlines()
+    assert csv[0] == spec_lines.CSV_HEADER + ",cache_budget_mib", csv[0]  # bmoe's trailing column after the spec's
+    assert spec_lines.csv_summary_matches(csv[-1]), csv[-1]
+    assert len(csv) == 2 + sum(t == "PROGRESS" for t, _ in tagged)
+    for row in csv[1:-1]:
+        assert len(row.split(",")) == len(csv[0].split(",")) and all(float(x) == float(x) for x in row.split(","))
+
+    # serial, no --progress: the answer inline, then the summary lines without the overlap suffix
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "-t", "1", "--cache-mb", "1", "--no-overlap")
+    assert r.returncode == 0, r.stderr
+    tail = r.stdout.splitlines()[-3:]
+    assert "BMOE_" not in r.stdout and spec_lines.ANSWER_BANNER not in r.stdout
+    for kind, line in zip(["generation", "moe-stream", "moe-cache"], tail):
+        assert spec_lines.summary_matches(kind, line), line
+
+    # the governor's suffix
+    r = run_cli("-m", model, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "1", "--spec-gate",
+                "--spec-warmup", "6", "--spec-recall-min", "100")
+    assert r.returncode == 0, r.stderr
+    plain, disabled = (spec_lines.line_regex(t) for t in spec_lines.SUMMARY["moe-spec-gate"])
+    last = r.stdout.splitlines()[-1]
+    assert disabled.fullmatch(last) and not plain.fullmatch(last), last
+
+    # the session's control lines (and its per-token lines)
+    with SessionClient(["-m", model, "-t", "1", "--cache-mb", "1"]) as s:
+        s.ask(1, PROMPT, n_predict=4)
+        s.ask(2, PROMPT, n_predict=5000)  # more than the context holds: a rejected request
+        assert s.close() == 0
+    tags = [spec_lines.check_tagged(line)[0] for line in s.lines]
+    assert tags[:2] == ["READY", "BEGIN"] and {"PROGRESS", "DONE", "ERROR"} <= set(tags), tags
 
 
 def test_without_progress_only_answer_and_summary(model: str) -> None:
     r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "--cache-mb", "1")
     assert r.returncode == 0, r.stderr
-    assert "BMOE_" not in r.stdout and telemetry.ANSWER_BANNER not in r.stdout
+    assert "BMOE_" not in r.stdout and spec_lines.ANSWER_BANNER not in r.stdout
     tail = r.stdout.splitlines()[-3:]
     assert [telemetry.parse_summary(x)[0] for x in tail] == ["generation", "moe-stream", "moe-cache"]
 
