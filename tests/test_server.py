@@ -351,11 +351,13 @@ def test_sigterm_mid_stream_exits_143_and_leaves_nothing(model: str) -> None:
     assert not alive
 
 
-def test_sigterm_while_idle_exits_143(model: str) -> None:
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_idle_exits_with_its_code(model: str, sig: int, code: int) -> None:
     before = bmoe_segments()
     s = Server("-m", model, *FLAGS)
     workers = s.workers()
-    assert s.stop() == 143 and bmoe_segments() == before
+    assert s.stop(sig) == code and bmoe_segments() == before
+    assert "Traceback" not in s.stderr
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
 
