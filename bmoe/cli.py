@@ -41,6 +41,12 @@ def _on_signal(signum: int, _frame: object) -> None:
     seam.deliver(KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(EXIT_SIGTERM))
 
 
+def install_signal_handlers() -> None:
+    """SIGINT / SIGTERM end the process as KeyboardInterrupt / SystemExit(143), even mid-decode."""
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+
 def summary(engine: Engine, res: Result, tally: telemetry.Tally) -> list[str]:
     """The contract's end-of-run lines, in order."""
     totals = tally.totals()
@@ -115,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.model is None and a.prompt is None and a.file is None and not a.session:
         a.prompt, a.chat = DEMO_PROMPT, True
     settings = flags.check(ap, a)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    install_signal_handlers()
     if a.session:
         from bmoe import session
 

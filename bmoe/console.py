@@ -1,4 +1,4 @@
-"""The two kinds of stderr line a user reads from bmoe-cli, in one form for every mode."""
+"""The two kinds of stderr line a user reads from bmoe-cli (and bmoe-server), in one form for every mode."""
 
 from __future__ import annotations
 
@@ -10,6 +10,6 @@ def notice(msg: str) -> None:
     print(f"bmoe: {msg}", file=sys.stderr, flush=True)
 
 
-def error(msg: str) -> None:
+def error(msg: str, prog: str = "bmoe-cli") -> None:
     """Why the run ends (the exit code says how)."""
-    print(f"bmoe-cli: error: {msg}", file=sys.stderr, flush=True)
+    print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)

@@ -33,7 +33,7 @@ from bmoe.llama import TextStream, Vocab, init_backend, load_model, make_sampler
 from bmoe.model_files import ModelError, open_model
 from bmoe.readahead import Speculation
 from bmoe.route_trace import TraceWriter
-from bmoe.settings import ConfigError, Settings, validate
+from bmoe.settings import ConfigError, SamplerSettings, Settings, validate
 from bmoe.shm_cache import sweep_stale_segments
 from bmoe.speculation import SpecGate
 from bmoe.streamer import Streamer, regions_of
@@ -304,13 +304,14 @@ class Engine:
     # ---- generation ----------------------------------------------------------------------------
 
     def generate(self, tokens: list[int], n_predict: int, on_piece: OnPiece = lambda i, s, st: None,
-                 fix: str = "raise -c or shorten the prompt") -> Result:
+                 fix: str = "raise -c or shorten the prompt", sampler: SamplerSettings | None = None) -> Result:
         """Prefill `tokens` after what the KV holds, then decode up to `n_predict` tokens.
 
         The KV afterwards holds the old tokens, `tokens` and every token in `Result.ids` (each
         sampled token is decoded before the next one is sampled; an end-of-generation token is
-        not). `fix` ends the message when the context is too small. Raises Cancelled when
-        `cancel` is called mid-prefill or mid-decode.
+        not). `fix` ends the message when the context is too small. `sampler` overrides the
+        settings' sampler for this call (a server's requests each bring their own). Raises
+        Cancelled when `cancel` is called mid-prefill or mid-decode.
         """
         self.check_fits(self.kv_len() + len(tokens), n_predict, fix)
 
@@ -321,11 +322,11 @@ class Engine:
 
         if self.cancel_requested:
             raise Cancelled()
-        sampler = make_sampler(self.settings.sampler)
+        chain = make_sampler(sampler or self.settings.sampler)
         try:
-            return self._run(sampler, tokens, n_predict, piece)
+            return self._run(chain, tokens, n_predict, piece)
         finally:
-            llama_cpp.llama_sampler_free(sampler)
+            llama_cpp.llama_sampler_free(chain)
             if self.streamer:
                 self.streamer.settle()
             if self.trace:

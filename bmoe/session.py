@@ -55,13 +55,11 @@ import os
 import queue
 import sys
 import threading
-import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from bmoe import console, flags, profile, telemetry
-from bmoe.chat import Renderer, common_prefix
-from bmoe.coordinator import Cancelled, Engine
+from bmoe.api import Chunk, Completion, Model
+from bmoe.coordinator import Engine
 from bmoe.protocol import CANCEL, CLOSE, DONE_KEYS, NO_ID, PROFILE, Generate, RequestError, safe, parse_request
 from bmoe.settings import ConfigError, Settings
 from bmoe.units import MiB
@@ -123,31 +121,18 @@ class Output:
 # ---- the session ---------------------------------------------------------------------------------
 
 
-@dataclass
-class Turn:
-    """What one generation accumulates for its per-token lines and its BMOE_DONE."""
-
-    req: Generate
-    tally: telemetry.Tally
-    text: str = ""
-    t_start: float = 0.0
-    prefill_s: float | None = None
-
-
 class Session:
-    """Conversation state over one Engine. Generation runs on the calling (main) thread only;
-    the request reader thread only queues requests, answers bad ones and flags cancels."""
+    """Conversation state over one Model (bmoe.api: its `run` keeps the conversation and the KV).
+    Generation runs on the calling (main) thread only; the request reader thread only queues
+    requests, answers bad ones and flags cancels."""
 
-    def __init__(self, engine: Engine, out: Output, n_predict: int,
+    def __init__(self, model: Model, out: Output, n_predict: int,
                  notice: Callable[[str], None] = console.notice) -> None:
-        self.engine = engine
+        self.model = model
+        self.engine = model.engine
         self.out = out
         self.n_predict = n_predict
         self.notice = notice
-        self.renderer = Renderer(engine.vocab, engine.chat_template())
-        self.overlap = engine.streaming and engine.settings.streaming.overlap
-        self.messages: list[dict[str, str]] = []
-        self.kv_tokens: list[int] = []  # exactly the tokens in the KV, in order
         self.requests: queue.Queue[Generate | str] = queue.Queue()
         self.in_flight: int | None = None  # id of the queued or running generate (under out.lock)
 
@@ -249,70 +234,41 @@ class Session:
 
     def run(self, req: Generate) -> None:
         self.engine.check_model_unchanged("restart the session to load it again")  # fatal: see the notes
-        base = [] if req.clear_kv else self.messages
-        msgs = base + [{"role": "user", "content": req.prompt}]
+        base = [] if req.clear_kv else self.model.messages
         try:
-            tokens = self.engine.tokenize(self.renderer.render(msgs, req.think))
-            self.engine.check_fits(len(tokens), req.n_predict, CONTEXT_FIX)
+            job = self.model.prepare(messages=[*base, {"role": "user", "content": req.prompt}],
+                                     max_tokens=req.n_predict, think=req.think, fix=CONTEXT_FIX)
         except ConfigError as e:
             self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
             return
         self.out.line("BEGIN", {"id": req.id})
-        keep = 0 if req.clear_kv else min(common_prefix(self.kv_tokens, tokens), len(tokens) - 1)
-        keep = self.engine.kv_keep(keep)
-        self.kv_tokens = self.kv_tokens[:keep]
-        self.messages = base
-        turn = Turn(req, telemetry.Tally(req.n_predict, self.overlap, self.engine.cache_active),
-                    t_start=time.perf_counter())
-        suffix = tokens[keep:]
+        text = ""
+
+        def on_chunk(c: Chunk) -> None:
+            nonlocal text
+            if c.token is not None:
+                text += c.text
+                self.out.raw(telemetry.token_lines(c.token, text))
+
         try:
-            res = self.engine.generate(suffix, req.n_predict, lambda i, p, st: self._on_token(turn, p, st), CONTEXT_FIX)
-        except Cancelled:
-            self.engine.kv_keep(keep)  # roll the turn back to the prefix it reused
-            cancelled, text = True, turn.text
-            if turn.prefill_s is None:
-                turn.prefill_s = time.perf_counter() - turn.t_start
+            done = self.model.run(job, on_chunk)
         except ConfigError as e:  # should not happen (checked above); keep serving all the same
-            self.engine.kv_keep(keep)
-            self._check_kv()
             self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
             return
-        else:
-            cancelled, text = False, res.text
-            turn.prefill_s = res.prefill_s
-            self.kv_tokens = tokens + res.ids
-            self.messages = msgs + [{"role": "assistant", "content": res.text}]
-        self._check_kv()
-        self._finish("DONE", self._done(turn, cancelled, text, len(suffix)))
+        self._finish("DONE", self._done(req.id, done))
 
-    def _on_token(self, turn: Turn, piece: str, st: telemetry.TokenStat) -> None:
-        if turn.prefill_s is None:
-            turn.prefill_s = max(0.0, time.perf_counter() - turn.t_start - st.wall_ns / 1e9)
-        turn.text += piece
-        self.out.raw(telemetry.token_lines(turn.tally.add(st), turn.text))
-
-    def _check_kv(self) -> None:
-        """The token list must describe the KV exactly; if not (a bug), start clean rather than lie."""
-        n = self.engine.kv_len()
-        if n != len(self.kv_tokens):
-            self.notice(f"KV holds {n} tokens but the session tracked {len(self.kv_tokens)}; clearing it")
-            self.engine.clear_kv()
-            self.kv_tokens = []
-
-    def _done(self, turn: Turn, cancelled: bool, text: str, n_prompt: int) -> dict[str, Any]:
-        e = self.engine
-        totals = turn.tally.totals()
+    def _done(self, rid: int, done: Completion) -> dict[str, Any]:
+        e, s = self.engine, done.stats
         gate = e.spec_gate_recall()
-        tok_s = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
         obj = {
-            "id": turn.req.id, "cancelled": cancelled, "tokens": totals.tokens, "tok_s": round(tok_s, 3),
-            "prefill_s": round(turn.prefill_s or 0.0, 4), "load_s": round(e.load_s, 3),
-            "cache_hit_pct": round(turn.tally.hit_pct, 2), "n_prompt": n_prompt, "n_past": len(self.kv_tokens),
+            "id": rid, "cancelled": s.finish_reason == "cancelled", "tokens": s.completion_tokens,
+            "tok_s": round(s.tok_s, 3), "prefill_s": round(s.prefill_s, 4), "load_s": round(e.load_s, 3),
+            "cache_hit_pct": round(s.cache_hit_pct, 2), "n_prompt": s.prefill_tokens, "n_past": s.kv_tokens,
             "cache_resident_mib": round(e.resident_bytes() / MiB, 2),
             "cache_budget_mib": round(e.budget / MiB if e.streaming else 0.0, 2),
             "spec_recall_pct": round(gate[0], 2) if gate else -1.0,
-            "stall_s_tok": round(totals.per_tok(totals.stall_s), 5),
-            "mgmt_s_tok": round(totals.per_tok(totals.mgmt_s), 5), "text": text,
+            "stall_s_tok": round(s.stall_s_per_token, 5), "mgmt_s_tok": round(s.mgmt_s_per_token, 5),
+            "text": done.text,
         }
         assert tuple(obj) == DONE_KEYS
         return obj
@@ -359,7 +315,7 @@ def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
     session: Session | None = None
     try:
         engine = Engine(flags.resolve_model(a, settings), notice=console.notice)
-        session = Session(engine, out, a.n_predict)
+        session = Session(Model(engine), out, a.n_predict)
         out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.arch, "n_ctx": engine.n_ctx})
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",
                          daemon=True).start()

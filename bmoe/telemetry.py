@@ -80,13 +80,18 @@ def load_line(t: TokenLine) -> str:
     return tagged("LOAD", {"mb": round(t.read_mb, 4), "ms": round(t.io_ms, 3)})
 
 
-def progress_line(t: TokenLine, text: str) -> str:
-    return tagged("PROGRESS", {
+def progress_fields(t: TokenLine) -> dict[str, Any]:
+    """BMOE_PROGRESS's fields but the text, rounded as the line prints them (bmoe-server sends them too)."""
+    return {
         "step": t.step, "steps": t.steps, "wall_ms": round(t.wall_ms, 3), "io_ms": round(t.io_ms, 3),
         "compute_ms": round(t.compute_ms, 3), "mgmt_ms": round(t.mgmt_ms, 3),
         "stall_ms": round(t.stall_ms, 3), "read_mb": round(t.read_mb, 4),
-        "cache_hit_pct": round(t.cache_hit_pct, 2), "text": text,
-    })
+        "cache_hit_pct": round(t.cache_hit_pct, 2),
+    }
+
+
+def progress_line(t: TokenLine, text: str) -> str:
+    return tagged("PROGRESS", {**progress_fields(t), "text": text})
 
 
 def token_lines(t: TokenLine, text: str) -> list[str]:

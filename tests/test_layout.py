@@ -87,7 +87,7 @@ def test_workers_import_only_what_moves_bytes_or_predicts() -> None:
         assert not _reach(worker) & {"bmoe.coordinator", "bmoe.streamer", "bmoe.expert_cache", "bmoe.cli"}, worker
 
 
-@pytest.mark.parametrize("module", ["bmoe", "bmoe.session_client", "bmoe.protocol", "bmoe.telemetry",
+@pytest.mark.parametrize("module", ["bmoe", "bmoe.api", "bmoe.session_client", "bmoe.protocol", "bmoe.telemetry",
                                     "bmoe.settings", "bmoe.flags", "bmoe.tools.bench"])
 def test_light_modules_do_not_load_llama_cpp(module: str) -> None:
     code = f"import sys, {module}; print('llama_cpp' in sys.modules)"
