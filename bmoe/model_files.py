@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
+from bmoe.gguf_table import MAGIC as GGUF_MAGIC
+from bmoe.gguf_table import GGUFError, read_table
 
-GGUF_MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_\w+_exps\.weight$")
 
@@ -74,11 +74,6 @@ def shard_paths(path: Path) -> list[Path]:
     return paths
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> object | None:
-    f = reader.get_field(key)
-    return None if f is None else f.contents()
-
-
 def check_gguf(path: Path) -> None:
     if not path.exists():
         raise ModelError(f"model file {path} does not exist; check the -m path")
@@ -107,20 +102,19 @@ def open_model(path: str | os.PathLike[str]) -> ModelFiles:
         sizes.append(st.st_size)
         mtimes.append(st.st_mtime)
         try:
-            reader = gguf.GGUFReader(p)
-        except (ValueError, IndexError) as e:
+            table = read_table(p)
+        except GGUFError as e:
             raise ModelError(f"{p} is truncated or corrupt ({e}); re-copy or re-download it") from e
         if i == 0:
-            arch = str(_field(reader, "general.architecture") or "")
-            n_expert = int(_field(reader, f"{arch}.expert_count") or 0)
-            n_used = int(_field(reader, f"{arch}.expert_used_count") or 0)
-        for t in reader.tensors:
-            end = t.data_offset + int(t.n_bytes)
+            arch = str(table.fields.get("general.architecture") or "")
+            n_expert = int(table.fields.get(f"{arch}.expert_count") or 0)
+            n_used = int(table.fields.get(f"{arch}.expert_used_count") or 0)
+        for t in table.tensors:
+            end = t.offset + t.nbytes
             if end > st.st_size:
                 raise ModelError(
                     f"{p} is truncated: tensor {t.name} ends at byte {end} but the file has "
                     f"{st.st_size}; re-copy or re-download it"
                 )
-            extents[t.name] = TensorExtent(i, int(t.data_offset), int(t.n_bytes))
-        del reader
+            extents[t.name] = TensorExtent(i, t.offset, t.nbytes)
     return ModelFiles(paths, extents, arch, n_expert, n_used, sizes, mtimes)

@@ -1,0 +1,131 @@
+"""A GGUF file's scalar metadata and tensor table, read without the rest.
+
+`gguf.GGUFReader` turns every key-value pair into numpy objects, the tokenizer's arrays of tens of
+thousands of strings included: about 2 s on the 64-expert demo model before the first token. What
+streaming needs is a few scalar keys and each tensor's name, type, shape and offset; arrays are
+skipped by their lengths, so reading the table costs a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+# value type -> struct format of a scalar (GGUF: uint8, int8, uint16, int16, uint32, int32, float32, bool,
+# string, array, uint64, int64, float64)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF this reader understands, or its header is cut short."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type: int  # ggml type
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset of the data
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    fields: dict[str, object]  # scalar and string values; arrays are left out
+    tensors: list[TensorInfo]
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap, order: str) -> None:
+        self.buf, self.pos, self.order = buf, 0, order
+
+    def take(self, fmt: str) -> object:
+        fmt = self.order + fmt
+        try:
+            (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        except struct.error:
+            raise GGUFError(f"the header ends early (at byte {self.pos})") from None
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"a string of {n} bytes runs past the end of the file (at byte {self.pos})")
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def skip_string(self) -> None:
+        n = self.take("Q")  # (not `pos += take()`: that would add to the position before the take)
+        self.pos += n
+
+    def value(self, vtype: int) -> object:
+        if vtype in _SCALAR:
+            return self.take(_SCALAR[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.take("I"), self.take("Q")
+            if etype in _SCALAR:
+                self.pos += count * struct.calcsize(self.order + _SCALAR[etype])
+            elif etype == _STRING:
+                for _ in range(count):
+                    self.skip_string()
+            else:
+                for _ in range(count):
+                    self.value(etype)
+            return None
+        raise GGUFError(f"unknown value type {vtype} at byte {self.pos}")
+
+
+def _nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise GGUFError(f"unknown tensor type {ggml_type}") from None
+    n = 1
+    for d in shape:
+        n *= d
+    return n // block * size
+
+
+def read_table(path: Path) -> GGUFTable:
+    """The scalar fields and tensor infos of one GGUF file (GGUFError if it cannot be read as one)."""
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if buf[:4] != MAGIC:
+            raise GGUFError(f"bad magic {bytes(buf[:4])!r}")
+        version = struct.unpack_from("<I", buf, 4)[0]
+        order = "<" if version & 0xFFFF else ">"  # a big-endian file reads as a huge little-endian version
+        c = _Cursor(buf, order)
+        c.pos = 4
+        version = c.take("I")
+        if version < 2:
+            raise GGUFError(f"GGUF version {version} is too old (2 or later)")
+        n_tensors, n_kv = c.take("Q"), c.take("Q")
+        fields: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = c.string()
+            v = c.value(c.take("I"))
+            if v is not None:
+                fields[key] = v
+        infos = []
+        for _ in range(n_tensors):
+            name = c.string()
+            shape = tuple(c.take("Q") for _ in range(c.take("I")))
+            ggml_type, rel = c.take("I"), c.take("Q")
+            infos.append((name, ggml_type, shape, rel))
+        align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        start = -(-c.pos // align) * align
+        return GGUFTable(fields, [TensorInfo(n, t, s, start + rel, _nbytes(t, s)) for n, t, s, rel in infos])
+    finally:
+        buf.close()

@@ -1,0 +1,60 @@
+"""bmoe.gguf_table reads the same table as gguf's own reader, on every kind of file we stream."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from bmoe.gguf_table import GGUFError, read_table
+from bmoe.model_files import ModelError, open_model
+from bmoe.tools import demo
+from bmoe.tools.synth import ARCHES
+
+
+def reference(path: Path) -> tuple[dict, dict]:
+    r = gguf.GGUFReader(path)
+    tensors = {t.name: (int(t.data_offset), int(t.n_bytes), tuple(int(d) for d in t.shape), int(t.tensor_type))
+               for t in r.tensors}
+    scalars = {k: f.contents() for k, f in r.fields.items()
+               if not k.startswith("GGUF.") and f.types and f.types[0] != gguf.GGUFValueType.ARRAY}
+    return tensors, scalars
+
+
+def check(path: Path) -> None:
+    table = read_table(path)
+    tensors, scalars = reference(path)
+    assert {t.name: (t.offset, t.nbytes, t.shape, t.type) for t in table.tensors} == tensors
+    assert table.fields == scalars
+
+
+@pytest.mark.parametrize("arch,quant", [(a, "q8_0") for a in ARCHES] + [("qwen3moe", "f16"), ("llama", "q4_0"),
+                                                                      ("gpt-oss", "mxfp4")])
+def test_the_table_equals_ggufs_reader_on_every_architecture(synth, arch: str, quant: str) -> None:
+    check(synth(arch=arch, quant=quant, layers=3, experts=8, top_k=2))
+
+
+def test_the_table_equals_ggufs_reader_on_the_demo_model_and_its_tokenizer_arrays() -> None:
+    path = demo.build_demo(8, 2)  # a real tokenizer: string arrays of 49k entries to skip
+    check(path)
+    assert read_table(path).fields["tokenizer.ggml.model"] == "gpt2"
+
+
+def test_every_shard_of_a_split_model(tmp_path) -> None:
+    from bmoe.tools.synth import write_model
+
+    first = write_model(tmp_path / "split.gguf", layers=6, experts=8, top_k=2, splits=3)
+    files = open_model(first)
+    for p in files.paths:
+        check(p)
+
+
+def test_a_header_cut_short_is_named(synth, tmp_path) -> None:
+    data = Path(synth(arch="qwen3moe", layers=3, experts=8, top_k=2)).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:300])
+    with pytest.raises(GGUFError, match="ends early|runs past the end"):
+        read_table(cut)
+    with pytest.raises(ModelError, match=r"cut\.gguf is truncated or corrupt .*; re-copy or re-download it"):
+        open_model(cut)
