@@ -162,11 +162,12 @@ def plain_chat(model: str, turns: list[str], n: int) -> list[dict]:
 
 
 class LocalSession:
-    """bmoe.session.Session over a real Engine in this process, for a test that must act at a known
+    """bmoe.session.Session over a real Engine (as a bmoe.api.Model) in this process, for a test that must act at a known
     point inside a generation: requests go through a pipe to the session's own reader thread,
     generations run on a thread of their own, protocol lines come back through a queue."""
 
     def __init__(self, model: str, *flags: str) -> None:
+        from bmoe.api import Model
         from bmoe.coordinator import Engine
         from bmoe.session import Output, Session
         from tests.conftest import settings_for
@@ -176,7 +177,7 @@ class LocalSession:
         self._partial = ""
         self.engine = Engine(settings_for(model, *FAST, *flags))
         try:
-            self.session = Session(self.engine, Output(self), n_predict=64, notice=self.notices.append)
+            self.session = Session(Model(self.engine), Output(self), n_predict=64, notice=self.notices.append)
             self.rfd, self.wfd = os.pipe()
         except BaseException:
             self.engine.close()
