@@ -146,6 +146,7 @@ def main() -> int:
     ap.add_argument("--until", type=int, default=40)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--flags", default="-t 2 --io-threads 4", help="bmoe-cli flags for every run (default: %(default)s)")
+    ap.add_argument("--ref-flags", default="-t 2", help="flags of the --no-stream reference (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/issue14"))
     a = ap.parse_args()
     a.flags = a.flags.split()
@@ -155,7 +156,7 @@ def main() -> int:
     bench_sys.probe_cgroup(h)
     a.out.mkdir(parents=True, exist_ok=True)
     say("reference: --no-stream, no limit")
-    plain = plain_text(a.model, a.n, a.flags)
+    plain = plain_text(a.model, a.n, a.ref_flags.split())
     runs = []
     for i in range(1, a.runs + 1):
         say(f"run {i}/{a.runs}")
