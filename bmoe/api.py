@@ -42,6 +42,7 @@ from bmoe.units import MiB
 if TYPE_CHECKING:
     from bmoe.chat import Renderer
     from bmoe.coordinator import Engine
+    from bmoe.readahead import Speculation
 
 __all__ = ["Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "Request", "load",
            "setting_names", "settings_for"]
@@ -135,6 +136,9 @@ class GenerationStats:
     stall_s_per_token: float
     mgmt_s_per_token: float
     io_s_per_token: float
+    speculative_mib: float = 0.0  # read ahead of demand (--prefetch, --spec-gate)
+    prefetched_experts: int = 0
+    useful_experts: int = 0  # of those, the ones their layer then routed
 
 
 @dataclass(frozen=True)
@@ -433,9 +437,9 @@ class Model:
             try:
                 res = e.generate(tokens[keep:], req.max_tokens, on_piece, sampler=req.sampler)
             except Cancelled:
-                finish, kv = "cancelled", tokens[:e.kv_keep(keep)]
+                finish, kv, res = "cancelled", tokens[:e.kv_keep(keep)], None
             except _Stopped:
-                finish, kv = "stop", tokens[:e.kv_keep(len(tokens))]
+                finish, kv, res = "stop", tokens[:e.kv_keep(len(tokens))], None
             except Exception:
                 self.kv_tokens = tokens[:e.kv_keep(keep)]
                 self._check_kv()
@@ -457,7 +461,8 @@ class Model:
             self._check_kv()
             if prefill_s is None:  # cancelled before the first token
                 prefill_s = time.perf_counter() - t0
-            stats = self._stats(tally, finish, len(tokens), len(tokens) - keep, prefill_s)
+            stats = self._stats(tally, finish, len(tokens), len(tokens) - keep, prefill_s,
+                                res.speculation if res is not None else None)
             if on_chunk:
                 on_chunk(Chunk("", finish_reason=finish, stats=stats))
             return Completion(text.text, stats)
@@ -471,7 +476,7 @@ class Model:
             self.kv_tokens, self.messages = [], []
 
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int,
-               prefill_s: float) -> GenerationStats:
+               prefill_s: float, ahead: Speculation | None) -> GenerationStats:
         t = tally.totals()
         self._generations += 1
         self._tokens += t.tokens
@@ -482,7 +487,8 @@ class Model:
             tok_s=t.tokens / t.wall_s if t.wall_s > 0 else 0.0, read_mib=t.read_bytes / MiB,
             mib_per_token=t.per_tok(t.read_bytes / MiB), cache_hit_pct=tally.hit_pct,
             stall_s_per_token=t.per_tok(t.stall_s), mgmt_s_per_token=t.per_tok(t.mgmt_s),
-            io_s_per_token=t.per_tok(t.io_s))
+            io_s_per_token=t.per_tok(t.io_s), speculative_mib=ahead.bytes / MiB if ahead else 0.0,
+            prefetched_experts=ahead.prefetched if ahead else 0, useful_experts=ahead.useful if ahead else 0)
         return self._last
 
     @property

@@ -1,7 +1,8 @@
 """`bmoe-cli`: generate text from a MoE GGUF while streaming its experts from flash.
 
-One-shot: load, answer one prompt, print the contract's summary lines, exit. `--session`:
-bmoe.session. The flags live in bmoe.flags, the work in bmoe.coordinator.
+One-shot: load, answer one prompt through `bmoe.api.Model.run` (the generation path of the
+session and the server too), print the contract's summary lines, exit. `--session`:
+bmoe.session. The flags live in bmoe.flags.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import sys
 from pathlib import Path
 
 from bmoe import console, flags, profile, seam, telemetry
-from bmoe.coordinator import Engine, Result
+from bmoe.api import Chunk, GenerationStats, Model
+from bmoe.coordinator import Engine
 from bmoe.lanes import LaneError
 from bmoe.model_files import ModelError
 from bmoe.settings import ConfigError
+from bmoe.units import MiB
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 EXIT_ERROR = 1
@@ -47,69 +50,74 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, _on_signal)
 
 
-def summary(engine: Engine, res: Result, tally: telemetry.Tally) -> list[str]:
+def summary(engine: Engine, lines: list[telemetry.TokenLine], stats: GenerationStats) -> list[str]:
     """The contract's end-of-run lines, in order."""
-    totals = tally.totals()
+    totals = telemetry.RunTotals.of(lines, overlap=engine.streaming and engine.settings.streaming.overlap)
     out = [telemetry.generation_line(totals)]
     if engine.streaming:
         out.append(telemetry.stream_line(totals))
-    if tally.cache_active:
-        out.append(telemetry.cache_line(tally.hit_pct, engine.resident_bytes()))
+    if stats.cache_hit_pct >= 0:
+        out.append(telemetry.cache_line(stats.cache_hit_pct, engine.resident_bytes()))
     if engine.streaming and engine.settings.speculation.prefetch:
-        sp = res.speculation
-        out.append(telemetry.prefetch_line(sp.bytes, sp.useful, sp.prefetched))
+        out.append(prefetch_line(stats))
     gate = engine.spec_gate_recall()
     if gate is not None:
         out.append(telemetry.spec_gate_line(*gate))
     return out
 
 
+def prefetch_line(stats: GenerationStats) -> str:
+    return telemetry.prefetch_line(int(stats.speculative_mib * MiB), stats.useful_experts, stats.prefetched_experts)
+
+
 def run(a: argparse.Namespace, settings: flags.Settings) -> int:
+    """One prompt through `Model.run`, the generation path the session and the server use too."""
     prompt = read_prompt(a)
     settings = flags.resolve_model(a, settings)
     csv_file = open(a.csv, "w", buffering=1) if a.csv else None
-    engine = Engine(settings, notice=console.notice)
+    model = Model(Engine(settings, notice=console.notice))
+    engine = model.engine
     try:
-        tokens = engine.prompt_tokens(prompt, a.chat)
+        req = model.prepare(messages=[{"role": "user", "content": prompt}] if a.chat else None,
+                            prompt=None if a.chat else prompt, max_tokens=a.n_predict,
+                            fix="raise -c or shorten the prompt")
         out = sys.stdout
-        tally = telemetry.Tally(a.n_predict, engine.streaming and settings.streaming.overlap, engine.cache_active)
+        lines: list[telemetry.TokenLine] = []
         text = ""
         if csv_file:
             csv_file.write(telemetry.csv_header() + "\n")
 
-        def on_token(_i: int, piece: str, stat: telemetry.TokenStat) -> None:
+        def on_chunk(chunk: Chunk) -> None:
             nonlocal text
-            text += piece
-            line = tally.add(stat)
-            if a.progress:
-                out.write("".join(x + "\n" for x in telemetry.token_lines(line, text)))
-            else:
-                out.write(piece)
+            text += chunk.text
+            if chunk.token is not None:
+                lines.append(chunk.token)
+                if a.progress:
+                    out.write("".join(x + "\n" for x in telemetry.token_lines(chunk.token, text)))
+                if csv_file:
+                    csv_file.write(telemetry.csv_row(chunk.token) + "\n")
+            if not a.progress:
+                out.write(chunk.text)
             out.flush()
-            if csv_file:
-                csv_file.write(telemetry.csv_row(line) + "\n")
 
-        res = engine.generate(tokens, a.n_predict, on_token)
+        done = model.run(req, on_chunk)
         engine.check_model_unchanged("the answer above may not be the model's; run again")
-        if a.progress:
-            out.write(f"{telemetry.ANSWER_BANNER}\n{res.text}\n{telemetry.PERF_BANNER}\n")
-        else:
-            out.write(res.text[len(text):] + "\n")
-        for line in summary(engine, res, tally):
+        out.write(f"{telemetry.ANSWER_BANNER}\n{done.text}\n{telemetry.PERF_BANNER}\n" if a.progress else "\n")
+        for line in summary(engine, lines, done.stats):
             out.write(line + "\n")
         out.flush()
         if engine.spec_gate_recall() is not None and not settings.speculation.prefetch:
-            sp = res.speculation  # the contract's moe-prefetch line is --prefetch's: this goes to stderr
-            console.notice(telemetry.prefetch_line(sp.bytes, sp.useful, sp.prefetched))
+            console.notice(prefetch_line(done.stats))  # the contract's moe-prefetch line is --prefetch's
         if csv_file:
-            csv_file.write(telemetry.csv_summary(tally.totals(), tally.hit_pct, engine.budget) + "\n")
+            totals = telemetry.RunTotals.of(lines, overlap=engine.streaming and settings.streaming.overlap)
+            csv_file.write(telemetry.csv_summary(totals, done.stats.cache_hit_pct, engine.budget) + "\n")
         if a.profile:
             rows = profile.collect(engine.worker_pids())
             print(profile.table(rows, engine.resident_bytes()), file=sys.stderr)
             if a.csv:
                 Path(a.csv + ".procs.csv").write_text(profile.csv_text(rows, engine.resident_bytes()))
     finally:
-        engine.close()
+        model.close()
         if csv_file:
             csv_file.close()
     return 0

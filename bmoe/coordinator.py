@@ -26,6 +26,7 @@ import numpy as np
 
 from bmoe import seam
 from bmoe.budget import Adaptive, decide
+from bmoe.chat import Renderer
 from bmoe.dense import dense_ranges, pin
 from bmoe.expert_cache import working_sets
 from bmoe.memory import MemoryProbe
@@ -243,8 +244,10 @@ class Engine:
         return self.files.arch
 
     def prompt_tokens(self, prompt: str, chat: bool) -> list[int]:
-        """The prompt's tokens, wrapped in the model's chat template with `chat`."""
-        return self.tokenize(self.vocab.chat_prompt(prompt) if chat else prompt)
+        """The prompt's tokens, with `chat` as one user turn in the model's chat template (bmoe.chat)."""
+        if chat:
+            prompt = Renderer(self.vocab, self.chat_template()).render([{"role": "user", "content": prompt}], think=True)
+        return self.tokenize(prompt)
 
     def tokenize(self, text: str) -> list[int]:
         """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""

@@ -106,23 +106,6 @@ class Vocab:
         bos = llama_cpp.llama_vocab_bos(self.ptr)
         return bos if bos >= 0 else 0
 
-    def chat_prompt(self, user: str) -> str:
-        """Render one user turn with the model's own template (from the GGUF)."""
-        tmpl = llama_cpp.llama_model_chat_template(self.model, None)
-        if not tmpl:
-            raise ValueError("this model has no chat template; run without --chat")
-        msg = (llama_cpp.llama_chat_message * 1)()
-        msg[0].role, msg[0].content = b"user", user.encode()
-        cap = 4 * len(user) + 1024
-        buf = ctypes.create_string_buffer(cap)
-        n = llama_cpp.llama_chat_apply_template(tmpl, msg, 1, True, buf, cap)
-        if n > cap:
-            buf = ctypes.create_string_buffer(n)
-            n = llama_cpp.llama_chat_apply_template(tmpl, msg, 1, True, buf, n)
-        if n < 0:
-            raise ValueError("llama.cpp does not support this model's chat template; run without --chat")
-        return buf.raw[:n].decode(errors="replace")
-
 
 class TextStream:
     """Token pieces → text, holding back a partial UTF-8 sequence until it completes."""

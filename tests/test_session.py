@@ -447,7 +447,8 @@ QWEN_LIKE = (
 
 
 def test_rendering_the_conversation(model: str) -> None:
-    """One turn renders as one-shot --chat does; think:false reaches templates that read it."""
+    """The model's own template renders the conversation (one-shot --chat renders its one turn with
+    the same Renderer); think:false reaches templates that read it."""
     from bmoe.chat import Renderer
     from bmoe.coordinator import Engine
     from tests.conftest import settings_for
@@ -457,7 +458,7 @@ def test_rendering_the_conversation(model: str) -> None:
         r = Renderer(e.vocab, e.chat_template())
         msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "more"}]
-        assert r.render(msgs[:1], think=True) == e.vocab.chat_prompt("hi")
+        assert r.render(msgs[:1], think=True) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         full = r.render(msgs, think=True)
         assert full == r.render(msgs, think=False)  # this template does not read enable_thinking
         assert full == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs) \
