@@ -137,18 +137,7 @@ class Engine:
         # the lanes and pinned weights are there before the budget is decided: they are in the charge
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
                                       s.speculation.prefetch)
-        expert_bytes = sum(t.nbytes for t in tensors)
-        decided = decide(s.cache, s.reads_ahead, expert_bytes, max(need.values()), sum(need.values()),
-                                self.memory.rooms())
-        if decided.notice:
-            self.notice(decided.notice)
-        st.set_budget(decided.bytes)
-        if s.cache.adaptive:
-            most_mb = s.cache.mb if s.cache.mb is not None else s.cache.ceil_mb
-            ceiling = st.full_bytes if most_mb is None else min(st.full_bytes, int(most_mb * MiB))
-            token_need = sum(need.values())
-            self.adaptive = Adaptive(decided.floor, token_need, ceiling, margin=min(128 * MiB, token_need // 2))
-            st.watch = self._adapt
+        self._size_cache(sum(t.nbytes for t in tensors), max(need.values()), sum(need.values()))
         self.hook.on_route = st.on_route
         if s.streaming.overlap:
             self.hook.down_nodes = cap.down_inputs
@@ -172,6 +161,19 @@ class Engine:
                 t0 = time.perf_counter()
                 n = st.preload()
                 self.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
+
+    def _size_cache(self, expert_bytes: int, layer_need: int, token_need: int) -> None:
+        """Decide the budget from the room the limits leave now, and make it adaptive when asked."""
+        s, st = self.settings, self.streamer
+        decided = decide(s.cache, s.reads_ahead, expert_bytes, layer_need, token_need, self.memory.rooms())
+        if decided.notice:
+            self.notice(decided.notice)
+        st.set_budget(decided.bytes)
+        if s.cache.adaptive:
+            most_mb = s.cache.mb if s.cache.mb is not None else s.cache.ceil_mb
+            ceiling = st.full_bytes if most_mb is None else min(st.full_bytes, int(most_mb * MiB))
+            self.adaptive = Adaptive(decided.floor, token_need, ceiling, margin=min(128 * MiB, token_need // 2))
+            st.watch = self._adapt
 
     def _start_trace(self, path: Path) -> None:
         st = self.streamer
