@@ -70,21 +70,33 @@ class MemoryProbe:
         self.proc = proc
         self.v2: list[Path] = []  # this process's cgroup v2 directories, innermost first
         self.v1: list[Path] = []  # the same for the v1 memory hierarchy
-        v1_mount = self._v1_mount(cgroup_root)
+        v1_mount, v2_mount = self._mounts(proc, cgroup_root)
         for line in (_read(proc / "self" / "cgroup") or "").splitlines():
             hid, _, rest = line.partition(":")
             ctrls, _, rel = rest.partition(":")
-            if hid == "0" and ctrls == "" and (cgroup_root / "cgroup.controllers").exists():
-                self.v2 = self._ancestors(cgroup_root, rel)
+            if hid == "0" and ctrls == "" and v2_mount is not None:
+                self.v2 = self._ancestors(v2_mount, rel)
             elif "memory" in ctrls.split(",") and v1_mount is not None:
                 self.v1 = self._ancestors(v1_mount, rel)
 
     @staticmethod
-    def _v1_mount(cgroup_root: Path) -> Path | None:
-        for name in ("memory", "memory,cpu"):
-            if (cgroup_root / name / "memory.limit_in_bytes").exists():
-                return cgroup_root / name
-        return None
+    def _mounts(proc: Path, cgroup_root: Path) -> tuple[Path | None, Path | None]:
+        """Where the v1 memory controller and a v2 hierarchy that has it are mounted: from
+        /proc/self/mounts (Android mounts v1 memory at /dev/memcg), else where systemd puts them."""
+        v1 = v2 = None
+        for line in (_read(proc / "self" / "mounts") or "").splitlines():
+            f = line.split()
+            if len(f) < 4:
+                continue
+            if f[2] == "cgroup" and "memory" in f[3].split(",") and v1 is None:
+                v1 = Path(f[1])
+            elif f[2] == "cgroup2" and "memory" in (_read(Path(f[1]) / "cgroup.controllers") or "").split():
+                v2 = Path(f[1])
+        if v1 is None and (cgroup_root / "memory" / "memory.limit_in_bytes").exists():
+            v1 = cgroup_root / "memory"
+        if v2 is None and "memory" in (_read(cgroup_root / "cgroup.controllers") or "").split():
+            v2 = cgroup_root
+        return v1, v2
 
     @staticmethod
     def _ancestors(root: Path, rel: str) -> list[Path]:

@@ -71,6 +71,22 @@ def test_cgroup_v1_walks_up_and_ignores_unlimited_levels(tmp_path) -> None:
     assert p.least() == cgroup_rooms[0]
 
 
+def test_the_v1_memory_controller_is_found_where_proc_mounts_says(tmp_path) -> None:
+    """Android mounts the v1 memory controller at /dev/memcg, not under /sys/fs/cgroup."""
+    memcg = tmp_path / "dev" / "memcg"
+    proc, cg = tree(tmp_path, {
+        "proc/self/cgroup": "3:memory:/apps/uid_10123\n", "proc/meminfo": MEMINFO,
+        "proc/self/mounts": f"none {memcg} cgroup rw,nosuid,memory 0 0\nnone /x cgroup2 rw 0 0\n",
+        "dev/memcg/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+        "dev/memcg/apps/uid_10123/memory.limit_in_bytes": f"{800 * MiB}\n",
+        "dev/memcg/apps/uid_10123/memory.usage_in_bytes": f"{300 * MiB}\n",
+        "dev/memcg/apps/uid_10123/memory.stat": "total_inactive_file 0\n",
+    })
+    p = MemoryProbe(proc, cg)
+    assert p.v1 and p.v1[0] == memcg / "apps" / "uid_10123"
+    assert p.least().bytes == 500 * MiB and p.least().name.startswith("cgroup /apps/uid_10123 ")
+
+
 def test_a_container_sees_its_cgroup_as_the_root_and_no_cgroup_means_the_machine(tmp_path) -> None:
     proc, cg = tree(tmp_path / "a", {
         "proc/self/cgroup": "0::/\n", "proc/meminfo": MEMINFO, "cg/cgroup.controllers": "memory\n",
