@@ -185,3 +185,28 @@ def test_cli_options_stream_what_plain_llama_cpp_computes(synth, case: str) -> N
             assert e.streamer.pool.odirect is False and all("--no-odirect" in lane.cmd for lane in e.streamer.pool.lanes)
         finally:
             e.close()
+
+
+@pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
+def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(synth, overlap: str) -> None:
+    """The prompt's batch routes every expert of a layer at once, more than a budget of a third
+    holds: the layer's whole set is pinned and read in one go, and the output is still plain's."""
+    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    ref = reference(path)
+    e = Engine(settings_for(path, "-c", 256, "-t", 2, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
+                            "--force", "--io-threads", 2, overlap))
+    prefill: dict[int, set[int]] = {}
+    inner = e.hook.on_route
+
+    def on_route(layer, ids) -> None:
+        if len(ids) > 1:
+            prefill[layer] = {int(x) for x in ids.reshape(-1)}
+        inner(layer, ids)
+
+    e.hook.on_route, e.hook.skip_route = on_route, None
+    try:
+        res = e.generate(e.prompt_tokens(PROMPT, chat=False), N_PREDICT)
+    finally:
+        e.close()
+    assert any(len(experts) == 8 for experts in prefill.values()), prefill
+    assert res.ids == ref.ids and res.text == ref.text
