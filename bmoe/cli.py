@@ -113,7 +113,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
             csv_file.write(telemetry.csv_summary(totals, done.stats.cache_hit_pct, engine.budget) + "\n")
         if a.profile:
             rows = profile.collect(engine.worker_pids())
-            print(profile.table(rows, engine.resident_bytes()), file=sys.stderr)
+            print(profile.table(rows, engine.resident_bytes(), engine.lane_lines()), file=sys.stderr)
             if a.csv:
                 Path(a.csv + ".procs.csv").write_text(profile.csv_text(rows, engine.resident_bytes()))
     finally:

@@ -233,6 +233,10 @@ class Engine:
         """(role, pid) of every worker process, for the per-process profile."""
         return self.streamer.worker_pids() if self.streamer else []
 
+    def lane_lines(self) -> list[str]:
+        """The lanes' busy time and queue depth so far, for the --profile table (none without streaming)."""
+        return self.streamer.lane_load().lines() if self.streamer else []
+
     def spec_gate_recall(self) -> tuple[float, float | None] | None:
         """(recall %, the floor that switched it off or None) of this run's spec-gate; None without one."""
         return self.streamer.gate_recall() if self.streamer else None

@@ -64,7 +64,8 @@ def collect(workers: list[tuple[str, int]]) -> list[ProcRow]:
 COLUMNS = [f.name for f in fields(ProcRow)]
 
 
-def table(rows: list[ProcRow], slab_resident: int) -> str:
+def table(rows: list[ProcRow], slab_resident: int, lanes: list[str] = ()) -> str:
+    """The rows, the slab's resident bytes, then `lanes` (Engine.lane_lines: busy time, queue depth)."""
     head = f"{'role':<12} {'pid':>7} {'user_s':>8} {'sys_s':>8} {'peak_rss_MiB':>13} {'shared_MiB':>11} " \
            f"{'read_MiB':>9} {'ctx_sw':>8}"
     out = [head]
@@ -72,6 +73,7 @@ def table(rows: list[ProcRow], slab_resident: int) -> str:
         out.append(f"{r.role:<12} {r.pid:>7} {r.cpu_user_s:>8.2f} {r.cpu_sys_s:>8.2f} {r.peak_rss_mib:>13.1f} "
                    f"{r.shared_mib:>11.1f} {r.read_bytes / MiB:>9.2f} {r.ctx_switches:>8}")
     out.append(f"slab resident: {slab_resident / MiB:.1f} MiB")
+    out.extend(lanes)
     return "\n".join(out)
 
 

@@ -211,7 +211,8 @@ class Session:
     def profile(self) -> None:
         """The per-process table (coordinator, workers) on stderr, on demand; stdout stays protocol-only."""
         rows = profile.collect(self.engine.worker_pids())
-        print(profile.table(rows, self.engine.resident_bytes()), file=sys.stderr, flush=True)
+        print(profile.table(rows, self.engine.resident_bytes(), self.engine.lane_lines()), file=sys.stderr,
+              flush=True)
 
     # -- main thread --
 

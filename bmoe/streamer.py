@@ -45,6 +45,21 @@ class Order:
 
 
 @dataclass
+class LaneLoad:
+    """How busy the lanes were since the streamer started: the flash's idle time made visible."""
+
+    busy_s: list[float]  # per lane, reading
+    since_s: float  # wall time since the lanes started
+    mean_depth: float  # orders in flight (demand and read-ahead) when a layer's reads had gone out
+
+    def lines(self) -> list[str]:
+        out = [f"io_lane {i}: busy {b:.2f} s of {self.since_s:.2f} s ({100 * b / self.since_s:.0f}%)"
+               for i, b in enumerate(self.busy_s)] if self.since_s > 0 else []
+        out.append(f"orders in flight when a layer's reads had gone out: {self.mean_depth:.2f} on average")
+        return out
+
+
+@dataclass
 class Counters:
     """Nanoseconds, bytes and cache lookups since the last `take_counters`: one token's share."""
 
@@ -102,6 +117,9 @@ class Streamer:
         self.busy_ns = 0  # the lanes' busy time (overlap's io)
         self.commit_ns = 0  # mapping arrived slots into the window, ever (for _wait's split)
         self.ahead = ReadAhead(self, prefetch)
+        self.lane_busy_ns = [0] * streaming.io_threads
+        self.started = time.perf_counter()
+        self.depth_sum = self.depth_samples = 0
         self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine)
         self.watched_at = 0  # cache bytes at the last check
 
@@ -160,6 +178,10 @@ class Streamer:
         """What the spec-gate predicted for the layer's coming routing, if anything arrived in time."""
         return self.ahead.predictions.get(layer)
 
+    def lane_load(self) -> LaneLoad:
+        return LaneLoad([b / 1e9 for b in self.lane_busy_ns], time.perf_counter() - self.started,
+                        self.depth_sum / self.depth_samples if self.depth_samples else 0.0)
+
     def take_speculation(self) -> Speculation:
         return self.ahead.take_counts()
 
@@ -178,6 +200,8 @@ class Streamer:
         missing = self.cache.plan(layer, wanted)
         now, later = self._send_demand(layer, wanted, missing)
         self.ahead.after_demand(layer)
+        self.depth_sum += len(self.inflight)
+        self.depth_samples += 1
         c = self.counters
         c.mgmt_ns += time.perf_counter_ns() - t0
         if self.overlap:
@@ -303,6 +327,7 @@ class Streamer:
             self.commit_ns += time.perf_counter_ns() - c0
             self.counters.read_bytes += nbytes
             self.busy_ns += busy
+            self.lane_busy_ns[order.lane] += busy
 
     def _abandon(self, oid: int, order: Order) -> None:
         """A cancelled order read nothing: its slices are absent again. Should a layer have come to

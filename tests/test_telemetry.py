@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import psutil
 import pytest
@@ -227,3 +228,9 @@ def test_profile_lists_each_lane_and_their_reads_match(model: str, tmp_path) -> 
     stream = next(telemetry.parse_summary(x)[1] for x in r.stdout.splitlines() if x.startswith("moe-stream:"))
     # lanes also read during prefill; decode reads are a subset, never more than the lanes did
     assert lane_read >= stream["read_mib"] * 2**20 * 0.99
+    # the lanes' busy time and queue depth (issue 13: the flash's idle time visible)
+    busy = [float(m.group(2)) for m in re.finditer(r"^io_lane (\d): busy ([\d.]+) s of ([\d.]+) s \((\d+)%\)$",
+                                                    r.stderr, re.M)]
+    assert len(busy) == 3 and all(b > 0 for b in busy), r.stderr
+    depth = re.search(r"^orders in flight when a layer's reads had gone out: ([\d.]+) on average$", r.stderr, re.M)
+    assert depth and float(depth.group(1)) > 0, r.stderr
