@@ -106,10 +106,6 @@ class MemoryProbe:
         dirs = [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
         return [d for d in dirs if d.is_dir()]
 
-    @property
-    def in_cgroup(self) -> bool:
-        return bool(self.v1 or self.v2)
-
     def rooms(self) -> list[Room]:
         """Every limit that applies, as the room it leaves."""
         out = [r for r in (self._v2_room(d) for d in self.v2) if r is not None]

@@ -9,7 +9,6 @@ import json
 from dataclasses import dataclass
 
 NO_ID = -1
-TAGS = ("READY", "BEGIN", "LOAD", "PROGRESS", "DONE", "ERROR")
 DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache_hit_pct", "n_prompt",
              "n_past", "cache_resident_mib", "cache_budget_mib", "spec_recall_pct", "stall_s_tok",
              "mgmt_s_tok", "text")

@@ -17,8 +17,6 @@ from typing import Any, Iterable
 from bmoe.units import MiB
 
 
-PROGRESS_KEYS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "mgmt_ms", "stall_ms", "read_mb",
-                 "cache_hit_pct", "text")
 # cache_budget_mib is bmoe's trailing column after the contract's nine (the contract's CSV is
 # additive, read by column name): the budget in force that token, which an adaptive cache moves
 CSV_COLUMNS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "read_bytes", "cache_hit_pct",

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from bmoe import telemetry
+from tests import spec_lines
 from tests.conftest import REPO, bmoe_segments, run_cli
 
 KEY = "test-key-123"
@@ -119,7 +120,7 @@ def test_completions_equal_bmoe_cli_streamed_or_not(model: str, server: Server) 
     chunks = list(c.completions.create(model="x", prompt=PROMPT, max_tokens=16, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == want
     tokens = [ch.model_extra["bmoe"] for ch in chunks[:-1]]
-    assert [t["step"] for t in tokens] == list(range(1, 17)) and tuple(tokens[0]) == telemetry.PROGRESS_KEYS[:-1]
+    assert [t["step"] for t in tokens] == list(range(1, 17)) and tuple(tokens[0]) == spec_lines.PROGRESS_KEYS[:-1]
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 16
 
 

@@ -14,7 +14,6 @@ import psutil
 import pytest
 
 from bmoe import telemetry
-from bmoe.protocol import TAGS
 from bmoe.session_client import SessionClient
 from tests import spec_lines
 from tests.conftest import REPO, bmoe_segments, run_cli, still_running
@@ -576,7 +575,7 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
         assert s.proc.poll() is None
         assert s.close() == 0
     assert not s.stray
-    assert all(telemetry.parse_tagged(line) and telemetry.parse_tagged(line)[0] in TAGS for line in s.lines)
+    assert all(telemetry.parse_tagged(line) and telemetry.parse_tagged(line)[0] in spec_lines.TAGGED for line in s.lines)
 
 
 # ---- the demo model (realistic routing) ----------------------------------------------------------
