@@ -215,6 +215,12 @@ class Engine:
         """A cache is in use now (an adaptive budget may take it to 0 and back)."""
         return self.streamer is not None and self.budget > 0
 
+    def follow_memory(self) -> None:
+        """Between generations: an adaptive budget follows the room as it does each token, so an
+        idle session or server gives memory back when another program needs it."""
+        if self.adaptive is not None and self.streamer is not None:
+            self._adapt()
+
     def _adapt(self) -> None:
         """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
         memory limits leave (Adaptive)."""

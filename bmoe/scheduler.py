@@ -121,7 +121,8 @@ class Scheduler:
         while True:
             with self.cond:
                 while not self.waiting and not self.closed:
-                    self.cond.wait()
+                    if not self.cond.wait(timeout=0.5):
+                        self.model.engine.follow_memory()  # idle: give memory back if the limits ask
                 if self.closed:
                     return
                 job = self.running = self.waiting.popleft()

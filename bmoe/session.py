@@ -222,6 +222,7 @@ class Session:
             try:
                 req = self.requests.get(timeout=0.5)  # a timeout keeps signals prompt
             except queue.Empty:
+                self.engine.follow_memory()
                 continue
             if req == CLOSE:
                 return
