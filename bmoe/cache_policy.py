@@ -15,7 +15,8 @@ A key is a slice `(layer, region index, expert)`. The interface, all on the deco
 - `forget(key)`: the slice is no longer resident (evicted, or a speculative read cancelled).
 - `victims(layer)`: resident keys in eviction order while the current layer is `layer`. The
   caller skips keys it pins (the current layer's routed slices) and `forget`s each key it evicts
-  before asking for the next one; it stops as soon as it has room.
+  before asking for the next one; it stops as soon as it has room, and once it has called
+  anything else it never resumes that walk (the policies keep their orders across walks).
 - `predict(keys)`: optional hints, the slices expected within the next few layers (spec-gate or
   temporal prefetcher). Prediction-aware policies keep them; others ignore the call.
 
@@ -28,32 +29,79 @@ first within the layer, with decaying counts), `quota` (equal per-layer shares: 
 layer holding most slices) and `predict` (`cycle-lfu` that never gives up a predicted slice while
 another candidate is left). The bounds that need the future (Belady's MIN, a next-token oracle)
 live with the simulator, in bmoe.tools.policy_bounds.
+
+Cost: a policy keeps its order as it goes, so `touch`, `admit` and `forget` cost O(1) or O(log n)
+and each key a walk yields O(log n), amortized; nothing passes over every slice per eviction or per
+token (`next-use` re-ranks each layer's first candidate once a token, O(layers); `predict` drops
+expired predictions by scanning the live ones, a window of a few layers).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 from collections import OrderedDict
 from itertools import islice
 from typing import Iterable, Iterator, Sequence
 
 Key = tuple[int, int, int]
+Entry = tuple[float, int, Key]  # (weight, tick of last use, key): a slice's rank in its layer
 
 DEFAULT_POLICY = "next-use"
+_UNUSED = (0.0, -1)  # an expert never used: no count, no token
 
 
 def _drain(od: OrderedDict[Key, None]) -> Iterator[Key]:
     """`od`'s keys oldest first while the caller forgets them; a key it keeps (pinned) is passed over.
 
-    No copy of the whole order per eviction: the next candidate is the first key not passed over.
+    Keys are copied in chunks that double, each from just after the keys passed over so far (the
+    caller forgets only the key it was given, so the rest of a chunk stays valid): no walk copies
+    the whole order, and keys passed over are skipped once per chunk, not once per eviction.
     """
-    kept = 0
+    kept, size = 0, 8
     while kept < len(od):
-        key = next(islice(od, kept, None))
-        yield key
-        if key in od:
-            kept += 1
+        for key in list(islice(od, kept, kept + size)):
+            yield key
+            if key in od:
+                kept += 1
+        size *= 2
+
+
+class _Heads:
+    """One entry per layer in a heap, lowest rank first, kept between eviction walks.
+
+    A layer whose rank changed is pushed again; its older entries go stale and are skipped when they
+    surface (lazy invalidation), and the heap is compacted once stale entries outnumber the layers
+    a few times over: a push or a look at the top costs O(log layers), amortized.
+    """
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        self.heap: list[tuple[float, int, int, int]] = []  # (rank, tie, version, layer)
+        self.version = dict.fromkeys(layers, 0)
+
+    def push(self, layer: int, rank: float | None = None, tie: int = 0) -> None:
+        """The layer's rank from now on (None: it has no candidate); equal ranks go to the lower `tie`."""
+        v = self.version[layer] = self.version[layer] + 1
+        if rank is not None:
+            heapq.heappush(self.heap, (rank, tie, v, layer))
+            if len(self.heap) > 4 * len(self.version) + 16:
+                self.heap[:] = [e for e in self.heap if e[2] == self.version[e[3]]]
+                heapq.heapify(self.heap)
+
+    def clear(self) -> None:
+        """Forget every entry (the caller pushes every layer again)."""
+        self.heap.clear()
+
+    def top(self) -> int | None:
+        """The layer ranked first (None: no layer has a candidate)."""
+        heap = self.heap
+        while heap:
+            _, _, v, layer = heap[0]
+            if v == self.version[layer]:
+                return layer
+            heapq.heappop(heap)
+        return None
 
 
 class Policy:
@@ -157,43 +205,144 @@ class Cycle(Policy):
                 yield from self.in_layer(lay)
 
 
-class CycleLFU(Cycle):
+class CycleLFU(Policy):
     """`cycle`'s layer order; inside a layer the least frequently routed expert goes first.
 
     An expert's count decays by DECAY per token, so experts popular long ago fade; ties (and
     speculative slices, which have no count) go least recently used first.
+
+    Each layer's slices wait in a heap ranked by (count, last use), with lazy deletion: a use pushes
+    the slice's new entry and leaves the old one to be dropped when it surfaces, a forget only drops
+    the key; each victim costs O(log n), amortized. A count is stored as its weight, count / `unit`,
+    where `unit` (what one use at the current token adds) grows by 1/DECAY per token: decay then
+    changes no stored number and no order. A power-of-two rescale every ~17 k tokens (exact) keeps
+    the numbers finite.
     """
 
     name = "cycle-lfu"
     DECAY = 0.98
+    RESCALE = 512  # bits `unit` may grow before every weight is scaled by 2**-RESCALE
 
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
-        self.count: dict[tuple[int, int], tuple[float, int]] = {}  # (layer, expert) -> (count, token)
+        self.count: dict[tuple[int, int], tuple[float, int]] = {}  # (layer, expert) -> (weight, token of last use)
+        self.shift = 0  # weights are scaled by 2**-shift
+        self.unit = 1.0
+        self.clock = 0  # order of last use: a use takes the next tick, a speculative admit the lowest
+        self.cold = 0
+        self.swept = 0  # clock - cold when the heaps were last cleared of stale entries
+        self.entry: dict[Key, Entry] = {}  # resident key -> its live entry (any other entry is stale)
+        self.heap: dict[int, list[Entry]] = {layer: [] for layer in self.layers}
+        self.held: list[Entry] = []  # live entries the last walk passed over (kept by the caller), off their heap
+        self.tensors: dict[int, set[int]] = {layer: set() for layer in self.layers}  # region indices seen
+        self.stale: list[Key] = []  # slices whose use changed their expert's count since the last walk (its other slices may lag)
+        self.moved: set[int] = set()  # layers whose first candidate may have changed since the last walk
 
-    def _use(self, key: Key) -> None:
-        ek = (key[0], key[2])
-        c, t = self.count.get(ek, (0.0, self.token))
-        if t == self.token and c:  # another slice of the same expert, same token: one use
-            return
-        self.count[ek] = (c * self.DECAY ** (self.token - t) + 1.0, self.token)
+    def begin(self, layer: int) -> None:
+        token = self.token
+        super().begin(layer)
+        if self.token != token:
+            self.unit = 2.0 ** (self.token * -math.log2(self.DECAY) - self.shift)
+            if self.unit > 2.0 ** self.RESCALE:
+                self._rescale()
+
+    def _rescale(self) -> None:
+        """Scale every weight by 2**-RESCALE: exact, so every order stays as it was."""
+        self.shift += self.RESCALE
+        self.unit = math.ldexp(self.unit, -self.RESCALE)
+        self.count = {ek: (math.ldexp(w, -self.RESCALE), t) for ek, (w, t) in self.count.items()}
+        self.entry = {key: (math.ldexp(w, -self.RESCALE), tick, key) for key, (w, tick, _) in self.entry.items()}
+        self.held.clear()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Heaps of the live entries only: after about as many pushes as there are keys (amortized O(1))."""
+        heaps = self.heap = {layer: [] for layer in self.layers}
+        for e in self.entry.values():
+            heaps[e[2][0]].append(e)
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self.swept = self.clock - self.cold
+        self.moved.update(self.layers)
+
+    def _push(self, e: Entry) -> None:
+        self.entry[e[2]] = e
+        heapq.heappush(self.heap[e[2][0]], e)
+        self.moved.add(e[2][0])
 
     def score(self, layer: int, expert: int) -> float:
-        c, t = self.count.get((layer, expert), (0.0, self.token))
-        return c * self.DECAY ** (self.token - t)
+        """The expert's decayed count at the current token."""
+        return self.count.get((layer, expert), _UNUSED)[0] / self.unit
 
     def touch(self, key: Key) -> None:
-        super().touch(key)
-        self._use(key)
+        layer = key[0]
+        ek = (layer, key[2])
+        w, t = self.count.get(ek, _UNUSED)
+        if t != self.token:  # (another slice of the same expert in the same token is the same use)
+            w += self.unit
+            self.count[ek] = (w, self.token)
+            self.stale.append(key)
+        self.clock += 1
+        e = self.entry[key] = (w, self.clock, key)
+        heapq.heappush(self.heap[layer], e)
+        self.moved.add(layer)
 
     def admit(self, key: Key, speculative: bool = False) -> None:
-        super().admit(key, speculative)
-        if not speculative:
-            self._use(key)
+        self.tensors[key[0]].add(key[1])
+        if speculative:
+            self.cold -= 1
+            self._push((self.count.get((key[0], key[2]), _UNUSED)[0], self.cold, key))
+        else:
+            self.touch(key)
+
+    def forget(self, key: Key) -> None:
+        del self.entry[key]
+        self.moved.add(key[0])
+
+    def _settle(self) -> None:
+        """Before a walk: put back what the last walk passed over, sweep stale entries when due, and
+        re-rank the resident slices of experts used since whose own use was not seen (a count is
+        the expert's, shared by its slices; the cache touches them all, a direct caller may not)."""
+        for e in self.held:
+            if self.entry.get(e[2]) is e:
+                self._push(e)
+        self.held.clear()
+        if self.clock - self.cold - self.swept > len(self.entry) + 1024:
+            self._sweep()
+        for layer, used, x in self.stale:
+            w = self.count[layer, x][0]
+            for ri in self.tensors[layer]:
+                old = self.entry.get((layer, ri, x)) if ri != used else None
+                if old is not None and old[0] != w:
+                    self._push((w, old[1], old[2]))
+        self.stale.clear()
+
+    def victims(self, layer: int | None) -> Iterator[Key]:
+        self._settle()
+        for lay in self.furthest_first(layer):
+            yield from self.in_layer(lay)
 
     def in_layer(self, layer: int) -> Iterator[Key]:
-        keys = list(self.by_layer[layer])  # LRU order, kept by the stable sort for ties
-        return iter(sorted(keys, key=lambda k: self.score(k[0], k[2])))
+        """One layer's resident keys, first to go first; a key the caller keeps is passed over."""
+        heap, entry = self.heap[layer], self.entry
+        while heap:
+            e = heap[0]
+            if entry.get(e[2]) is e:
+                yield e[2]
+                if entry.get(e[2]) is not e:
+                    continue
+                self.held.append(e)  # kept by the caller: off the heap for the rest of the walk
+            heapq.heappop(heap)
+
+    def _first(self, layer: int) -> Entry | None:
+        """The layer's live entry ranked first (stale ones on top are dropped)."""
+        heap = self.heap[layer]
+        while heap:
+            e = heap[0]
+            if self.entry.get(e[2]) is e:
+                return e
+            heapq.heappop(heap)
+        return None
 
 
 class NextUse(CycleLFU):
@@ -204,8 +353,14 @@ class NextUse(CycleLFU):
     with p the expert's routing frequency per token (its decayed count over the decayed token
     count). `cycle` and `cycle-lfu` order layers by position alone, so a prefill that read every
     expert of a few layers locks them in: measured live, cycle-lfu then hit less than LRU. Here a
-    rarely routed expert of a near layer goes before a hot one of a far layer. Each eviction
-    compares one candidate per layer (its least frequent slice), so it stays cheap.
+    rarely routed expert of a near layer goes before a hot one of a far layer.
+
+    Within a layer the order is `cycle-lfu`'s (least frequent first); across layers each layer's
+    first candidate waits in a heap kept between evictions (`_Heads`), the longest wait on top, a
+    tie to the lower layer. Within a token a candidate's wait changes only when its layer's first
+    candidate does (a use, an eviction) or when the current layer passes its layer (its distance
+    jumps by N; all others shift alike, which keeps their order): only those layers are pushed
+    again. A new token changes every frequency: the heap is rebuilt, once a token, O(layers).
     """
 
     name = "next-use"
@@ -213,81 +368,103 @@ class NextUse(CycleLFU):
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
         self.start: int | None = None
-        # Each layer's keys least frequent first. Decay scales every count alike, so the order
-        # changes only when one of the layer's experts is used: it is kept until then.
-        self.order: dict[int, list[Key]] = {}
+        self.heads = _Heads(self.layers)
+        self.frame: tuple[int, int] | None = None  # (token, current position) the heads are ranked for
+        self.seen = 1.0  # the decayed token count in that frame
 
     def begin(self, layer: int) -> None:
         super().begin(layer)
         if self.start is None:
             self.start = self.token - 1
 
-    def touch(self, key: Key) -> None:
-        super().touch(key)
-        self.order.pop(key[0], None)
-
-    def admit(self, key: Key, speculative: bool = False) -> None:
-        super().admit(key, speculative)
-        self.order.pop(key[0], None)
-
-    def in_layer(self, layer: int) -> Iterator[Key]:
-        if layer not in self.order:
-            self.order[layer] = list(super().in_layer(layer))
-        return iter(self.order[layer])  # keys evicted since are skipped by _push
-
     def frequency(self, layer: int, expert: int) -> float:
+        """The expert's routing frequency per token (decayed count over decayed token count), clamped."""
         tokens = max(1, self.token - (self.start or 0))
         seen = (1 - self.DECAY ** tokens) / (1 - self.DECAY)
         return min(1.0, max(1e-3, self.score(layer, expert) / seen))
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def _head(self, lay: int) -> None:
+        """Rank the layer's first candidate in the current frame by its wait (+ the current position,
+        the same for all)."""
+        e = self._first(lay)
+        if e is None:
+            self.heads.push(lay)
+            return
         n = len(self.layers)
-        cur = self.pos.get(layer, 0)
-        heap: list[tuple[float, int, Key]] = []
-        orders: dict[int, tuple[int, Iterator[Key]]] = {}
-        for lay in self.layers:
-            if self.by_layer[lay]:
-                orders[lay] = ((self.pos[lay] - cur) % n or n, self.in_layer(lay))
-                self._push(heap, lay, orders[lay])
-        while heap:
-            _, lay, key = heapq.heappop(heap)
-            yield key
-            self._push(heap, lay, orders[lay])
+        p = self.pos[lay]
+        f = min(1.0, max(1e-3, e[0] / self.unit / self.seen))
+        wait = (p + n if p <= self.frame[1] else p) + n * (1 / f - 1)
+        self.heads.push(lay, -wait, lay)
 
-    def _push(self, heap: list[tuple[float, int, Key]], lay: int, order: tuple[int, Iterator[Key]]) -> None:
-        """The layer's next candidate still resident (the caller may have kept a pinned one)."""
-        distance, keys = order
-        for key in keys:
-            if key in self.by_layer[lay]:
-                wait = distance + len(self.layers) * (1 / self.frequency(lay, key[2]) - 1)
-                heapq.heappush(heap, (-wait, lay, key))
-                return
+    def _refresh(self, layer: int | None) -> None:
+        """Bring the heads up to the current token and layer."""
+        self._settle()
+        cur = self.pos.get(layer, 0)  # None: nothing routed yet
+        if self.frame is None or self.frame[0] != self.token:
+            tokens = max(1, self.token - (self.start or 0))
+            self.seen = (1 - self.DECAY ** tokens) / (1 - self.DECAY)
+            self.heads.clear()
+            self.moved.update(self.layers)
+        else:
+            lo, hi = sorted((cur, self.frame[1]))
+            self.moved.update(self.layers[lo + 1:hi + 1])  # passed by the current layer (or back)
+        self.frame = (self.token, cur)
+        for lay in self.moved:
+            self._head(lay)
+        self.moved.clear()
+
+    def victims(self, layer: int | None) -> Iterator[Key]:
+        self._refresh(layer)
+        while (lay := self.heads.top()) is not None:
+            e = self._first(lay)
+            yield e[2]
+            if self.entry.get(e[2]) is e:  # kept by the caller: off the heap for the rest of the walk
+                heapq.heappop(self.heap[lay])
+                self.held.append(e)
+            after = self._first(lay)
+            if after is None or after[0] != e[0]:  # (the same count: the same wait, the entry holds)
+                self._head(lay)
 
 
-class Quota(Policy):
-    """Equal per-layer shares: evict from the layer holding the most slices, LRU inside it."""
+class Quota(Cycle):
+    """Equal per-layer shares: evict from the layer holding the most slices, LRU inside it.
+
+    The layers wait in a heap (`_Heads`) by slice count, the lower position first on a tie: a
+    layer is pushed again when its count changed, and an eviction costs O(log layers).
+    """
 
     name = "quota"
 
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
-        self.by_layer: dict[int, OrderedDict[Key, None]] = {layer: OrderedDict() for layer in self.layers}
+        self.heads = _Heads(self.layers)
+        self.moved: set[int] = set()  # layers whose count changed since the last walk
 
-    touch = Cycle.touch
-    admit = Cycle.admit
-    forget = Cycle.forget
+    def admit(self, key: Key, speculative: bool = False) -> None:
+        super().admit(key, speculative)
+        self.moved.add(key[0])
+
+    def forget(self, key: Key) -> None:
+        super().forget(key)
+        self.moved.add(key[0])
+
+    def _rank(self, lay: int, left: int) -> None:
+        self.heads.push(lay, -left if left else None, self.pos[lay])
 
     def victims(self, layer: int | None) -> Iterator[Key]:
-        kept = dict.fromkeys(self.layers, 0)  # pinned keys passed over, at the front of each layer's order
-        while True:
-            best = max(self.layers, key=lambda lay: len(self.by_layer[lay]) - kept[lay])
-            od = self.by_layer[best]
-            if len(od) <= kept[best]:
-                return
-            key = next(islice(od, kept[best], None))
-            yield key
-            if key in od:
-                kept[best] += 1
+        for lay in self.moved:
+            self._rank(lay, len(self.by_layer[lay]))
+        self.moved.clear()
+        walks: dict[int, Iterator[Key]] = {}
+        left: dict[int, int] = {}  # a layer's slices not yet passed over in this walk
+        while (lay := self.heads.top()) is not None:
+            n = left.get(lay, len(self.by_layer[lay]))
+            if lay not in walks:
+                walks[lay] = _drain(self.by_layer[lay])
+            yield next(walks[lay])
+            left[lay] = n - 1  # evicted or passed over
+            self._rank(lay, n - 1)
+            self.moved.add(lay)  # its true count goes back in before the next walk
 
 
 class Predictive(CycleLFU):

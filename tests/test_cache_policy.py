@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+import random
 import re
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from bmoe.cache_policy import POLICIES, Predictive, make_policy
+from bmoe.cache_policy import POLICIES, CycleLFU, Predictive, make_policy
 from bmoe.tools.policy_bounds import Belady
 from bmoe.expert_cache import RESIDENT, ExpertCache, Region, layout
 from bmoe.shm_cache import PAGE
@@ -229,3 +231,199 @@ def test_next_use_is_not_locked_by_a_prefill_that_read_every_expert() -> None:
         hits[name] = cache.stats.hits
     assert hits["next-use"] > hits["cycle-lfu"]
     assert hits["next-use"] >= hits["lru"]
+
+
+class Reference:
+    """Every policy as it was before its order was kept incrementally (issue 13), written plainly:
+    each walk rebuilds its whole order from one global LRU list and (count, token) pairs. The
+    classes in bmoe.cache_policy must give the same victims in the same order."""
+
+    DECAY = 0.98
+
+    def __init__(self, name: str, layers) -> None:
+        self.name, self.layers = name, list(layers)
+        self.pos = {lay: i for i, lay in enumerate(self.layers)}
+        self.layer = self.start = None
+        self.token = 0
+        self.lru: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # oldest first; speculative at the front
+        self.count: dict[tuple[int, int], tuple[float, int]] = {}  # (layer, expert) -> (decayed count, token)
+        self.predicted: dict[tuple[int, int, int], int] = {}
+
+    def begin(self, layer: int) -> None:
+        if self.layer is None or self.pos[layer] <= self.pos[self.layer]:
+            self.token += 1
+        self.layer = layer
+        if self.start is None:
+            self.start = self.token - 1
+        for k in [k for k, t in self.predicted.items() if k[0] == layer or t < self.token - 1]:
+            del self.predicted[k]
+
+    def _use(self, key) -> None:
+        c, t = self.count.get((key[0], key[2]), (0.0, self.token))
+        if not (t == self.token and c):
+            self.count[key[0], key[2]] = (c * self.DECAY ** (self.token - t) + 1.0, self.token)
+
+    def touch(self, key) -> None:
+        self.lru.move_to_end(key)
+        self._use(key)
+
+    def admit(self, key, speculative: bool = False) -> None:
+        self.lru[key] = None
+        if speculative:
+            self.lru.move_to_end(key, last=False)
+        else:
+            self._use(key)
+
+    def forget(self, key) -> None:
+        del self.lru[key]
+
+    def predict(self, keys) -> None:
+        for k in keys:
+            self.predicted[k] = self.token
+
+    def score(self, key) -> float:
+        c, t = self.count.get((key[0], key[2]), (0.0, self.token))
+        return c * self.DECAY ** (self.token - t)
+
+    def wait(self, key, cur: int) -> float:
+        n = len(self.layers)
+        seen = (1 - self.DECAY ** max(1, self.token - (self.start or 0))) / (1 - self.DECAY)
+        f = min(1.0, max(1e-3, self.score(key) / seen))
+        return ((self.pos[key[0]] - cur) % n or n) + n * (1 / f - 1)
+
+    def in_layer(self, lay: int) -> list:
+        keys = [k for k in self.lru if k[0] == lay]
+        return sorted(keys, key=self.score) if self.name in ("cycle-lfu", "next-use", "predict") else keys
+
+    def victims(self, layer):
+        cur = self.pos.get(layer, 0)
+        n = len(self.layers)
+        behind = [self.layers[(cur - i) % n] for i in range(n)]
+        if self.name == "lru":
+            return list(self.lru)
+        if self.name in ("cycle", "cycle-lfu"):
+            return [k for lay in behind for k in self.in_layer(lay)]
+        if self.name == "predict":
+            order = [k for lay in behind for k in self.in_layer(lay)]
+            return [k for k in order if k not in self.predicted] + [k for k in order if k in self.predicted]
+        if self.name == "next-use":  # each layer's least frequent first, merged by expected wait, ties to the lower layer
+            runs = [[(-self.wait(k, cur), lay, k) for k in self.in_layer(lay)] for lay in self.layers]
+            return [k for _, _, k in heapq.merge(*runs)]
+        assert self.name == "quota"  # the layer holding most slices first (the lower position on a tie)
+        left = {lay: self.in_layer(lay) for lay in self.layers}
+        out = []
+        while True:
+            best = max(self.layers, key=lambda lay: len(left[lay]))
+            if not left[best]:
+                return out
+            out.append(left[best].pop(0))
+
+
+def lockstep(name: str, seed: int, ops: int = 3000, n_layers: int = 4, kinds: int = 2, experts: int = 6) -> int:
+    """Random calls on a policy and its reference alike; every walk must yield the same keys, whichever
+    the walk keeps (pinned) or evicts. Uses may touch only some slices of an expert. Returns the
+    number of victims compared."""
+    rng = random.Random(seed)
+    fast, ref = make_policy(name, range(n_layers)), Reference(name, range(n_layers))
+    resident: set[tuple[int, int, int]] = set()
+    layer, compared = None, 0
+    for _ in range(ops):
+        r = rng.random()
+        if layer is None or r < 0.12:  # the next layer; now and then a jump (a new token)
+            layer = rng.randrange(n_layers) if layer is None or rng.random() < 0.1 else (layer + 1) % n_layers
+            for p in (fast, ref):
+                p.begin(layer)
+        elif r < 0.5:  # demand use at the current layer
+            e = rng.randrange(experts)
+            for ri in range(kinds):
+                key = (layer, ri, e)
+                if rng.random() < 0.7:
+                    for p in (fast, ref):
+                        p.touch(key) if key in resident else p.admit(key)
+                    resident.add(key)
+        elif r < 0.6:  # a speculative read, any layer
+            key = (rng.randrange(n_layers), rng.randrange(kinds), rng.randrange(experts))
+            if key not in resident:
+                for p in (fast, ref):
+                    p.admit(key, speculative=True)
+                resident.add(key)
+        elif r < 0.65:
+            hint = [(rng.randrange(n_layers), rng.randrange(kinds), rng.randrange(experts)) for _ in range(3)]
+            for p in (fast, ref):
+                p.predict(hint)
+        elif r < 0.72 and resident:  # a speculative read cancelled
+            key = rng.choice(sorted(resident))
+            for p in (fast, ref):
+                p.forget(key)
+            resident.discard(key)
+        else:  # a walk: keep some keys (pinned or expected), evict others, stop when there is room
+            at = layer if rng.random() < 0.8 else rng.choice([None, rng.randrange(n_layers)])
+            expected = ref.victims(at)
+            room, seen = rng.randrange(1, 6), 0
+            for key in fast.victims(at):
+                assert key == expected[seen], (name, seed, compared)
+                seen += 1
+                if rng.random() < 0.3:
+                    continue
+                for p in (fast, ref):
+                    p.forget(key)
+                resident.discard(key)
+                room -= 1
+                if not room:
+                    break
+            else:
+                assert seen == len(expected), (name, seed, compared)
+            compared += seen
+    return compared
+
+
+class Recording(ExpertCache):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.evicted: list[tuple[int, int, int]] = []
+
+    def _evict(self, key: tuple[int, int, int]) -> None:
+        self.evicted.append(key)
+        super()._evict(key)
+
+
+def drive_cache(policy, seed: int, n_layers: int = 5, kinds: int = 3, budget: int = 14) -> Recording:
+    """The cache as a decode drives it: predictions and speculative reads for the next layer (some
+    cancelled, the rest landing with the demand reads), demand plans, and budget changes."""
+    rng = np.random.default_rng(seed)
+    cache = Recording(None, regions(n_layers, kinds), budget * PAGE, policy)
+    for step in random_steps(seed, tokens=50, layers=n_layers, k=2):
+        for layer, experts in enumerate(step):
+            nxt = (layer + 1) % n_layers
+            guess = sorted(rng.choice(N_EXPERT, size=2, replace=False).tolist())
+            cache.predict(nxt, guess)
+            spec = cache.admit_speculative(nxt, guess[:1]) if rng.random() < 0.6 else []
+            if spec and rng.random() < 0.3:
+                cache.abandon(spec)
+                spec = []
+            cache.commit(cache.plan(layer, experts) + spec)
+            if rng.random() < 0.05:
+                cache.set_budget(int(rng.integers(6, 20)) * PAGE)
+    return cache
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_evicts_in_the_reference_order(name: str, seed: int) -> None:
+    """The incremental orders (heaps, lazy invalidation, counts kept as weights) give exactly the
+    victims the plain algorithms give: the same keys in the same order, ties broken the same way."""
+    assert lockstep(name, seed) > 500
+    fast, ref = drive_cache(name, seed), drive_cache(Reference(name, range(5)), seed)
+    assert fast.evicted == ref.evicted and len(fast.evicted) > 100
+    assert fast.stats == ref.stats
+
+
+def test_rescaled_counts_keep_the_order(monkeypatch) -> None:
+    """Counts are rescaled by a power of two as tokens go by (every ~17 k tokens; here every ~35)."""
+    monkeypatch.setattr(CycleLFU, "RESCALE", 1)
+    for name in ("cycle-lfu", "next-use"):
+        assert lockstep(name, seed=7, ops=6000) > 1000
+    p = make_policy("next-use", range(4))
+    for _ in range(100):
+        p.begin(0)
+    assert p.shift > 0 and 1.0 < p.unit <= 2.0

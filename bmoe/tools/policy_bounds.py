@@ -104,5 +104,5 @@ class NextTokenOracle(NextUse):
 
     def victims(self, layer: int | None) -> Iterator[Key]:
         cur = self.pos.get(layer, 0)
-        keys = [k for lay in self.layers for k in self.by_layer[lay]]
+        keys = sorted(self.entry, key=lambda k: (self.pos[k[0]], self.entry[k][1]))  # by layer, least recently used first
         return iter(sorted(keys, key=lambda k: self._wait(k, cur), reverse=True))
