@@ -72,7 +72,8 @@ class Counters:
 
 
 def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Region]:
-    """llama.cpp's expert tensors as cache regions, checked against the GGUF table."""
+    """llama.cpp's expert tensors as cache regions, checked against the GGUF table (placed in the
+    window by the Streamer; their slot sizes, which the budget rules need, do not depend on it)."""
     regions = []
     for t in sorted(tensors, key=lambda t: t.name):
         ext = files.extents.get(t.name)
@@ -80,7 +81,6 @@ def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Regi
             raise ModelError(f"expert tensor {t.name} in llama.cpp does not match the GGUF table; "
                              "the file changed while loading, reload it")
         regions.append(Region(t.name, t.layer, t.kind, ext.file_index, ext.offset, t.n_expert, t.expert_bytes))
-    layout(regions)
     return regions
 
 
