@@ -9,17 +9,22 @@
         print(m.chat([{"role": "user", "content": "Hi"}]))
         print(m.stats)
 
+    with bmoe.load("model.gguf", parallel=4) as m:             # four KV sequences
+        done = m.batch([m.prepare(p, max_tokens=64) for p in prompts])   # decoded together
+
 Settings are the keywords of bmoe.settings' dataclasses, so the API, `bmoe-cli`'s flags and
 `bmoe-server` reach the same run: a top-level field (`n_ctx=4096`, `threads=4`), a whole group
 (`cache=CacheSettings(mb=500)` or `cache={"mb": 500}`) or one field of a group as
 `GROUP_FIELD` (`cache_mb=500`, `streaming_io_threads=4`, `speculation_prefetch=1`,
 `sampler_temp=0.7`); `setting_names()` lists them.
 
-`Model.run` is the one generation path: the session (bmoe.session) and the server (bmoe.server)
-drive it too. It tracks exactly which tokens the KV holds. A chat whose messages extend the
-previous call's conversation (that conversation and its answer, then more) prefills only what
-the KV does not hold yet, as the session does with `clear_kv:false`; anything else starts from
-an empty KV, so `generate` gives what `bmoe-cli` gives for the same prompt and settings.
+Every generation is a bmoe.generation.Generation: `Model.run` drives one on the first KV sequence
+(the CLI and the session use it), `Model.batch` several in one llama.cpp batch per step (load with
+`parallel=N`), bmoe.scheduler the server's. Each tracks exactly which tokens its KV sequence
+holds. A chat whose messages extend the sequence's conversation (that conversation and its
+answer, then more) prefills only what the KV does not hold yet, as the session does with
+`clear_kv:false`; anything else starts from an empty KV, so `generate` gives what `bmoe-cli` gives
+for the same prompt and settings.
 
 Importing this module loads no llama.cpp; `load` does.
 """
