@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -153,12 +152,12 @@ def pct(values: list[float], q: float) -> float:
 def row(label: str, wall: float, answers: list[Answer], base_wall: float | None, alone: dict[int, str],
         steps: str) -> str:
     tokens = sum(a.tokens for a in answers)
-    hit = [a.hit_pct for a in answers if a.hit_pct >= 0]
+    hit = [(a.hit_pct, a.tokens) for a in answers if a.hit_pct >= 0 and a.tokens]
     differ = sum(a.text != alone.get(a.prompt, a.text) for a in answers)
     ratio = f"{base_wall / wall:.2f}" if base_wall else "–"
     return (f"| {label} | {tokens / wall:.2f} | {ratio} | {sum(a.read_mib for a in answers) / max(1, tokens):.1f} | "
             f"{sum(a.stall_s for a in answers) / max(1, tokens):.3f} | "
-            f"{(statistics.fmean(hit) if hit else float('nan')):.1f} | "
+            f"{(sum(h * t for h, t in hit) / sum(t for _, t in hit) if hit else float('nan')):.1f} | "
             f"{pct([a.latency_s for a in answers], .5):.1f} / {pct([a.latency_s for a in answers], .95):.1f} | "
             f"{pct([a.ttft_s for a in answers], .5):.2f} / {pct([a.ttft_s for a in answers], .95):.2f} | "
             f"{differ}/{len(answers)} | {steps} |")
@@ -193,27 +192,33 @@ def main() -> int:
              "| run | aggregate tok/s | × one after another | MiB / gen token | stall s / gen token | hit % | "
              "latency p50 / p95 s | TTFT p50 / p95 s | answers ≠ alone | steps batch / turns |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    seq: list[Answer] = []
-    alone: dict[int, str] = {}
     for mode in a.modes.split(","):
         note(f"starting bmoe-server --batching {mode}")
         server = Server([*flags, "--batching", mode], a.mem_limit_mb, mode)
         try:
             for i in range(most):  # warm-up: each prompt once, a few tokens (first touches of the model's pages)
                 server.ask(i, 4)
-            if not seq:
-                note(f"{most} requests one after another")
-                seq = [server.ask(i, a.tokens) for i in range(most)]
-                alone = {x.prompt: x.text for x in seq}
-                lines.append(row(f"one after another ({most})", sum(x.latency_s for x in seq), seq, None, alone, "–"))
-            for c in levels:
-                before = server.steps()
-                note(f"{mode}: {c} clients")
-                wall, got = concurrent(server, c, a.tokens)
-                after = server.steps()
-                steps = "/".join(f"{after.get(k, 0) - before.get(k, 0):.0f}" for k in ("batch", "turns"))
-                base = sum(x.latency_s for x in seq[:c])
-                lines.append(row(f"{mode}, {c} clients", wall, got, base, alone, steps))
+            for n, c in enumerate(levels):
+                pair: dict[str, tuple[float, list[Answer], str]] = {}
+                # the same c requests one after another, and at once; which goes first alternates
+                for how in (("alone", "together") if n % 2 == 0 else ("together", "alone")):
+                    if how == "alone" and c == 1:
+                        continue
+                    note(f"{mode}: {c} clients, {how}")
+                    before = server.steps()
+                    if how == "alone":
+                        got = [server.ask(i, a.tokens) for i in range(c)]
+                        wall = sum(x.latency_s for x in got)
+                    else:
+                        wall, got = concurrent(server, c, a.tokens)
+                    after = server.steps()
+                    pair[how] = wall, got, "/".join(f"{after.get(k, 0) - before.get(k, 0):.0f}" for k in ("batch", "turns"))
+                base = pair.get("alone", pair["together"])
+                alone = {x.prompt: x.text for x in base[1]}
+                if c > 1:
+                    lines.append(row(f"{mode}, {c} one after another", base[0], base[1], None, alone, "–"))
+                wall, got, steps = pair["together"]
+                lines.append(row(f"**{mode}, {c} at once**", wall, got, base[0] if c > 1 else None, alone, steps))
         finally:
             server.stop()
     report = "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ scheduler has stopped). No HTTP here: bmoe.server turns events into responses.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -69,55 +70,76 @@ class Job:
 class Batching:
     """Per step with two or more requests running: `batch` them, or take `turns` (the oldest alone).
 
-    `auto` compares the seconds per generated token each way measured (a moving average over the
-    steps of each, leaving out the first step after a switch, which pays for the other mode's
-    cache contents) and takes the cheaper; before it has both, it starts from the cache: batch
-    when every expert is cached (nothing to read: compute-bound), turns otherwise. Every
-    `explore_every` steps it spends `explore_len` in the other mode to keep that figure current,
-    so a regime change (a budget that adapts, other prompts) is noticed.
+    `auto` works in phases of `phase` steps in one mode. A phase's cost is the median seconds per
+    generated token of its steps, leaving out the first `settle` (they pay for what the other
+    mode left in the cache); each mode's cost is a moving average over its phases. It starts with
+    `batch` when every expert is cached (nothing to read: compute-bound), `turns` otherwise, then
+    tries the other mode for a phase; from then on it keeps the incumbent unless the other is
+    cheaper by `margin`, and tries the other again every `explore_every` phases, so a regime
+    change (a budget that adapts, other prompts, more requests) is noticed.
     """
 
-    def __init__(self, mode: str, all_cached: Callable[[], bool], explore_every: int = 64, explore_len: int = 4,
-                 weight: float = 0.25) -> None:
+    def __init__(self, mode: str, all_cached: Callable[[], bool], phase: int = 16, settle: int = 2,
+                 explore_every: int = 8, margin: float = 0.05, weight: float = 0.5) -> None:
         if mode not in MODES:
             raise ConfigError(f"--batching {mode!r}: choose one of {', '.join(MODES)}")
         self.mode = mode
         self.all_cached = all_cached
-        self.explore_every, self.explore_len, self.weight = explore_every, explore_len, weight
+        self.phase, self.settle, self.explore_every = phase, settle, explore_every
+        self.margin, self.weight = margin, weight
         self.cost: dict[str, float | None] = {"batch": None, "turns": None}
         self.steps = {"batch": 0, "turns": 0}  # steps taken with two or more running
-        self.last: str | None = None
-        self.exploring = 0
-        self.since = 0  # steps since the last exploration
+        self.incumbent: str | None = None
+        self.current = ""
+        self.left = 0  # steps left in the current phase
+        self.since = 0  # phases since the other mode was last tried
+        self.sample: list[float] = []
+        self.seen = 0  # steps of the current phase recorded so far
 
     def best(self) -> str:
-        b, t = self.cost["batch"], self.cost["turns"]
-        if b is None or t is None:
-            return "batch" if self.all_cached() else "turns"
-        return "batch" if b < t else "turns"
+        """The mode to stay with: the incumbent unless the other is cheaper by the margin."""
+        if self.incumbent is None:
+            self.incumbent = "batch" if self.all_cached() else "turns"
+        other = _other(self.incumbent)
+        mine, theirs = self.cost[self.incumbent], self.cost[other]
+        if mine is not None and theirs is not None and theirs < mine * (1 - self.margin):
+            self.incumbent = other
+        return self.incumbent
 
     def choose(self) -> str:
         if self.mode != "auto":
             return self.mode
+        if self.left <= 0:
+            self._next_phase()
+        self.left -= 1
+        return self.current
+
+    def _next_phase(self) -> None:
+        if self.sample:
+            per = statistics.median(self.sample)
+            old = self.cost[self.current]
+            self.cost[self.current] = per if old is None else old + self.weight * (per - old)
+        self.sample, self.seen = [], 0
         best = self.best()
-        if self.exploring:
-            self.exploring -= 1
-            return "turns" if best == "batch" else "batch"
-        self.since += 1
-        if self.since >= self.explore_every:
-            self.since, self.exploring = 0, self.explore_len - 1
-            return "turns" if best == "batch" else "batch"
-        return best
+        other = _other(best)
+        if self.cost[other] is None or self.since >= self.explore_every:
+            self.current, self.since = other, 0
+        else:
+            self.current, self.since = best, self.since + 1
+        self.left = self.phase
 
     def record(self, mode: str, tokens: int, wall_s: float) -> None:
         """A step of `mode` generated `tokens` in `wall_s`."""
-        switched, self.last = self.last != mode, mode
         self.steps[mode] += 1
-        if switched or tokens < 1:
+        if mode != self.current or tokens < 1:
             return
-        per = wall_s / tokens
-        old = self.cost[mode]
-        self.cost[mode] = per if old is None else old + self.weight * (per - old)
+        self.seen += 1
+        if self.seen > self.settle:
+            self.sample.append(wall_s / tokens)
+
+
+def _other(mode: str) -> str:
+    return "turns" if mode == "batch" else "batch"
 
 
 class Scheduler:

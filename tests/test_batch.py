@@ -43,8 +43,11 @@ def test_a_streamed_batch_of_four_equals_plain_llama_cpp_on_the_same_batch(synth
 
 def test_a_batch_of_one_is_the_request_alone(synth) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    with bmoe.load(path, cache_mb=1, **FAST) as one:
+        want = one.generate(PROMPTS[0], max_tokens=N)
     with bmoe.load(path, parallel=2, cache_mb=1, **FAST) as m:
         alone = m.generate(PROMPTS[0], max_tokens=N)
+        assert alone == want  # each sequence has a KV of its own: a second one changes nothing
         assert answers(m, PROMPTS[:1]) == [alone]
         with pytest.raises(bmoe.ConfigError, match="a batch of 3 needs as many KV sequences"):
             answers(m, PROMPTS[:3])
@@ -149,23 +152,28 @@ def test_the_queue_holds_its_size_beyond_the_running_sequences(model: Model) -> 
 
 def test_auto_batching_takes_the_cheaper_mode_and_keeps_measuring_the_other() -> None:
     cached = [True]
-    b = Batching("auto", lambda: cached[0], explore_every=8, explore_len=3)
-    assert b.choose() == "batch"  # nothing measured: every expert cached, so compute-bound
-    cached[0] = False
-    assert b.best() == "turns"
+    b = Batching("auto", lambda: cached[0], phase=4, settle=1, explore_every=3)
+    assert b.best() == "batch"  # nothing measured: every expert cached, so compute-bound
     cost = {"batch": 0.30, "turns": 0.10}  # seconds per step; a batch step makes 4 tokens
-    modes = []
-    for _ in range(64):
-        mode = b.choose()
-        modes.append(mode)
-        b.record(mode, 4 if mode == "batch" else 1, cost[mode])
+
+    def run(steps: int) -> list[str]:
+        modes = []
+        for _ in range(steps):
+            mode = b.choose()
+            modes.append(mode)
+            b.record(mode, 4 if mode == "batch" else 1, cost[mode])
+        return modes
+
+    modes = run(64)
+    assert modes[:4] == ["turns"] * 4  # the other mode is tried first: nothing known of it
     assert b.cost["batch"] == pytest.approx(0.075) and b.cost["turns"] == pytest.approx(0.10)
     assert b.best() == "batch" and modes[-1] == "batch"
-    assert 0 < modes.count("turns") <= 64 // 8 * 3 + 3  # the other mode only while exploring
-    cost["batch"] = 0.8  # the regime changed (say the budget shrank): batching now costs more
-    for _ in range(64):
-        mode = b.choose()
-        b.record(mode, 4 if mode == "batch" else 1, cost[mode])
+    assert modes.count("turns") == 4 * (1 + (64 // 4 - 1) // 4)  # a phase of turns every fourth phase
+    cost["batch"] = 0.8  # the regime changed (say the budget shrank): a batch now costs more per token
+    modes = run(64)
+    assert b.best() == "turns" and modes[-4:] != ["batch"] * 4
+    cost["batch"] = 0.41  # 0.1025 per token: within the margin of turns' 0.10, so turns stays
+    run(64)
     assert b.best() == "turns"
 
 
