@@ -20,9 +20,11 @@ own class (index ≡ expert mod the group's `period`), which keeps those offsets
 
 Memory. A slice is charged its slot from the moment its read is planned (LOADING) until it is
 evicted; eviction takes the expert's other resident slices with it, and an index freed keeps its
-pages for the next read of its class (`warm`), so steady decode neither frees nor faults in
-memory. Pages are given back (MADV_REMOVE) only when another class must make room, so the slab's
-allocated blocks stay within the budget. The eviction order comes from bmoe.cache_policy. With
+pages for the next read of its class (`warm`). A read whose class has no free index evicts an
+expert of its class (the policy's first) rather than give another class's pages back, so steady
+decode neither frees nor faults in memory. Pages are given back (MADV_REMOVE) only when no expert
+of the class can go (the mix of groups shifts, the budget shrinks), so the slab's allocated blocks
+stay within the budget. The eviction order comes from bmoe.cache_policy. With
 no slab (trace replays) the same decisions run with no memory.
 
 Safety. `slot_ids` translates through a per-layer table that holds an index only while that
@@ -350,6 +352,8 @@ class ExpertCache:
         kept pages of other classes so that slices in use + kept stay within the budget."""
         key = (g, cls)
         size = self.index_bytes[g]
+        if not self.warm.get(key) and self.warm_bytes and self.used + self.warm_bytes > self.budget:
+            self._evict_for(g, cls)  # rather than give back another class's pages and fault in new ones
         if self.warm.get(key):
             self.warm_bytes -= size
             return self.warm[key].pop()
@@ -367,6 +371,20 @@ class ExpertCache:
             raise RuntimeError(f"slot indices of group {g} exhausted ({index})")
         self.top += size
         return index
+
+    def _evict_for(self, g: int, cls: int) -> None:
+        """Evict, in the policy's order, the first whole expert whose index is of this class: a free
+        index of another class then stays warm for the next read of its class, where giving its
+        pages back would cost a system call now and page faults in the lane later (the cache holds
+        one expert fewer until that read). Nothing pinned or expected is taken."""
+        for key in self.policy.victims(self.policy.layer):
+            layer, ri, e = key
+            if self.group_of[layer] != g or e % self.period[g] != cls or key in self.pinned \
+                    or key in self.expected[layer] or self.state[ri][e] != RESIDENT:
+                continue
+            self._evict(key, protect_expected=True)
+            if (layer, e) not in self.index_of:
+                return
 
     def _give_back_one(self) -> None:
         key = next(k for k, free in self.warm.items() if free)

@@ -10,8 +10,8 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
 from bmoe.expert_cache import RESIDENT, ExpertCache, Region, layout
+from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
 from bmoe.shm_cache import PAGE, Slab, sweep_stale_segments
 from tests.conftest import bmoe_segments
 
@@ -156,8 +156,9 @@ def test_an_evicted_expert_is_never_read_from_the_slot_it_left() -> None:
 
 
 def test_slot_classes_are_reused_and_other_groups_give_pages_back() -> None:
-    """Steady decode neither frees nor faults in pages; when the mix of groups shifts, kept pages of
-    the other group are given back so the slab stays within the budget."""
+    """Steady decode neither frees nor faults in pages; when the mix of groups shifts (the small
+    layers' experts go, the big ones' come), kept pages of the other group are given back so the
+    slab stays within the budget."""
     small = regions_for(3 * PAGE // 2, n_expert=8, layers=3)
     big = [Region(f"blk.{3 + i}.ffn_up_exps.weight", 3 + i, "ffn_up_exps", 0, 10 ** 6 + i * 10 ** 5, 8, 5 * PAGE)
            for i in range(3)]
@@ -166,8 +167,8 @@ def test_slot_classes_are_reused_and_other_groups_give_pages_back() -> None:
     try:
         budget = 4 * max(r.slot_bytes for r in regs) * 3
         cache = ExpertCache(slab, regs, budget=budget, policy="lru")
-        for rounds in range(3):
-            for layer in range(6):
+        for rounds in range(6):
+            for layer in range(3) if rounds < 3 else range(3, 6):
                 experts = [rounds % 8, (rounds + 3) % 8]
                 missing = cache.plan(layer, experts)
                 _fill(cache, slab, missing)
@@ -268,3 +269,22 @@ def test_merged_reads_cover_every_slice_at_its_place() -> None:
             fo = r.file_offset + e * r.expert_bytes
             assert any(fi == r.file_index and dest <= at and at + r.expert_bytes <= dest + need
                        and fo - off == at - dest for fi, off, length, dest, need in merged), (ri, e)
+
+
+def test_steady_decode_keeps_the_pages_of_every_class() -> None:
+    """Experts of 2.5 pages start at two in-page offsets (two index classes). A miss whose class has no
+    free index evicts an expert of its class rather than give another class's pages back, so decode
+    past the first fill neither gives back nor faults in pages, with routes of either parity."""
+    regs = regions_for(2 * PAGE + 2048, n_expert=8, layers=4)
+    layout(regs)
+    assert {r.period for r in regs} == {2}
+    cache = ExpertCache(None, regs, budget=5 * 3 * max(r.slot_bytes for r in regs), policy="lru")
+    rng = np.random.default_rng(5)
+    for token in range(60):
+        for layer in range(4):
+            cache.commit(cache.plan(layer, sorted(rng.choice(8, size=2, replace=False).tolist())))
+            assert cache.used + cache.warm_bytes <= cache.budget + 2 * cache.index_bytes[0]
+        if token == 5:
+            fresh = cache.top
+    assert cache.stats.evictions > 100 and not any(cache.cold.values()) and not cache.giving_back
+    assert cache.top == fresh, "no new pages after the first tokens"
