@@ -9,17 +9,22 @@
         print(m.chat([{"role": "user", "content": "Hi"}]))
         print(m.stats)
 
+    with bmoe.load("model.gguf", parallel=4) as m:             # four KV sequences
+        done = m.batch([m.prepare(p, max_tokens=64) for p in prompts])   # decoded together
+
 Settings are the keywords of bmoe.settings' dataclasses, so the API, `bmoe-cli`'s flags and
 `bmoe-server` reach the same run: a top-level field (`n_ctx=4096`, `threads=4`), a whole group
 (`cache=CacheSettings(mb=500)` or `cache={"mb": 500}`) or one field of a group as
 `GROUP_FIELD` (`cache_mb=500`, `streaming_io_threads=4`, `speculation_prefetch=1`,
 `sampler_temp=0.7`); `setting_names()` lists them.
 
-`Model.run` is the one generation path: the session (bmoe.session) and the server (bmoe.server)
-drive it too. It tracks exactly which tokens the KV holds. A chat whose messages extend the
-previous call's conversation (that conversation and its answer, then more) prefills only what
-the KV does not hold yet, as the session does with `clear_kv:false`; anything else starts from
-an empty KV, so `generate` gives what `bmoe-cli` gives for the same prompt and settings.
+Every generation is a bmoe.generation.Generation: `Model.run` drives one on the first KV sequence
+(the CLI and the session use it), `Model.batch` several in one llama.cpp batch per step (load with
+`parallel=N`), bmoe.scheduler the server's. Each tracks exactly which tokens its KV sequence
+holds. A chat whose messages extend the sequence's conversation (that conversation and its
+answer, then more) prefills only what the KV does not hold yet, as the session does with
+`clear_kv:false`; anything else starts from an empty KV, so `generate` gives what `bmoe-cli` gives
+for the same prompt and settings.
 
 Importing this module loads no llama.cpp; `load` does.
 """
@@ -29,13 +34,13 @@ from __future__ import annotations
 import argparse
 import queue
 import threading
-import time
 import weakref
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from bmoe import console, flags, telemetry
+from bmoe.generation import Chunk, Completion, Generation, GenerationStats, Message, Request, Slot, StopText
 from bmoe.settings import ConfigError, SamplerSettings, Settings
 from bmoe.units import MiB
 
@@ -44,10 +49,9 @@ if TYPE_CHECKING:
     from bmoe.coordinator import Engine
     from bmoe.readahead import Speculation
 
-__all__ = ["Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "Request", "load",
-           "setting_names", "settings_for"]
+__all__ = ["Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "Request", "StopText",
+           "load", "setting_names", "settings_for"]
 
-Message = dict[str, str]
 FIX = "shorten the prompt, lower max_tokens, or load the model with a larger n_ctx"
 RELOAD_FIX = "load it again with bmoe.load"
 
@@ -116,57 +120,6 @@ def load(path: str | Path | None = None, *, notice: Callable[[str], None] = cons
     return Model(Engine(s, notice=notice))
 
 
-# ---- what a generation gives back ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    """One generation in numbers; per-token figures are over its decode tokens (the contract's)."""
-
-    finish_reason: str  # "stop" (end of generation or a stop string), "length" (max_tokens) or "cancelled"
-    prompt_tokens: int  # the prompt as rendered (for a chat, all of the conversation)
-    prefill_tokens: int  # those decoded: the prompt less the KV prefix reused from the previous call
-    completion_tokens: int
-    kv_tokens: int  # in the KV afterwards (the session's n_past)
-    prefill_s: float
-    tok_s: float
-    read_mib: float
-    mib_per_token: float
-    cache_hit_pct: float  # cumulative over the decode tokens; -1 without a cache
-    stall_s_per_token: float
-    mgmt_s_per_token: float
-    io_s_per_token: float
-    speculative_mib: float = 0.0  # read ahead of demand (--prefetch, --spec-gate)
-    prefetched_experts: int = 0
-    useful_experts: int = 0  # of those, the ones their layer then routed
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A piece of the answer: one per generated token, then a last one with the outcome.
-
-    `text` may be empty while a UTF-8 sequence or a possible stop string is held back.
-    `token` is that token's telemetry in the contract's units (telemetry.TokenLine: wall_ms,
-    io_ms, compute_ms, mgmt_ms, stall_ms, read_mb, cache_hit_pct); the last chunk has none
-    and carries `finish_reason` and `stats` instead.
-    """
-
-    text: str
-    token: telemetry.TokenLine | None = None
-    finish_reason: str | None = None
-    stats: GenerationStats | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    stats: GenerationStats
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats.finish_reason
-
-
 @dataclass(frozen=True)
 class ModelStats:
     """The loaded model and what it has done since the load."""
@@ -185,61 +138,6 @@ class ModelStats:
     last: GenerationStats | None
 
 
-@dataclass(frozen=True)
-class Request:
-    """A generation ready to run: the prompt as tokens, checked against the context (Model.prepare)."""
-
-    tokens: tuple[int, ...]
-    max_tokens: int
-    sampler: SamplerSettings
-    stop: tuple[str, ...] = ()
-    messages: tuple[Message, ...] | None = None  # a chat's conversation; None: a plain prompt
-
-
-class _Stopped(Exception):
-    """A stop string appeared: the generation ends here."""
-
-
-class StopText:
-    """The answer's text with the first stop string and what follows cut off.
-
-    Text that could be the start of a stop string is held back until the next piece decides.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.raw = ""  # every piece so far
-        self.sent = 0  # characters of `raw` handed out
-        self.cut: int | None = None  # where the first stop string begins, once one appeared
-
-    @property
-    def text(self) -> str:
-        return self.raw if self.cut is None else self.raw[:self.cut]
-
-    def push(self, piece: str) -> str:
-        """Add a piece; returns the text that can be handed out now."""
-        if self.cut is not None:
-            return ""
-        self.raw += piece
-        # a stop string cannot begin in text handed out: its start would have been held back
-        hits = [i for s in self.stops if (i := self.raw.find(s, self.sent)) >= 0]
-        if hits:
-            self.cut = min(hits)
-            end = self.cut
-        else:
-            hold = max((k for s in self.stops for k in range(1, len(s)) if self.raw.endswith(s[:k])), default=0)
-            end = max(self.sent, len(self.raw) - hold)
-        out, self.sent = self.raw[self.sent:end], end
-        return out
-
-    def flush(self) -> str:
-        """The generation ended: what was held back is the answer's after all."""
-        if self.cut is not None:
-            return ""
-        out, self.sent = self.raw[self.sent:], len(self.raw)
-        return out
-
-
 def _messages(messages: Sequence[Mapping[str, Any]]) -> tuple[Message, ...]:
     out = []
     for i, m in enumerate(messages):
@@ -255,21 +153,32 @@ def _messages(messages: Sequence[Mapping[str, Any]]) -> tuple[Message, ...]:
 
 
 class Model:
-    """A loaded model: one generation at a time (calls from several threads take turns)."""
+    """A loaded model. `run` serves one generation at a time on the first KV sequence (calls from
+    several threads take turns); `batch` decodes several prompts together, one KV sequence each
+    (load with `parallel=N`), and bmoe.scheduler does so for a server's concurrent requests."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.name = Path(engine.settings.model).stem
-        self.messages: list[Message] = []  # the conversation the KV holds, its last answer included
-        self.kv_tokens: list[int] = []  # exactly the tokens in the KV, in order
+        self.slots = [Slot(i) for i in range(engine.settings.parallel)]
         self.notice = engine.notice
         self._renderer: Renderer | None = None
-        self._turn = threading.Lock()  # one generation at a time
-        self._lock = threading.Lock()  # guards _running and the engine's cancel flag
-        self._running: Request | None = None
+        self.turn = threading.Lock()  # whoever drives the engine holds it
+        self._lock = threading.Lock()  # guards _running
+        self._running: list[Generation] = []
         self._generations = self._tokens = self._read_bytes = 0
         self._last: GenerationStats | None = None
         self._finalizer = weakref.finalize(self, engine.close)
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation the first KV sequence holds (the one `run` uses), its last answer included."""
+        return self.slots[0].messages
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """Exactly the tokens in the first KV sequence, in order."""
+        return self.slots[0].kv_tokens
 
     def __enter__(self) -> Model:
         return self
@@ -385,97 +294,86 @@ class Model:
         return self._renderer
 
     def cancel(self, req: Request | None = None) -> None:
-        """Stop the generation in flight (only if it is `req`, when given); safe from any thread.
+        """Stop the generation in flight (only `req`'s, when given); safe from any thread.
 
-        It ends with finish_reason "cancelled" and the KV rolled back to what it held before.
+        It ends with finish_reason "cancelled" and its KV rolled back to what it held before; a
+        generation running alone stops mid-token, one in a batch after the step in flight.
         """
         with self._lock:
-            if self._running is not None and (req is None or req is self._running):
+            hit = [g for g in self._running if req is None or g.req is req]
+            for g in hit:
+                g.cancel()
+            if hit and len(self._running) == 1:
                 self.engine.cancel()
 
     def extends(self, messages: Sequence[Message]) -> bool:
-        """Whether `messages` continue the conversation the KV holds (that conversation, then more)."""
-        n = len(self.messages)
-        return 0 < n < len(messages) and list(messages[:n]) == self.messages
+        """Whether `messages` continue the conversation the first KV sequence holds."""
+        return self.slots[0].extends(messages)
+
+    def generation(self, req: Request, slot: Slot, on_chunk: Callable[[Chunk], None] | None = None) -> Generation:
+        """`req` as a Generation on `slot`, for a driver of several (bmoe.scheduler); `running` it
+        makes it cancellable with `cancel`."""
+        return Generation(self.engine, slot, req, on_chunk, self._stats)
+
+    def slot_for(self, req: Request) -> Slot | None:
+        """A free slot for `req`: the one whose conversation it extends, else the least recently
+        used (keeping other conversations' KV for longer); None when every slot is busy."""
+        free = [s for s in self.slots if not s.busy]
+        if req.messages is not None:
+            for s in free:
+                if s.extends(req.messages):
+                    return s
+        return min(free, key=lambda s: s.used, default=None)
+
+    def running(self, gens: list[Generation]) -> None:
+        """The generations in flight now (what `cancel` reaches)."""
+        with self._lock:
+            self._running = list(gens)
+            if not gens:
+                self.engine.reset_cancel()
 
     def run(self, req: Request, on_chunk: Callable[[Chunk], None] | None = None) -> Completion:
-        """Generate for `req`, handing each Chunk to `on_chunk` as it comes (on this thread).
-
-        A chat that extends the KV's conversation prefills only the tokens past the prefix the
-        KV already holds. Afterwards the KV holds the prompt and the answer; a cancelled
-        generation is rolled back to the reused prefix, one cut by a stop string to its prompt.
-        """
-        from bmoe.chat import common_prefix
-        from bmoe.coordinator import Cancelled
-
-        with self._turn:
-            e = self.engine
-            tokens = list(req.tokens)
-            reuse = req.messages is not None and self.extends(req.messages)
-            keep = e.kv_keep(min(common_prefix(self.kv_tokens, tokens), len(tokens) - 1) if reuse else 0)
-            self.kv_tokens = self.kv_tokens[:keep]
-            before = self.messages if reuse else []
-            self.messages = before
-            tally = telemetry.Tally(req.max_tokens, e.streaming and e.settings.streaming.overlap, e.cache_active)
-            text = StopText(req.stop)
-            t0 = time.perf_counter()
-            prefill_s: float | None = None
-
-            def on_piece(_i: int, piece: str, stat: telemetry.TokenStat) -> None:
-                nonlocal prefill_s
-                if prefill_s is None:
-                    prefill_s = max(0.0, time.perf_counter() - t0 - stat.wall_ns / 1e9)
-                line = tally.add(stat)
-                new = text.push(piece)
-                if on_chunk:
-                    on_chunk(Chunk(new, line))
-                if text.cut is not None:
-                    raise _Stopped()
-
-            with self._lock:
-                self._running = req
+        """Generate for `req` on the first KV sequence, handing each Chunk to `on_chunk` as it comes
+        (on this thread). A chat that extends that sequence's conversation prefills only what the
+        KV does not hold yet (see Generation)."""
+        with self.turn:
+            gen = self.generation(req, self.slots[0], on_chunk)
+            self.running([gen])
             try:
-                res = e.generate(tokens[keep:], req.max_tokens, on_piece, sampler=req.sampler)
-            except Cancelled:
-                finish, kv, res = "cancelled", tokens[:e.kv_keep(keep)], None
-            except _Stopped:
-                finish, kv, res = "stop", tokens[:e.kv_keep(len(tokens))], None
-            except Exception:
-                self.kv_tokens = tokens[:e.kv_keep(keep)]
-                self._check_kv()
-                raise
-            else:
-                tail = text.push(res.text[len(text.raw):]) + text.flush()
-                if tail and on_chunk:
-                    on_chunk(Chunk(tail))
-                finish = "stop" if text.cut is not None or len(res.ids) < req.max_tokens else "length"
-                prefill_s = res.prefill_s
-                kv = tokens + res.ids
+                return gen.run()
             finally:
-                with self._lock:
-                    self._running = None
-                    e.reset_cancel()
-            self.kv_tokens = kv
-            if finish != "cancelled" and req.messages is not None:
-                self.messages = [*req.messages, {"role": "assistant", "content": text.text}]
-            self._check_kv()
-            if prefill_s is None:  # cancelled before the first token
-                prefill_s = time.perf_counter() - t0
-            stats = self._stats(tally, finish, len(tokens), len(tokens) - keep, prefill_s,
-                                res.speculation if res is not None else None)
-            if on_chunk:
-                on_chunk(Chunk("", finish_reason=finish, stats=stats))
-            return Completion(text.text, stats)
+                self.running([])
 
-    def _check_kv(self) -> None:
-        """The token list must describe the KV exactly; if not (a bug), start clean rather than lie."""
-        n = self.engine.kv_len()
-        if n != len(self.kv_tokens):
-            self.notice(f"KV holds {n} tokens but {len(self.kv_tokens)} were tracked; clearing it")
-            self.engine.clear_kv()
-            self.kv_tokens, self.messages = [], []
+    def batch(self, requests: Sequence[Request]) -> list[Completion]:
+        """Decode `requests` together, one KV sequence each: prefill each in order, then one
+        llama.cpp batch per step until every one ends. Load with `parallel` at least len(requests)."""
+        if not 0 < len(requests) <= len(self.slots):
+            raise ConfigError(f"a batch of {len(requests)} needs as many KV sequences (1 or more); "
+                              f"this model was loaded with parallel={len(self.slots)}")
+        with self.turn:
+            gens = [self.generation(r, s) for r, s in zip(requests, self.slots)]
+            self.running(gens)
+            out: dict[int, Completion] = {}
+            try:
+                for g in gens:
+                    g.begin()
+                while live := [g for g in gens if not g.done]:
+                    self.engine.step([g.seq for g in live])
+                for i, g in enumerate(gens):
+                    out[i] = g.finish()
+            except BaseException as e:
+                for i, g in enumerate(gens):
+                    if i not in out and g.slot.busy:
+                        try:
+                            g.finish(e)
+                        except BaseException:  # noqa: BLE001 - the first error is the one to raise
+                            pass
+                raise
+            finally:
+                self.running([])
+            return [out[i] for i in range(len(gens))]
 
-    def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int,
+    def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
                prefill_s: float, ahead: Speculation | None) -> GenerationStats:
         t = tally.totals()
         self._generations += 1
@@ -483,7 +381,7 @@ class Model:
         self._read_bytes += t.read_bytes
         self._last = GenerationStats(
             finish_reason=finish, prompt_tokens=n_prompt, prefill_tokens=n_prefill, completion_tokens=t.tokens,
-            kv_tokens=len(self.kv_tokens), prefill_s=prefill_s,
+            kv_tokens=kv_tokens, prefill_s=prefill_s,
             tok_s=t.tokens / t.wall_s if t.wall_s > 0 else 0.0, read_mib=t.read_bytes / MiB,
             mib_per_token=t.per_tok(t.read_bytes / MiB), cache_hit_pct=tally.hit_pct,
             stall_s_per_token=t.per_tok(t.stall_s), mgmt_s_per_token=t.per_tok(t.mgmt_s),
@@ -497,5 +395,6 @@ class Model:
         return ModelStats(
             model=self.name, arch=e.arch, n_ctx=e.n_ctx, load_s=e.load_s, streaming=e.streaming,
             cache_budget_mib=e.budget / MiB if e.streaming else 0.0, cache_resident_mib=e.resident_bytes() / MiB,
-            kv_tokens=len(self.kv_tokens), generations=self._generations, generated_tokens=self._tokens,
+            kv_tokens=sum(len(s.kv_tokens) for s in self.slots), generations=self._generations,
+            generated_tokens=self._tokens,
             read_mib=self._read_bytes / MiB, last=self._last)

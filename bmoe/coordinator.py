@@ -41,7 +41,7 @@ from bmoe.streamer import Streamer, regions_of
 from bmoe.telemetry import TokenStat
 from bmoe.units import MiB
 
-__all__ = ["Cancelled", "ConfigError", "Engine", "Result"]
+__all__ = ["Cancelled", "ConfigError", "Engine", "Result", "Sequence"]
 
 OnPiece = Callable[[int, str, TokenStat], None]
 
@@ -59,6 +59,21 @@ class Result:
     steps: list[TokenStat]
     max_resident: int = 0
     speculation: Speculation = field(default_factory=Speculation)
+
+
+@dataclass
+class Sequence:
+    """One generation in the engine (Engine.begin/step/end): its KV sequence, sampler and result."""
+
+    seq: int
+    sampler: llama_cpp.llama_sampler_p | None
+    n_predict: int
+    on_piece: OnPiece
+    result: Result
+    out: TextStream = field(default_factory=TextStream)
+    next: int = -1  # the token sampled from its last logits, decoded at its next step
+    done: bool = False
+    error: BaseException | None = None  # what ended it early (raised by its on_piece)
 
 
 class Engine:
@@ -109,7 +124,7 @@ class Engine:
         if not self.model:
             raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
         self.ctx = new_context(self.model, self.settings.n_ctx, self.settings.threads,
-                               self.hook.c_callback if streaming else None)
+                               self.hook.c_callback if streaming else None, n_seq=self.settings.parallel)
         llama_cpp.llama_set_abort_callback(self.ctx, self.hook.c_abort, None)
         self.n_ctx = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
 
@@ -117,7 +132,7 @@ class Engine:
         """One warm-up decode finds the expert tensors; then they are rebound into the slab's pools."""
         cap = self.hook.capture = seam.Capture()
         try:
-            self._decode([self.vocab.warmup_token()])
+            self._decode([(0, [self.vocab.warmup_token()], 0)])
         finally:
             self.hook.capture = None
         self.clear_kv()
@@ -279,32 +294,38 @@ class Engine:
 
     # ---- KV and cancel (the session keeps a conversation in the KV) ---------------------------
 
-    def clear_kv(self) -> None:
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+    def clear_kv(self, seq: int = -1) -> None:
+        """Empty sequence `seq`'s KV (-1: every sequence's)."""
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        if seq < 0:
+            llama_cpp.llama_memory_clear(mem, True)
+        else:
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
 
-    def kv_len(self) -> int:
-        """Tokens in the KV (sequence 0): the next position to decode."""
-        return llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(self.ctx), 0) + 1
+    def kv_len(self, seq: int = 0) -> int:
+        """Tokens in sequence `seq`'s KV: the next position to decode there."""
+        return llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(self.ctx), seq) + 1
 
-    def kv_keep(self, n: int) -> int:
-        """Keep the KV's first `n` positions and drop the rest; returns how many were kept.
+    def kv_keep(self, n: int, seq: int = 0) -> int:
+        """Keep the first `n` positions of sequence `seq` and drop the rest; returns how many were kept.
 
         A memory that cannot drop a partial sequence (e.g. sliding-window or recurrent) is
         cleared instead, and 0 is returned: the caller then re-prefills everything.
         """
         mem = llama_cpp.llama_get_memory(self.ctx)
-        if n <= 0 or not llama_cpp.llama_memory_seq_rm(mem, 0, n, -1):
-            self.clear_kv()
+        if n <= 0 or not llama_cpp.llama_memory_seq_rm(mem, seq, n, -1):
+            self.clear_kv(seq)
             return 0
         return n
 
     def cancel(self) -> None:
-        """Stop the generation in flight; safe to call from another thread.
+        """Stop the decode in flight; safe to call from another thread.
 
         Like a signal (seam.deliver), a Cancelled is parked on the hook: the eval and abort
         callbacks stop the running graph and `_decode` raises it. An error already parked
         (a lane failure, a signal) is left in place, so it is not mistaken for a cancel. The
-        flag covers the time between decodes; `generate` checks it after each token.
+        flag covers the time between decodes; `generate` checks it after each token. A cancel
+        stops every sequence of a batched step: a scheduler of several drops one between steps.
         """
         self.cancel_requested = True
         if self.hook.error is None:
@@ -320,7 +341,7 @@ class Engine:
 
     def generate(self, tokens: list[int], n_predict: int, on_piece: OnPiece = lambda i, s, st: None,
                  fix: str = "raise -c or shorten the prompt", sampler: SamplerSettings | None = None) -> Result:
-        """Prefill `tokens` after what the KV holds, then decode up to `n_predict` tokens.
+        """Prefill `tokens` after what sequence 0's KV holds, then decode up to `n_predict` tokens.
 
         The KV afterwards holds the old tokens, `tokens` and every token in `Result.ids` (each
         sampled token is decoded before the next one is sampled; an end-of-generation token is
@@ -328,8 +349,6 @@ class Engine:
         settings' sampler for this call (a server's requests each bring their own). Raises
         Cancelled when `cancel` is called mid-prefill or mid-decode.
         """
-        self.check_fits(self.kv_len() + len(tokens), n_predict, fix)
-
         def piece(i: int, text: str, stat: TokenStat) -> None:
             on_piece(i, text, stat)
             if self.cancel_requested:
@@ -337,69 +356,130 @@ class Engine:
 
         if self.cancel_requested:
             raise Cancelled()
-        chain = make_sampler(sampler or self.settings.sampler)
+        seq = self.begin(0, tokens, n_predict, piece, fix, sampler)
         try:
-            return self._run(chain, tokens, n_predict, piece)
+            while not seq.done:
+                self.step([seq])
+            if seq.error is not None:
+                raise seq.error
+            return seq.result
         finally:
-            llama_cpp.llama_sampler_free(chain)
-            if self.streamer:
-                self.streamer.settle()
-            if self.trace:
-                self.trace.active = False
+            self.end(seq)
 
-    def _decode(self, tokens: list[int]) -> None:
-        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        with self.hook:
-            rc = llama_cpp.llama_decode(self.ctx, llama_cpp.llama_batch_get_one(arr, len(tokens)))
+    def begin(self, seq: int, tokens: list[int], n_predict: int, on_piece: OnPiece,
+              fix: str = "raise -c or shorten the prompt", sampler: SamplerSettings | None = None) -> Sequence:
+        """Prefill `tokens` after what sequence `seq`'s KV holds; `step` then decodes it.
+
+        Raises ConfigError when it does not fit the context, Cancelled when cancelled mid-prefill.
+        Every Sequence begun must be ended (`end`), also after an error.
+        """
+        self.check_fits(self.kv_len(seq) + len(tokens), n_predict, fix)
+        st = self.streamer
+        if st:
+            st.take_speculation()
+        chain = make_sampler(sampler or self.settings.sampler)
+        s = Sequence(seq, chain, n_predict, on_piece, Result([], "", len(tokens), 0.0, []))
+        try:
+            t0 = time.perf_counter()
+            row = self._decode([(seq, tokens, self.kv_len(seq))])[0]
+            s.result.prefill_s = time.perf_counter() - t0
+            s.next = llama_cpp.llama_sampler_sample(chain, self.ctx, row)
+        except BaseException:
+            self.end(s)
+            raise
+        finally:
+            if st:
+                st.take_counters()
+        if self.trace:
+            self.trace.active = True
+        return s
+
+    def step(self, seqs: list[Sequence]) -> None:
+        """Decode one token for each of `seqs` together, in one llama.cpp batch.
+
+        Each decodes the token it sampled after its last decode (llama.cpp keeps only the last
+        decode's logits, so every sequence samples at once); one that sampled end-of-generation is
+        done without a decode. Each token's TokenStat is the step's wall time and an even share
+        of the step's reads, waits and hits (the shares add up to the step's). An exception from a sequence's `on_piece`
+        ends that sequence (kept in `.error`), not the step; one from the decode ends the step.
+        """
+        c0 = time.perf_counter_ns()
+        going = []
+        for s in seqs:
+            tok = s.next
+            if self.vocab.is_eog(tok):
+                s.done = True
+            else:
+                s.result.ids.append(tok)
+                going.append((s, tok))
+        if not going:
+            return
+        rows = self._decode([(s.seq, [tok], self.kv_len(s.seq)) for s, tok in going])
+        for (s, _tok), row in zip(going, rows):
+            s.next = llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
+        if self.adaptive is not None:
+            self._adapt()
+        wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(going)
+        if st:
+            c = st.take_counters()
+            counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
+            stats = [TokenStat(wall, *(x * (i + 1) // k - x * i // k for x in counts), st.budget) for i in range(k)]
+            resident = st.resident_bytes()
+        else:
+            stats, resident = [TokenStat(wall, 0, 0, 0, 0, 0)] * k, 0
+        if self.trace:
+            self.trace.end_step(going[0][1])
+        for (s, tok), stat in zip(going, stats):
+            res = s.result
+            res.steps.append(stat)
+            res.max_resident = max(res.max_resident, resident)
+            try:
+                s.on_piece(len(res.ids) - 1, s.out.push(self.vocab.piece(tok)), stat)
+            except Exception as e:  # noqa: BLE001 - this sequence's own end (a stop string, a cancel)
+                s.error, s.done = e, True
+            if len(res.ids) >= s.n_predict:
+                s.done = True
+
+    def end(self, s: Sequence) -> None:
+        """Free a Sequence's sampler and settle the reads it left; its text is final (`result`)."""
+        if s.sampler is None:
+            return
+        s.out.finish()
+        s.result.text = s.out.text
+        llama_cpp.llama_sampler_free(s.sampler)
+        s.sampler = None
+        if self.streamer:
+            s.result.speculation = self.streamer.take_speculation()
+            self.streamer.settle()
+        if self.trace:
+            self.trace.active = False
+            self.trace.write()
+
+    def _decode(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
+        """One llama_decode of (sequence, tokens, first position) parts; logits for each part's last
+        token, whose batch rows are returned."""
+        n = sum(len(toks) for _, toks, _ in parts)
+        batch = llama_cpp.llama_batch_init(n, 0, 1)
+        rows, i = [], 0
+        try:
+            for seq, toks, pos in parts:
+                for j, tok in enumerate(toks):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + j, 1
+                    batch.seq_id[i][0] = seq
+                    batch.logits[i] = j == len(toks) - 1
+                    i += 1
+                rows.append(i - 1)
+            batch.n_tokens = n
+            with self.hook:
+                rc = llama_cpp.llama_decode(self.ctx, batch)
+        finally:
+            llama_cpp.llama_batch_free(batch)
         err = self.hook.take_error()
         if err is not None:
             raise err
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
-
-    def _run(self, sampler: llama_cpp.llama_sampler_p, tokens: list[int], n_predict: int,
-             on_piece: OnPiece) -> Result:
-        st = self.streamer
-        if st:
-            st.take_speculation()
-        t0 = time.perf_counter()
-        self._decode(tokens)
-        if st:
-            st.take_counters()
-        prefill_s = time.perf_counter() - t0
-        if self.trace:
-            self.trace.active = True
-        out = TextStream()
-        res = Result([], "", len(tokens), prefill_s, [])
-        for i in range(n_predict):
-            c0 = time.perf_counter_ns()
-            tok = llama_cpp.llama_sampler_sample(sampler, self.ctx, -1)
-            if self.vocab.is_eog(tok):
-                break
-            res.ids.append(tok)
-            new = out.push(self.vocab.piece(tok))
-            self._decode([tok])
-            if self.adaptive is not None:
-                self._adapt()
-            wall = time.perf_counter_ns() - c0
-            if st:
-                c = st.take_counters()
-                stat = TokenStat(wall, c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns, st.budget)
-                res.max_resident = max(res.max_resident, st.resident_bytes())
-            else:
-                stat = TokenStat(wall, 0, 0, 0, 0, 0)
-            res.steps.append(stat)
-            if self.trace:
-                self.trace.end_step(tok)
-            on_piece(i, new, stat)
-        out.finish()
-        res.text = out.text
-        if st:
-            res.speculation = st.take_speculation()
-        if self.trace:
-            self.trace.active = False
-            self.trace.write()
-        return res
+        return rows
 
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""

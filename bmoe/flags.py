@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
     ap.add_argument("-c", "--ctx-size", type=positive_int, default=Settings.n_ctx,
                     help=f"context size in tokens (default {Settings.n_ctx})")
+    ap.add_argument("--parallel", type=positive_int, default=Settings.parallel, metavar="N",
+                    help="KV sequences, each of -c tokens: up to N requests may decode together in one batch "
+                         f"(bmoe-server's concurrent requests, bmoe.Model.batch; default {Settings.parallel})")
     ap.add_argument("--cache-mb", type=_cache_mb, default=None,
                     help="expert cache budget in MiB; 0 = no cache (re-read every token); 'auto' (default) "
                          "= the least room any memory limit leaves (the cgroup's, the machine's, an rlimit's) "
@@ -141,7 +144,7 @@ def settings_from_args(a: argparse.Namespace, model: str) -> Settings:
     """The flags as Settings, for `model` (the demo model's path when no -m was given)."""
     return Settings(
         model=model, n_ctx=a.ctx_size, threads=a.threads or 0, verbose=a.verbose, route_trace=a.route_trace,
-        pin_dense=a.pin_dense,
+        pin_dense=a.pin_dense, parallel=a.parallel,
         cache=CacheSettings(mb=a.cache_mb, floor_mb=a.cache_floor_mb, ceil_mb=a.cache_ceil_mb, force=a.force,
                             policy=a.cache_policy, preload=a.preload, adapt=a.adapt),
         streaming=StreamSettings(enabled=not a.no_stream, io_threads=a.io_threads, odirect=not a.no_odirect,

@@ -45,12 +45,18 @@ def load_model(path: object) -> llama_cpp.llama_model_p | None:
 
 
 def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, eval_cb: object = None,
-                n_ubatch: int | None = None) -> llama_cpp.llama_context_p:
+                n_ubatch: int | None = None, n_seq: int = 1) -> llama_cpp.llama_context_p:
     """The one way bmoe makes a llama.cpp context: a batch as large as the context (a prompt is one
     `llama_decode`), ubatches of at most 512 unless asked, `threads` 0 = every core, and the eval
-    callback (a ggml_backend_sched_eval_callback) when one is given."""
+    callback (a ggml_backend_sched_eval_callback) when one is given.
+
+    `n_seq` sequences each get a KV of their own of `n_ctx` cells (llama.cpp's non-unified KV), so
+    sequence 0 computes as it does in a one-sequence context."""
     cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = n_ctx
+    cp.n_ctx = n_ctx * n_seq
+    cp.n_batch = max(n_ctx, n_seq)
+    cp.n_seq_max = n_seq
+    cp.kv_unified = False
     cp.n_ubatch = n_ubatch or min(512, n_ctx)
     cp.n_threads = cp.n_threads_batch = threads or os.cpu_count() or 1
     if eval_cb is not None:

@@ -1,5 +1,13 @@
-"""One generation at a time for many clients: a worker thread runs admitted jobs through
-bmoe.api.Model.run while a bounded queue waits behind it (bmoe-server's requests).
+"""Many clients, one engine: a worker thread admits requests into the model's KV sequences
+(`--parallel N`, bmoe.generation.Slot) and decodes them step by step, batched or in turns,
+while a bounded queue waits behind (bmoe-server's requests).
+
+Each step either decodes every running request together in one llama.cpp batch (each layer
+reads the union of their experts once) or lets the oldest go alone, the others waiting their
+turn. Which one pays depends on the regime: when every expert is cached a step is compute-bound
+and a batch shares its fixed costs; when decode is flash-bound a batch's union of experts
+overflows the cache and reads more per generated token. `Batching` decides from what it
+measures (see there). A request is prefilled alone when a sequence frees up for it.
 
 A job's events go to its `deliver` callable, from the worker thread: each Chunk as it comes,
 its Position in the queue when that changes (0: it runs), or an exception that ends it
@@ -9,13 +17,18 @@ scheduler has stopped). No HTTP here: bmoe.server turns events into responses.
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
+from bmoe.generation import Generation, Slot
 from bmoe.settings import ConfigError
+
+MODES = ("auto", "batch", "turns")
 
 
 class QueueFull(Exception):
@@ -45,15 +58,93 @@ Event = Chunk | Position | Exception
 
 
 class Job:
-    """One admitted request and where its events go."""
+    """One admitted request, where its events go, and (once it runs) its slot and Generation."""
 
     def __init__(self, req: Request, deliver: Callable[[Event], None]) -> None:
         self.req = req
         self.deliver = deliver
+        self.slot: Slot | None = None
+        self.gen: Generation | None = None
+
+
+class Batching:
+    """Per step with two or more requests running: `batch` them, or take `turns` (the oldest alone).
+
+    `auto` works in phases of `phase` steps in one mode. A phase's cost is the median seconds per
+    generated token of its steps, leaving out the first `settle` (they pay for what the other
+    mode left in the cache); each mode's cost is a moving average over its phases. It starts with
+    `batch` when every expert is cached (nothing to read: compute-bound), `turns` otherwise, then
+    tries the other mode for a phase; from then on it keeps the incumbent unless the other is
+    cheaper by `margin`, and tries the other again every `explore_every` phases, so a regime
+    change (a budget that adapts, other prompts, more requests) is noticed.
+    """
+
+    def __init__(self, mode: str, all_cached: Callable[[], bool], phase: int = 16, settle: int = 2,
+                 explore_every: int = 8, margin: float = 0.05, weight: float = 0.5) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"--batching {mode!r}: choose one of {', '.join(MODES)}")
+        self.mode = mode
+        self.all_cached = all_cached
+        self.phase, self.settle, self.explore_every = phase, settle, explore_every
+        self.margin, self.weight = margin, weight
+        self.cost: dict[str, float | None] = {"batch": None, "turns": None}
+        self.steps = {"batch": 0, "turns": 0}  # steps taken with two or more running
+        self.incumbent: str | None = None
+        self.current = ""
+        self.left = 0  # steps left in the current phase
+        self.since = 0  # phases since the other mode was last tried
+        self.sample: list[float] = []
+        self.seen = 0  # steps of the current phase recorded so far
+
+    def best(self) -> str:
+        """The mode to stay with: the incumbent unless the other is cheaper by the margin."""
+        if self.incumbent is None:
+            self.incumbent = "batch" if self.all_cached() else "turns"
+        other = _other(self.incumbent)
+        mine, theirs = self.cost[self.incumbent], self.cost[other]
+        if mine is not None and theirs is not None and theirs < mine * (1 - self.margin):
+            self.incumbent = other
+        return self.incumbent
+
+    def choose(self) -> str:
+        if self.mode != "auto":
+            return self.mode
+        if self.left <= 0:
+            self._next_phase()
+        self.left -= 1
+        return self.current
+
+    def _next_phase(self) -> None:
+        if self.sample:
+            per = statistics.median(self.sample)
+            old = self.cost[self.current]
+            self.cost[self.current] = per if old is None else old + self.weight * (per - old)
+        self.sample, self.seen = [], 0
+        best = self.best()
+        other = _other(best)
+        if self.cost[other] is None or self.since >= self.explore_every:
+            self.current, self.since = other, 0
+        else:
+            self.current, self.since = best, self.since + 1
+        self.left = self.phase
+
+    def record(self, mode: str, tokens: int, wall_s: float) -> None:
+        """A step of `mode` generated `tokens` in `wall_s`."""
+        self.steps[mode] += 1
+        if mode != self.current or tokens < 1:
+            return
+        self.seen += 1
+        if self.seen > self.settle:
+            self.sample.append(wall_s / tokens)
+
+
+def _other(mode: str) -> str:
+    return "turns" if mode == "batch" else "batch"
 
 
 class Scheduler:
-    """Runs admitted jobs one at a time on a worker thread; up to `size` wait behind the running one.
+    """Runs admitted jobs on a worker thread, up to one per KV sequence of the model at once;
+    up to `size` more wait in the queue.
 
     `on_fatal` hears of an engine failure (after which the scheduler is closed), `on_generation`
     of each generation's stats, both on the worker thread.
@@ -61,17 +152,27 @@ class Scheduler:
 
     def __init__(self, model: Model, size: int, on_fatal: Callable[[BaseException], None],
                  on_generation: Callable[[GenerationStats], None] = lambda s: None,
-                 reload_fix: str = "restart to load it again") -> None:
+                 reload_fix: str = "restart to load it again", batching: str = "auto") -> None:
         self.model = model
         self.size = size
         self.on_fatal = on_fatal
         self.on_generation = on_generation
         self.reload_fix = reload_fix
+        self.batching = Batching(batching, self._all_cached)
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
-        self.running: Job | None = None
+        self.active: list[Job] = []  # admitted and prefilled (or being prefilled), oldest first
+        self.prefilling: Job | None = None
         self.closed = False
         self.thread = threading.Thread(target=self._work, name="bmoe-generate", daemon=True)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.model.slots)
+
+    def _all_cached(self) -> bool:
+        e = self.model.engine
+        return not e.streaming or (e.streamer is not None and e.streamer.holds_everything)
 
     def start(self) -> None:
         self.thread.start()
@@ -81,21 +182,24 @@ class Scheduler:
         with self.cond:
             if self.closed:
                 raise ShuttingDown()
-            ahead = len(self.waiting) + (self.running is not None)
-            if ahead > self.size:
+            ahead = len(self.waiting) + len(self.active)
+            if ahead >= self.capacity + self.size:
                 raise QueueFull(ahead, self.size)
             self.waiting.append(job)
             self.cond.notify()
-            return ahead
+            return ahead if ahead >= self.capacity else 0
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: take `job` out of the queue, or stop its generation now."""
+        """The client is gone: take `job` out of the queue, or end its generation (mid-prefill at
+        once, mid-decode after the step in flight)."""
         with self.cond:
             if job in self.waiting:
                 self.waiting.remove(job)
                 self._positions()
-            elif self.running is job:
-                self.model.cancel(job.req)
+            elif job.gen is not None:
+                job.gen.cancel()
+                if self.prefilling is job:
+                    self.model.engine.cancel()
 
     def close(self) -> None:
         """Stop: what waits ends with ShuttingDown, what runs is cancelled; idempotent."""
@@ -104,8 +208,11 @@ class Scheduler:
             for job in self.waiting:
                 job.deliver(ShuttingDown())
             self.waiting.clear()
-            if self.running is not None:
-                self.model.cancel(self.running.req)
+            for job in self.active:
+                if job.gen is not None:
+                    job.gen.cancel()
+            if self.prefilling is not None:
+                self.model.engine.cancel()
             self.cond.notify_all()
 
     def join(self) -> None:
@@ -113,31 +220,103 @@ class Scheduler:
             self.thread.join()
 
     def _positions(self) -> None:
-        base = self.running is not None
+        base = len(self.active)
         for i, job in enumerate(self.waiting):
             job.deliver(Position(base + i))
 
     def _work(self) -> None:
-        while True:
+        try:
+            while self._turn():
+                pass
+        except BaseException as e:  # noqa: BLE001 - a lane or the model file failed: stop serving
             with self.cond:
-                while not self.waiting and not self.closed:
-                    if not self.cond.wait(timeout=0.5):
-                        self.model.engine.follow_memory()  # idle: give memory back if the limits ask
-                if self.closed:
-                    return
-                job = self.running = self.waiting.popleft()
-                job.deliver(Position(0))
-                self._positions()
-            try:
-                self.model.engine.check_model_unchanged(self.reload_fix)
-                self.on_generation(self.model.run(job.req, job.deliver).stats)
-            except ConfigError as e:  # checked at admission; the request's all the same
-                job.deliver(e)
-            except BaseException as e:  # noqa: BLE001 - a lane or the model file failed: stop serving
+                jobs, self.active = self.active, []
+            for job in jobs:
                 job.deliver(GenerationFailed(f"{type(e).__name__}: {e}"))
-                self.on_fatal(e)
-                self.close()
-                return
-            finally:
-                with self.cond:
-                    self.running = None
+            self.on_fatal(e)
+            self.close()
+
+    def _turn(self) -> bool:
+        """Admit what fits, prefill it, then one decode step; False once closed and drained."""
+        with self.cond:
+            while not self.waiting and not self.active and not self.closed:
+                if not self.cond.wait(timeout=0.5):
+                    self.model.engine.follow_memory()  # idle: give memory back if the limits ask
+            if self.closed and not self.active:
+                return False
+            admitted = []
+            while self.waiting and not self.closed and (slot := self.model.slot_for(self.waiting[0].req)):
+                job = self.waiting.popleft()
+                job.slot, slot.busy = slot, True
+                job.gen = self.model.generation(job.req, slot, job.deliver)
+                self.active.append(job)
+                admitted.append(job)
+                job.deliver(Position(0))
+            if admitted:
+                self._positions()
+        for job in admitted:
+            self._begin(job)
+        self._end(self._cancelled())
+        if self.active:
+            self._step()
+        return True
+
+    def _begin(self, job: Job) -> None:
+        with self.cond:
+            self.prefilling = job
+        try:
+            with self.model.turn:
+                self.model.engine.check_model_unchanged(self.reload_fix)
+                job.gen.begin()
+        except ConfigError as e:  # checked at admission; the request's all the same
+            self._drop(job)
+            job.slot.busy = False
+            job.deliver(e)
+        except Exception as e:  # noqa: BLE001 - a cancel ends this job; anything else, the engine
+            self._end([job], e)
+        finally:
+            with self.cond:
+                self.prefilling = None
+                self.model.engine.reset_cancel()  # a cancel that came as the prefill ended is on the job
+
+    def _cancelled(self) -> list[Job]:
+        return [j for j in self.active if j.gen.cancelled and j.gen.seq is not None]
+
+    def _step(self) -> None:
+        gens = [j.gen for j in self.active]
+        mode = self.batching.choose() if len(gens) > 1 else "turns"
+        if mode == "turns":
+            gens = gens[:1]
+        before = sum(len(g.seq.result.ids) for g in gens)
+        t0 = time.perf_counter()
+        with self.model.turn:
+            self.model.engine.step([g.seq for g in gens])
+        if len(self.active) > 1:
+            self.batching.record(mode, sum(len(g.seq.result.ids) for g in gens) - before, time.perf_counter() - t0)
+        self._end([j for j in self.active if j.gen.done])
+
+    def _end(self, jobs: list[Job], error: BaseException | None = None) -> None:
+        """Finish `jobs` (with `error`, or as cancelled when they were); an engine failure is raised
+        after the job heard of it."""
+        for job in jobs:
+            self._drop(job)
+            why = error or (_cancel() if job.gen.cancelled and not job.gen.done else None)
+            try:
+                with self.model.turn:
+                    stats = job.gen.finish(why).stats
+            except BaseException as e:
+                job.deliver(GenerationFailed(f"{type(e).__name__}: {e}"))
+                raise
+            self.on_generation(stats)
+
+    def _drop(self, job: Job) -> None:
+        with self.cond:
+            if job in self.active:
+                self.active.remove(job)
+                self._positions()
+
+
+def _cancel() -> BaseException:
+    from bmoe.coordinator import Cancelled
+
+    return Cancelled()

@@ -2,13 +2,16 @@
 
 Routes: `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (`"stream": true` gives server-sent events ending `data: [DONE]`),
-`GET /metrics` (Prometheus text). Every generation goes through bmoe.api.Model.run.
+`GET /metrics` (Prometheus text). Every generation goes through bmoe.generation.Generation.
 
 Decisions:
 
-- One generation at a time, on one worker thread; up to `--queue` requests wait behind it, more
-  get 429. The `X-Queue-Position` header says how many requests were ahead at admission; a
-  stream also says `: queue position N` (an SSE comment, which clients skip) as it moves up.
+- Up to `--parallel N` generations run at once (one KV sequence each), on one worker thread
+  (bmoe.scheduler): each step batches them or lets them take turns (`--batching`, by default
+  whichever measured faster per generated token). Up to `--queue` more requests wait, more get
+  429. The `X-Queue-Position` header says how many requests were ahead at admission (0: it runs
+  at once); a stream also says `: queue position N` (an SSE comment, which clients skip) as it
+  moves up.
 - A request is checked before it queues (pydantic with strict types; the prompt against the
   context), so a bad one gets its 400 at once and never waits.
 - Options a request leaves out take the server's flags: `max_tokens` is `-n`, sampling is
@@ -16,8 +19,9 @@ Decisions:
   for the same prompt and settings). `top_k` and `think` (chat: False renders the conversation
   with `enable_thinking=False`) are extensions; `n` must be 1; the `model` field is not checked
   (one model is served; responses name it).
-- A chat whose messages extend the previous request's conversation (its messages, the answer as
-  it was returned, then more) reuses the KV prefix; any other request starts from an empty KV.
+- A chat whose messages extend an earlier request's conversation (its messages, the answer as
+  it was returned, then more) reuses that KV sequence's prefix while the sequence still holds it
+  (a free sequence is taken least recently used first); any other request starts from an empty KV.
 - Telemetry: each response's `bmoe` field holds the request's (bmoe.api.GenerationStats: tok/s,
   MiB/token, hit %, stall, prefill ...), a streamed token's chunk that token's (the contract's
   BMOE_PROGRESS fields but the text); `/metrics` has totals and the last request's figures.
@@ -70,7 +74,7 @@ except ImportError as e:  # the server extra is not installed
 from bmoe import cli, console, flags, telemetry
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.argtypes import nonneg_int, number, positive_int
-from bmoe.scheduler import Event, GenerationFailed, Job, Position, QueueFull, Scheduler, ShuttingDown
+from bmoe.scheduler import MODES, Event, GenerationFailed, Job, Position, QueueFull, Scheduler, ShuttingDown
 from bmoe.settings import ConfigError
 
 PROG = "bmoe-server"
@@ -84,6 +88,7 @@ EXAMPLES = """\
 examples:
   bmoe-server                                      # the demo model at http://127.0.0.1:8000/v1
   bmoe-server -m model.gguf --cache-mb 2000 --io-threads 4 --queue 16
+  bmoe-server -m model.gguf --parallel 4          # up to 4 requests decode at once, batched when it pays
   bmoe-server -m model.gguf --host 0.0.0.0 --api-key "$KEY"   # reachable from the network, with a key
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
 
@@ -211,15 +216,19 @@ class Metrics:
         self.stall_s = Counter("bmoe_stall_seconds", "decode time lost waiting for expert reads", registry=r)
         self.last = Gauge("bmoe_last_request", "the last generation's telemetry (tok_s, mib_per_token, "
                           "cache_hit_pct, stall_s_per_token, prefill_s)", ["measure"], registry=r)
-        Gauge("bmoe_queue_waiting", "requests waiting for the running one", registry=r).set_function(
+        Gauge("bmoe_queue_waiting", "requests waiting for a KV sequence", registry=r).set_function(
             lambda: len(sched.waiting))
-        Gauge("bmoe_generating", "1 while a generation runs", registry=r).set_function(
-            lambda: sched.running is not None)
+        Gauge("bmoe_generating", "generations running", registry=r).set_function(lambda: len(sched.active))
+        steps = Gauge("bmoe_decode_steps", "decode steps with two or more generations running, by how they ran "
+                      "(batch: together; turns: the oldest alone)", ["mode"], registry=r)
+        for mode in ("batch", "turns"):
+            steps.labels(mode).set_function(lambda m=mode: sched.batching.steps[m])
         e = model.engine
         Gauge("bmoe_cache_resident_bytes", "expert bytes resident in the cache", registry=r).set_function(
             e.resident_bytes)
         Gauge("bmoe_cache_budget_bytes", "the expert cache budget", registry=r).set_function(lambda: e.budget)
-        Gauge("bmoe_kv_tokens", "tokens in the KV", registry=r).set_function(lambda: len(model.kv_tokens))
+        Gauge("bmoe_kv_tokens", "tokens in the KV, every sequence's", registry=r).set_function(
+            lambda: sum(len(s.kv_tokens) for s in model.slots))
 
     def generation(self, s: GenerationStats) -> None:
         self.generations.labels(s.finish_reason).inc()
@@ -381,7 +390,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model.name, "generating": sched.running is not None,
+        return {"status": "ok", "model": model.name, "generating": len(sched.active), "parallel": sched.capacity,
                 "waiting": len(sched.waiting)}
 
     @api.get("/metrics")
@@ -504,8 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.usage = "%(prog)s [-m MODEL] [options]"
     ap.epilog = EXAMPLES
     ap.description = ("Serve a Mixture-of-Experts GGUF larger than RAM over the OpenAI HTTP API (completions, "
-                      "chat completions, streaming), streaming its experts from flash; one model, one "
-                      "generation at a time, more requests queue.")
+                      "chat completions, streaming), streaming its experts from flash; one model, up to "
+                      "--parallel generations at a time, more requests queue.")
     for action in ap._actions:
         if action.dest in CLI_ONLY:
             action.help = argparse.SUPPRESS
@@ -522,7 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without an API key (anyone who reaches it can use it)")
     g.add_argument("--queue", type=nonneg_int, default=8, metavar="N",
-                   help="requests that may wait behind the running one; more get 429 (default 8)")
+                   help="requests that may wait for a KV sequence (see --parallel); more get 429 (default 8)")
+    g.add_argument("--batching", choices=MODES, default="auto",
+                   help="with --parallel N above 1, how running requests share a decode step: batch (one "
+                        "llama.cpp batch, each layer reads their experts' union once), turns (the oldest "
+                        "alone), or auto (default: whichever it measured faster per generated token; it "
+                        "starts with batch when every expert is cached, turns otherwise)")
     g.add_argument("--max-body-kb", type=positive_int, default=1024, metavar="KB",
                    help="largest request body; larger gets 413 (default 1024)")
     return ap
@@ -569,7 +583,8 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
         self.loop = asyncio.get_running_loop()
         if self.started:
-            console.notice(f"serving {self.sched.model.name} at {self.url}/v1 (queue {self.sched.size})")
+            console.notice(f"serving {self.sched.model.name} at {self.url}/v1 (parallel {self.sched.capacity}, "
+                           f"batching {self.sched.batching.mode}, queue {self.sched.size})")
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
@@ -590,7 +605,7 @@ def serve(model: Model, a: argparse.Namespace, sock: socket.socket) -> int:
         fatal.append(e)
         server.end()
 
-    sched = Scheduler(model, a.queue, on_fatal, reload_fix=RELOAD_FIX)
+    sched = Scheduler(model, a.queue, on_fatal, reload_fix=RELOAD_FIX, batching=a.batching)
     app = create_app(model, sched, api_key=a.api_key, max_body=a.max_body_kb * 1024, n_predict=a.n_predict)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

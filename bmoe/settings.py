@@ -76,6 +76,7 @@ class Settings:
     verbose: bool = False
     route_trace: str | None = None
     pin_dense: bool = False  # mlock the dense weights in llama.cpp's mapping (bmoe.dense)
+    parallel: int = 1  # KV sequences that may decode together in one batch (bmoe.batch)
     cache: CacheSettings = field(default_factory=CacheSettings)
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)
@@ -96,6 +97,8 @@ def validate(s: Settings) -> None:
     c = s.cache
     if s.n_ctx < 1:
         raise ConfigError(f"-c {s.n_ctx}: the context needs at least one token")
+    if s.parallel < 1:
+        raise ConfigError(f"--parallel {s.parallel}: at least one sequence decodes")
     if s.streaming.io_threads < 1:
         raise ConfigError(f"--io-threads {s.streaming.io_threads}: streaming needs at least one I/O lane")
     if c.policy not in POLICIES:

@@ -161,16 +161,14 @@ def test_model_file_changed_during_a_run_is_an_error(model: str, tmp_path, monke
 
     copy = tmp_path / "m.gguf"
     copy.write_bytes(open(model, "rb").read())
-    generate = Engine.generate
+    step = Engine.step
 
-    def touch_mid_run(self, tokens, n, on_piece, **kw):
-        def piece(i, text, stat):
-            on_piece(i, text, stat)
-            if i == 2:
-                os.utime(copy, (copy.stat().st_atime, copy.stat().st_mtime + 5))
-        return generate(self, tokens, n, piece, **kw)
+    def touch_mid_run(self, seqs):
+        step(self, seqs)
+        if len(seqs[0].result.ids) == 3:
+            os.utime(copy, (copy.stat().st_atime, copy.stat().st_mtime + 5))
 
-    monkeypatch.setattr(Engine, "generate", touch_mid_run)
+    monkeypatch.setattr(Engine, "step", touch_mid_run)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # leave pytest's own handlers alone
     before = bmoe_segments()
     assert cli.main(["-m", str(copy), "-p", PROMPT, "-n", "6", "-t", "1", "--cache-mb", "1"]) == 1
