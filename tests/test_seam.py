@@ -170,7 +170,7 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
     try:
         _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(read_logits))
         toks = e.prompt_tokens(PROMPT, chat=False)
-        e._decode(toks)
+        e._decode([(0, toks, 0)])
     finally:
         e.close()
     assert set(seen) == {0, 1, 2}

@@ -247,9 +247,9 @@ def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
             cancel()
             cancelled.set()
 
-        def kv_keep(n):
-            kept.append((engine.kv_len(), n))
-            return keep(n)
+        def kv_keep(n, seq=0):
+            kept.append((engine.kv_len(seq), n))
+            return keep(n, seq)
 
         engine.hook.on_route, engine.cancel, engine.kv_keep = on_route, cancel_seen, kv_keep
         s.send({"cmd": "generate", "id": 1, "prompt": TURNS[0], "n_predict": 12})
