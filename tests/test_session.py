@@ -377,7 +377,7 @@ def test_every_setting_has_a_flag() -> None:
               "--top-p", "0.5", "--seed", "9", "--cache-policy", "lru", "--force", "--preload",
               "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
               "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
-              "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense"],
+              "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--parallel", "2"],
              ["--no-stream"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"]]
     changed = set()
     for argv in fixed:
