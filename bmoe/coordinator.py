@@ -152,7 +152,7 @@ class Engine:
         # the lanes and pinned weights are there before the budget is decided: they are in the charge
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
                                       s.speculation.prefetch, list(cap.biases.values()))
-        self._size_cache(sum(t.nbytes for t in tensors), max(need.values()), sum(need.values()))
+        self._size_cache(st.full_bytes, max(need.values()), sum(need.values()))
         self.hook.on_route, self.hook.slot_ids = st.on_route, st.slot_ids
         if s.streaming.overlap:
             self.hook.down_nodes = cap.down_inputs
@@ -178,7 +178,10 @@ class Engine:
                 self.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
 
     def _size_cache(self, expert_bytes: int, layer_need: int, token_need: int) -> None:
-        """Decide the budget from the room the limits leave now, and make it adaptive when asked."""
+        """Decide the budget from the room the limits leave now, and make it adaptive when asked.
+
+        `expert_bytes` is what holding every expert takes in the cache (its slots, page-rounded),
+        so an auto budget with room to spare holds them all (and --preload can fill it)."""
         s, st = self.settings, self.streamer
         decided = decide(s.cache, s.reads_ahead, expert_bytes, layer_need, token_need, self.memory.rooms())
         if decided.notice:

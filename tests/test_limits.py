@@ -161,6 +161,14 @@ def model(synth) -> str:
     return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
 
 
+def test_an_auto_budget_with_room_to_spare_holds_every_expert_and_preloads(model: str) -> None:
+    notes: list[str] = []
+    with Engine(settings_for(model, "--preload", "-t", 1, "--io-threads", 2), notice=notes.append) as e:
+        assert e.streamer.holds_everything, notes  # capped at the experts' slots, not their raw bytes
+        assert e.budget == e.streamer.full_bytes and e.resident_bytes() > 0
+    assert not any("--preload ignored" in n for n in notes) and any(n.startswith("preloaded ") for n in notes)
+
+
 def test_the_cache_shrinks_and_grows_back_with_the_limit_and_the_output_stays_exact(model: str, tmp_path) -> None:
     """A fabricated v1 cgroup whose charge the test moves between tokens: the budget falls under
     pressure (pages given back to the system) and comes back once the memory is free again."""
