@@ -145,7 +145,7 @@ def test_auto_budget_is_capped_by_the_ceiling(model: str, force: bool) -> None:
     assert r.returncode == 0, r.stderr
     (note,) = [x for x in r.stderr.splitlines() if "cache budget" in x]
     assert note.startswith(f"bmoe: cache budget {float(ceil):.1f} MiB (auto, the least of: available ")
-    assert f"MiB minus --cache-floor-mb 0; experts total 3 MiB; => --cache-ceil-mb {ceil})" in note
+    assert f"MiB minus --cache-floor-mb 0; experts total 4 MiB; => --cache-ceil-mb {ceil})" in note
     assert any(spec_lines.summary_matches("moe-cache", x) for x in answer_and_summary(r.stdout)[1]), "the cache is on"
     r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "-t", "1", "--cache-ceil-mb", "0.5")
     assert r.returncode == 0, r.stderr
