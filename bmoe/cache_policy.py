@@ -15,8 +15,10 @@ A key is a slice `(layer, region index, expert)`. The interface, all on the deco
 - `forget(key)`: the slice is no longer resident (evicted, or a speculative read cancelled).
 - `victims(layer)`: resident keys in eviction order while the current layer is `layer`. The
   caller skips keys it pins (the current layer's routed slices) and `forget`s each key it evicts
-  before asking for the next one; it stops as soon as it has room, and once it has called
-  anything else it never resumes that walk (the policies keep their orders across walks).
+  before asking for the next one, with the expert's other slices `(layer, *, expert)` it evicts
+  alongside (an expert leaves whole; a walk passes over keys forgotten that way); it stops as
+  soon as it has room, and once it has called anything else it never resumes that walk (the
+  policies keep their orders across walks).
 - `predict(keys)`: optional hints, the slices expected within the next few layers (spec-gate or
   temporal prefetcher). Prediction-aware policies keep them; others ignore the call.
 
@@ -456,14 +458,15 @@ class Quota(Cycle):
             self._rank(lay, len(self.by_layer[lay]))
         self.moved.clear()
         walks: dict[int, Iterator[Key]] = {}
-        left: dict[int, int] = {}  # a layer's slices not yet passed over in this walk
+        passed: dict[int, int] = {}  # a layer's slices passed over (kept) in this walk
         while (lay := self.heads.top()) is not None:
-            n = left.get(lay, len(self.by_layer[lay]))
             if lay not in walks:
                 walks[lay] = _drain(self.by_layer[lay])
-            yield next(walks[lay])
-            left[lay] = n - 1  # evicted or passed over
-            self._rank(lay, n - 1)
+            key = next(walks[lay])
+            yield key
+            if key in self.by_layer[lay]:
+                passed[lay] = passed.get(lay, 0) + 1
+            self._rank(lay, len(self.by_layer[lay]) - passed.get(lay, 0))  # (the caller may forget several)
             self.moved.add(lay)  # its true count goes back in before the next walk
 
 

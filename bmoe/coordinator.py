@@ -129,7 +129,7 @@ class Engine:
         self.n_ctx = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
 
     def _start_streaming(self) -> None:
-        """One warm-up decode finds the expert tensors; then they are rebound into the window."""
+        """One warm-up decode finds the expert tensors; then they are rebound into the slab's pools."""
         cap = self.hook.capture = seam.Capture()
         try:
             self._decode([(0, [self.vocab.warmup_token()], 0)])
@@ -151,9 +151,9 @@ class Engine:
             self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
         # the lanes and pinned weights are there before the budget is decided: they are in the charge
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
-                                      s.speculation.prefetch)
+                                      s.speculation.prefetch, list(cap.biases.values()))
         self._size_cache(st.full_bytes, max(need.values()), sum(need.values()))
-        self.hook.on_route = st.on_route
+        self.hook.on_route, self.hook.slot_ids = st.on_route, st.slot_ids
         if s.streaming.overlap:
             self.hook.down_nodes = cap.down_inputs
             self.hook.down_pending, self.hook.on_down = st.down_pending, st.on_down

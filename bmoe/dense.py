@@ -26,7 +26,7 @@ def dense_ranges(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[tu
     """Page-aligned (address, length) of every non-expert tensor in llama.cpp's mapping, merged.
 
     llama.cpp maps each file whole and points a tensor at `mapping + file offset`; an expert
-    tensor's data pointer, read before it is rebound into the window, gives each file's mapping.
+    tensor's data pointer, read before it is rebound into the slab's pools, gives each file's mapping.
     """
     base: dict[int, int] = {}
     for t in tensors:

@@ -1,24 +1,48 @@
 """The expert cache: which expert slices are resident, in which slot, under a byte budget.
 
-llama.cpp reads expert e of a tensor at `data + e * nb[2]`. bmoe points every expert tensor into
-the window (bmoe.shm_cache) with a stride of a page more than an expert, placed so that each
-expert starts at the same offset within its page as in the file: an O_DIRECT read of its 4
-KiB-aligned superset then fills whole pages that are the expert's alone, a slot of the slab.
-Committing a read maps the slot under the expert; evicting makes the range inaccessible and
-frees the slot for the next read without giving its pages back, so steady-state decode neither
-frees nor faults in memory (both cost more CPU than the read itself). Slots are given back
-(MADV_REMOVE) only when pages of one slot size must make room for another, so the slab's
-allocated blocks, measured from the segment, stay within the budget. The eviction order comes
-from bmoe.cache_policy. With no window (trace replays) the same decisions run with no memory.
+llama.cpp reads expert i of a tensor at `data + i * nb[2]`, with i taken from the layer's routed
+ids (`ffn_moe_topk-L`, int32). bmoe points every expert tensor at a pool of slots in the slab
+(bmoe.shm_cache) and, once the router's weights are gathered, overwrites the routed ids in place
+with slot indices (bmoe.seam), so ggml reads slot s where the model asked for expert e. Filling a
+slot is a read and a few integer writes; there is no mapping to change.
+
+Layout. Layers whose expert tensors have the same kinds and sizes form a group; the group's
+slot indices are shared by its layers, so a slot given up by one layer is reused by another
+without a system call. One index names one slot in each kind's pool (the gate, up and down
+matmuls of a layer read the same ids tensor, so an expert has one index for all its slices).
+A pool's stride is the expert's size plus two pages, and a tensor looks at its pool from the
+offset its first expert has within a page of the file: an O_DIRECT read of an expert's
+4 KiB-aligned superset then lands with its bytes where ggml reads them, and the supersets of
+neighbouring slots never share a page. When an expert's size is not a multiple of a page its
+experts start at different offsets within a page; an expert may then only take an index of its
+own class (index ≡ expert mod the group's `period`), which keeps those offsets. The class of a
+4 KiB-multiple expert (real K-quant models) is the one class there is.
+
+Memory. A slice is charged its slot from the moment its read is planned (LOADING) until it is
+evicted; eviction takes the expert's other resident slices with it, and an index freed keeps its
+pages for the next read of its class (`warm`). A read whose class has no free index evicts an
+expert of its class (the policy's first) rather than give another class's pages back, so steady
+decode neither frees nor faults in memory. Pages are given back (MADV_REMOVE) only when no expert
+of the class can go (the mix of groups shifts, the budget shrinks), so the slab's allocated blocks
+stay within the budget. The eviction order comes from bmoe.cache_policy. With
+no slab (trace replays) the same decisions run with no memory.
+
+Safety. `slot_ids` translates through a per-layer table that holds an index only while that
+layer's expert holds it: a routed expert without an index raises (the graph is aborted) instead
+of computing with whatever a free or reused slot holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from math import gcd
+
+import numpy as np
 
 from bmoe.cache_policy import DEFAULT_POLICY, Policy, make_policy
 from bmoe.model_files import EXPERT_TENSOR, ModelFiles
-from bmoe.shm_cache import PAGE, Window
+from bmoe.shm_cache import PAGE, Slab
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
@@ -33,7 +57,7 @@ def _up(x: int) -> int:
 
 @dataclass
 class Region:
-    """One expert tensor's place in the file and in the window."""
+    """One expert tensor's place in the file and in its group's pool (set by `layout`)."""
 
     name: str
     layer: int
@@ -42,56 +66,69 @@ class Region:
     file_offset: int
     n_expert: int
     expert_bytes: int
-    window_offset: int = 0
+    group: int = 0
+    pool_offset: int = 0  # slab offset of the pool this tensor's kind has in its group
+    period: int = 1  # the group's: index s may hold expert e only when s % period == e % period
+    capacity: int = 1  # the group's slot indices
 
     @property
     def nbytes(self) -> int:
         return self.n_expert * self.expert_bytes
 
     @property
-    def stride(self) -> int:
-        """Window bytes from one expert to the next: a page more than an expert, so no two share a
-        page and each keeps its in-page offset from the file."""
-        return self.expert_bytes + PAGE
+    def slot_bytes(self) -> int:
+        """Pool stride: the expert and two pages, so that whatever in-page offset the group's tensors
+        of this kind start at, the aligned supersets of neighbouring slots never share a page."""
+        return self.expert_bytes + 2 * PAGE
 
     @property
-    def slot_bytes(self) -> int:
-        """Slab bytes one of this tensor's experts takes (its aligned superset; the largest one)."""
-        return max(_up((self.file_offset + e * self.expert_bytes) % PAGE + self.expert_bytes)
-                   for e in range(self.n_expert))
+    def data_offset(self) -> int:
+        """Slab offset of slot 0's expert bytes: the pool plus the in-page offset of the file's expert 0."""
+        return self.pool_offset + self.file_offset % PAGE
 
-    def slice_bounds(self, e: int) -> tuple[int, int]:
-        """Window bytes [start, end) of expert e."""
-        start = self.window_offset + e * self.stride
-        return start, start + self.expert_bytes
+    def slot_pages(self, index: int) -> tuple[int, int]:
+        """Slab bytes [start, end) that reads into slot `index` of this pool can touch, whichever tensor."""
+        at = self.pool_offset + index * self.slot_bytes
+        return _down(at), _up(at + self.expert_bytes + PAGE)
 
-    def page_span(self, e: int) -> tuple[int, int]:
-        s, t = self.slice_bounds(e)
-        return _down(s), _up(t)
-
-    def read_order(self, e: int, slot: int) -> tuple[int, int, int, int, int]:
-        """(file index, file offset, length, slab offset, needed) of the aligned superset read into `slot`.
+    def read_order(self, e: int, at: int) -> tuple[int, int, int, int, int]:
+        """(file index, file offset, length, slab offset, needed) of expert e's aligned superset, read
+        so that its bytes land at slab offset `at`.
 
         `needed` is how many of those bytes must exist in the file: the superset
         may run past end of file, the slice itself may not.
         """
-        p0, p1 = self.page_span(e)
-        s, t = self.slice_bounds(e)
-        return self.file_index, self.file_offset + e * self.expert_bytes - (s - p0), p1 - p0, slot, t - p0
+        fo = self.file_offset + e * self.expert_bytes
+        head = fo % PAGE
+        if at % PAGE != head:
+            raise RuntimeError(f"{self.name} expert {e}: slot at {at} is not at the file's in-page offset {head}")
+        return self.file_index, fo - head, _up(head + self.expert_bytes), at - head, head + self.expert_bytes
 
 
 def layout(regions: list[Region]) -> int:
-    """Assign window offsets congruent to the file's (mod PAGE); returns the window size."""
+    """Group the layers by their tensors' kinds and sizes and give each kind of each group a pool in
+    the slab, room for every (layer, expert) of the group at once; returns the slab size (sparse:
+    only the pages reads fill cost memory)."""
+    by_layer: dict[int, list[Region]] = {}
+    for r in regions:
+        by_layer.setdefault(r.layer, []).append(r)
+    groups: dict[tuple, list[int]] = {}
+    for layer, regs in sorted(by_layer.items()):
+        sig = (regs[0].n_expert, *sorted((r.kind, r.expert_bytes) for r in regs))
+        groups.setdefault(sig, []).append(layer)
     cursor = 0
-    for r in sorted(regions, key=lambda r: (r.file_index, r.file_offset)):
-        r.window_offset = cursor + r.file_offset % PAGE
-        cursor = _up(r.window_offset + r.n_expert * r.stride)
+    for g, (sig, layers) in enumerate(groups.items()):
+        n_expert, kinds = sig[0], sig[1:]
+        period = max(PAGE // gcd(size, PAGE) for _, size in kinds)
+        capacity = len(layers) * period * -(-n_expert // period)
+        pools = {}
+        for kind, size in kinds:
+            pools[kind] = cursor
+            cursor = _up(cursor + capacity * (size + 2 * PAGE) + PAGE)
+        for layer in layers:
+            for r in by_layer[layer]:
+                r.group, r.pool_offset, r.period, r.capacity = g, pools[r.kind], period, capacity
     return max(cursor, PAGE)
-
-
-def slab_size(regions: list[Region]) -> int:
-    """Slab bytes for every expert at once (the segment is sparse: only written slots cost RAM)."""
-    return max(sum(r.n_expert * r.slot_bytes for r in regions), PAGE)
 
 
 @dataclass
@@ -110,34 +147,50 @@ class CacheStats:
         return 100.0 * self.hits / total if total else 0.0
 
 
+Key = tuple[int, int, int]  # (layer, region index, expert)
+
+
 class ExpertCache:
     """(layer, tensor, expert) slices under a byte budget; a policy (bmoe.cache_policy) picks what goes.
 
     A slice is charged its slot from the moment its read is planned (LOADING)
-    until it is evicted. Freed slots keep their pages for the next read of the
-    same size; the slab's pages (slots in use + free slots kept) stay within the
-    budget, even with reads in flight. The slices the current layer is about to
-    use are pinned: they may push residency past the budget by at most one
-    layer's routed set, never get evicted under the matmul that needs them. A
-    LOADING slice is never evicted: a lane is writing its slot.
+    until it is evicted. An expert holds one slot index (`index_of`, and the
+    layer's `table` the remap reads) while any of its slices is not ABSENT; a freed
+    index keeps its pages for the next read of its class, and the slab's pages
+    (slices charged + free indices kept) stay within the budget, even with reads
+    in flight. The slices the current layer is about to use are pinned: they may
+    push residency past the budget by at most one layer's routed set, never get
+    evicted under the matmul that needs them. A LOADING slice is never evicted: a
+    lane is writing its slot. Evicting a slice evicts its expert's other resident,
+    unpinned slices too: an index is freed only when the whole expert is gone.
 
     Slices read on a prediction (`admit_speculative`) enter the policy's order at
     the cold end; a real hit promotes them. Until their layer next routes they are
     "expected" and evicted only when nothing else can go; a prediction the layer
     did not route is then left cold, so mispredictions are the first to leave.
 
-    `window` is None in trace replays: the same decisions, no memory behind them.
+    `slab` is None in trace replays: the same decisions, no memory behind them.
     """
 
-    def __init__(self, window: Window | None, regions: list[Region], budget: int,
+    def __init__(self, slab: Slab | None, regions: list[Region], budget: int,
                  policy: str | Policy = DEFAULT_POLICY) -> None:
-        self.window = window
+        self.slab = slab
         self.regions = regions
         self.budget = budget
         self.slot_size = [r.slot_bytes for r in regions]
         self.by_layer: dict[int, list[int]] = {}
         for i, r in enumerate(regions):
             self.by_layer.setdefault(r.layer, []).append(i)
+        first = {layer: regions[idxs[0]] for layer, idxs in self.by_layer.items()}
+        self.group_of = {layer: r.group for layer, r in first.items()}
+        self.period = {r.group: r.period for r in regions}
+        self.pools = {}  # group -> one region per kind (any layer's: the pool geometry is the kind's)
+        self.index_bytes = {}  # group -> what a full slot index holds: one slot in each kind's pool
+        for layer, idxs in self.by_layer.items():
+            g = self.group_of[layer]
+            if g not in self.pools:
+                self.pools[g] = [regions[i] for i in idxs]
+                self.index_bytes[g] = sum(self.slot_size[i] for i in idxs)
         self.state = [bytearray(r.n_expert) for r in regions]
         self.policy = make_policy(policy, sorted(self.by_layer)) if isinstance(policy, str) else policy
         self.used = 0
@@ -146,16 +199,20 @@ class ExpertCache:
         self.slices_in_layer = {layer: sum(regions[i].n_expert for i in idxs) for layer, idxs in self.by_layer.items()}
         self.total = sum(self.slot_size[ri] * r.n_expert for ri, r in enumerate(regions))
         self.defer_release = False
-        self.unreleased: dict[tuple[int, int, int], None] = {}  # evicted, window range not yet unmapped
-        self.pinned: set[tuple[int, int, int]] = set()
-        self.speculative: set[tuple[int, int, int]] = set()  # LOADING on a prediction
-        self.expected: dict[int, set[tuple[int, int, int]]] = {layer: set() for layer in self.by_layer}
-        self.slot_of: dict[tuple[int, int, int], int] = {}
-        self.warm: dict[int, list[int]] = {}  # slot size -> free slots whose pages are kept
+        self.pinned: set[Key] = set()
+        self.speculative: set[Key] = set()  # LOADING on a prediction
+        self.expected: dict[int, set[Key]] = {layer: set() for layer in self.by_layer}
+        self.index_of: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot index in its group
+        self.held: dict[tuple[int, int], int] = {}  # (layer, expert) -> its slices not ABSENT
+        self.table = {layer: np.full(r.n_expert, -1, dtype=np.int32) for layer, r in first.items()}
+        self.moved = dict.fromkeys(self.by_layer, 0)  # per layer: indices freed so far (direct binding's check)
+        self.warm: dict[tuple[int, int], list[int]] = {}  # (group, class) -> free indices whose pages are kept
         self.warm_bytes = 0
-        self.cold: dict[int, list[int]] = {}  # slot size -> free slots whose pages were given back
-        self.giving_back: list[tuple[int, int]] = []  # (slab offset, size): free, pages to give back
-        self.top = 0  # slab bytes handed out as slots so far
+        self.cold: dict[tuple[int, int], list[int]] = {}  # (group, class) -> free indices whose pages were given back
+        self.fresh: dict[tuple[int, int], int] = {}  # (group, class) -> indices of the class handed out so far
+        self.giving_back: list[tuple[int, int]] = []  # (group, index): free, pages to give back
+        self.top = 0  # slab bytes handed out as slot indices so far
+        self.on_assign: Callable[[int, int, int], None] | None = None  # (layer, expert, index): bias rows
 
     @property
     def holds_everything(self) -> bool:
@@ -163,13 +220,11 @@ class ExpertCache:
 
     def set_budget(self, budget: int) -> None:
         """A new budget, in force at once: evict in the policy's order (never a pinned or loading
-        slice) and give back the pages of free slots until slots in use and kept fit it."""
+        slice) and give back the pages of free indices until slices in use and kept fit it."""
         self.budget = budget
         self._make_room(0, protect_expected=False)
         while self.warm_bytes and self.used + self.warm_bytes > self.budget:
-            size = next(sz for sz, slots in self.warm.items() if slots)
-            self.warm_bytes -= size
-            self.giving_back.append((self.warm[size].pop(), size))
+            self._give_back_one()
         self.release_evicted()
 
     def reset_stats(self) -> None:
@@ -180,6 +235,13 @@ class ExpertCache:
         """Every expert of the layer is resident and, with a budget that holds all, stays so."""
         return self.holds_everything and self.resident_in_layer[layer] == self.slices_in_layer[layer]
 
+    def direct_base(self, layer: int) -> int | None:
+        """b when expert e of the layer sits at index b + e for every e: ggml may then read the
+        layer's experts by their own ids from the pool shifted by b slots, with no remap."""
+        idx = self.table[layer]
+        shift = idx - np.arange(len(idx), dtype=np.int32)
+        return int(shift[0]) if idx.min() >= 0 and (shift == shift[0]).all() else None
+
     def count_hits(self, layer: int, n_experts: int) -> None:
         """Account a routing that was not looked at because the whole layer is resident."""
         n = n_experts * len(self.by_layer[layer])
@@ -188,10 +250,23 @@ class ExpertCache:
     def charge(self, ri: int, e: int) -> int:
         return self.slot_size[ri]
 
-    def layer_slices(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
+    def layer_slices(self, layer: int, experts: list[int]) -> list[Key]:
         return [(layer, ri, e) for ri in self.by_layer.get(layer, ()) for e in experts]
 
-    def plan(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
+    def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """The slot index of every routed expert id, same shape: what ggml must read instead."""
+        slots = self.table[layer][ids]
+        if slots.size and slots.min() < 0:
+            bad = sorted({int(e) for e in ids[slots < 0]})
+            raise RuntimeError(f"layer {layer} routed to experts {bad} that hold no slot")
+        return slots
+
+    def slice_offset(self, ri: int, e: int) -> int:
+        """Slab offset of expert e's bytes of region ri, in the slot its expert holds."""
+        r = self.regions[ri]
+        return r.data_offset + self.index_of[(r.layer, e)] * r.slot_bytes
+
+    def plan(self, layer: int, experts: list[int]) -> list[Key]:
         """Count hits, pin the layer's slices, make room; returns the slices that must be read now.
 
         A wanted slice already LOADING (a speculative read in flight) is counted as
@@ -216,14 +291,14 @@ class ExpertCache:
         self._reserve(missing)
         return missing
 
-    def admit_speculative(self, layer: int, experts: list[int]) -> list[tuple[int, int, int]]:
+    def admit_speculative(self, layer: int, experts: list[int]) -> list[Key]:
         """Reserve room for a predicted read of the experts' absent slices; returns what to read.
 
         All of an expert's slices or none: room is made only from slices nobody
         expects or pins, so a prediction never pushes out demand or another prediction.
         """
         self.predict(layer, experts)
-        out: list[tuple[int, int, int]] = []
+        out: list[Key] = []
         for e in experts:
             keys = [k for k in self.layer_slices(layer, [e]) if self.state[k[1]][k[2]] == ABSENT]
             need = sum(self.charge(ri, x) for _, ri, x in keys)
@@ -234,62 +309,102 @@ class ExpertCache:
             out += keys
         return out
 
-    def read_order(self, key: tuple[int, int, int]) -> tuple[int, int, int, int, int]:
+    def read_order(self, key: Key) -> tuple[int, int, int, int, int]:
         """The read that fills a LOADING slice's slot."""
-        return self.regions[key[1]].read_order(key[2], self.slot_of[key])
+        return self.regions[key[1]].read_order(key[2], self.slice_offset(key[1], key[2]))
 
-    def _reserve(self, keys: list[tuple[int, int, int]]) -> None:
+    def _reserve(self, keys: list[Key]) -> None:
         need = sum(self.charge(ri, e) for _, ri, e in keys)
         if not self._make_room(need, protect_expected=True):
             self._make_room(need, protect_expected=False)  # demand may go over by the pinned set
         self.used += need
-        for key in keys:
-            _, ri, e = key
+        for layer, ri, e in keys:
             self.state[ri][e] = LOADING
-            self.slot_of[key] = self._take(self.slot_size[ri])
+            self._hold(layer, e)
 
-    def _take(self, size: int) -> int:
-        """A free slot of `size`: one that kept its pages if any, else new pages, after giving back
-        kept pages of other sizes so that slots in use + kept stay within the budget."""
-        if self.warm.get(size):
+    def _hold(self, layer: int, e: int) -> None:
+        """One more slice of the expert is not ABSENT: the first one takes a slot index."""
+        held = self.held.get((layer, e), 0)
+        self.held[(layer, e)] = held + 1
+        if held:
+            return
+        index = self._take(self.group_of[layer], e % self.period[self.group_of[layer]])
+        self.index_of[(layer, e)] = index
+        self.table[layer][e] = index
+        if self.on_assign is not None:
+            self.on_assign(layer, e, index)
+
+    def _unhold(self, layer: int, e: int) -> None:
+        """One slice of the expert became ABSENT: the last one frees its index, pages kept."""
+        held = self.held.pop((layer, e)) - 1
+        if held:
+            self.held[(layer, e)] = held
+            return
+        g = self.group_of[layer]
+        index = self.index_of.pop((layer, e))
+        self.table[layer][e] = -1
+        self.moved[layer] += 1
+        self.warm.setdefault((g, index % self.period[g]), []).append(index)
+        self.warm_bytes += self.index_bytes[g]
+
+    def _take(self, g: int, cls: int) -> int:
+        """A free index of the class: one that kept its pages if any, else new pages, after giving back
+        kept pages of other classes so that slices in use + kept stay within the budget."""
+        key = (g, cls)
+        size = self.index_bytes[g]
+        if not self.warm.get(key) and self.warm_bytes and self.used + self.warm_bytes > self.budget:
+            self._evict_for(g, cls)  # rather than give back another class's pages and fault in new ones
+        if self.warm.get(key):
             self.warm_bytes -= size
-            return self.warm[size].pop()
+            return self.warm[key].pop()
         while self.used + self.warm_bytes > self.budget and self.warm_bytes:
-            other = next(sz for sz, slots in self.warm.items() if slots)
-            self.warm_bytes -= other
-            self.giving_back.append((self.warm[other].pop(), other))
-        if not self.defer_release or (not self.cold.get(size) and any(sz == size for _, sz in self.giving_back)):
-            self.release_evicted()  # (a slot of this size still on its way back: use it, the slab stays bounded)
-        if self.cold.get(size):
-            return self.cold[size].pop()
+            self._give_back_one()
+        if not self.defer_release or (not self.cold.get(key) and key in {(gb, s % self.period[gb])
+                                                                          for gb, s in self.giving_back}):
+            self.release_evicted()  # (an index of this class still on its way back: use it, the slab stays bounded)
+        if self.cold.get(key):
+            return self.cold[key].pop()
+        j = self.fresh.get(key, 0)
+        self.fresh[key] = j + 1
+        index = cls + j * self.period[g]
+        if index >= self.pools[g][0].capacity:
+            raise RuntimeError(f"slot indices of group {g} exhausted ({index})")
         self.top += size
-        if self.window is not None and self.top > self.window.slab.size:
-            raise RuntimeError(f"expert slab exhausted ({self.top} > {self.window.slab.size} bytes)")
-        return self.top - size
+        return index
 
-    def _free(self, key: tuple[int, int, int]) -> None:
-        size = self.slot_size[key[1]]
-        self.warm.setdefault(size, []).append(self.slot_of.pop(key))
-        self.warm_bytes += size
+    def _evict_for(self, g: int, cls: int) -> None:
+        """Evict, in the policy's order, the first whole expert whose index is of this class: a free
+        index of another class then stays warm for the next read of its class, where giving its
+        pages back would cost a system call now and page faults in the lane later (the cache holds
+        one expert fewer until that read). Nothing pinned or expected is taken."""
+        for key in self.policy.victims(self.policy.layer):
+            layer, ri, e = key
+            if self.group_of[layer] != g or e % self.period[g] != cls or key in self.pinned \
+                    or key in self.expected[layer] or self.state[ri][e] != RESIDENT:
+                continue
+            self._evict(key, protect_expected=True)
+            if (layer, e) not in self.index_of:
+                return
 
-    def abandon(self, slices: list[tuple[int, int, int]]) -> None:
+    def _give_back_one(self) -> None:
+        key = next(k for k, free in self.warm.items() if free)
+        self.warm_bytes -= self.index_bytes[key[0]]
+        self.giving_back.append((key[0], self.warm[key].pop()))
+
+    def abandon(self, slices: list[Key]) -> None:
         """Reads of these LOADING slices were cancelled before they started: absent again."""
         for key in slices:
-            _, ri, e = key
+            layer, ri, e = key
             self.state[ri][e] = ABSENT
             self.used -= self.charge(ri, e)
             self.speculative.discard(key)
-            self._free(key)
+            self._unhold(layer, e)
 
-    def commit(self, slices: list[tuple[int, int, int]]) -> None:
-        """The reads of these LOADING slices completed: they are resident now, in the window too."""
+    def commit(self, slices: list[Key]) -> None:
+        """The reads of these LOADING slices completed: they are resident now."""
         for key in slices:
             layer, ri, e = key
-            if self.window is not None:
-                p0, p1 = self.regions[ri].page_span(e)
-                self.window.map(p0, p1 - p0, self.slot_of[key])
             self.state[ri][e] = RESIDENT
-            self.unreleased.pop(key, None)
             self.policy.admit(key, speculative=key in self.speculative)
             self.resident_in_layer[layer] += 1
             if key in self.speculative:
@@ -307,49 +422,50 @@ class ExpertCache:
         for key in self.policy.victims(self.policy.layer):
             if self.used + need <= self.budget:
                 break
-            if key in self.pinned or (protect_expected and key in self.expected[key[0]]):
+            if key in self.pinned or (protect_expected and key in self.expected[key[0]]) \
+                    or self.state[key[1]][key[2]] != RESIDENT:  # (an expert's slice evicted with another)
                 continue
-            self._evict(key)
+            self._evict(key, protect_expected)
         return self.used + need <= self.budget
 
-    def _evict(self, key: tuple[int, int, int]) -> None:
-        _, ri, e = key
+    def _evict(self, key: Key, protect_expected: bool = False) -> None:
+        """Evict the slice and its expert's other resident slices (unless pinned or, protecting,
+        expected): an expert's index is reused only once the whole expert is gone."""
+        layer, _, e = key
+        for ri in self.by_layer[layer]:
+            k = (layer, ri, e)
+            if k == key or (self.state[ri][e] == RESIDENT and k not in self.pinned
+                            and not (protect_expected and k in self.expected[layer])):
+                self._drop(k)
+
+    def _drop(self, key: Key) -> None:
+        layer, ri, e = key
         self.used -= self.charge(ri, e)
         self.policy.forget(key)
-        self.expected[key[0]].discard(key)
+        self.expected[layer].discard(key)
         self.state[ri][e] = ABSENT
-        self.resident_in_layer[key[0]] -= 1
+        self.resident_in_layer[layer] -= 1
         self.stats.evictions += 1
-        self._free(key)  # its old window range is nobody's to read: a new read may fill the slot now
-        self.unreleased[key] = None
+        self._unhold(layer, e)
         if not self.defer_release:
             self.release_evicted()
 
     @property
     def pending_release(self) -> bool:
-        return bool(self.unreleased or self.giving_back)
+        return bool(self.giving_back)
 
-    def release_evicted(self) -> int:
-        """Make evicted slices' window ranges inaccessible and give back the pages queued by `_take`;
-        returns how many window ranges were unmapped.
+    def release_evicted(self) -> None:
+        """Give back the pages of the free indices queued by `_take` (MADV_REMOVE on every pool's slot).
 
         With `defer_release` the coordinator calls this while lanes read, so the system calls
-        overlap with I/O. A slice planned again in between keeps its range, which its commit maps.
+        overlap with I/O.
         """
-        n = 0
-        if self.window is not None:
-            for _, ri, e in self.unreleased:
-                if self.state[ri][e] == ABSENT:
-                    p0, p1 = self.regions[ri].page_span(e)
-                    self.window.unmap(p0, p1 - p0)
-                    n += 1
-            for offset, size in self.giving_back:
-                self.window.slab.release(offset, offset + size)
-        self.unreleased.clear()
-        for offset, size in self.giving_back:
-            self.cold.setdefault(size, []).append(offset)
+        for g, index in self.giving_back:
+            if self.slab is not None:
+                for r in self.pools[g]:
+                    self.slab.release(*r.slot_pages(index))
+            self.cold.setdefault((g, index % self.period[g]), []).append(index)
         self.giving_back.clear()
-        return n
 
 
 def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
@@ -365,8 +481,8 @@ def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
 
 
 def file_regions(files: ModelFiles) -> list[Region]:
-    """The expert regions of a model read from its GGUF table alone (no llama.cpp load), placed as
-    `layout` places them, so page-rounded sizes match what a running cache charges."""
+    """The expert regions of a model read from its GGUF table alone (no llama.cpp load), laid out as
+    a running cache lays them out."""
     regions = []
     for name, ext in sorted(files.extents.items()):
         m = EXPERT_TENSOR.match(name)

@@ -1,8 +1,10 @@
 """The one place bmoe touches llama.cpp's internals through ctypes.
 
 Every assumption made here (struct layout, op codes, node names, the strided
-routing-id view) is pinned by tests/test_seam.py against the pinned
-llama-cpp-python build, so a version bump that breaks one fails loudly.
+routing-id view, who reads the routed ids and in which order) is pinned by
+tests/test_seam.py against the pinned llama-cpp-python build, so a version bump
+that breaks one fails loudly; the graph facts the remap needs are also checked
+on every model at load (`Capture`), so a model whose graph differs is refused.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ class GgmlTensor(ctypes.Structure):
 
 
 NAME_OFFSET = GgmlTensor.name.offset
-TOPK_PREFIX = b"ffn_moe_topk-"
+WEIGHTS_PREFIX = b"ffn_moe_weigh"  # ffn_moe_weights-L (and its _softmax/_sum/_norm/_scaled nodes)
 DOWN_INPUT_PREFIX = b"ffn_moe_"  # every down-matmul input seen so far (swiglu, swiglu_oai, ...)
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$")
+_BIAS_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.bias$")
 _TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
+_WEIGHTS_NAME = re.compile(r"^ffn_moe_weights-(\d+)$")
 _LOGITS_NAME = re.compile(r"^ffn_moe_logits-(\d+)$")
 
 libggml.ggml_op_name.argtypes = [ctypes.c_int]
@@ -75,6 +79,9 @@ def op_code(name: str) -> int:
 
 
 GGML_OP_MUL_MAT_ID = op_code("MUL_MAT_ID")
+GGML_OP_ADD_ID = op_code("ADD_ID")
+GGML_OP_GET_ROWS = op_code("GET_ROWS")
+GGML_OP_VIEW = op_code("VIEW")
 
 
 def tensor_at(addr: int) -> GgmlTensor:
@@ -85,23 +92,29 @@ def tensor_name(addr: int) -> str:
     return ctypes.string_at(addr + NAME_OFFSET).decode(errors="replace")
 
 
-def routing_ids(addr: int) -> np.ndarray:
-    """Copy the [n_tokens, n_expert_used] ids of a `ffn_moe_topk-L` node.
+def _ids_view(t: GgmlTensor) -> np.ndarray:
+    """The [n_tokens, n_expert_used] int32 ids of a `ffn_moe_topk-L` node, in place.
 
     The node is a view into a wider argsort result, so rows are nb[1] bytes
     apart rather than n_expert_used*4: a flat read would return wrong experts.
     """
-    t = tensor_at(addr)
     k, n_tok = int(t.ne[0]), int(t.ne[1])
     row = int(t.nb[1])
     if n_tok == 0 or k == 0:
         return np.zeros((0, k), dtype=np.int32)
     span = row * (n_tok - 1) + k * 4
     raw = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=np.uint8)
-    view = np.lib.stride_tricks.as_strided(
-        raw.view(np.int32)[:1], shape=(n_tok, k), strides=(row, int(t.nb[0]))
-    )
-    return view.copy()
+    return np.lib.stride_tricks.as_strided(raw.view(np.int32)[:1], shape=(n_tok, k), strides=(row, int(t.nb[0])))
+
+
+def routing_ids(addr: int) -> np.ndarray:
+    """Copy the [n_tokens, n_expert_used] ids of a `ffn_moe_topk-L` node."""
+    return _ids_view(tensor_at(addr)).copy()
+
+
+def write_ids(addr: int, ids: np.ndarray) -> None:
+    """Overwrite a `ffn_moe_topk-L` node's ids in place (same shape as `routing_ids` gave)."""
+    _ids_view(tensor_at(addr))[...] = ids
 
 
 def router_input(addr: int) -> np.ndarray:
@@ -147,48 +160,127 @@ class ExpertTensor:
     def nbytes(self) -> int:
         return self.n_expert * self.expert_bytes
 
-    def rebind(self, data_addr: int, stride: int) -> None:
-        """Point llama.cpp at the experts' new home: expert e at data_addr + e * stride."""
+    def rebind(self, data_addr: int, stride: int, n_slots: int) -> None:
+        """Point llama.cpp at a pool of `n_slots` slots: slot s at data_addr + s * stride.
+
+        ggml's CPU mul_mat_id reads expert i at data + i * nb[2] for i < ne[2] (`n_as`); it sizes
+        its per-call bookkeeping from ne[2], and nothing else reads an expert tensor."""
         t = tensor_at(self.addr)
         t.data = data_addr
+        t.ne[2] = n_slots
         t.nb[2] = stride
-        t.nb[3] = stride * int(t.ne[2])
+        t.nb[3] = stride * n_slots
+
+
+@dataclass
+class ExpertBias:
+    """One `blk.L.ffn_*_exps.bias` tensor (gpt-oss): F32 rows [n_out, n_expert], row e added by
+    ggml_add_id to the matmul output of the token routed to expert e."""
+
+    addr: int
+    name: str
+    layer: int
+    kind: str
+    data: int  # llama.cpp's own rows, in the model file's mapping
+    n_expert: int
+    row_bytes: int
+
+    def rows(self) -> np.ndarray:
+        """The file's rows, one per expert (read-only, no copy)."""
+        buf = (ctypes.c_char * (self.n_expert * self.row_bytes)).from_address(self.data)
+        return np.frombuffer(buf, dtype=np.float32).reshape(self.n_expert, self.row_bytes // 4)
+
+    def rebind(self, data_addr: int, n_rows: int) -> None:
+        """Point ggml_add_id at `n_rows` rows from data_addr (it reads row i at data + i * nb[1], i < ne[1])."""
+        t = tensor_at(self.addr)
+        t.data = data_addr
+        t.ne[1] = n_rows
+        t.nb[2] = t.nb[3] = self.row_bytes * n_rows
 
 
 @dataclass
 class Capture:
-    """What one warm-up decode reveals: expert tensors and the layers that route."""
+    """What one warm-up decode reveals: expert tensors, the layers that route, and whether the
+    routed ids may be overwritten with slot indices.
+
+    Every node is visited in graph order (the ask=True calls). For the remap, each layer's
+    `ffn_moe_weights-L` must be a GET_ROWS of its `ffn_moe_topk-L` ids computed before any
+    matmul that reads them, and nothing but those matmuls, the ADD_IDs of expert biases and
+    that GET_ROWS may read the ids (or the argsort they view); anything else lands in `bad`.
+    """
 
     tensors: dict[int, ExpertTensor] = field(default_factory=dict)
+    biases: dict[int, ExpertBias] = field(default_factory=dict)
     bad: list[str] = field(default_factory=list)
     down_inputs: dict[bytes, int] = field(default_factory=dict)  # node name -> layer
-
+    weights_at: dict[int, int] = field(default_factory=dict)  # layer -> position of ffn_moe_weights-L
+    ids_nodes: dict[int, int] = field(default_factory=dict)  # address of ffn_moe_topk-L (and its argsort) -> layer
+    seen: int = 0
 
     def visit(self, addr: int) -> None:
         t = tensor_at(addr)
-        if t.op != GGML_OP_MUL_MAT_ID:
+        self.seen += 1
+        name = tensor_name(addr)
+        mt = _TOPK_NAME.match(name)
+        if mt:
+            self.ids_nodes[addr] = int(mt.group(1))
+            if t.op == GGML_OP_VIEW and t.src[0]:
+                self.ids_nodes[t.src[0]] = int(mt.group(1))
             return
+        srcs = [s for s in t.src if s]
+        read = [self.ids_nodes[s] for s in srcs if s in self.ids_nodes]
+        if t.op == GGML_OP_MUL_MAT_ID:
+            self._matmul(t)
+        elif t.op == GGML_OP_ADD_ID and t.src[2] in self.ids_nodes:
+            self._bias(t)
+        elif read:
+            mw = _WEIGHTS_NAME.match(name)
+            if mw and t.op == GGML_OP_GET_ROWS and t.src[1] in self.ids_nodes \
+                    and int(mw.group(1)) == self.ids_nodes[t.src[1]]:
+                self.weights_at[int(mw.group(1))] = self.seen
+            else:
+                self.bad.append(f"node {name} reads the routed ids of layer {read[0]} (the remap would change it)")
+
+    def _matmul(self, t: GgmlTensor) -> None:
         w, ids = t.src[0], t.src[2]
-        if not w or w in self.tensors:
+        if not w:
             return
         wname, iname = tensor_name(w), tensor_name(ids) if ids else ""
         m, mi = _EXPERT_NAME.match(wname), _TOPK_NAME.match(iname)
         if not m or not mi or m.group(1) != mi.group(1):
             self.bad.append(f"{wname} routed by {iname or '?'}")
             return
+        layer = int(m.group(1))
+        if layer not in self.weights_at:
+            self.bad.append(f"{wname} is multiplied before ffn_moe_weights-{layer} gathered the router weights")
+        if w in self.tensors:
+            return
         wt = tensor_at(w)
         if wt.view_src or int(wt.nb[2]) * int(wt.ne[2]) != libggml.ggml_nbytes(w):
             self.bad.append(f"{wname} is not a contiguous [*, *, n_expert] tensor")
             return
         self.tensors[w] = ExpertTensor(
-            addr=w, name=wname, layer=int(m.group(1)), kind=m.group(2),
+            addr=w, name=wname, layer=layer, kind=m.group(2),
             n_expert=int(wt.ne[2]), expert_bytes=int(wt.nb[2]),
         )
         if m.group(2) == "ffn_down_exps" and t.src[1]:
             # the down matmul's input: under --overlap the down slices are awaited there
             name = ctypes.string_at(t.src[1] + NAME_OFFSET)
             if name.startswith(DOWN_INPUT_PREFIX) and name.endswith(f"-{m.group(1)}".encode()):
-                self.down_inputs[name] = int(m.group(1))
+                self.down_inputs[name] = layer
+
+    def _bias(self, t: GgmlTensor) -> None:
+        b = t.src[1]
+        bname = tensor_name(b) if b else "?"
+        m = _BIAS_NAME.match(bname)
+        bt = tensor_at(b) if b else None
+        if not m or int(m.group(1)) != self.ids_nodes[t.src[2]] or bt.type != 0 or bt.view_src \
+                or int(bt.ne[2]) != 1 or int(bt.nb[1]) != int(bt.ne[0]) * 4:
+            self.bad.append(f"expert bias {bname} is not a contiguous F32 [n, n_expert] tensor of its layer")
+            return
+        if b not in self.biases:
+            self.biases[b] = ExpertBias(addr=b, name=bname, layer=int(m.group(1)), kind=m.group(2), data=bt.data,
+                                        n_expert=int(bt.ne[1]), row_bytes=int(bt.nb[1]))
 
 
 _decoding: "EvalHook | None" = None
@@ -211,11 +303,13 @@ def deliver(exc: BaseException) -> None:
 class EvalHook:
     """The cb_eval trampoline.
 
-    In capture mode it records expert tensors; in stream mode it asks for the
-    routing node of each MoE layer and calls `on_route(layer, ids)` in its
-    ask=False call, before the expert matmuls that consume it run. With
+    In capture mode it records expert tensors; in stream mode it asks for each MoE layer's
+    `ffn_moe_weights-L` node (the router weights gathered with the real expert ids) and, in
+    its ask=False call, before any expert matmul reads the ids, calls `on_route(layer, ids)`
+    and then overwrites the routed ids in place with `slot_ids(layer, ids)`. With
     `on_router_input` set it also hands over each layer's router input;
-    `skip_route(layer)` returning True lets a layer run without stopping. With
+    `skip_route(layer)` returning True lets a layer run without stopping (its tensors then
+    read the experts by their own ids). With
     `down_nodes` (the down matmul's input node per layer, from Capture) and
     `down_pending(layer)` true, it stops there and calls `on_down(layer)` before
     the down matmul runs: under --overlap the down slices are awaited there. Exceptions
@@ -226,6 +320,7 @@ class EvalHook:
     def __init__(self) -> None:
         self.capture: Capture | None = None
         self.on_route: Callable[[int, np.ndarray], None] | None = None
+        self.slot_ids: Callable[[int, np.ndarray], np.ndarray] | None = None
         self.on_router_input: Callable[[int, np.ndarray], None] | None = None
         self.skip_route: Callable[[int], bool] | None = None
         self.down_nodes: dict[bytes, int] = {}
@@ -247,13 +342,16 @@ class EvalHook:
             if self.on_route is None:
                 return False
             prefix = ctypes.string_at(t + NAME_OFFSET, 13)
-            if prefix == TOPK_PREFIX:
-                layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _TOPK_NAME)
+            if prefix == WEIGHTS_PREFIX:
+                layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _WEIGHTS_NAME)
                 if ask:
                     # no need to stop the graph for a layer whose experts are all resident for good
                     return layer is not None and not (self.skip_route and self.skip_route(layer))
                 if layer is not None:
-                    self.on_route(layer, routing_ids(t))
+                    ids_node = tensor_at(t).src[1]  # ffn_moe_topk-L (Capture checked)
+                    ids = routing_ids(ids_node)
+                    self.on_route(layer, ids)
+                    write_ids(ids_node, self.slot_ids(layer, ids))
                 return True
             if self.on_router_input is not None and prefix[:12] == LOGITS_PREFIX:
                 if ask:

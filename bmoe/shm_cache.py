@@ -1,12 +1,10 @@
-"""The shared-memory slab and the window: where expert bytes live and where llama.cpp sees them.
+"""The shared-memory slab: where expert bytes live, and where llama.cpp reads them.
 
 The slab is one shared segment (POSIX shm, or a memfd where /dev/shm is missing) that the I/O
-lanes write expert slices into, a slot each. The window is a reserved address range that
-llama.cpp's expert tensors point into; a slot is mapped into it (mmap MAP_FIXED) under the
-expert whose bytes it holds, and an absent expert's range is inaccessible, so a stray read
-faults instead of computing with someone else's weights. Which slot holds which expert, and
-what the budget allows, is the cache's business (bmoe.expert_cache); this module only makes
-the OS objects and maps them.
+lanes write expert slices into, a slot each. The coordinator maps it once; llama.cpp's expert
+tensors point into that mapping (pools of slots, see bmoe.expert_cache), so filling or reusing a
+slot changes no mapping. Which slot holds which expert, and what the budget allows, is the
+cache's business; this module only makes the OS objects and gives pages back.
 """
 
 from __future__ import annotations
@@ -109,47 +107,6 @@ class Slab:
             self._shm.unlink()
         except posix_ipc.ExistentialError:
             pass
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_PROT_NONE, _MAP_FIXED, _MAP_NORESERVE, _MAP_POPULATE = 0, 0x10, 0x4000, 0x8000
-
-
-class Window:
-    """The address range llama.cpp's expert tensors point into; slots of the slab are mapped into it.
-
-    Reserved inaccessible; `map` makes a range show a slot, `unmap` makes it inaccessible again.
-    """
-
-    def __init__(self, size: int, slab: Slab) -> None:
-        self.size = size
-        self.slab = slab
-        addr = _libc.mmap(None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if addr == _MAP_FAILED:
-            raise OSError(ctypes.get_errno(), f"cannot reserve {size} bytes of address space for the experts")
-        self.base: int = addr
-
-    def _mmap(self, offset: int, length: int, prot: int, flags: int, fd: int, slab_offset: int) -> None:
-        if _libc.mmap(self.base + offset, length, prot, flags | _MAP_FIXED, fd, slab_offset) == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot map {length} bytes of the expert window ({os.strerror(err)}); "
-                               "if this is ENOMEM, raise vm.max_map_count or lower --cache-mb")
-
-    def map(self, offset: int, length: int, slab_offset: int) -> None:
-        self._mmap(offset, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE,
-                   self.slab.fd, slab_offset)
-
-    def unmap(self, offset: int, length: int) -> None:
-        self._mmap(offset, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-
-    def close(self) -> None:
-        if self.base:
-            _libc.munmap(self.base, self.size)
-            self.base = 0
 
 
 def open_segment(name: str) -> mmap.mmap:

@@ -1,7 +1,8 @@
 """Demand reads: a layer's missing expert slices, read by the lanes and waited for where the graph needs them.
 
-The eval hook (bmoe.seam) calls `on_route` at a layer's routing node `ffn_moe_topk-L` with the
-routed ids. The cache (bmoe.expert_cache) pins the layer's slices and makes room; the missing
+The eval hook (bmoe.seam) calls `on_route` with a layer's routed ids once its router weights are
+gathered (`ffn_moe_weights-L`), then `slot_ids` for what the expert matmuls must read instead. The
+cache (bmoe.expert_cache) pins the layer's slices and makes room; the missing
 ones go to the lanes at once, gate/up before down, largest read first onto the least-loaded lane.
 Serial (`overlap` off): the hook returns once every read landed. Overlap: it returns once the
 gate/up slices landed, and `on_down` waits for the down slices at the down matmul's input node,
@@ -19,12 +20,12 @@ import numpy as np
 
 from bmoe import seam
 from bmoe.cache_policy import DEFAULT_POLICY
-from bmoe.expert_cache import ExpertCache, Region, layout, slab_size
+from bmoe.expert_cache import ExpertCache, Region, layout
 from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
 from bmoe.model_files import ModelError, ModelFiles
 from bmoe.readahead import ReadAhead, Speculation
 from bmoe.settings import StreamSettings
-from bmoe.shm_cache import Slab, Window
+from bmoe.shm_cache import Slab
 from bmoe.speculation import SpecGate
 from bmoe.units import MiB
 from bmoe.workers.io_lane import CANCELLED
@@ -64,7 +65,7 @@ class Counters:
     """Nanoseconds, bytes and cache lookups since the last `take_counters`: one token's share."""
 
     io_ns: int = 0  # serial: waiting for reads; overlap: the lanes' busy time
-    mgmt_ns: int = 0  # cache bookkeeping, mapping and unmapping
+    mgmt_ns: int = 0  # cache bookkeeping, the remap, giving pages back
     stall_ns: int = 0  # overlap: compute waiting for reads
     read_bytes: int = 0
     hits: int = 0
@@ -72,8 +73,8 @@ class Counters:
 
 
 def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Region]:
-    """llama.cpp's expert tensors as cache regions, checked against the GGUF table (placed in the
-    window by the Streamer; their slot sizes, which the budget rules need, do not depend on it)."""
+    """llama.cpp's expert tensors as cache regions, checked against the GGUF table (laid out in the
+    slab by the Streamer; their slot sizes, which the budget rules need, do not depend on it)."""
     regions = []
     for t in sorted(tensors, key=lambda t: t.name):
         ext = files.extents.get(t.name)
@@ -85,28 +86,41 @@ def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Regi
 
 
 class Streamer:
-    """Cache, slab, window and lanes for one loaded model; `on_route` is the per-layer entry point."""
+    """Cache, slab and lanes for one loaded model; `on_route` is the per-layer entry point."""
 
     def __init__(self, files: ModelFiles, regions: list[Region], tensors: list[seam.ExpertTensor], budget: int,
-                 streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0) -> None:
+                 streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0,
+                 biases: list[seam.ExpertBias] = ()) -> None:
         self.files = files
         self.n_expert = max(r.n_expert for r in regions)
-        self.slab = Slab(slab_size(regions), streaming.shm_backend)
-        self.window: Window | None = None
+        self.slab = Slab(layout(regions), streaming.shm_backend)
         self.pool: LanePool | None = None
         try:  # a signal may land anywhere in here: what exists so far is released
-            self.window = Window(layout(regions), self.slab)
-            self.cache = ExpertCache(self.window, regions, budget, policy)
+            self.cache = ExpertCache(self.slab, regions, budget, policy)
             self.pool = LanePool(streaming.io_threads, self.slab.name, [str(p) for p in files.paths],
                                  streaming.odirect, timeout=streaming.lane_timeout)
-            self.tensors = {t.name: t for t in tensors}  # llama.cpp's expert tensors, pointing into the window
-            for r in regions:
-                self.tensors[r.name].rebind(self.window.base + r.window_offset, r.stride)
         except BaseException:
             self._release_memory()
             raise
+        self.tensors = {t.name: t for t in tensors}  # llama.cpp's expert tensors, pointing into the slab
+        self.layer_tensors: dict[int, list[tuple[seam.ExpertTensor, Region]]] = {}
+        for r in regions:
+            self.layer_tensors.setdefault(r.layer, []).append((self.tensors[r.name], r))
+        self.biases: dict[int, list[tuple[seam.ExpertBias, np.ndarray, np.ndarray]]] = {}
+        bias_pools: dict[tuple[int, str], np.ndarray] = {}  # (group, kind) -> rows by slot index
+        for b in biases:
+            r = self.cache.regions[self.cache.by_layer[b.layer][0]]
+            pool = bias_pools.get((r.group, b.kind))
+            if pool is None:
+                pool = bias_pools[(r.group, b.kind)] = np.zeros((r.capacity, b.row_bytes // 4), dtype=np.float32)
+            self.biases.setdefault(b.layer, []).append((b, b.rows(), pool))
+        if self.biases:
+            self.cache.on_assign = self._bias_rows
+        self.direct: dict[int, tuple[int, int]] = {}  # layer -> (base, cache.moved) while bound direct
+        for layer in self.layer_tensors:
+            self._bind(layer, None)
         self.overlap = streaming.overlap
-        self.cache.defer_release = True  # unmapped and given back while lanes read: see _wait
+        self.cache.defer_release = True  # pages given back while lanes read: see _wait
         self.down_kind = {ri for ri, r in enumerate(regions) if r.kind == "ffn_down_exps"}
         self.inflight: dict[int, Order] = {}
         self.replaced: dict[int, list[int]] = {}  # cancelled order -> demand orders re-reading what it held
@@ -115,13 +129,35 @@ class Streamer:
         self.counters = Counters()
         self.looked = (0, 0)  # the cache's (hits, lookups) at the last take_counters
         self.busy_ns = 0  # the lanes' busy time (overlap's io)
-        self.commit_ns = 0  # mapping arrived slots into the window, ever (for _wait's split)
+        self.commit_ns = 0  # committing arrived slices, ever (for _wait's split)
         self.ahead = ReadAhead(self, prefetch)
         self.lane_busy_ns = [0] * streaming.io_threads
         self.started = time.perf_counter()
         self.depth_sum = self.depth_samples = 0
         self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine)
         self.watched_at = 0  # cache bytes at the last check
+
+    def _bind(self, layer: int, base: int | None) -> None:
+        """Point the layer's expert tensors (and bias rows) at their pools: at every slot (`base` None,
+        ids remapped to slot indices), or at the n_expert slots from `base` on, which then hold
+        experts 0..n-1 in order (ids read as they are)."""
+        for t, r in self.layer_tensors[layer]:
+            at = self.slab.base + r.data_offset
+            if base is None:
+                t.rebind(at, r.slot_bytes, r.capacity)
+            else:
+                t.rebind(at + base * r.slot_bytes, r.slot_bytes, r.n_expert)
+        for b, _, pool in self.biases.get(layer, ()):
+            at = pool.ctypes.data
+            if base is None:
+                b.rebind(at, len(pool))
+            else:
+                b.rebind(at + base * b.row_bytes, b.n_expert)
+
+    def _bias_rows(self, layer: int, e: int, index: int) -> None:
+        """Expert e of the layer took slot `index`: its bias rows follow it."""
+        for _, rows, pool in self.biases.get(layer, ()):
+            pool[index] = rows[e]
 
     # ---- what the engine may ask ---------------------------------------------------------------
 
@@ -231,11 +267,31 @@ class Streamer:
         self.tick()
         self.counters.mgmt_ns += time.perf_counter_ns() - t0
 
+    def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """What the layer's expert matmuls read instead of the routed ids: each expert's slot index."""
+        t0 = time.perf_counter_ns()
+        slots = self.cache.slot_ids(layer, ids)
+        self.counters.mgmt_ns += time.perf_counter_ns() - t0
+        return slots
+
     def skip(self, layer: int) -> bool:
-        """A layer whose every expert is resident under a budget that holds them all needs no stop."""
-        if self.cache.layer_complete(layer):
-            self.cache.count_hits(layer, self.files.n_expert_used)
-            return True
+        """A layer whose every expert is resident under a budget that holds them all, at slots in
+        expert order, needs no stop: its tensors are bound to read the experts by their own ids.
+        A layer that stops again is bound back to the whole pool first."""
+        c = self.cache
+        bound = self.direct.get(layer)
+        if c.layer_complete(layer):
+            if bound is None or bound[1] != c.moved[layer]:
+                base = c.direct_base(layer)
+                if base is not None:
+                    self._bind(layer, base)
+                    bound = self.direct[layer] = (base, c.moved[layer])
+            if bound is not None and bound[1] == c.moved[layer]:
+                c.count_hits(layer, self.files.n_expert_used)
+                return True
+        if bound is not None:
+            self._bind(layer, None)
+            del self.direct[layer]
         return False
 
     # ---- sending reads -------------------------------------------------------------------------
@@ -290,9 +346,8 @@ class Streamer:
     def _wait(self, orders: list[int]) -> int:
         """Block until these orders completed; returns the wall time blocked (ns).
 
-        Evicted slices' window ranges are unmapped here first, while the lanes read (and
-        pages to give back are given back); that time, and mapping the slots that arrive,
-        is cache management, not waiting. With nothing live there is nothing to wait for: 0,
+        Pages of free slots to give back are given back here first, while the lanes read; that
+        time, and committing the slices that arrive, is cache management, not waiting. With nothing live there is nothing to wait for: 0,
         without timing (the stall of a token whose experts were all resident is 0).
         """
         if not any(self._live(o) for o in orders):
@@ -384,8 +439,4 @@ class Streamer:
             if self.pool is not None:
                 self.pool.close()
         finally:
-            try:
-                if self.window is not None:
-                    self.window.close()
-            finally:
-                self.slab.close()
+            self.slab.close()

@@ -12,7 +12,7 @@ import pytest
 
 from bmoe import flags
 from bmoe.settings import Settings
-from bmoe.shm_cache import SHM_DIR, SHM_PREFIX, Window
+from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,9 +85,11 @@ def settings_for(model: object, *cli_flags: object) -> Settings:
     return flags.check(ap, ap.parse_args(["-m", str(model), *map(str, cli_flags)]))
 
 
-def window_bytes(window: Window) -> memoryview:
-    """The whole expert window as bytes (an absent expert's range faults when touched)."""
-    return memoryview((ctypes.c_char * window.size).from_address(window.base)).cast("B")
+def slice_bytes(streamer: object, ri: int, e: int) -> memoryview:
+    """Expert e's bytes of region ri in the slot its expert holds (writable)."""
+    r = streamer.cache.regions[ri]
+    at = streamer.slab.base + streamer.cache.slice_offset(ri, e)
+    return memoryview((ctypes.c_char * r.expert_bytes).from_address(at)).cast("B")
 
 
 def run_cli(*args: str, timeout: float = 240, **kw: object) -> subprocess.CompletedProcess:
@@ -97,32 +99,33 @@ def run_cli(*args: str, timeout: float = 240, **kw: object) -> subprocess.Comple
 
 
 class SlabCheck:
-    """Checks, each time llama.cpp is about to multiply with expert bytes, that the slab holds
-    exactly the file's bytes for every slice the layer routed to.
+    """Checks, each time llama.cpp is about to multiply with expert bytes, that what it will read
+    holds exactly the file's bytes for every expert the layer routed to.
 
-    It wraps the hook's entry points of a streaming Engine (routing node, down-input node), so
-    it sees what the matmuls will see. Output comparison alone can miss a wrong byte that
-    happens not to flip a greedy token; this cannot.
+    It wraps the hook's entry points of a streaming Engine (the remap of the routed ids to slot
+    indices, the down-input node) and reads each expert at `data + slot * nb[2]` of its tensor as
+    llama.cpp holds it, so it sees what the matmuls will see. Output comparison alone can miss a
+    wrong byte that happens not to flip a greedy token; this cannot.
     """
 
     def __init__(self, engine: object) -> None:
         self.st = engine.streamer
-        self.window = window_bytes(self.st.window)
         self.hook = engine.hook
         self.checked = 0
         self.bad: list[str] = []
-        self._want: dict[int, list[int]] = {}
+        self._slots: dict[int, dict[int, int]] = {}  # layer -> expert -> slot ggml reads
         self._fds = [os.open(p, os.O_RDONLY) for p in self.st.files.paths]
-        route, down, pending = self.hook.on_route, self.hook.on_down, self.hook.down_pending
+        slot_ids, down, pending = self.hook.slot_ids, self.hook.on_down, self.hook.down_pending
         overlap = self.st.overlap
         self.hook.skip_route = None
 
-        def on_route(layer, ids):
-            self._want[layer] = sorted({int(x) for x in ids.reshape(-1)})
-            route(layer, ids)
+        def remap(layer, ids):
+            slots = slot_ids(layer, ids)
+            self._slots[layer] = {int(e): int(s) for e, s in zip(ids.reshape(-1), slots.reshape(-1))}
             self._check(layer, lambda kind: not overlap or kind != "ffn_down_exps", "routing node")
+            return slots
 
-        self.hook.on_route = on_route
+        self.hook.slot_ids = remap
         if pending is not None:
             def on_down(layer):
                 down(layer)
@@ -137,17 +140,21 @@ class SlabCheck:
             self.hook.on_down, self.hook.down_pending = on_down, down_pending
 
     def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
+        from bmoe import seam
+
         c = self.st.cache
         for ri in c.by_layer[layer]:
             r = c.regions[ri]
             if not kinds(r.kind):
                 continue
-            for e in self._want.get(layer, ()):
-                s, t = r.slice_bounds(e)
-                want = os.pread(self._fds[r.file_index], t - s, r.file_offset + e * r.expert_bytes)
+            t = seam.tensor_at(self.st.tensors[r.name].addr)
+            for e, slot in self._slots.get(layer, {}).items():
+                want = os.pread(self._fds[r.file_index], r.expert_bytes, r.file_offset + e * r.expert_bytes)
                 self.checked += 1
-                if bytes(self.window[s:t]) != want:
-                    self.bad.append(f"{r.name} expert {e} at the {where}: slab differs from the file "
+                if not 0 <= slot < t.ne[2]:
+                    self.bad.append(f"{r.name} expert {e} at the {where}: slot {slot} outside 0..{t.ne[2] - 1}")
+                elif ctypes.string_at(t.data + slot * t.nb[2], r.expert_bytes) != want:
+                    self.bad.append(f"{r.name} expert {e} at the {where}: slot {slot} differs from the file "
                                     f"(state {c.state[ri][e]})")
 
     def close(self) -> None:

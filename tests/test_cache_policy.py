@@ -19,10 +19,11 @@ from bmoe.shm_cache import PAGE
 from tests.conftest import run_cli
 
 N_EXPERT = 8
+SLICE = PAGE + 2 * PAGE  # what a one-page expert's slot is charged (its stride in the pool)
 
 
 def regions(layers: int, kinds: int = 1) -> list[Region]:
-    """`kinds` expert tensors per layer, every slice exactly one page (charge = PAGE)."""
+    """`kinds` expert tensors per layer, every slice exactly one page (charge = SLICE)."""
     out = []
     for layer in range(layers):
         for k in range(kinds):
@@ -36,7 +37,7 @@ def run(policy, steps: list[list[list[int]]], budget_slices: int, kinds: int = 1
         check: bool = True) -> ExpertCache:
     """Replay steps[token][layer] = experts; after each layer, the budget holds unless only pinned slices remain."""
     n_layers = len(steps[0])
-    cache = ExpertCache(None, regions(n_layers, kinds), budget_slices * PAGE, policy)
+    cache = ExpertCache(None, regions(n_layers, kinds), budget_slices * SLICE, policy)
     for step in steps:
         for layer, experts in enumerate(step):
             missing = cache.plan(layer, experts)
@@ -46,7 +47,7 @@ def run(policy, steps: list[list[list[int]]], budget_slices: int, kinds: int = 1
                         for e in range(N_EXPERT) if cache.state[ri][e] == RESIDENT}
             assert want <= resident
             if check:
-                assert cache.used == len(resident) * PAGE
+                assert cache.used == len(resident) * SLICE
                 assert cache.used <= cache.budget or resident == want, "over budget with unpinned slices left"
     return cache
 
@@ -104,7 +105,7 @@ def old_lru(steps: list[list[list[int]]], budget_slices: int) -> list[tuple[int,
 def test_lru_reproduces_the_old_cache_exactly(seed: int) -> None:
     steps = random_steps(seed)
     ref = old_lru(steps, budget_slices=7)
-    cache = ExpertCache(None, regions(4), 7 * PAGE, "lru")
+    cache = ExpertCache(None, regions(4), 7 * SLICE, "lru")
     trail = []
     for step in steps:
         for layer, experts in enumerate(step):
@@ -309,14 +310,21 @@ class Reference:
         if self.name == "next-use":  # each layer's least frequent first, merged by expected wait, ties to the lower layer
             runs = [[(-self.wait(k, cur), lay, k) for k in self.in_layer(lay)] for lay in self.layers]
             return [k for _, _, k in heapq.merge(*runs)]
-        assert self.name == "quota"  # the layer holding most slices first (the lower position on a tie)
-        left = {lay: self.in_layer(lay) for lay in self.layers}
-        out = []
+        assert self.name == "quota"
+        return self._quota_walk()
+
+    def _quota_walk(self):
+        """The layer holding most slices not passed over first (the lower position on a tie), counted
+        afresh at every step: the caller may forget more than the key it was given (a whole expert)."""
+        passed = set()
         while True:
+            left = {lay: [k for k in self.in_layer(lay) if k not in passed] for lay in self.layers}
             best = max(self.layers, key=lambda lay: len(left[lay]))
             if not left[best]:
-                return out
-            out.append(left[best].pop(0))
+                return
+            yield left[best][0]
+            if left[best][0] in self.lru:
+                passed.add(left[best][0])
 
 
 def lockstep(name: str, seed: int, ops: int = 3000, n_layers: int = 4, kinds: int = 2, experts: int = 6) -> int:
@@ -358,7 +366,7 @@ def lockstep(name: str, seed: int, ops: int = 3000, n_layers: int = 4, kinds: in
             resident.discard(key)
         else:  # a walk: keep some keys (pinned or expected), evict others, stop when there is room
             at = layer if rng.random() < 0.8 else rng.choice([None, rng.randrange(n_layers)])
-            expected = ref.victims(at)
+            expected = list(ref.victims(at))
             room, seen = rng.randrange(1, 6), 0
             for key in fast.victims(at):
                 assert key == expected[seen], (name, seed, compared)
@@ -382,16 +390,16 @@ class Recording(ExpertCache):
         super().__init__(*args, **kwargs)
         self.evicted: list[tuple[int, int, int]] = []
 
-    def _evict(self, key: tuple[int, int, int]) -> None:
+    def _evict(self, key: tuple[int, int, int], protect_expected: bool = False) -> None:
         self.evicted.append(key)
-        super()._evict(key)
+        super()._evict(key, protect_expected)
 
 
 def drive_cache(policy, seed: int, n_layers: int = 5, kinds: int = 3, budget: int = 14) -> Recording:
     """The cache as a decode drives it: predictions and speculative reads for the next layer (some
     cancelled, the rest landing with the demand reads), demand plans, and budget changes."""
     rng = np.random.default_rng(seed)
-    cache = Recording(None, regions(n_layers, kinds), budget * PAGE, policy)
+    cache = Recording(None, regions(n_layers, kinds), budget * SLICE, policy)
     for step in random_steps(seed, tokens=50, layers=n_layers, k=2):
         for layer, experts in enumerate(step):
             nxt = (layer + 1) % n_layers
@@ -403,7 +411,7 @@ def drive_cache(policy, seed: int, n_layers: int = 5, kinds: int = 3, budget: in
                 spec = []
             cache.commit(cache.plan(layer, experts) + spec)
             if rng.random() < 0.05:
-                cache.set_budget(int(rng.integers(6, 20)) * PAGE)
+                cache.set_budget(int(rng.integers(6, 20)) * SLICE)
     return cache
 
 

@@ -23,7 +23,7 @@ from bmoe.tools import demo, demo_routers, demo_write
 from bmoe.model_files import open_model
 from bmoe.expert_cache import file_regions, working_sets
 from bmoe.units import MiB
-from tests.conftest import settings_for, window_bytes
+from tests.conftest import settings_for, slice_bytes
 
 EXPERTS, TOP_K = 8, 2
 FACT = "What is the capital of France?"
@@ -210,7 +210,6 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
     eng = _engine(model, "--cache-mb", 4 * quarter_mb + 64)
     try:
         st = eng.streamer
-        window = window_bytes(st.window)
         inner = eng.hook.on_route
         eng.hook.skip_route = None  # every routing decision goes through the wrapper below
         uses: collections.Counter[tuple[int, int]] = collections.Counter()
@@ -224,8 +223,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
                 uses[(layer, e)] += 1
             if target and layer == target["layer"] and target["expert"] in ids:
                 for r, data in target["bytes"]:
-                    start, end = r.slice_bounds(target["expert"])
-                    window[start:end] = data
+                    slice_bytes(st, st.cache.regions.index(r), target["expert"])[:] = data
                 hits += 1
 
         eng.hook.on_route = on_route
@@ -248,8 +246,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
                 got = _run(eng, STORY, N_STORY)
                 target.clear()
                 for r, data in originals:  # put the right bytes back for the next case
-                    start, end = r.slice_bounds(victim)
-                    window[start:end] = data
+                    slice_bytes(st, st.cache.regions.index(r), victim)[:] = data
                 assert hits > 0, f"expert {victim} of layer {layer} was never routed"
                 assert got != ref, f"a {name} expert {victim} in layer {layer} left the output unchanged"
         finally:

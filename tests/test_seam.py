@@ -13,7 +13,7 @@ from bmoe import seam
 from bmoe.coordinator import Engine
 from bmoe.expert_cache import RESIDENT
 from bmoe.tools.synth import ARCHES
-from tests.conftest import settings_for, window_bytes
+from tests.conftest import SlabCheck, settings_for, slice_bytes
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp above the sea"
 
@@ -46,14 +46,92 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
             # name, data and ne read through the struct agree with ggml's accessors and the file
             assert ctypes.string_at(seam.libggml.ggml_get_name(addr)).decode() == seam.tensor_name(addr) == r.name
             assert seam.libggml.ggml_get_data(addr) == t.data
-            assert [int(x) for x in t.ne[:3]] == [int(x) for x in ft.shape[:3]]
+            assert [int(x) for x in t.ne[:2]] + [r.n_expert] == [int(x) for x in ft.shape[:3]]
             assert ft.n_bytes == r.nbytes
-            # rebinding really pointed llama.cpp at the window, an expert every `stride` bytes
-            assert t.data == e.streamer.window.base + r.window_offset
-            assert int(t.nb[2]) == r.stride and int(t.nb[3]) == r.stride * r.n_expert
-            assert seam.libggml.ggml_nbytes(addr) == (r.n_expert - 1) * r.stride + r.expert_bytes
+            # rebinding really pointed llama.cpp at the pool: `capacity` slots, one every `slot_bytes`
+            assert t.data == e.streamer.slab.base + r.data_offset
+            assert int(t.ne[2]) == r.capacity >= r.n_expert
+            assert int(t.nb[2]) == r.slot_bytes and int(t.nb[3]) == r.slot_bytes * r.capacity
+            assert seam.libggml.ggml_nbytes(addr) == (r.capacity - 1) * r.slot_bytes + r.expert_bytes
+        biases = {b.name: b for bs in e.streamer.biases.values() for b, _, _ in bs}
+        if arch == "gpt-oss":  # every expert tensor has its bias, added with the same ids (ggml_add_id)
+            assert set(biases) == {r.name.replace(".weight", ".bias") for r in regions}
+            for r in regions:
+                b = biases[r.name.replace(".weight", ".bias")]
+                bt = seam.tensor_at(b.addr)
+                assert b.n_expert == r.n_expert and int(bt.ne[1]) == r.capacity and int(bt.nb[1]) == b.row_bytes
+        else:
+            assert not biases
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: str) -> None:
+    """The remap's facts, node by node: `ffn_moe_weights-L` gathers the router's probabilities with
+    the routed expert ids; every MUL_MAT_ID and ADD_ID of the layer, when it is about to run, reads
+    the slot ids the remap wrote, each below its tensor's ne[2] (ADD_ID: ne[1]), where the slab holds
+    the routed expert's file bytes. Prompt (many rows) and decode (one row) alike."""
+    path = synth(arch=arch, layers=3, experts=8, top_k=2)
+    e = engine(path, "--cache-mb", 0.5, "--force")
+    check = SlabCheck(e)
+    real: dict[int, np.ndarray] = {}
+    slots: dict[int, np.ndarray] = {}
+    probs: dict[int, np.ndarray] = {}
+    seen = {"weights": 0, "mul_mat_id": 0, "add_id": 0}
+    bad: list[str] = []
+    route, remap = e.hook.on_route, e.hook.slot_ids
+
+    def on_route(layer, ids):
+        real[layer] = ids.copy()
+        route(layer, ids)
+
+    def slot_ids(layer, ids):
+        slots[layer] = remap(layer, ids)
+        return slots[layer]
+
+    e.hook.on_route, e.hook.slot_ids = on_route, slot_ids
+
+    def f32(addr: int) -> np.ndarray:
+        t = seam.tensor_at(addr)
+        rows = int(t.ne[1]) * int(t.ne[2])
+        return np.ctypeslib.as_array((ctypes.c_float * (int(t.ne[0]) * rows)).from_address(t.data)).reshape(rows, -1)
+
+    def cb(t: int, ask: bool, u: int) -> bool:
+        name = seam.tensor_name(t)
+        m = re.fullmatch(r"ffn_moe_probs-(\d+)", name)
+        if m:
+            if not ask:
+                probs[int(m.group(1))] = f32(t).copy()
+            return True
+        tt = seam.tensor_at(t)
+        if ask and tt.op in (seam.GGML_OP_MUL_MAT_ID, seam.GGML_OP_ADD_ID):
+            layer = int(seam.tensor_name(tt.src[2]).split("-")[1])
+            now = seam.routing_ids(tt.src[2])
+            n = int(seam.tensor_at(tt.src[0 if tt.op == seam.GGML_OP_MUL_MAT_ID else 1]).ne[
+                2 if tt.op == seam.GGML_OP_MUL_MAT_ID else 1])
+            seen["mul_mat_id" if tt.op == seam.GGML_OP_MUL_MAT_ID else "add_id"] += 1
+            if not (now == slots[layer]).all() or now.max() >= n:
+                bad.append(f"{name} reads {now.tolist()}, not the slots {slots[layer].tolist()} below {n}")
+        handled = e.hook._callback(t, ask, u)
+        if not ask and re.fullmatch(r"ffn_moe_weights-\d+", name):
+            layer = int(name.split("-")[1])
+            w = f32(t).reshape(len(real[layer]), -1)
+            seen["weights"] += 1
+            if not np.array_equal(w, np.take_along_axis(probs[layer], real[layer].astype(np.int64), axis=1)):
+                bad.append(f"{name} did not gather the router weights at the routed expert ids")
+        return handled
+
+    try:
+        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
+        e.generate(e.prompt_tokens(PROMPT, chat=False), 4)
+    finally:
+        check.close()
+        e.close()
+    assert not bad, bad[:3]
+    assert not check.bad, check.bad[:3]
+    assert seen["weights"] >= 3 * 4 and seen["mul_mat_id"] >= 3 * seen["weights"] - 3 and check.checked > 0
+    assert (seen["add_id"] > 0) == (arch == "gpt-oss")
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
@@ -72,9 +150,11 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
 
     def read_logits(t: int, ask: bool, _u: int) -> bool:
         name = seam.tensor_name(t)
-        if name.startswith("ffn_moe_topk-") and not ask:
-            tt = seam.tensor_at(t)
-            strides.append((int(tt.nb[1]), int(tt.ne[0]) * 4))
+        if name.startswith("ffn_moe_topk-"):
+            if not ask:
+                tt = seam.tensor_at(t)
+                strides.append((int(tt.nb[1]), int(tt.ne[0]) * 4))
+            return True
         m = re.fullmatch(r"ffn_moe_probs-(\d+)", name)
         if m:
             if ask:
@@ -90,7 +170,7 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
     try:
         _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(read_logits))
         toks = e.prompt_tokens(PROMPT, chat=False)
-        e._decode(toks)
+        e._decode([(0, toks, 0)])
     finally:
         e.close()
     assert set(seen) == {0, 1, 2}
@@ -129,9 +209,55 @@ def test_llama_cpp_computes_from_the_slab(synth) -> None:
         for ri, r in enumerate(cache.regions):  # everything the first run read stays resident: corrupt it
             for ex in range(r.n_expert):
                 if cache.state[ri][ex] == RESIDENT:
-                    s, t = r.slice_bounds(ex)
-                    window_bytes(e.streamer.window)[s:t] = bytes(t - s)
+                    slice_bytes(e.streamer, ri, ex)[:] = bytes(r.expert_bytes)
         bad = e.generate(toks, 16).ids
     finally:
         e.close()
     assert good != bad
+
+
+def _fake_graph(extra: str | None = None, late_weights: bool = False):
+    """A ggml graph of one MoE layer built from struct ggml_tensor mirrors: argsort, the topk view,
+    the router weights' GET_ROWS, an up matmul and a bias ADD_ID; `extra` adds a node of that name
+    reading the ids, `late_weights` puts the GET_ROWS after the matmul. Returns the nodes in order
+    and every struct (the leaves too: alive as long as the caller holds them)."""
+    def node(name: str, op: int = 0, *srcs, ne=(4, 2, 1, 1), nb=(4, 16, 32, 32)) -> seam.GgmlTensor:
+        t = seam.GgmlTensor()
+        t.name, t.op, t.ne[:], t.nb[:] = name.encode(), op, ne, nb
+        for i, s in enumerate(srcs):
+            t.src[i] = ctypes.addressof(s) if s is not None else None
+        return t
+
+    probs = node("ffn_moe_probs-0")
+    argsort = node("ffn_moe_argsort-0", 0, probs)
+    topk = node("ffn_moe_topk-0", seam.GGML_OP_VIEW, argsort)
+    weights = node("ffn_moe_weights-0", seam.GGML_OP_GET_ROWS, probs, topk)
+    w = node("blk.0.ffn_up_exps.weight", ne=(4, 2, 8, 1), nb=(4, 16, 32, 256))
+    bias = node("blk.0.ffn_up_exps.bias", ne=(4, 8, 1, 1), nb=(4, 16, 128, 128))
+    w.data = bias.data = 4096  # any address: nothing is read
+    up = node("ffn_moe_up-0", seam.GGML_OP_MUL_MAT_ID, w, probs, topk)
+    biased = node("ffn_moe_up_biased-0", seam.GGML_OP_ADD_ID, up, bias, topk)
+    nodes = [probs, argsort, topk, weights, up, biased]
+    if late_weights:
+        nodes = [probs, argsort, topk, up, weights, biased]
+    if extra:
+        nodes.append(node(extra, 0, argsort if "argsort" in extra else topk))
+    return nodes, nodes + [w, bias]
+
+
+@pytest.mark.parametrize("case", ["ok", "late_weights", "reads_ids", "reads_argsort"])
+def test_capture_refuses_a_graph_the_remap_would_change(case: str) -> None:
+    """Load-time checks of the remap's facts: the router weights gathered before any matmul reads
+    the ids, and nothing else reading them (or the argsort they view)."""
+    nodes, _alive = _fake_graph(extra={"reads_ids": "ffn_moe_other-0", "reads_argsort": "ffn_moe_argsort_user-0"}.get(case),
+                        late_weights=case == "late_weights")
+    cap = seam.Capture()
+    for n in nodes:
+        cap.visit(ctypes.addressof(n))
+    assert len(cap.tensors) == 1 and len(cap.biases) == 1
+    if case == "ok":
+        assert not cap.bad and cap.weights_at == {0: 4}
+    elif case == "late_weights":
+        assert any("multiplied before ffn_moe_weights-0" in b for b in cap.bad), cap.bad
+    else:
+        assert any("reads the routed ids of layer 0" in b for b in cap.bad), cap.bad

@@ -247,9 +247,9 @@ def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
             cancel()
             cancelled.set()
 
-        def kv_keep(n):
-            kept.append((engine.kv_len(), n))
-            return keep(n)
+        def kv_keep(n, seq=0):
+            kept.append((engine.kv_len(seq), n))
+            return keep(n, seq)
 
         engine.hook.on_route, engine.cancel, engine.kv_keep = on_route, cancel_seen, kv_keep
         s.send({"cmd": "generate", "id": 1, "prompt": TURNS[0], "n_predict": 12})
@@ -377,7 +377,7 @@ def test_every_setting_has_a_flag() -> None:
               "--top-p", "0.5", "--seed", "9", "--cache-policy", "lru", "--force", "--preload",
               "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
               "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
-              "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense"],
+              "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--parallel", "2"],
              ["--no-stream"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"]]
     changed = set()
     for argv in fixed:

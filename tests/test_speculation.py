@@ -21,7 +21,7 @@ from bmoe.model_files import open_model
 from bmoe.tools import demo
 from bmoe.units import MiB
 from tests import spec_lines
-from tests.conftest import SlabCheck, run_cli, settings_for, window_bytes
+from tests.conftest import SlabCheck, run_cli, settings_for, slice_bytes
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
@@ -310,8 +310,7 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
                 r = st.cache.regions[ri]
                 if r.kind == zeroed and layer == st.layers[-1]:
                     for x in routed[layer]:
-                        s, t = r.slice_bounds(x)
-                        window_bytes(st.window)[s:t] = bytes(t - s)
+                        slice_bytes(st, ri, x)[:] = bytes(r.expert_bytes)
 
         e.hook.on_route, e.hook.on_down = on_route, on_down
         e.hook.down_pending = lambda layer: True  # stop at every down input, reads done or not
