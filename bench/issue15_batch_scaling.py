@@ -17,17 +17,7 @@ import statistics
 import sys
 
 import bmoe
-
-PROMPTS = [
-    "Write a story about a dragon who learns to bake bread.",
-    "Explain how a steam engine works, step by step.",
-    "What were the main causes of the French Revolution?",
-    "Describe a walk through a forest in autumn.",
-    "Write a letter to a friend about moving to a new city.",
-    "How do bees make honey, and why do they need so much of it?",
-    "Tell me about the history of the printing press.",
-    "Write a short poem about the sea at night.",
-]
+from issue15_serve import PROMPTS  # the same eight prompts as the server bench (bench/ is on the path)
 
 
 def rate(m: bmoe.Model, k: int, n: int) -> tuple[float, list[str]]:
