@@ -2,16 +2,19 @@
 
 `Engine` is the composition root. It loads the model with llama.cpp's own mmap load, finds the
 expert tensors with one warm-up decode (bmoe.seam), sizes the cache (bmoe.budget), builds the
-Streamer (slab, window, cache and I/O lanes: bmoe.streamer) and the spec-gate
-(bmoe.speculation), hooks them into llama.cpp's eval callback and runs prefill and decode.
+Streamer (slab, slot pools, cache and I/O lanes: bmoe.streamer) and the spec-gate
+(bmoe.speculation), hooks them into llama.cpp's eval callback and runs prefill and decode:
+`begin` prefills one KV sequence, `step` decodes one token for each of several sequences in one
+llama.cpp batch (`--parallel`), `end` frees one; `generate` is one sequence through all three.
 
-Per MoE layer and step, llama.cpp computes up to the routing node `ffn_moe_topk-L`; the hook
-hands the routed ids to the Streamer, which sends the missing reads at once and waits for what
-the next matmul reads: every slice serially, or with `overlap` the gate/up slices there and the
-down slices at the down matmul's input node, while reads ahead (prefetch, spec-gate) fill idle
-lanes. Output is computed from exactly the bytes plain llama.cpp would use.
+Per MoE layer and step, llama.cpp computes up to the router weights `ffn_moe_weights-L`; the
+hook hands the routed ids (every token's in the batch) to the Streamer, which sends the missing
+reads at once, rewrites the ids to slot indices, and waits for what the next matmul reads: every
+slice serially, or with `overlap` the gate/up slices there and the down slices at the down
+matmul's input node, while reads ahead (prefetch, spec-gate) fill idle lanes. Output is computed
+from exactly the bytes plain llama.cpp would use.
 
-The edges (bmoe.cli, bmoe.session) use only the Engine's public methods.
+The edges (bmoe.cli, bmoe.session, bmoe.api, bmoe.scheduler) use only the Engine's public methods.
 """
 
 from __future__ import annotations
