@@ -427,7 +427,7 @@ class Engine:
             self._adapt()
         wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(going)
         if st:
-            c = st.take_counters()
+            c = st.take_counters(step=True)
             counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
             stats = [TokenStat(wall, *(x * (i + 1) // k - x * i // k for x in counts), st.budget) for i in range(k)]
             resident = st.resident_bytes()

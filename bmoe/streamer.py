@@ -52,12 +52,24 @@ class LaneLoad:
     busy_s: list[float]  # per lane, reading
     since_s: float  # wall time since the lanes started
     mean_depth: float  # orders in flight (demand and read-ahead) when a layer's reads had gone out
+    per_token: list[tuple[float, float]] = field(default_factory=list)  # (lanes busy %, mean depth) per decode token
 
     def lines(self) -> list[str]:
         out = [f"io_lane {i}: busy {b:.2f} s of {self.since_s:.2f} s ({100 * b / self.since_s:.0f}%)"
                for i, b in enumerate(self.busy_s)] if self.since_s > 0 else []
         out.append(f"orders in flight when a layer's reads had gone out: {self.mean_depth:.2f} on average")
+        if self.per_token:
+            busy = sorted(b for b, _ in self.per_token)
+            depth = sorted(d for _, d in self.per_token)
+            out.append(f"per decode token ({len(busy)}): lanes busy p10 {_pct(busy, .1):.0f}% median "
+                       f"{_pct(busy, .5):.0f}% p90 {_pct(busy, .9):.0f}%; orders in flight median "
+                       f"{_pct(depth, .5):.2f} p90 {_pct(depth, .9):.2f}")
         return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The q-quantile of sorted `values` (nearest rank)."""
+    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 @dataclass
@@ -134,6 +146,9 @@ class Streamer:
         self.lane_busy_ns = [0] * streaming.io_threads
         self.started = time.perf_counter()
         self.depth_sum = self.depth_samples = 0
+        self.token_depth = [0, 0]  # (sum, samples) of the depth since the last take_counters
+        self.taken_at = time.perf_counter_ns()
+        self.per_token: list[tuple[float, float]] = []  # LaneLoad.per_token
         self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine)
         self.watched_at = 0  # cache bytes at the last check
 
@@ -216,7 +231,7 @@ class Streamer:
 
     def lane_load(self) -> LaneLoad:
         return LaneLoad([b / 1e9 for b in self.lane_busy_ns], time.perf_counter() - self.started,
-                        self.depth_sum / self.depth_samples if self.depth_samples else 0.0)
+                        self.depth_sum / self.depth_samples if self.depth_samples else 0.0, list(self.per_token))
 
     def take_speculation(self) -> Speculation:
         return self.ahead.take_counts()
@@ -238,6 +253,8 @@ class Streamer:
         self.ahead.after_demand(layer)
         self.depth_sum += len(self.inflight)
         self.depth_samples += 1
+        self.token_depth[0] += len(self.inflight)
+        self.token_depth[1] += 1
         c = self.counters
         c.mgmt_ns += time.perf_counter_ns() - t0
         if self.overlap:
@@ -417,9 +434,16 @@ class Streamer:
         c.reset_stats()
         return self.take_counters().read_bytes
 
-    def take_counters(self) -> Counters:
-        """The counters since the last call; under overlap, io is the lanes' busy time."""
+    def take_counters(self, step: bool = False) -> Counters:
+        """The counters since the last call; under overlap, io is the lanes' busy time. A decode
+        `step`'s lane utilisation (busy time of the reads answered ÷ lanes × its wall time) and
+        mean queue depth go to LaneLoad.per_token."""
         out, self.counters = self.counters, Counters()
+        now = time.perf_counter_ns()
+        if step and now > self.taken_at:
+            depth = self.token_depth[0] / self.token_depth[1] if self.token_depth[1] else 0.0
+            self.per_token.append((100 * self.busy_ns / (len(self.lane_busy_ns) * (now - self.taken_at)), depth))
+        self.taken_at, self.token_depth = now, [0, 0]
         if self.overlap:
             out.io_ns = self.busy_ns
         self.busy_ns = 0

@@ -234,3 +234,8 @@ def test_profile_lists_each_lane_and_their_reads_match(model: str, tmp_path) -> 
     assert len(busy) == 3 and all(b > 0 for b in busy), r.stderr
     depth = re.search(r"^orders in flight when a layer's reads had gone out: ([\d.]+) on average$", r.stderr, re.M)
     assert depth and float(depth.group(1)) > 0, r.stderr
+    per = re.search(r"^per decode token \((\d+)\): lanes busy p10 (\d+)% median (\d+)% p90 (\d+)%; "
+                    r"orders in flight median ([\d.]+) p90 ([\d.]+)$", r.stderr, re.M)
+    assert per, r.stderr
+    n, p10, med, p90, dmed, d90 = (float(x) for x in per.groups())
+    assert n == 16 and 0 <= p10 <= med <= p90 and 0 < dmed <= d90  # no cache: every token reads
