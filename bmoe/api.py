@@ -353,17 +353,17 @@ class Model:
         with self.turn:
             gens = [self.generation(r, s) for r, s in zip(requests, self.slots)]
             self.running(gens)
-            out: dict[int, Completion] = {}
+            done: list[Completion] = []
             try:
                 for g in gens:
                     g.begin()
                 while live := [g for g in gens if not g.done]:
                     self.engine.step([g.seq for g in live])
-                for i, g in enumerate(gens):
-                    out[i] = g.finish()
+                for g in gens:
+                    done.append(g.finish())
             except BaseException as e:
-                for i, g in enumerate(gens):
-                    if i not in out and g.slot.busy:
+                for g in gens[len(done):]:
+                    if g.slot.busy:  # begun, not finished
                         try:
                             g.finish(e)
                         except BaseException:  # noqa: BLE001 - the first error is the one to raise
@@ -371,7 +371,7 @@ class Model:
                 raise
             finally:
                 self.running([])
-            return [out[i] for i in range(len(gens))]
+            return done
 
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
                prefill_s: float, ahead: Speculation | None) -> GenerationStats:

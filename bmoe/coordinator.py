@@ -379,7 +379,8 @@ class Engine:
         Raises ConfigError when it does not fit the context, Cancelled when cancelled mid-prefill.
         Every Sequence begun must be ended (`end`), also after an error.
         """
-        self.check_fits(self.kv_len(seq) + len(tokens), n_predict, fix)
+        pos = self.kv_len(seq)
+        self.check_fits(pos + len(tokens), n_predict, fix)
         st = self.streamer
         if st:
             st.take_speculation()
@@ -387,7 +388,7 @@ class Engine:
         s = Sequence(seq, chain, n_predict, on_piece, Result([], "", len(tokens), 0.0, []))
         try:
             t0 = time.perf_counter()
-            row = self._decode([(seq, tokens, self.kv_len(seq))])[0]
+            row = self._decode([(seq, tokens, pos)])[0]
             s.result.prefill_s = time.perf_counter() - t0
             s.next = llama_cpp.llama_sampler_sample(chain, self.ctx, row)
         except BaseException:
@@ -406,8 +407,9 @@ class Engine:
         Each decodes the token it sampled after its last decode (llama.cpp keeps only the last
         decode's logits, so every sequence samples at once); one that sampled end-of-generation is
         done without a decode. Each token's TokenStat is the step's wall time and an even share
-        of the step's reads, waits and hits (the shares add up to the step's). An exception from a sequence's `on_piece`
-        ends that sequence (kept in `.error`), not the step; one from the decode ends the step.
+        of the step's reads, waits and hits (the shares add up to the step's). An exception from
+        a sequence's `on_piece` ends that sequence (kept in `.error`), not the step; one from the
+        decode ends the step.
         """
         c0 = time.perf_counter_ns()
         going = []

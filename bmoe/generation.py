@@ -126,6 +126,13 @@ class StopText:
         return out
 
 
+def cancelled() -> Exception:
+    """The engine's Cancelled, imported when needed: importing bmoe.api loads no llama.cpp."""
+    from bmoe.coordinator import Cancelled
+
+    return Cancelled()
+
+
 @dataclass
 class Slot:
     """One KV sequence and exactly what it holds: its tokens in order and, for a chat, the
@@ -165,7 +172,6 @@ class Generation:
         self.tally = telemetry.Tally(req.max_tokens, engine.streaming and engine.settings.streaming.overlap,
                                      engine.cache_active)
         self.t0 = time.perf_counter()
-        self.prefill_s: float | None = None
 
     @property
     def done(self) -> bool:
@@ -188,11 +194,8 @@ class Generation:
         if not reuse:
             slot.messages = []
         if self.cancelled:
-            from bmoe.coordinator import Cancelled
-
-            raise Cancelled()
+            raise cancelled()
         self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, self._on_piece, sampler=req.sampler)
-        self.prefill_s = self.seq.result.prefill_s
 
     def _on_piece(self, _i: int, piece: str, stat: telemetry.TokenStat) -> None:
         line = self.tally.add(stat)
@@ -202,9 +205,7 @@ class Generation:
         if self.text.cut is not None:
             raise _Stopped()
         if self.cancelled:
-            from bmoe.coordinator import Cancelled
-
-            raise Cancelled()
+            raise cancelled()
 
     def run(self) -> Completion:
         """Drive it alone to its end (Model.run)."""
@@ -246,7 +247,7 @@ class Generation:
         if finish != "cancelled" and self.req.messages is not None:
             slot.messages = [*self.req.messages, {"role": "assistant", "content": text.text}]
         self._check_kv()
-        prefill_s = self.prefill_s if self.prefill_s is not None else time.perf_counter() - self.t0
+        prefill_s = res.prefill_s if res is not None else time.perf_counter() - self.t0  # cancelled mid-prefill
         stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep, len(slot.kv_tokens), prefill_s,
                             res.speculation if res is not None else None)
         if self.on_chunk:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
-from bmoe.generation import Generation, Slot
+from bmoe.generation import Generation, cancelled
 from bmoe.settings import ConfigError
 
 MODES = ("auto", "batch", "turns")
@@ -58,12 +58,11 @@ Event = Chunk | Position | Exception
 
 
 class Job:
-    """One admitted request, where its events go, and (once it runs) its slot and Generation."""
+    """One admitted request, where its events go, and (once it runs) its Generation (with its slot)."""
 
     def __init__(self, req: Request, deliver: Callable[[Event], None]) -> None:
         self.req = req
         self.deliver = deliver
-        self.slot: Slot | None = None
         self.gen: Generation | None = None
 
 
@@ -247,7 +246,7 @@ class Scheduler:
             admitted = []
             while self.waiting and not self.closed and (slot := self.model.slot_for(self.waiting[0].req)):
                 job = self.waiting.popleft()
-                job.slot, slot.busy = slot, True
+                slot.busy = True  # taken now: the next slot_for must not offer it again
                 job.gen = self.model.generation(job.req, slot, job.deliver)
                 self.active.append(job)
                 admitted.append(job)
@@ -270,7 +269,7 @@ class Scheduler:
                 job.gen.begin()
         except ConfigError as e:  # checked at admission; the request's all the same
             self._drop(job)
-            job.slot.busy = False
+            job.gen.slot.busy = False
             job.deliver(e)
         except Exception as e:  # noqa: BLE001 - a cancel ends this job; anything else, the engine
             self._end([job], e)
@@ -300,7 +299,7 @@ class Scheduler:
         after the job heard of it."""
         for job in jobs:
             self._drop(job)
-            why = error or (_cancel() if job.gen.cancelled and not job.gen.done else None)
+            why = error or (cancelled() if job.gen.cancelled and not job.gen.done else None)
             try:
                 with self.model.turn:
                     stats = job.gen.finish(why).stats
@@ -315,8 +314,3 @@ class Scheduler:
                 self.active.remove(job)
                 self._positions()
 
-
-def _cancel() -> BaseException:
-    from bmoe.coordinator import Cancelled
-
-    return Cancelled()

@@ -221,7 +221,7 @@ class Metrics:
         Gauge("bmoe_generating", "generations running", registry=r).set_function(lambda: len(sched.active))
         steps = Gauge("bmoe_decode_steps", "decode steps with two or more generations running, by how they ran "
                       "(batch: together; turns: the oldest alone)", ["mode"], registry=r)
-        for mode in ("batch", "turns"):
+        for mode in sched.batching.steps:
             steps.labels(mode).set_function(lambda m=mode: sched.batching.steps[m])
         e = model.engine
         Gauge("bmoe_cache_resident_bytes", "expert bytes resident in the cache", registry=r).set_function(

@@ -76,7 +76,7 @@ class Settings:
     verbose: bool = False
     route_trace: str | None = None
     pin_dense: bool = False  # mlock the dense weights in llama.cpp's mapping (bmoe.dense)
-    parallel: int = 1  # KV sequences that may decode together in one batch (bmoe.batch)
+    parallel: int = 1  # KV sequences that may decode together in one batch (Model.batch, bmoe.scheduler)
     cache: CacheSettings = field(default_factory=CacheSettings)
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)

@@ -146,7 +146,7 @@ class Streamer:
         self.lane_busy_ns = [0] * streaming.io_threads
         self.started = time.perf_counter()
         self.depth_sum = self.depth_samples = 0
-        self.token_depth = [0, 0]  # (sum, samples) of the depth since the last take_counters
+        self.depth_taken = (0, 0)  # (depth_sum, depth_samples) at the last take_counters
         self.taken_at = time.perf_counter_ns()
         self.per_token: list[tuple[float, float]] = []  # LaneLoad.per_token
         self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine)
@@ -253,8 +253,6 @@ class Streamer:
         self.ahead.after_demand(layer)
         self.depth_sum += len(self.inflight)
         self.depth_samples += 1
-        self.token_depth[0] += len(self.inflight)
-        self.token_depth[1] += 1
         c = self.counters
         c.mgmt_ns += time.perf_counter_ns() - t0
         if self.overlap:
@@ -441,9 +439,10 @@ class Streamer:
         out, self.counters = self.counters, Counters()
         now = time.perf_counter_ns()
         if step and now > self.taken_at:
-            depth = self.token_depth[0] / self.token_depth[1] if self.token_depth[1] else 0.0
+            total, samples = self.depth_sum - self.depth_taken[0], self.depth_samples - self.depth_taken[1]
+            depth = total / samples if samples else 0.0
             self.per_token.append((100 * self.busy_ns / (len(self.lane_busy_ns) * (now - self.taken_at)), depth))
-        self.taken_at, self.token_depth = now, [0, 0]
+        self.taken_at, self.depth_taken = now, (self.depth_sum, self.depth_samples)
         if self.overlap:
             out.io_ns = self.busy_ns
         self.busy_ns = 0

@@ -131,7 +131,7 @@ def test_cancelling_one_of_a_batch_leaves_the_others_running(model: Model) -> No
         sched.join()
     assert second.last.finish_reason == "cancelled" and second.last.stats.completion_tokens <= 4
     assert first.last.finish_reason == "length" and first.last.stats.completion_tokens == N
-    slot = jobs[1].slot
+    slot = jobs[1].gen.slot
     assert model.engine.kv_len(slot.seq) == len(slot.kv_tokens) == 0  # rolled back: nothing was reused
 
 
