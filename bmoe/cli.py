@@ -110,7 +110,9 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
             console.notice(prefetch_line(done.stats))  # the contract's moe-prefetch line is --prefetch's
         if csv_file:
             totals = telemetry.RunTotals.of(lines, overlap=engine.streaming and settings.streaming.overlap)
-            csv_file.write(telemetry.csv_summary(totals, done.stats.cache_hit_pct, engine.budget) + "\n")
+            csv_file.write(telemetry.csv_summary(
+                totals, done.stats.cache_hit_pct, engine.budget, prefill_tokens=done.stats.prefill_tokens,
+                prefill_s=done.stats.prefill_s, load_s=engine.load_s, llama_load_s=engine.llama_load_s) + "\n")
         if a.profile:
             rows = profile.collect(engine.worker_pids())
             print(profile.table(rows, engine.resident_bytes(), engine.lane_lines()), file=sys.stderr)

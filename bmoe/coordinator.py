@@ -123,11 +123,15 @@ class Engine:
     # ---- loading and wiring --------------------------------------------------------------------
 
     def _load(self, streaming: bool) -> None:
+        """llama.cpp's own load (model, then context), timed apart as `llama_load_s`, so that
+        `load_s - llama_load_s` is what bmoe adds to a plain llama.cpp load."""
+        t0 = time.perf_counter()
         self.model = load_model(self.settings.model)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
         self.ctx = new_context(self.model, self.settings.n_ctx, self.settings.threads,
                                self.hook.c_callback if streaming else None, n_seq=self.settings.parallel)
+        self.llama_load_s = time.perf_counter() - t0
         llama_cpp.llama_set_abort_callback(self.ctx, self.hook.c_abort, None)
         self.n_ctx = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
 

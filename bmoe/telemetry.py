@@ -201,14 +201,18 @@ def csv_row(t: TokenLine) -> str:
             f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f},{t.budget_bytes / MiB:.1f}")
 
 
-def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int) -> str:
-    """The `# summary` line; `cache_budget_mib=` (the budget at the end) is bmoe's addition after the contract's keys."""
+def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int, *, prefill_tokens: int, prefill_s: float,
+                load_s: float, llama_load_s: float) -> str:
+    """The `# summary` line. bmoe's additions come after the contract's keys: `cache_budget_mib=` (the
+    budget at the end), then what the first token waited for, so a benchmark can report time to first
+    token (load_s + prefill_s) and bmoe's own load work (load_s minus llama_load_s, llama.cpp's part)."""
     tok_s = t.tokens / t.wall_s if t.wall_s > 0 else 0.0
     return (f"# summary tokens={t.tokens} s/tok={t.per_tok(t.wall_s):.4f} tok/s={tok_s:.2f} "
             f"read_mib={t.read_bytes / MiB:.2f} io_s/tok={t.per_tok(t.io_s):.4f} "
             f"compute_s/tok={t.per_tok(t.compute_s):.4f} cache_hit_pct={hit_pct:.2f} "
             f"stall_s/tok={t.per_tok(t.stall_s):.4f} mgmt_s/tok={t.per_tok(t.mgmt_s):.4f} "
-            f"cache_budget_mib={budget_bytes / MiB:.1f}")
+            f"cache_budget_mib={budget_bytes / MiB:.1f} prefill_tokens={prefill_tokens} "
+            f"prefill_s={prefill_s:.4f} load_s={load_s:.4f} llama_load_s={llama_load_s:.4f}")
 
 
 # ---- parsing -------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bmoe import telemetry
 from bmoe.tools import bench, bench_config, bench_io, bench_numbers, bench_sys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,6 +136,8 @@ def test_run_numbers_from_summary_and_csv() -> None:
     serial = bench_numbers.run_numbers(STDOUT.replace(" stall_s/tok=0.0031", ""))
     assert serial["mib_per_token"] == 2.0 and serial["stall_s_per_token"] is None
     assert bench_numbers.run_numbers("error\n")["tok_s"] is None
+    first_token = ("prefill_tokens", "prefill_s", "prefill_tok_s", "load_s", "bmoe_load_s", "ttft_s")
+    assert all(r[k] is None for k in first_token), "a CSV from before the keys existed has none of them"
 
 
 def test_run_numbers_reads_ahead_from_stdout_or_the_stderr_notice() -> None:
@@ -187,12 +190,21 @@ def check_results(out: Path, limit: bool) -> dict:
     by = {s["config"]: s for s in doc["summary"]}
     assert by["c1"]["cache_hit_pct"] is not None and by["c0"]["cache_hit_pct"] is None
     assert by["mmap"]["speedup_vs_mmap"] == pytest.approx(1.0)
+    for s in doc["summary"]:  # time to first token, from every run's CSV summary
+        assert s["ttft_s_median"] > s["load_s_median"] >= s["bmoe_load_s_median"] > 0, s
+        assert s["prefill_tok_s_median"] > 0 and s["prefill_tokens"] == runs[0]["prefill_tokens"] > 1, s
+        assert s["ttft_vs_mmap"] == pytest.approx(s["ttft_s_median"] / by["mmap"]["ttft_s_median"])
     assert by["c0"]["io_bound_tok_s"] > 0 and by["c0"]["bw_threads"] == 2
     assert set(doc["bandwidth"]["used"]) == {"1", "2"}
     report = (out / "report.md").read_text()
     pos = [report.find(s) for s in SECTIONS]
     assert -1 not in pos and pos == sorted(pos), dict(zip(SECTIONS, pos))
     assert "bmoe-bench run -m" in report and "| c1 |" in report
+    ttft = report[report.index("### Time to first token"):]
+    assert "| config | prompt tokens | TTFT s | TTFT ÷ mmap |" in ttft
+    assert f"| c1 | {by['c1']['prefill_tokens']:.0f} | {by['c1']['ttft_s_median']:.3f} | " \
+           f"{by['c1']['ttft_vs_mmap']:.3f} |" in ttft
+    assert "| # | phase | round | config | exit | tok/s | TTFT s |" in report
     assert (out / "runs").is_dir()
     return doc
 
@@ -202,8 +214,20 @@ def test_real_run_without_limit(tiny: Path, tmp_path: Path) -> None:
                        timeout=LIMIT, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "[6/6] measure round 2/2, config c1" in r.stderr
+    assert r.stderr.count(", TTFT ") == 6, r.stderr  # each run's progress line
     doc = check_results(tmp_path / "out", limit=False)
     assert doc["memory_limit"]["method"] is None
+    # a run's numbers from its real CSV: the derived keys are the summary line's arithmetic
+    rec = doc["runs"][-1]
+    runs = tmp_path / "out" / "runs"
+    csv_text = (runs / rec["csv_file"]).read_text()
+    got = bench_numbers.run_numbers((runs / rec["stdout_file"]).read_text(), csv_text)
+    line = telemetry.read_csv(csv_text)[1]
+    assert got["ttft_s"] == pytest.approx(line["load_s"] + line["prefill_s"]) == rec["ttft_s"]
+    assert got["prefill_tok_s"] == pytest.approx(line["prefill_tokens"] / line["prefill_s"])
+    assert got["bmoe_load_s"] == pytest.approx(line["load_s"] - line["llama_load_s"])
+    assert (got["prefill_s"], got["load_s"], got["prefill_tokens"]) == (line["prefill_s"], line["load_s"],
+                                                                        line["prefill_tokens"])
 
 
 def test_real_run_under_cgroup_limit(tiny: Path, tmp_path: Path) -> None:

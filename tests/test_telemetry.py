@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
+import llama_cpp
 import psutil
 import pytest
 
@@ -17,6 +19,11 @@ from tests.conftest import run_cli, settings_for
 PROMPT = "Tell me about the harbour town where the fishing boats come home every evening before dark"
 N = 20
 ROUND = 0.01  # ms: every JSON field is rounded to 3 decimals
+# the `# summary` keys consumers read, in the order the line has always had them (the spec names the
+# line and its stall_s/tok and mgmt_s/tok; bmoe may only append after them)
+SUMMARY_KEYS = ("tokens", "s/tok", "tok/s", "read_mib", "io_s/tok", "compute_s/tok", "cache_hit_pct",
+                "stall_s/tok", "mgmt_s/tok")
+BMOE_SUMMARY_KEYS = ("cache_budget_mib", "prefill_tokens", "prefill_s", "load_s", "llama_load_s")
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +85,34 @@ def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) ->
     for row, obj in zip(rows, progress):
         assert row["step"] == obj["step"] and abs(row["wall_ms"] - obj["wall_ms"]) <= ROUND
         assert abs(row["read_bytes"] / 2**20 - obj["read_mb"]) < 1e-3
-    assert spec_lines.csv_summary_matches(csv_text.splitlines()[-1]), csv_text.splitlines()[-1]
-    assert csv_text.splitlines()[-1].endswith(f" cache_budget_mib={summary['cache_budget_mib']:.1f}")
+    last = csv_text.splitlines()[-1]
+    assert spec_lines.csv_summary_matches(last), last
+    assert [kv.split("=", 1)[0] for kv in last.split()[2:]] == [*SUMMARY_KEYS, *BMOE_SUMMARY_KEYS], last
     assert all(row["cache_budget_mib"] == (0 if cache == "0" else float(cache)) for row in rows)
+    assert summary["cache_budget_mib"] == (0 if cache == "0" else float(cache))
     assert summary["tokens"] == len(progress)
+
+
+def test_csv_summary_times_the_first_token(model: str, tmp_path) -> None:
+    """bmoe's `# summary` keys for the time to first token (load_s + prefill_s): the prompt's tokens as
+    llama.cpp's own tokenizer counts them, times inside the process's run time, and llama.cpp's part
+    of the load without bmoe's streaming start-up (I/O lane processes, warm-up capture)."""
+    vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    n_prompt = len(vocab.tokenize(PROMPT.encode(), add_bos=True, special=True))
+    bmoe_load = {}
+    for mode, flags in (("stream", ("--cache-mb", "1")), ("mmap", ("--no-stream",))):
+        csv_path = tmp_path / f"{mode}.csv"
+        t0 = time.monotonic()
+        r = run_cli("-m", model, "-p", PROMPT, "-n", "4", "-t", "1", "--csv", str(csv_path), *flags)
+        elapsed = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr
+        _, summary = telemetry.read_csv(csv_path.read_text())
+        line = csv_path.read_text().splitlines()[-1]
+        assert summary["prefill_tokens"] == n_prompt, line
+        assert summary["prefill_s"] > 0 and summary["load_s"] >= summary["llama_load_s"] > 0, line
+        assert summary["load_s"] + summary["prefill_s"] < elapsed, line
+        bmoe_load[mode] = summary["load_s"] - summary["llama_load_s"]
+    assert bmoe_load["stream"] > bmoe_load["mmap"], bmoe_load
 
 
 def test_serial_io_and_read_bytes_are_what_the_lanes_did(model: str) -> None:

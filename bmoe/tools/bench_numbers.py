@@ -16,7 +16,8 @@ from bmoe.units import MiB
 
 RUN_KEYS = ("tokens", "tok_s", "s_per_token", "s_per_token_median", "s_per_token_p95", "p95_source",
             "steady_mib_per_token", "mib_read", "mib_per_token", "stall_s_per_token", "cache_hit_pct",
-            "cache_resident_mib", "spec_mib_per_token", "useful_pct", "spec_recall_pct", "spec_disabled")
+            "cache_resident_mib", "spec_mib_per_token", "useful_pct", "spec_recall_pct", "spec_disabled",
+            "prefill_tokens", "prefill_s", "prefill_tok_s", "load_s", "bmoe_load_s", "ttft_s")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -39,7 +40,9 @@ def run_numbers(stdout: str, csv_text: str | None = None, skip_tokens: int = 0, 
 
     Keys: RUN_KEYS (None when absent); p95_source is 'csv' or 'summary'. The CSV-based numbers
     (median, p95, steady MiB/token) leave out the first `skip_tokens` tokens when more tokens than
-    that exist.
+    that exist. The time to first token and its parts come from the CSV's `# summary` (None for a
+    bmoe-cli too old to write them): ttft_s = load_s + prefill_s (the first token is sampled from
+    the prefill's logits), bmoe_load_s = load_s − llama.cpp's own load.
     """
     out: dict = dict.fromkeys(RUN_KEYS)
     summary = telemetry.parse_run_summary(stdout, stderr)
@@ -63,7 +66,9 @@ def run_numbers(stdout: str, csv_text: str | None = None, skip_tokens: int = 0, 
     if spec:
         out.update(spec_recall_pct=float(spec["recall_pct"]), spec_disabled=spec["disabled_below_pct"] is not None)
     if csv_text:
-        rows = [r for r in telemetry.read_csv(csv_text)[0] if "wall_ms" in r]
+        rows, csv_sum = telemetry.read_csv(csv_text)
+        out.update(_first_token(csv_sum))
+        rows = [r for r in rows if "wall_ms" in r]
         total = sum(r["wall_ms"] for r in rows) / 1e3
         if rows and total > 0:  # more digits than the summary line's
             out.update(tok_s=len(rows) / total, s_per_token=total / len(rows))
@@ -75,6 +80,25 @@ def run_numbers(stdout: str, csv_text: str | None = None, skip_tokens: int = 0, 
                        s_per_token_p95=percentile(walls, 95), p95_source="csv")
             if stream and all("read_bytes" in r for r in rows):
                 out["steady_mib_per_token"] = statistics.mean(r["read_bytes"] for r in rows) / MiB
+    return out
+
+
+def _first_token(csv_sum: dict[str, float]) -> dict:
+    """What the first token waited for, from a `# summary` line's keys (those present)."""
+    out: dict = {}
+    n, prefill, load, llama_load = (csv_sum.get(k) for k in ("prefill_tokens", "prefill_s", "load_s", "llama_load_s"))
+    if prefill is not None:
+        out["prefill_s"] = prefill
+        if n is not None:
+            out["prefill_tokens"] = int(n)
+            if prefill > 0:
+                out["prefill_tok_s"] = n / prefill
+    if load is not None:
+        out["load_s"] = load
+        if prefill is not None:
+            out["ttft_s"] = load + prefill
+        if llama_load is not None:
+            out["bmoe_load_s"] = load - llama_load
     return out
 
 
@@ -119,9 +143,15 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
              "useful_pct": _med([r.get("useful_pct") for r in ok]),
              "spec_recall_pct": _med([r.get("spec_recall_pct") for r in ok]),
              "spec_disabled_runs": sum(1 for r in ok if r.get("spec_disabled")),
+             "prefill_tokens": _med([r.get("prefill_tokens") for r in ok]),
+             "ttft_s_median": _med([r.get("ttft_s") for r in ok]),
+             "prefill_s_median": _med([r.get("prefill_s") for r in ok]),
+             "prefill_tok_s_median": _med([r.get("prefill_tok_s") for r in ok]),
+             "load_s_median": _med([r.get("load_s") for r in ok]),
+             "bmoe_load_s_median": _med([r.get("bmoe_load_s") for r in ok]),
              "io_threads": None, "bw_threads": None, "bw_mib_s": None, "io_bound_tok_s": None,
              "overlap_limit_tok_s": None, "pct_of_limit": None,
-             "speedup_vs_mmap": None, "s_per_token_vs_mmap": None}
+             "speedup_vs_mmap": None, "s_per_token_vs_mmap": None, "ttft_vs_mmap": None}
         if "--no-stream" not in c.flags:
             s["io_threads"] = io_threads_of([*common, *c.flags])  # a configuration's flag wins
             pick = bandwidth_for(bw, s["io_threads"])
@@ -145,4 +175,8 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
                 s["speedup_vs_mmap"] = s["tok_s_median"] / base["tok_s_median"]
             if s["s_per_token_median"] is not None and base["s_per_token_median"]:
                 s["s_per_token_vs_mmap"] = s["s_per_token_median"] / base["s_per_token_median"]
+    if base and base["ttft_s_median"]:
+        for s in out:
+            if s["ttft_s_median"] is not None:
+                s["ttft_vs_mmap"] = s["ttft_s_median"] / base["ttft_s_median"]
     return out

@@ -91,6 +91,7 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
           "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     spec_rows = [s for s in summary if s["spec_mib_per_token"] is not None or s["spec_recall_pct"] is not None]
     limits = [s for s in summary if s["overlap_limit_tok_s"] is not None]
+    first = [s for s in summary if s["ttft_s_median"] is not None]
     for s in summary:
         spread = "–" if s["tok_s_min"] is None else f"{s['tok_s_min']:.2f}–{s['tok_s_max']:.2f}"
         if s["tok_s_q1"] is not None:
@@ -107,6 +108,22 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
                  f"{'–' if s['speedup_vs_mmap'] is None else format(s['speedup_vs_mmap'], '.2f') + '×'} | "
                  f"{_f(s['s_per_token_vs_mmap'], '.3f')} |")
     L.append("")
+    if first:
+        L += ["### Time to first token", "",
+              "From each run's CSV `# summary` (medians over runs): TTFT = load + prefill, the time from the "
+              "start of the model load to the first token's logits (Python's start-up before the load is not "
+              "in it); load = llama.cpp's model load and context plus bmoe's start-up (warm-up capture, slab, "
+              "I/O lanes, cache sizing), bmoe load = the part that is not llama.cpp's; prefill tok/s = prompt "
+              "tokens ÷ prefill s. The load reads the model file from wherever the page cache before each run "
+              "left it (see Memory limit above).", "",
+              "| config | prompt tokens | TTFT s | TTFT ÷ mmap | prefill s | prefill tok/s | load s | bmoe load s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for s in first:
+            L.append(f"| {s['config']} | {_f(s['prefill_tokens'], '.0f')} | {_f(s['ttft_s_median'], '.3f')} | "
+                     f"{_f(s['ttft_vs_mmap'], '.3f')} | {_f(s['prefill_s_median'], '.3f')} | "
+                     f"{_f(s['prefill_tok_s_median'], '.1f')} | {_f(s['load_s_median'], '.3f')} | "
+                     f"{_f(s['bmoe_load_s_median'], '.3f')} |")
+        L.append("")
     if limits:
         ref = meta["compute_ref"]
         L += ["### Overlap limits", "",
@@ -136,11 +153,12 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
     elif meta.get("chart_note"):
         L += [f"_{meta['chart_note']}_", ""]
     L += ["## Runs", "", "In the order they ran (logs in `runs/`).", "",
-          "| # | phase | round | config | exit | tok/s | s/token p95 | MiB/token | hit % | peak MiB | "
-          "load 1m | s |", "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| # | phase | round | config | exit | tok/s | TTFT s | s/token p95 | MiB/token | hit % | peak MiB | "
+          "load 1m | s |", "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         L.append(f"| {r['index']} | {r['phase']} | {r['round']} | {r['config']} | {r['exit_status']} | "
-                 f"{_f(r['tok_s'])} | {_f(r['s_per_token_p95'], '.4f')} | {_f(r['mib_per_token'])} | "
+                 f"{_f(r['tok_s'])} | {_f(r['ttft_s'], '.3f')} | {_f(r['s_per_token_p95'], '.4f')} | "
+                 f"{_f(r['mib_per_token'])} | "
                  f"{_f(r['cache_hit_pct'], '.1f')} | {_f(r.get('peak_mem_mib'), '.0f')} | "
                  f"{r['loadavg_1m']:.2f} | {r['elapsed_s']:.1f} |")
     L.append("")
@@ -196,10 +214,11 @@ def write_chart(path: Path, summary: list[dict]) -> str | None:
 def print_summary(summary: list[dict]) -> None:
     """The results table on stdout, for a look before opening report.md."""
     print(f"{'config':<16} {'tok/s':>8} {'min–max':>15} {'s/tok':>8} {'MiB/tok':>9} {'hit%':>6} "
-          f"{'I/O-bound':>10} {'peak MiB':>9} {'vs mmap':>8}")
+          f"{'I/O-bound':>10} {'peak MiB':>9} {'vs mmap':>8} {'TTFT s':>7} {'TTFT÷mmap':>9}")
     for s in summary:
         spread = "–" if s["tok_s_min"] is None else f"{s['tok_s_min']:.2f}–{s['tok_s_max']:.2f}"
         print(f"{s['config']:<16} {_f(s['tok_s_median']):>8} {spread:>15} {_f(s['s_per_token_median'], '.4f'):>8} "
               f"{_f(s['mib_per_token']):>9} "
               f"{_f(s['cache_hit_pct'], '.1f'):>6} {_f(s['io_bound_tok_s']):>10} {_f(s['peak_mem_mib'], '.0f'):>9} "
-              f"{_f(s['speedup_vs_mmap']):>8}")
+              f"{_f(s['speedup_vs_mmap']):>8} {_f(s['ttft_s_median'], '.3f'):>7} "
+              f"{_f(s['ttft_vs_mmap'], '.3f'):>9}")

@@ -354,6 +354,8 @@ def _outcome(rec: dict) -> str:
             msg += f", {rec['mib_per_token']:.2f} MiB/token"
         if rec["cache_hit_pct"] is not None:
             msg += f", {rec['cache_hit_pct']:.1f}% hit"
+        if rec["ttft_s"] is not None:
+            msg += f", TTFT {rec['ttft_s']:.3f} s"
     else:
         msg = f"FAILED (exit {rec['exit_status']}" + (", OOM-killed" if rec.get("oom_kills") else "") + ")"
     if rec.get("peak_mem_mib") is not None:
