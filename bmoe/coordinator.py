@@ -47,6 +47,7 @@ from bmoe.units import MiB
 __all__ = ["Cancelled", "ConfigError", "Engine", "Result", "Sequence"]
 
 OnPiece = Callable[[int, str, TokenStat], None]
+ABORTED = 2  # llama_decode: the abort callback stopped the graph
 
 
 class Cancelled(Exception):
@@ -136,13 +137,11 @@ class Engine:
         self.n_ctx = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
 
     def _start_streaming(self) -> None:
-        """One warm-up decode finds the expert tensors; then they are rebound into the slab's pools."""
-        cap = self.hook.capture = seam.Capture()
-        try:
-            self._decode([(0, [self.vocab.warmup_token()], 0)])
-        finally:
-            self.hook.capture = None
-        self.clear_kv()
+        """A warm-up graph, visited but not computed, finds the expert tensors; then they are
+        rebound into the slab's pools."""
+        cap = self._capture(dry=True)
+        if not cap.bad and not self.files.expert_names() <= {t.name for t in cap.tensors.values()}:
+            cap = self._capture(dry=False)  # a graph in several splits: its later ones were not visited
         if cap.bad:
             raise ModelError("cannot stream this model's expert layout: " + "; ".join(cap.bad[:3])
                              + "; run it with --no-stream")
@@ -183,6 +182,18 @@ class Engine:
                 t0 = time.perf_counter()
                 n = st.preload()
                 self.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
+
+    def _capture(self, dry: bool) -> seam.Capture:
+        """Visit the graph of a one-token decode; `dry` aborts it at the first computed node, so no
+        expert is read from the file before streaming starts (the visits come before the compute
+        of a graph in one split)."""
+        cap = self.hook.capture = seam.Capture(dry=dry)
+        try:
+            self._decode([(0, [self.vocab.warmup_token()], 0)], aborts=dry)
+        finally:
+            self.hook.capture = None
+        self.clear_kv()
+        return cap
 
     def _size_cache(self, expert_bytes: int, layer_need: int, token_need: int) -> None:
         """Decide the budget from the room the limits leave now, and make it adaptive when asked.
@@ -467,9 +478,9 @@ class Engine:
             self.trace.active = False
             self.trace.write()
 
-    def _decode(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
+    def _decode(self, parts: list[tuple[int, list[int], int]], aborts: bool = False) -> list[int]:
         """One llama_decode of (sequence, tokens, first position) parts; logits for each part's last
-        token, whose batch rows are returned."""
+        token, whose batch rows are returned. With `aborts`, the hook's abort (code 2) is expected."""
         n = sum(len(toks) for _, toks, _ in parts)
         batch = llama_cpp.llama_batch_init(n, 0, 1)
         rows, i = [], 0
@@ -489,7 +500,7 @@ class Engine:
         err = self.hook.take_error()
         if err is not None:
             raise err
-        if rc != 0:
+        if rc != 0 and not (aborts and rc == ABORTED):
             raise RuntimeError(f"llama_decode failed with code {rc}")
         return rows
 

@@ -38,7 +38,10 @@ class ModelFiles:
 
     @property
     def expert_bytes(self) -> int:
-        return sum(e.nbytes for n, e in self.extents.items() if EXPERT_TENSOR.match(n))
+        return sum(self.extents[n].nbytes for n in self.expert_names())
+
+    def expert_names(self) -> set[str]:
+        return {n for n in self.extents if EXPERT_TENSOR.match(n)}
 
     def check_unchanged(self, fix: str) -> None:
         """Raise ModelError (ending with `fix`) if a file's size or mtime differs from when it was opened.

@@ -216,6 +216,7 @@ class Capture:
     weights_at: dict[int, int] = field(default_factory=dict)  # layer -> position of ffn_moe_weights-L
     ids_nodes: dict[int, int] = field(default_factory=dict)  # address of ffn_moe_topk-L (and its argsort) -> layer
     seen: int = 0
+    dry: bool = True  # stop the graph at its first computed node: the nodes are known, the compute not needed
 
     def visit(self, addr: int) -> None:
         t = tensor_at(addr)
@@ -374,7 +375,7 @@ class EvalHook:
             return False
 
     def _abort(self, _user: int) -> bool:
-        return self.error is not None
+        return self.error is not None or (self.capture is not None and self.capture.dry)
 
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None

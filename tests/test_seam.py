@@ -6,11 +6,12 @@ import ctypes
 import re
 
 import gguf
+import llama_cpp
 import numpy as np
 import pytest
 
 from bmoe import seam
-from bmoe.coordinator import Engine
+from bmoe.coordinator import ABORTED, Engine
 from bmoe.expert_cache import RESIDENT
 from bmoe.tools.synth import ARCHES
 from tests.conftest import SlabCheck, settings_for, slice_bytes
@@ -62,6 +63,33 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
                 assert b.n_expert == r.n_expert and int(bt.ne[1]) == r.capacity and int(bt.nb[1]) == b.row_bytes
         else:
             assert not biases
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_dry_capture_visits_the_whole_graph_without_computing_it(synth, arch: str) -> None:
+    """A CPU graph is one split: every ask=True visit comes before its compute, so the abort
+    callback can stop llama_decode (code 2) before any node reads an expert from the file."""
+    path = synth(arch=arch, layers=3, experts=8, top_k=2)
+    e = engine(path, "--cache-mb", 1000)
+    try:
+        got = {}
+        for dry in (True, False):
+            cap = e.hook.capture = seam.Capture(dry=dry)
+            tok = (llama_cpp.llama_token * 1)(e.vocab.warmup_token())
+            try:
+                with e.hook:
+                    rc = llama_cpp.llama_decode(e.ctx, llama_cpp.llama_batch_get_one(tok, 1))
+            finally:
+                e.hook.capture = None
+            # (the tensors are in the pools by now, so both captures list them in `bad` alike)
+            got[dry] = (rc, e.kv_len(0), cap.seen, cap.bad, cap.down_inputs, cap.weights_at, cap.ids_nodes)
+            e.clear_kv()
+        assert got[True][:2] == (ABORTED, 0), "the dry decode was computed (or left a token in the KV)"
+        assert got[False][:2] == (0, 1)
+        assert got[True][2:] == got[False][2:], "the dry capture missed nodes the computed one visited"
+        assert len(got[True][5]) == 3, "every layer's ffn_moe_weights-L was visited"
     finally:
         e.close()
 
