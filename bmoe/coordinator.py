@@ -404,14 +404,17 @@ class Engine:
         try:
             t0 = time.perf_counter()
             row = self._decode([(seq, tokens, pos)])[0]
+            if st:  # the prefill's reads ahead land (or are dropped) in the prefill, not in the first token
+                st.settle()
             s.result.prefill_s = time.perf_counter() - t0
             s.next = llama_cpp.llama_sampler_sample(chain, self.ctx, row)
         except BaseException:
             self.end(s)
             raise
         finally:
-            if st:
+            if st:  # the prefill's reads (and reads ahead) are not the decode's
                 st.take_counters()
+                st.take_speculation()
         if self.trace:
             self.trace.active = True
         return s
@@ -493,6 +496,8 @@ class Engine:
                     i += 1
                 rows.append(i - 1)
             batch.n_tokens = n
+            if self.streamer is not None:
+                self.streamer.begin_batch(n)
             with self.hook:
                 rc = llama_cpp.llama_decode(self.ctx, batch)
         finally:

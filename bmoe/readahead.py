@@ -1,4 +1,12 @@
-"""Reads ahead of demand: the previous token's experts (`--prefetch K`) and the spec-gate's predictions.
+"""Reads ahead of demand: whole layers in a prefill, the previous token's experts (`--prefetch K`)
+and the spec-gate's predictions.
+
+A prefill batch routes nearly every expert of every layer, so the next layer's routing is known
+before it happens: when a batch routes WHOLE_LAYER of a layer's experts, every absent expert of the
+next layer (after the last layer, of the first, when more of the prompt is to come) goes to the
+lanes at once, and a long prompt's first layer goes out before its decode starts. Those reads run
+while this layer computes; otherwise the flash idles while a layer computes and the compute waits
+while the next layer is read.
 
 Wished-for experts wait in a list on the coordinator and go to the lanes one expert per order,
 up to QUEUE_PER_LANE orders per lane; a lane serves them only when no demand order waits, so a
@@ -25,6 +33,7 @@ if TYPE_CHECKING:
     from bmoe.streamer import Order, Streamer
 
 QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)
+WHOLE_LAYER = 7 / 8  # a batch routing this share of a layer's experts is taken to route all of the next
 
 
 @dataclass
@@ -57,6 +66,9 @@ class ReadAhead:
         self.counts = Speculation()
         self.route_seq = 0
         self.routed_at: dict[int, int] = {}
+        self.batch_left = 0  # tokens of the decode under way whose last layer has not routed yet
+        self.ubatch = 0  # tokens the first layer routed in this ubatch
+        self.last_routes_all = False  # the last layer routed every token of the last ubatch of several
 
     @property
     def listening(self) -> bool:
@@ -84,8 +96,39 @@ class ReadAhead:
         self.wishes.clear()
         self.cancel(layer, wanted)
 
-    def after_demand(self, layer: int) -> None:
-        """Wish for the previous token's experts of the next `prefetch` layers, nearest first."""
+    def begin_batch(self, n_tokens: int) -> None:
+        """A llama_decode of `n_tokens` starts: a prompt long enough to route nearly every expert
+        reads its first layer whole now."""
+        self.batch_left = n_tokens
+        if self._routes_nearly_all(n_tokens):
+            self._read_whole(self.layers[0])
+
+    def _routes_nearly_all(self, n_tokens: int) -> bool:
+        """Whether n_tokens tokens, each routed to k distinct of n experts at random, are expected
+        to cover WHOLE_LAYER of them."""
+        n, k = self.st.n_expert, max(1, self.st.files.n_expert_used)
+        return n_tokens > 1 and 1 - (1 - k / n) ** n_tokens >= WHOLE_LAYER
+
+    def after_demand(self, layer: int, n_tokens: int, wanted: list[int]) -> None:
+        """A batch that routed nearly all of the layer reads the next layer whole; then wish for
+        the previous token's experts of the next `prefetch` layers, nearest first.
+
+        In most architectures llama.cpp's last layer computes only the rows whose logits are
+        wanted (one per sequence), so it routes a few experts, not the batch's: it is read whole
+        ahead only once a ubatch has shown that it routes them all. When it has routed, the
+        ubatch (its size known from the first layer) is through."""
+        pos, last = self.cycle_pos[layer], len(self.layers) - 1
+        if pos == 0:
+            self.ubatch = n_tokens
+        if pos < last - 1 or (pos == last - 1 and self.last_routes_all):
+            if n_tokens > 1 and len(wanted) >= WHOLE_LAYER * self.st.n_expert:
+                self._read_whole(self.layers[pos + 1])
+        if pos == last:
+            if self.ubatch > 1:
+                self.last_routes_all = n_tokens == self.ubatch
+            self.batch_left -= self.ubatch
+            if self._routes_nearly_all(min(self.batch_left, self.ubatch)):
+                self._read_whole(self.layers[0])
         if self.prefetch:
             pos = self.cycle_pos[layer]
             for j in range(1, self.prefetch + 1):
@@ -124,6 +167,18 @@ class ReadAhead:
                 lane = queued.index(min(queued))
                 self.st.send(lane, self.st.reads_for(keys), ahead=[(layer, e)])
                 queued[lane] += 1
+
+    def _read_whole(self, layer: int) -> None:
+        """Every absent expert of the layer the cache makes room for, one order per expert, spread
+        by bytes over the lanes (they serve it after any demand, in order)."""
+        load = [lane.pending_bytes() for lane in self.st.pool.lanes]
+        for e in range(max(self.cache.regions[ri].n_expert for ri in self.cache.by_layer[layer])):
+            keys = self.cache.admit_speculative(layer, [e])
+            if keys:
+                reads = self.st.reads_for(keys)
+                lane = load.index(min(load))
+                self.st.send(lane, reads, [(layer, e)])
+                load[lane] += sum(r[2] for r, _ in reads)
 
     def cancel(self, layer: int | None, routed: list[int] = ()) -> None:
         """Ask the lanes to drop the orders for `layer` (None: all layers) they have not started,

@@ -238,6 +238,12 @@ class Streamer:
 
     # ---- the hook's entry points ---------------------------------------------------------------
 
+    def begin_batch(self, n_tokens: int) -> None:
+        """A llama_decode of n_tokens is about to run."""
+        t0 = time.perf_counter_ns()
+        self.ahead.begin_batch(n_tokens)
+        self.counters.mgmt_ns += time.perf_counter_ns() - t0
+
     def on_route(self, layer: int, ids: np.ndarray) -> None:
         t0 = time.perf_counter_ns()
         self.tick()
@@ -250,7 +256,7 @@ class Streamer:
         self.ahead.on_route(layer, ids, wanted)
         missing = self.cache.plan(layer, wanted)
         now, later = self._send_demand(layer, wanted, missing)
-        self.ahead.after_demand(layer)
+        self.ahead.after_demand(layer, len(ids), wanted)
         self.depth_sum += len(self.inflight)
         self.depth_samples += 1
         c = self.counters

@@ -210,3 +210,60 @@ def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(synth, ov
         e.close()
     assert any(len(experts) == 8 for experts in prefill.values()), prefill
     assert res.ids == ref.ids and res.text == ref.text
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(synth, arch: str) -> None:
+    """A prefill that routes nearly every expert reads each next layer whole while this one
+    computes (the first layer of each ubatch too), under a budget of 2.5 of its 4 layers. Only
+    the last layer may wait on demand reads: where llama.cpp computes just the logits' row there,
+    in every ubatch; where it computes every row (gpt-oss), in the first ubatch only. Prompt and
+    answer equal plain's."""
+    path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
+    flags = ("-c", 1024, "-t", 2)
+    words = (PROMPT + " ") * 10
+    plain = Engine(settings_for(path, *flags, "--no-stream"))
+    try:
+        toks = plain.prompt_tokens(words, chat=False)
+        ref = plain.generate(toks, N_PREDICT)
+    finally:
+        plain.close()
+    assert 512 < len(toks) <= 1024 - N_PREDICT, len(toks)  # two ubatches of at most 512
+    e = Engine(settings_for(path, *flags, "--cache-mb", open_model(path).expert_bytes * 2.5 / 4 / MiB,
+                            "--io-threads", 2))
+    st = e.streamer
+    demand: set[tuple[int, int]] = set()  # (ubatch, layer routing) of the prefill's demand orders
+    ahead: set[int] = set()  # layers the prefill read ahead
+    ahead_at: list[int] = []  # routings done when each was sent
+    routes: list[tuple[int, int]] = []  # (layer, tokens) of every routing
+    send, inner = st.send, e.hook.on_route
+
+    def on_send(lane, share, ahead_of=None) -> int:
+        if (0, 1) not in routes:  # the decode has not started
+            if ahead_of:
+                ahead.update(layer for layer, _ in ahead_of)
+                ahead_at.append(len(routes))
+            else:
+                demand.add((sum(1 for layer, _ in routes if layer == 0), routes[-1][0]))
+        return send(lane, share, ahead_of)
+
+    def on_route(layer, ids) -> None:
+        routes.append((layer, len(ids)))
+        inner(layer, ids)
+
+    st.send, e.hook.on_route = on_send, on_route
+    try:
+        res = e.generate(toks, N_PREDICT)
+    finally:
+        e.close()
+    assert routes[:8:4] == [(0, 512), (0, len(toks) - 512)]
+    last = [n for layer, n in routes[:8] if layer == 3]
+    if arch == "gpt-oss":
+        assert last == [512, len(toks) - 512]
+        assert demand == {(1, 3)}, demand  # learnt in the first ubatch
+    else:
+        assert last == [0, 1]
+        assert demand == {(2, 3)}, demand  # the logits' row (the first ubatch wants none)
+    assert set(ahead) == {0, 1, 2, 3} if arch == "gpt-oss" else {0, 1, 2}
+    assert max(ahead_at) < 8, "the prompt's last ubatch was through: nothing is to be read whole"
+    assert res.ids == ref.ids and res.text == ref.text

@@ -601,9 +601,10 @@ def test_demo_model_session() -> None:
         assert s.close() == 0
     assert not s.stray
     # the session started with an empty cache and the budget holds every expert: nothing is evicted,
-    # so the same prompt again reads nothing (prefill included) exactly when the slab did not grow
+    # so the same prompt again decodes without a read. (Its prefill may read experts its layers do
+    # not route: whole layers are read ahead, and the first turn may have cancelled such a read in time.)
     assert d1["cache_budget_mib"] == float(f"{every:.0f}") and d1["cache_resident_mib"] > 0
-    assert d2["cache_resident_mib"] == d1["cache_resident_mib"] and read_mb(ev2) == 0
+    assert d2["cache_resident_mib"] >= d1["cache_resident_mib"] and read_mb(ev2) == 0
     assert d2["cache_hit_pct"] == 100.0 and d2["text"] == d1["text"] and d1["text"].strip()
     # clear_kv:false continues the conversation: it prefills only the new turn, and answers as a
     # fresh plain-llama.cpp session given the same two turns does
