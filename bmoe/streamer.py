@@ -241,7 +241,8 @@ class Streamer:
     def begin_batch(self, n_tokens: int) -> None:
         """A llama_decode of n_tokens is about to run."""
         t0 = time.perf_counter_ns()
-        self.ahead.begin_batch(n_tokens)
+        with self.pool.batched():
+            self.ahead.begin_batch(n_tokens)
         self.counters.mgmt_ns += time.perf_counter_ns() - t0
 
     def on_route(self, layer: int, ids: np.ndarray) -> None:
@@ -255,17 +256,23 @@ class Streamer:
             self.watch()  # a prefill fills the cache within one token: look before it takes more
         self.ahead.on_route(layer, ids, wanted)
         missing = self.cache.plan(layer, wanted)
-        now, later = self._send_demand(layer, wanted, missing)
-        self.ahead.after_demand(layer, len(ids), wanted)
+        self.pool.hold()
+        try:
+            now, later = self._send_demand(layer, wanted, missing)
+            self.ahead.after_demand(layer, len(ids), wanted)
+        finally:
+            t1 = time.perf_counter_ns()
+            wrote = self.pool.flush()  # the reads start: the lanes woken may take this CPU first
+            handed = time.perf_counter_ns() - t1 if wrote else 0
         self.depth_sum += len(self.inflight)
         self.depth_samples += 1
         c = self.counters
-        c.mgmt_ns += time.perf_counter_ns() - t0
+        c.mgmt_ns += t1 - t0
         if self.overlap:
             self.down_orders[layer] = later
-            c.stall_ns += self._wait(now)
+            c.stall_ns += handed + self._wait(now)
         else:
-            c.io_ns += self._wait(now + later)
+            c.io_ns += handed + self._wait(now + later)
         if self.cache.pending_release:  # nothing to wait for: do it now
             t2 = time.perf_counter_ns()
             self.cache.release_evicted()

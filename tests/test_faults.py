@@ -145,3 +145,31 @@ def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders
     finally:
         pool.close()
         slab.close()
+
+
+def test_a_layers_orders_reach_each_lane_in_one_write(model: str, reference: list[int]) -> None:
+    """Under overlap a layer sends gate/up and down orders (and reads ahead) to each lane; they are
+    held and written once per lane, since every write wakes a lane that takes the CPU."""
+    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 0, "--io-threads", 2, "--overlap"))
+    writes: list[int] = []  # lane index of every write to a lane's stdin
+    sent: list[int] = []  # order ids
+    try:
+        st = e.streamer
+        for lane in st.pool.lanes:
+            inner = lane.proc.stdin.write
+            lane.proc.stdin.write = lambda data, i=lane.index, inner=inner: (writes.append(i), inner(data))[1]
+        send, route = st.pool.send, st.on_route
+        st.pool.send = lambda *a, **k: sent.append(send(*a, **k)) or sent[-1]
+        per_layer: list[tuple[int, int]] = []  # (orders sent, writes) per routing
+
+        def on_route(layer, ids) -> None:
+            n_sent, n_writes = len(sent), len(writes)
+            route(layer, ids)
+            per_layer.append((len(sent) - n_sent, len(writes) - n_writes))
+
+        e.hook.on_route = on_route
+        assert e.generate(e.prompt_tokens(PROMPT, chat=False), 32).ids == reference
+    finally:
+        e.close()
+    assert any(orders > 2 for orders, _ in per_layer), "more orders than lanes in some layer"
+    assert all(n_writes <= 2 for _, n_writes in per_layer), per_layer
