@@ -17,6 +17,8 @@ from typing import NamedTuple
 import gguf
 import numpy as np
 
+from bmoe.gguf_table import TensorInfo, read_table
+
 # the norm applied to the hidden state right before each arch's router (llama.cpp's build_norm call)
 ROUTER_NORM = {
     "llama": "ffn_norm",
@@ -40,29 +42,36 @@ class Router:
 
 
 def load(paths: list[str | Path], arch: str, layers: list[int]) -> dict[int, Router]:
-    """Each layer's router as F32 arrays, from the model file(s) (any shard)."""
-    tensors = {}
+    """Each layer's router as F32 arrays, from the model file(s) (any shard). Only the tensor
+    table is parsed (bmoe.gguf_table): gguf.GGUFReader would parse every field, the tokenizer's
+    arrays included, which took ~2 s of the spec-gate's start on the 64-expert demo model."""
+    tensors: dict[str, tuple[Path, TensorInfo]] = {}
     for p in paths:
-        for t in gguf.GGUFReader(p).tensors:
-            tensors[t.name] = t
+        for t in read_table(Path(p)).tensors:
+            tensors[t.name] = (Path(p), t)
     norm_name = ROUTER_NORM.get(arch)
     out = {}
     for layer in layers:
         w = tensors.get(f"blk.{layer}.ffn_gate_inp.weight")
         if w is None:
             raise RouterError(f"layer {layer} has no router tensor blk.{layer}.ffn_gate_inp.weight")
-        if w.tensor_type not in _FLOAT_TYPES:
-            raise RouterError(f"layer {layer}'s router is {w.tensor_type.name}, not F32/F16")
+        if w[1].type not in _FLOAT_TYPES:
+            raise RouterError(f"layer {layer}'s router is {gguf.GGMLQuantizationType(w[1].type).name}, not F32/F16")
         b = tensors.get(f"blk.{layer}.ffn_gate_inp.bias")
         n = tensors.get(f"blk.{layer}.{norm_name}.weight") if norm_name else None
-        out[layer] = Router(_f32(w).reshape(-1, int(w.shape[0])),
+        out[layer] = Router(_f32(w).reshape(-1, int(w[1].shape[0])),
                             None if b is None else _f32(b),
-                            None if n is None or n.tensor_type not in _FLOAT_TYPES else _f32(n))
+                            None if n is None or n[1].type not in _FLOAT_TYPES else _f32(n))
     return out
 
 
-def _f32(t: gguf.ReaderTensor) -> np.ndarray:
-    return np.array(t.data, dtype=np.float32).reshape(-1)
+def _f32(where: tuple[Path, TensorInfo]) -> np.ndarray:
+    path, t = where
+    with open(path, "rb") as f:
+        f.seek(t.offset)
+        data = f.read(t.nbytes)
+    dtype = np.float32 if t.type == gguf.GGMLQuantizationType.F32 else np.float16
+    return np.frombuffer(data, dtype=dtype).astype(np.float32)
 
 
 class Prediction(NamedTuple):
