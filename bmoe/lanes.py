@@ -68,7 +68,7 @@ class Lane:
         self.unpacker = msgpack.Unpacker()
         self.eof = False
         self.unsent: list[bytes] = []
-        self.hold = False  # LanePool.batched: messages wait for one write
+        self.hold = False  # LanePool.hold: messages wait for one write at flush
 
     def send(self, order_id: int, reads: list[ReadOrder], speculative: bool = False) -> None:
         self.pending[order_id] = (time.monotonic(), reads, speculative)
