@@ -140,6 +140,20 @@ def test_run_numbers_from_summary_and_csv() -> None:
     assert all(r[k] is None for k in first_token), "a CSV from before the keys existed has none of them"
 
 
+def test_lanes_busy_share_is_the_overlap_io_over_lanes_times_wall() -> None:
+    """Under --overlap, moe-stream's flash I/O is the lanes' summed busy time: 0.0140 s/token of
+    reading by 2 lanes in 0.0250 s/token is 28 % busy. Serial I/O is blocked time: no share."""
+    rec = {"phase": "measure", "ok": True, **bench_numbers.run_numbers(STDOUT)}
+    cs = [bench_config.Config("o", ["--io-threads", "2"]), bench_config.Config("s", ["--io-threads", "2"]),
+          bench_config.Config("b", ["--no-stream"])]
+    runs = [{**rec, "config": c.name} for c in cs]
+    by = {x["config"]: x for x in bench_numbers.summarize(cs, runs, {2: 100.0}, common=["--no-overlap"])}
+    assert by["s"]["lanes_busy_pct"] is None and by["b"]["lanes_busy_pct"] is None
+    cs[0] = bench_config.Config("o", ["--io-threads", "2", "--overlap"])
+    by = {x["config"]: x for x in bench_numbers.summarize(cs, runs, {2: 100.0}, common=["--no-overlap"])}
+    assert by["o"]["lanes_busy_pct"] == pytest.approx(28.0) and by["s"]["lanes_busy_pct"] is None
+
+
 def test_run_numbers_reads_ahead_from_stdout_or_the_stderr_notice() -> None:
     prefetch = "moe-prefetch: 2.00 MiB speculative, 3/4 experts useful (75.0%)"
     gate = "moe-spec-gate: 81.5% router prediction recall (auto-disabled below 75%)"
@@ -195,6 +209,8 @@ def check_results(out: Path, limit: bool) -> dict:
         assert s["prefill_tok_s_median"] > 0 and s["prefill_tokens"] == runs[0]["prefill_tokens"] > 1, s
         assert s["ttft_vs_mmap"] == pytest.approx(s["ttft_s_median"] / by["mmap"]["ttft_s_median"])
     assert by["c0"]["io_bound_tok_s"] > 0 and by["c0"]["bw_threads"] == 2
+    # no cache: every token reads, and under overlap (the default) the lanes' busy share shows
+    assert 0 < by["c0"]["lanes_busy_pct"] <= 100.5 and by["mmap"]["lanes_busy_pct"] is None
     assert set(doc["bandwidth"]["used"]) == {"1", "2"}
     report = (out / "report.md").read_text()
     pos = [report.find(s) for s in SECTIONS]

@@ -66,6 +66,17 @@ def parse_common(text: str) -> list[str]:
     return argv
 
 
+def overlap_of(flags: list[str]) -> bool:
+    """Whether bmoe-cli streams with --overlap under these flags (the last one given wins)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=StreamSettings.overlap)
+    try:
+        ns, _ = p.parse_known_args(flags)
+    except SystemExit:
+        return StreamSettings.overlap
+    return ns.overlap
+
+
 def io_threads_of(flags: list[str]) -> int:
     """The I/O lanes bmoe-cli runs with under these flags: the bandwidth to compare it with is the
     one measured at that thread count."""

@@ -11,13 +11,13 @@ import statistics
 from typing import Sequence
 
 from bmoe import telemetry
-from bmoe.tools.bench_config import BASELINE_NAME, Config, io_threads_of
+from bmoe.tools.bench_config import BASELINE_NAME, Config, io_threads_of, overlap_of
 from bmoe.units import MiB
 
 RUN_KEYS = ("tokens", "tok_s", "s_per_token", "s_per_token_median", "s_per_token_p95", "p95_source",
             "steady_mib_per_token", "mib_read", "mib_per_token", "stall_s_per_token", "cache_hit_pct",
             "cache_resident_mib", "spec_mib_per_token", "useful_pct", "spec_recall_pct", "spec_disabled",
-            "prefill_tokens", "prefill_s", "prefill_tok_s", "load_s", "bmoe_load_s", "ttft_s")
+            "prefill_tokens", "prefill_s", "prefill_tok_s", "load_s", "bmoe_load_s", "ttft_s", "io_s_per_token")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -54,7 +54,8 @@ def run_numbers(stdout: str, csv_text: str | None = None, skip_tokens: int = 0, 
     stream = summary.get("moe-stream")
     if stream:
         out.update(mib_read=float(stream["read_mib"]), mib_per_token=float(stream["mib_per_token"]),
-                   stall_s_per_token=_float(stream["stall_s_per_token"]))
+                   stall_s_per_token=_float(stream["stall_s_per_token"]),
+                   io_s_per_token=float(stream["io_s_per_token"]))
     cache = summary.get("moe-cache")
     if cache:
         out.update(cache_hit_pct=float(cache["hit_pct"]), cache_resident_mib=float(cache["resident_mib"]))
@@ -149,11 +150,16 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
              "prefill_tok_s_median": _med([r.get("prefill_tok_s") for r in ok]),
              "load_s_median": _med([r.get("load_s") for r in ok]),
              "bmoe_load_s_median": _med([r.get("bmoe_load_s") for r in ok]),
-             "io_threads": None, "bw_threads": None, "bw_mib_s": None, "io_bound_tok_s": None,
+             "io_threads": None, "lanes_busy_pct": None,
+             "bw_threads": None, "bw_mib_s": None, "io_bound_tok_s": None,
              "overlap_limit_tok_s": None, "pct_of_limit": None,
              "speedup_vs_mmap": None, "s_per_token_vs_mmap": None, "ttft_vs_mmap": None}
         if "--no-stream" not in c.flags:
             s["io_threads"] = io_threads_of([*common, *c.flags])  # a configuration's flag wins
+            if overlap_of([*common, *c.flags]):  # flash I/O is then the lanes' busy time
+                s["lanes_busy_pct"] = _med([100.0 * r["io_s_per_token"] / (s["io_threads"] * r["s_per_token"])
+                                            for r in ok if r.get("io_s_per_token") is not None
+                                            and r.get("s_per_token")])
             pick = bandwidth_for(bw, s["io_threads"])
             if pick:
                 s["bw_threads"], s["bw_mib_s"] = pick

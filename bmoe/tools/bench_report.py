@@ -80,15 +80,17 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
           "'s/token ÷ mmap' = s/token median over the baseline's (for a fully resident cache: the "
           "cost of the hook). "
           "I/O-bound limit = O_DIRECT bandwidth (at the configuration's --io-threads) ÷ MiB read per "
-          "token: the tok/s if reads were the only cost. Peak memory = RSS of the run's process tree "
+          "token: the tok/s if reads were the only cost. Lanes busy % (with --overlap) = the lanes' "
+          "busy time per token ÷ (lanes × s/token): below 100 % the flash idled part of each token, "
+          "whatever the bandwidth probe says. Peak memory = RSS of the run's process tree "
           "(anonymous pages summed, file pages of its largest process) + its shared-memory cache segment, "
           f"sampled every {meta.get('sample_interval', 0.1):g} s, the largest over runs"
           + ("; cgroup peak = the cgroup's peak charge (includes page cache)."
              if (lim.get("method") or "").startswith("cgroup") else "."), "",
           "| config | flags | ok/runs | tok/s (median) | spread | s/token median | s/token p95 | MiB/token "
-          "| steady MiB/token | hit % | stall s/token | I/O-bound tok/s | peak MiB | cgroup peak MiB "
-          "| tok/s vs mmap | s/token ÷ mmap |",
-          "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| steady MiB/token | hit % | stall s/token | lanes busy % | I/O-bound tok/s | peak MiB "
+          "| cgroup peak MiB | tok/s vs mmap | s/token ÷ mmap |",
+          "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     spec_rows = [s for s in summary if s["spec_mib_per_token"] is not None or s["spec_recall_pct"] is not None]
     limits = [s for s in summary if s["overlap_limit_tok_s"] is not None]
     first = [s for s in summary if s["ttft_s_median"] is not None]
@@ -103,7 +105,8 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
                  f"{_f(s['tok_s_median'])} | {spread} | {_f(s['s_per_token_median'], '.4f')} | "
                  f"{_f(s['s_per_token_p95'], '.4f')} | {_f(s['mib_per_token'])} | "
                  f"{_f(s['steady_mib_per_token'])} | {_f(s['cache_hit_pct'], '.1f')} | "
-                 f"{_f(s['stall_s_per_token'], '.4f')} | {iob} | {_f(s['peak_mem_mib'], '.0f')} | "
+                 f"{_f(s['stall_s_per_token'], '.4f')} | {_f(s['lanes_busy_pct'], '.0f')} | {iob} | "
+                 f"{_f(s['peak_mem_mib'], '.0f')} | "
                  f"{_f(s['peak_cgroup_mib'], '.0f')} | "
                  f"{'–' if s['speedup_vs_mmap'] is None else format(s['speedup_vs_mmap'], '.2f') + '×'} | "
                  f"{_f(s['s_per_token_vs_mmap'], '.3f')} |")
