@@ -1,8 +1,8 @@
 """The coordinator: the process that runs decode in llama.cpp and owns every piece of cache state.
 
 `Engine` is the composition root. It loads the model with llama.cpp's own mmap load, finds the
-expert tensors with one warm-up decode (bmoe.seam), sizes the cache (bmoe.budget), builds the
-Streamer (slab, slot pools, cache and I/O lanes: bmoe.streamer) and the spec-gate
+expert tensors in one warm-up graph, visited but not computed (bmoe.seam), sizes the cache
+(bmoe.budget), builds the Streamer (slab, slot pools, cache and I/O lanes: bmoe.streamer) and the spec-gate
 (bmoe.speculation), hooks them into llama.cpp's eval callback and runs prefill and decode:
 `begin` prefills one KV sequence, `step` decodes one token for each of several sequences in one
 llama.cpp batch (`--parallel`), `end` frees one; `generate` is one sequence through all three.
@@ -397,8 +397,6 @@ class Engine:
         pos = self.kv_len(seq)
         self.check_fits(pos + len(tokens), n_predict, fix)
         st = self.streamer
-        if st:
-            st.take_speculation()
         chain = make_sampler(sampler or self.settings.sampler)
         s = Sequence(seq, chain, n_predict, on_piece, Result([], "", len(tokens), 0.0, []))
         try:

@@ -242,6 +242,10 @@ class ExpertCache:
         shift = idx - np.arange(len(idx), dtype=np.int32)
         return int(shift[0]) if idx.min() >= 0 and (shift == shift[0]).all() else None
 
+    def n_expert(self, layer: int) -> int:
+        """The experts the layer routes among (its table has an entry for each)."""
+        return len(self.table[layer])
+
     def count_hits(self, layer: int, n_experts: int) -> None:
         """Account a routing that was not looked at because the whole layer is resident."""
         n = n_experts * len(self.by_layer[layer])

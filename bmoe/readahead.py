@@ -130,7 +130,6 @@ class ReadAhead:
             if self._routes_nearly_all(min(self.batch_left, self.ubatch)):
                 self._read_whole(self.layers[0])
         if self.prefetch:
-            pos = self.cycle_pos[layer]
             for j in range(1, self.prefetch + 1):
                 nxt = self.layers[(pos + j) % len(self.layers)]
                 self._wish(nxt, self.last_routes.get(nxt, ()))
@@ -172,7 +171,7 @@ class ReadAhead:
         """Every absent expert of the layer the cache makes room for, one order per expert, spread
         by bytes over the lanes (they serve it after any demand, in order)."""
         load = [lane.pending_bytes() for lane in self.st.pool.lanes]
-        for e in range(max(self.cache.regions[ri].n_expert for ri in self.cache.by_layer[layer])):
+        for e in range(self.cache.n_expert(layer)):
             keys = self.cache.admit_speculative(layer, [e])
             if keys:
                 reads = self.st.reads_for(keys)

@@ -375,8 +375,9 @@ class Streamer:
         """Block until these orders completed; returns the wall time blocked (ns).
 
         Pages of free slots to give back are given back here first, while the lanes read; that
-        time, and committing the slices that arrive, is cache management, not waiting. With nothing live there is nothing to wait for: 0,
-        without timing (the stall of a token whose experts were all resident is 0).
+        time, and committing the slices that arrive, is cache management, not waiting. With nothing
+        live there is nothing to wait for: 0, without timing (the stall of a token whose experts
+        were all resident is 0).
         """
         if not any(self._live(o) for o in orders):
             return 0
@@ -440,7 +441,7 @@ class Streamer:
         if not c.holds_everything:
             return 0
         for layer in sorted(c.by_layer):
-            experts = list(range(max(c.regions[i].n_expert for i in c.by_layer[layer])))
+            experts = list(range(c.n_expert(layer)))
             self._wait(self.spread(c.plan(layer, experts)))
         c.reset_stats()
         return self.take_counters().read_bytes

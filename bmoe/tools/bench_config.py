@@ -66,27 +66,25 @@ def parse_common(text: str) -> list[str]:
     return argv
 
 
+def _flag(flags: list[str], name: str, **kw: object) -> object:
+    """The value bmoe-cli would take for one flag among these (its default when absent or unparsable)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(name, dest="value", **kw)
+    try:
+        return p.parse_known_args(flags)[0].value
+    except SystemExit:
+        return kw.get("default")
+
+
 def overlap_of(flags: list[str]) -> bool:
     """Whether bmoe-cli streams with --overlap under these flags (the last one given wins)."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=StreamSettings.overlap)
-    try:
-        ns, _ = p.parse_known_args(flags)
-    except SystemExit:
-        return StreamSettings.overlap
-    return ns.overlap
+    return _flag(flags, "--overlap", action=argparse.BooleanOptionalAction, default=StreamSettings.overlap)
 
 
 def io_threads_of(flags: list[str]) -> int:
     """The I/O lanes bmoe-cli runs with under these flags: the bandwidth to compare it with is the
     one measured at that thread count."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--io-threads", type=int, default=None)
-    try:
-        ns, _ = p.parse_known_args(flags)
-    except SystemExit:
-        ns = argparse.Namespace(io_threads=None)
-    return ns.io_threads or StreamSettings.io_threads
+    return _flag(flags, "--io-threads", type=int, default=None) or StreamSettings.io_threads
 
 
 def schedule(configs: list[Config], warmup: int, repeats: int) -> list[tuple[str, int, Config]]:
