@@ -160,3 +160,13 @@ class SlabCheck:
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
+
+
+@pytest.fixture(scope="session")
+def demo_default() -> tuple[Path, float]:
+    """The model and cache budget a no-argument `bmoe-cli`, `bmoe.load()` or `bmoe-server` runs:
+    the 16-expert demo, built with the real builder into the user cache when missing (under a
+    minute once the source and calibration are cached), so those paths run in every CI run."""
+    from bmoe.tools import demo
+
+    return demo.default_model(progress=lambda msg: print(f"demo: {msg}", file=sys.stderr, flush=True))

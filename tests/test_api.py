@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -192,13 +193,8 @@ def test_close_stops_the_workers_and_frees_shared_memory(path: str) -> None:
     m.close()  # idempotent
 
 
-def test_no_path_loads_the_demo_model() -> None:
-    from bmoe.tools import demo
-
-    path = demo.default_path(demo.DEMO_EXPERTS, demo.DEMO_TOP_K)
-    if not path.exists():
-        pytest.skip(f"the demo model is not built ({path}); `bmoe-cli` with no arguments builds it")
-    _, budget_mib = demo.default_model()
+def test_no_path_loads_the_demo_model(demo_default: tuple[Path, float]) -> None:
+    path, budget_mib = demo_default
     with bmoe.load(threads=2) as m:  # as bmoe-cli with no -m: the demo model and its cache budget
         assert m.stats.model == path.stem and m.stats.cache_budget_mib == pytest.approx(budget_mib, abs=0.1)
         assert m.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=4).strip()

@@ -46,6 +46,17 @@ def test_streams_the_same_answer_as_plain_llama_cpp(model: str) -> None:
     assert text == text_plain and len(summary) == 3 and spec_lines.summary_matches("moe-stream", summary[1]), summary
 
 
+def test_no_arguments_answers_the_demo_question_on_the_demo_model(demo_default) -> None:
+    """The README's first command: `bmoe-cli` alone streams the demo model with a quarter cache."""
+    r = run_cli(timeout=600)
+    assert r.returncode == 0, r.stderr
+    text, summary = answer_and_summary(r.stdout)
+    assert "Paris" in text, text
+    assert len(summary) == 3 and summary[0].startswith("generation: 64 tokens"), summary
+    assert spec_lines.summary_matches("moe-stream", summary[1], overlap=True), summary
+    assert spec_lines.summary_matches("moe-cache", summary[2]), summary
+
+
 def test_no_cache_drops_the_cache_line(model: str) -> None:
     r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "--cache-mb", "0", "--no-odirect")
     assert r.returncode == 0, r.stderr

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -387,15 +388,11 @@ def test_a_lane_failure_is_a_500_and_ends_the_server_with_exit_1(model: str) -> 
     assert bmoe_segments() == before
 
 
-# ---- the demo model (no -m), when it has been built ----------------------------------------------
+# ---- the demo model (no -m) -------------------------------------------------------------------
 
 
-def test_no_model_argument_serves_the_demo_model() -> None:
-    from bmoe.tools import demo
-
-    path = demo.default_path(demo.DEMO_EXPERTS, demo.DEMO_TOP_K)
-    if not path.exists():
-        pytest.skip(f"the demo model is not built ({path}); `bmoe-cli` with no arguments builds it")
+def test_no_model_argument_serves_the_demo_model(demo_default: tuple[Path, float]) -> None:
+    path, _ = demo_default
     s = Server("-t", "2")
     try:
         c = s.client("none")

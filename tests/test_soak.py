@@ -37,6 +37,7 @@ def fds(pid: int) -> int:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1800)
 def test_session_soak(synth) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=16, top_k=2))
     files = open_model(path)
