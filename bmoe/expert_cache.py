@@ -459,7 +459,8 @@ class ExpertCache:
         return bool(self.giving_back)
 
     def release_evicted(self) -> None:
-        """Give back the pages of the free indices queued by `_take` (MADV_REMOVE on every pool's slot).
+        """Give back the pages of the free indices `_give_back_one` queued (when `_take` or `set_budget`
+        had to bring the kept pages within the budget): MADV_REMOVE on every pool's slot.
 
         With `defer_release` the coordinator calls this while lanes read, so the system calls
         overlap with I/O.

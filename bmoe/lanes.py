@@ -122,7 +122,8 @@ class Lane:
 
 
 class LanePool:
-    """N lane processes. `submit` spreads a batch by bytes across lanes; `wait` collects it.
+    """N lane processes. `send` gives one lane an order (the caller shares reads out with
+    `spread`); `poll` collects completions into `done`, and `take` hands one over.
 
     A lane that exits, or leaves an order unanswered past `timeout` seconds, is
     replaced and its orders re-issued (a read rewrites its whole slab range, so

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 14: bmoe under a memory limit, which another process may squeeze mid-run.
+"""Does bmoe finish, with plain llama.cpp's text, under a memory limit that another process squeezes mid-run?
 
 Each run: a fresh memory cgroup with --limit-mb; `bmoe-cli` (default flags: `--cache-mb auto`,
 which adapts; add flags with --flags) decodes -n tokens inside it, from a cold page cache; when
@@ -10,7 +10,9 @@ tok/s before, during and after the squeeze from the per-token CSV, each run's bu
 coordinator's major page faults per decode token (dense weights faulted back in), and the
 cgroup's OOM kills and peak.
 
-    python bench/issue14_adversary.py -m bench/models/demo64.gguf --runs 5 --out bench/reports/DATE-issue14/adversary
+    python bench/memory_squeeze.py -m bench/models/demo64.gguf --runs 5 --out bench/reports/DATE-memory-limits/adversary
+
+bench/memory_limits.sh runs it for every case of the memory-limit report.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ PROMPT = "Write a story about a dragon who learns to bake bread."
 
 
 def say(msg: str) -> None:
-    print(f"issue14: {msg}", file=sys.stderr, flush=True)
+    print(f"memory_squeeze: {msg}", file=sys.stderr, flush=True)
 
 
 def plain_text(model: str, n: int, flags: list[str]) -> str:
@@ -147,7 +149,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--flags", default="-t 2 --io-threads 4", help="bmoe-cli flags for every run (default: %(default)s)")
     ap.add_argument("--ref-flags", default="-t 2", help="flags of the --no-stream reference (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=Path("bench/out/issue14"))
+    ap.add_argument("--out", type=Path, default=Path("bench/out/memory-squeeze"))
     a = ap.parse_args()
     a.flags = a.flags.split()
     h = bench_sys.find_cgroup()

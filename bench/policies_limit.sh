@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 8, end to end: LRU vs the default cache policy (next-use) on the 64-expert demo model
-# (5.2 GiB) under a memory limit of about half of it, at the same cache budget, in one bmoe-bench run.
-# Acceptance: the default reads ≥20 % fewer MiB per token than LRU and is faster in tok/s.
+# Does the default cache policy (next-use) beat LRU end to end? On the 64-expert demo model (5.2 GiB)
+# under a memory limit of about half of it, at the same cache budgets, in one bmoe-bench run: MiB read
+# per token and tok/s of each policy. (The replay of recorded traces through every policy: traces.sh.)
 #
 # Run it on a quiet machine (each run reads GBs from flash; 30-60 s per run, 24 runs by default).
 #   MODEL=path (default bench/models/demo64.gguf, written by bmoe-demo when missing)
@@ -9,7 +9,8 @@
 #   CACHE_MB="1290 2000"  cache budgets, each run by both policies: 25 % and 39 % of the 5164 MiB
 #                   of experts (the largest budget that leaves room under the limit)
 #   POLICY=next-use  the policy compared with lru (the default)
-#   N=64 REPEATS=3 WARMUP=0 THREADS=1 SKIP=0 OUT=dir   EXTRA='...' more bmoe-bench flags
+#   N=64 REPEATS=3 WARMUP=0 THREADS=1 SKIP=0   EXTRA='...' more bmoe-bench flags
+#   OUT=dir (default bench/reports/<date>-policies-limit)
 # Each policy runs serial and with --overlap (bmoe-cli's default), both without speculative
 # reads, so the policy alone decides what is read.
 # Quick check that it starts: N=2 REPEATS=1 WARMUP=0 EXTRA='--no-bandwidth' $0
@@ -24,7 +25,7 @@ WARMUP=${WARMUP:-0}
 THREADS=${THREADS:-1}
 SKIP=${SKIP:-0}
 EXTRA=${EXTRA:-}
-OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue8/limited}
+OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-policies-limit}
 # shellcheck disable=SC2086  # EXTRA is a list of flags
 configs=()
 for mb in $CACHE_MB; do
@@ -39,4 +40,4 @@ done
     -n "$N" --repeats "$REPEATS" --warmup "$WARMUP" --skip-tokens "$SKIP" --no-baseline \
     --common "-t $THREADS -c 512 --chat --io-threads 2" --mem-limit-mb "$LIMIT_MB" \
     "${configs[@]}" --out "$OUT" $EXTRA
-echo "issue8: report in $OUT/report.md" >&2
+echo "policies_limit: report in $OUT/report.md" >&2

@@ -1,14 +1,15 @@
-"""Issue 13 (cheap policy): what a cache policy alone costs per token, here and in an earlier tree.
+"""What does a cache policy alone cost per token, here and in an earlier tree?
 
 `bmoe-bench policies` times a whole replay, the cache's own bookkeeping included. This records
-every call the cache makes on the policy during the same replays (demo64's traces, with the
-prefill pass, `predict` told the temporal hints), then times replaying only those calls on a
+every call the cache makes on the policy during the same replays (demo64's three traces as
+bench/traces.sh records them, by default those in bench/reports/2026-11-29-issue8/traces/; with
+the prefill pass, `predict` told the temporal hints), then times replaying only those calls on a
 fresh policy, best of R, minus the replay loop's own cost. `--against DIR` times the same calls
 on the policy classes of another source tree (e.g. `git archive REV bmoe | tar -x -C DIR`); each
 victim must come out the same, or the run stops. `--synthetic` replays a layout larger than
 demo64 (48 layers x 128 experts x 3 tensors, top-8, skewed random routing) instead.
 
-    python bench/issue13_policy_cost.py -m demo64.gguf --against /tmp/before > policy_cost.md
+    python bench/policy_cost.py -m demo64.gguf --against /tmp/before > policy_cost.md
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="25,50")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--traces", type=Path, default=TRACES,
+                    help="directory of story/factual/code.jsonl (default: %(default)s)")
     a = ap.parse_args()
     other = load_policies(a.against) if a.against else None
     sources = [("this", cache_policy)] + ([("against", other)] if other else [])
@@ -165,7 +168,7 @@ def main() -> None:
             sregions, steps = synthetic()
             layers, n_tokens = list(range(len(steps[0]))), len(steps)
         else:
-            t = Trace.read(TRACES / f"{name}.jsonl")
+            t = Trace.read(a.traces / f"{name}.jsonl")
             layers, n_tokens, hints = t.layers, len(t.routes), temporal_hints(t)
         for pct in (int(b) for b in a.budgets.split(",")):
             for pname in a.policies.split(","):

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 2: streaming vs plain llama.cpp (mmap) on a synthetic MoE larger than the memory it gets.
+# How fast does bmoe decode when only about half the model fits in memory, against plain llama.cpp
+# (mmap), and what does streaming cost when every expert is resident? On a synthetic MoE (or yours):
 #
 #   (a) writes a ≥4 GB synthetic qwen3moe model (q8_0) if it is missing;
-#   (b) bmoe-bench under a memory limit of about half the model: mmap vs bmoe with a cache
+#   (b) limited: bmoe-bench under a memory limit of about half the model: mmap vs bmoe with a cache
 #       budget that fits the limit, with 2 and 4 I/O lanes;
-#   (c) bmoe-bench with no limit and every expert resident: the hook's overhead, bmoe ÷ mmap
+#   (c) resident: bmoe-bench with no limit and every expert resident: the hook's overhead, bmoe ÷ mmap
 #       s/token (the first tokens, which fill the cache, are left out with --skip-tokens).
 #
-# Both reports go to bench/reports/<date>-issue2/{limited,resident}/. Takes a long time (load of a
-# 4.5 GB file per run, cold); run it on a quiet machine. Every knob is an environment variable:
+# Both reports go to OUT/{limited,resident}/. Takes a long time (load of a 4.5 GB file per run, cold);
+# run it on a quiet machine. Every knob is an environment variable:
 #
 #   MODEL=path        model to use (default bench/models/synth-4g.gguf, written when missing)
 #   SIZE_GB=4.5       size of the synthetic model written when MODEL is missing
@@ -18,7 +19,7 @@
 #   CACHE_MB=...      cache budget for (b) (default: LIMIT_MB - non-expert - one layer - OVERHEAD_MB)
 #   N=32 N2=64        tokens per run in (b) / (c);   SKIP2=8: tokens (c) leaves out
 #   REPEATS=3 WARMUP=1 THREADS=$(nproc) CTX=512
-#   OUT=dir           reports directory (default bench/reports/<date>-issue2)
+#   OUT=dir           reports directory (default bench/reports/<date>-decode-half-model)
 #   ONLY=limited|resident   run just one part;   EXTRA='...' more bmoe-bench flags for both
 #
 # Quick check that it starts: MODEL=small.gguf N=4 N2=4 SKIP2=0 REPEATS=1 WARMUP=0 EXTRA='--bw-mb 16' $0
@@ -36,7 +37,7 @@ WARMUP=${WARMUP:-1}
 THREADS=${THREADS:-$(nproc)}
 CTX=${CTX:-512}
 OVERHEAD_MB=${OVERHEAD_MB:-640}
-OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue2}
+OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-decode-half-model}
 ONLY=${ONLY:-}
 EXTRA=${EXTRA:-}
 TIMEOUT=${TIMEOUT:-3600}
@@ -45,7 +46,7 @@ the storm that follows, the village that doubts him, and the voyage he finally m
 northern sea to the island drawn on the map, describing the ship, the crew and the weather."}
 
 if [[ ! -f $MODEL ]]; then
-    echo "issue2: writing a ${SIZE_GB} GB synthetic model to $MODEL (once) ..." >&2
+    echo "decode_half_model: writing a ${SIZE_GB} GB synthetic model to $MODEL (once) ..." >&2
     mkdir -p "$(dirname "$MODEL")"
     # realistic shape (24 layers, 64 experts, top-8); --size-gb picks the expert width
     "$PY" -m bmoe.tools.synth --arch qwen3moe --layers 24 --experts 64 --top-k 8 --embd 1024 \
@@ -75,10 +76,10 @@ PY
 LIMIT_MB=${LIMIT_MB:-$((SIZE_MIB / 2))}
 CACHE_MB=${CACHE_MB:-$((LIMIT_MB - OTHER_MIB - LAYER_MIB - OVERHEAD_MB))}
 RESIDENT_MB=$((EXPERT_MIB + 64))
-echo "issue2: model ${SIZE_MIB} MiB (experts ${EXPERT_MIB}, other ${OTHER_MIB}, one layer's routed experts ${LAYER_MIB});" \
+echo "decode_half_model: model ${SIZE_MIB} MiB (experts ${EXPERT_MIB}, other ${OTHER_MIB}, one layer's routed experts ${LAYER_MIB});" \
      "limit ${LIMIT_MB} MiB, cache budget ${CACHE_MB} MiB; resident run --cache-mb ${RESIDENT_MB}" >&2
 if (( CACHE_MB < LAYER_MIB )); then
-    echo "issue2: error: a ${LIMIT_MB} MiB limit leaves no room for a cache (${CACHE_MB} MiB < one layer's" \
+    echo "decode_half_model: error: a ${LIMIT_MB} MiB limit leaves no room for a cache (${CACHE_MB} MiB < one layer's" \
          "${LAYER_MIB} MiB); raise LIMIT_MB or lower OVERHEAD_MB" >&2
     exit 1
 fi
@@ -100,4 +101,4 @@ if [[ -z $ONLY || $ONLY == resident ]]; then
         --config "resident=--cache-mb $RESIDENT_MB --io-threads 2 --preload" \
         --out "$OUT/resident" $EXTRA
 fi
-echo "issue2: reports in $OUT/limited/report.md and $OUT/resident/report.md" >&2
+echo "decode_half_model: reports in $OUT/limited/report.md and $OUT/resident/report.md" >&2

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 5: --overlap, --prefetch and --spec-gate on the 64-expert demo model (5.2 GiB of experts)
-# under a memory limit of about half the model, at two cache budgets, in one bmoe-bench run:
+# Which of --overlap, --prefetch and --spec-gate hide flash latency? On the 64-expert demo model
+# (5.2 GiB of experts) under a memory limit of about half the model, at two cache budgets, in one
+# bmoe-bench run:
 # serial, --overlap, --overlap --prefetch 1, --overlap --spec-gate, --overlap --prefetch 1 --spec-gate,
 # plus llama.cpp mmap and a fully resident run (no limit) whose s/token is the compute cost in each
 # configuration's overlap limit, 1 / max(compute s/token, MiB per token ÷ O_DIRECT bandwidth).
@@ -8,7 +9,8 @@
 # Run it on a quiet machine: about 25 runs of 30-120 s each. Knobs (environment variables):
 #   MODEL=path (default bench/models/demo64.gguf, built by bmoe-demo when missing)
 #   LIMIT_MB=2700   memory limit (cgroup, else a balloon)      SMALL_MB=900 LARGE_MB=1800  budgets
-#   N=24 REPEATS=2 WARMUP=0 THREADS=1 LANES=3 (--io-threads) OUT=dir   EXTRA='...' more bmoe-bench flags
+#   N=24 REPEATS=2 WARMUP=0 THREADS=1 LANES=3 (--io-threads)   EXTRA='...' more bmoe-bench flags
+#   OUT=dir (default bench/reports/<date>-levers)
 # One compute thread by default: llama.cpp's spinning thread pool slows down many times over when
 # the I/O lanes or another process take a core, which would drown the levers' effect in noise.
 # Quick check that it starts: N=2 REPEATS=1 EXTRA='--no-bandwidth' $0
@@ -23,7 +25,7 @@ WARMUP=${WARMUP:-0}
 THREADS=${THREADS:-1}
 LANES=${LANES:-3}
 EXTRA=${EXTRA:-}
-OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-issue5}
+OUT=${OUT:-$REPO/bench/reports/$(date +%Y-%m-%d)-levers}
 configs=()
 for mb in "$SMALL_MB" "$LARGE_MB"; do
   c="--cache-mb $mb"
@@ -40,4 +42,4 @@ done
     --common "-t $THREADS -c 512 --chat --io-threads $LANES" --bw-threads 1,2,3,4 --mem-limit-mb "$LIMIT_MB" \
     "${configs[@]}" --config "resident=--cache-mb 6000 --preload" --compute-ref resident \
     --out "$OUT" $EXTRA
-echo "issue5: report in $OUT/report.md" >&2
+echo "levers: report in $OUT/report.md" >&2

@@ -7,7 +7,7 @@ It answers whether batching can pay when decode is compute-bound: on a model who
 dominate the per-token work, k sequences route to nearly k times the experts, so a batch step
 costs nearly k single steps.
 
-    python bench/issue15_batch_scaling.py -m demo64.gguf --rounds 3 > scaling.md
+    python bench/batch_scaling.py -m demo64.gguf --rounds 3 > scaling.md
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import sys
 
 import bmoe
-from issue15_serve import PROMPTS  # the same eight prompts as the server bench (bench/ is on the path)
+from serve_concurrency import PROMPTS  # the same eight prompts as the server bench (bench/ is on the path)
 
 
 def rate(m: bmoe.Model, k: int, n: int) -> tuple[float, list[str]]:
@@ -52,7 +52,7 @@ def main() -> int:
                     tok_s, out = rate(m, k, a.tokens)
                     got[name][k].append(tok_s)
                     texts[name][k] = out
-                    print(f"issue15_batch_scaling: round {r + 1}, {name}, k={k}: {tok_s:.2f} tok/s",
+                    print(f"batch_scaling: round {r + 1}, {name}, k={k}: {tok_s:.2f} tok/s",
                           file=sys.stderr, flush=True)
     print(f"Aggregate decode tok/s, median of {a.rounds} rounds ({a.tokens} tokens per sequence, -t {a.threads}); "
           "in brackets: × one sequence.\n")

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Issue 13, fast load: how long a load takes with and without streaming, warm page cache.
+"""How long does a load take, with and without streaming (warm page cache)?
 
 `bmoe.load(...).stats.load_s` for plain llama.cpp (streaming off) and for streaming (warm-up
 capture, GGUF table, slab, window, lanes, cache sizing), alternating, --rounds times, after one
 unmeasured load of each to warm the page cache. The difference is bmoe's own load work.
+`--table` times instead what reading the GGUF's tensor table costs: `gguf.GGUFReader` (which
+parses every key-value pair, the tokenizer's arrays included) against `bmoe.gguf_table`.
 
-    python bench/issue13_load.py -m bench/models/demo64.gguf --rounds 5
+    python bench/load_time.py -m bench/models/demo64.gguf --rounds 5
+    python bench/load_time.py -m bench/models/demo64.gguf --rounds 7 --table
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
+from pathlib import Path
 
 import bmoe
 
@@ -22,7 +27,10 @@ def main() -> int:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cache-mb", type=float, default=1300)
+    ap.add_argument("--table", action="store_true", help="time reading the GGUF's tensor table instead")
     a = ap.parse_args()
+    if a.table:
+        return table(Path(a.model), a.rounds)
     kinds = {"plain": dict(streaming_enabled=False),
              "stream": dict(cache_mb=a.cache_mb, streaming_io_threads=4)}
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -35,6 +43,26 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"median load_s: plain {med['plain']:.3f} s, streaming {med['stream']:.3f} s, "
           f"bmoe's own load work {med['stream'] - med['plain']:.3f} s ({a.rounds} rounds)")
+    return 0
+
+
+def table(path: Path, rounds: int) -> int:
+    """gguf.GGUFReader against bmoe.gguf_table.read_table, alternating, warm page cache."""
+    import gguf
+
+    from bmoe.gguf_table import read_table
+
+    readers = {"gguf.GGUFReader": gguf.GGUFReader, "bmoe.gguf_table.read_table": read_table}
+    times: dict[str, list[float]] = {k: [] for k in readers}
+    for rnd in range(rounds + 1):
+        for name, read in readers.items():
+            t0 = time.perf_counter()
+            read(path)
+            if rnd:  # round 0 warms the page cache
+                times[name].append(time.perf_counter() - t0)
+    for name, v in times.items():
+        print(f"{name}: median {statistics.median(v) * 1e3:.1f} ms (min {min(v) * 1e3:.1f}, "
+              f"max {max(v) * 1e3:.1f}; {rounds} rounds)")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Throughput of concurrent requests through bmoe-server (issue 15): 1, 2, 4 and 8 clients, each
-sending one request with its own prompt, against the same requests served one after another.
+"""What do concurrent requests get from bmoe-server? 1, 2, 4 and 8 clients, each sending one request
+with its own prompt, against the same requests served one after another.
 
 For each batching mode a fresh `bmoe-server --parallel 8 --batching MODE` is started (in a fresh
 memory cgroup when --mem-limit-mb is given); it answers a short warm-up request per prompt, then the requests one
@@ -10,8 +10,8 @@ generated token, stall and hit rate come from each response's `bmoe` telemetry (
 reads are shared among its tokens). Answers are compared with the same prompt's sequential answer
 (greedy): how often a request served concurrently answers differently from alone.
 
-    python bench/issue15_serve.py -m demo64.gguf --preload --out a.md                       # regime (a)
-    python bench/issue15_serve.py -m demo64.gguf --cache-mb 1300 --mem-limit-mb 2500 --out b.md  # (b)
+    python bench/serve_concurrency.py -m demo64.gguf --preload --out a.md                       # regime (a)
+    python bench/serve_concurrency.py -m demo64.gguf --cache-mb 1300 --mem-limit-mb 2500 --out b.md  # (b)
 
 Progress goes to stderr, the Markdown report to --out (and stdout).
 """
@@ -44,7 +44,7 @@ PROMPTS = [
 
 
 def note(msg: str) -> None:
-    print(f"issue15_serve: {msg}", file=sys.stderr, flush=True)
+    print(f"serve_concurrency: {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass
