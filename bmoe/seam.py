@@ -1,7 +1,8 @@
 """The one place bmoe touches llama.cpp's internals through ctypes.
 
 Every assumption made here (struct layout, op codes, node names, the strided
-routing-id view, who reads the routed ids and in which order) is pinned by
+routing-id view, who reads the routed ids and in which order, the F32 rows a
+`NodeTap` copies) is pinned by
 tests/test_seam.py against the pinned llama-cpp-python build, so a version bump
 that breaks one fails loudly; the graph facts the remap needs are also checked
 on every model at load (`Capture`), so a model whose graph differs is refused.
@@ -117,16 +118,21 @@ def write_ids(addr: int, ids: np.ndarray) -> None:
     _ids_view(tensor_at(addr))[...] = ids
 
 
-def router_input(addr: int) -> np.ndarray:
-    """Copy the F32 [n_tokens, n_embd] hidden state a `ffn_moe_logits-L` matmul multiplies."""
-    src = tensor_at(tensor_at(addr).src[1])
-    n_embd, n_tok = int(src.ne[0]), int(src.ne[1])
-    if src.type != 0 or int(src.nb[0]) != 4:  # GGML_TYPE_F32, contiguous rows
-        raise RuntimeError(f"router input of {tensor_name(addr)} is not an F32 row-major tensor")
-    row = int(src.nb[1])
-    raw = np.frombuffer((ctypes.c_char * (row * (n_tok - 1) + n_embd * 4)).from_address(src.data), dtype=np.uint8)
+def f32_rows(addr: int, what: str = "") -> np.ndarray:
+    """Copy an F32 node's [n_tokens, n_embd] rows (ne[0] floats each, nb[1] bytes apart)."""
+    t = tensor_at(addr)
+    n_embd, n_tok = int(t.ne[0]), int(t.ne[1])
+    if t.type != 0 or int(t.nb[0]) != 4:  # GGML_TYPE_F32, contiguous rows
+        raise RuntimeError(f"{what or tensor_name(addr)} is not an F32 row-major tensor")
+    row = int(t.nb[1])
+    raw = np.frombuffer((ctypes.c_char * (row * (n_tok - 1) + n_embd * 4)).from_address(t.data), dtype=np.uint8)
     return np.lib.stride_tricks.as_strided(raw.view(np.float32)[:1], shape=(n_tok, n_embd),
                                            strides=(row, 4)).copy()
+
+
+def router_input(addr: int) -> np.ndarray:
+    """Copy the F32 [n_tokens, n_embd] hidden state a `ffn_moe_logits-L` matmul multiplies."""
+    return f32_rows(tensor_at(addr).src[1], f"router input of {tensor_name(addr)}")
 
 
 def last_router_input(addr: int) -> tuple[int, int, int]:
@@ -389,3 +395,42 @@ class EvalHook:
     def __exit__(self, *exc: object) -> None:
         global _decoding
         _decoding = None
+
+
+class NodeTap:
+    """A cb_eval callback that copies chosen activations of a plain decode, layer by layer.
+
+    Each node named `NAME-L` for a NAME in `names` (the whole name: views such as
+    "ffn_norm-3 (reshaped)" are not it) is asked for, and once computed its F32 rows go to
+    `on_rows(NAME, L, rows)` as a copy. Tools that read a model's activations use it (the demo's
+    calibration reads `ffn_norm-L`, the router input of the llama graph); streaming uses
+    `EvalHook`. An exception in the callback is kept in `error` (ctypes would swallow it) and
+    nothing more is copied; the caller raises it once `llama_decode` returns.
+    """
+
+    def __init__(self, names: tuple[str, ...], on_rows: Callable[[str, int, np.ndarray], None]) -> None:
+        self.on_rows = on_rows
+        self.error: BaseException | None = None
+        self._rx = re.compile(r"^(" + "|".join(map(re.escape, names)) + r")-(\d+)$")
+        self._nodes: dict[bytes, tuple[str, int] | None] = {}
+        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+
+    def _node(self, name: bytes) -> tuple[str, int] | None:
+        if name not in self._nodes:
+            m = self._rx.match(name.decode(errors="replace"))
+            self._nodes[name] = (m.group(1), int(m.group(2))) if m else None
+        return self._nodes[name]
+
+    def _callback(self, t: int, ask: bool, _user: int) -> bool:
+        try:
+            if self.error is not None:
+                return False
+            node = self._node(ctypes.string_at(t + NAME_OFFSET))
+            if node is None:
+                return False
+            if not ask:
+                self.on_rows(node[0], node[1], f32_rows(t))
+            return True
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller after llama_decode returns
+            self.error = e
+            return False

@@ -289,3 +289,35 @@ def test_capture_refuses_a_graph_the_remap_would_change(case: str) -> None:
         assert any("multiplied before ffn_moe_weights-0" in b for b in cap.bad), cap.bad
     else:
         assert any("reads the routed ids of layer 0" in b for b in cap.bad), cap.bad
+
+
+def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -> None:
+    """`NodeTap` (what the demo's calibration reads the router input with) gets `ffn_inp-L` and
+    `ffn_norm-L` of every layer once per decode as [n_tokens, n_embd] F32 rows, and the norm's rows
+    are the RMS norm of the input's (the synthetic norm weights are ones): names, layout, values."""
+    from bmoe.llama import Vocab, init_backend, load_model, new_context
+
+    path = synth(arch="llama", layers=4, experts=8, top_k=2)
+    reader = gguf.GGUFReader(path)
+    n_embd = int(reader.get_field("llama.embedding_length").parts[-1][0])
+    eps = float(reader.get_field("llama.attention.layer_norm_rms_epsilon").parts[-1][0])
+    got: dict[tuple[str, int], list[np.ndarray]] = {}
+    tap = seam.NodeTap(("ffn_inp", "ffn_norm"), lambda name, layer, rows: got.setdefault((name, layer), []).append(rows))
+    init_backend()
+    model = load_model(path)
+    ctx = new_context(model, 256, 2, tap.c_callback)
+    try:
+        toks = Vocab(model).tokenize(PROMPT)
+        ids = (llama_cpp.llama_token * len(toks))(*toks)  # kept alive: the batch points into it
+        rc = llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(ids, len(toks)))
+        assert rc == 0 and tap.error is None, (rc, tap.error)
+    finally:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    assert sorted(got) == [(name, layer) for name in ("ffn_inp", "ffn_norm") for layer in range(4)]
+    for layer in range(4):
+        (x,), (y,) = got["ffn_inp", layer], got["ffn_norm", layer]
+        n_rows = len(toks) if layer < 3 else 1  # the last layer computes only the output row
+        assert x.shape == y.shape == (n_rows, n_embd) and x.dtype == y.dtype == np.float32
+        want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + eps)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-6)

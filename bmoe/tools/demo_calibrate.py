@@ -2,8 +2,8 @@
 
 The router input of the MoE graph is the RMS-normed FFN input, the graph node `ffn_norm-L`
 (src/models/llama.cpp), which is what `ffn_gate_inp` multiplies. The dense model computes the
-same node, so its states over `bmoe.tools.calibration_text` are what the routers are fitted to.
-The states do not depend on the expert count: they are kept in the cache dir and shared by
+same node, so its states over `bmoe.tools.calibration_text`, copied by `bmoe.seam.NodeTap`, are
+what the routers are fitted to. The states do not depend on the expert count: they are kept in the cache dir and shared by
 every demo size.
 """
 
@@ -13,7 +13,6 @@ import ctypes
 import hashlib
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,43 +20,7 @@ from typing import Callable
 import numpy as np
 
 CALIBRATION_VERSION = 1  # bump when calibrate() captures something else (it keys the cached states)
-NORM_NODE = b"ffn_norm-"  # router input in llama.cpp's llama graph: cb(cur, "ffn_norm", il)
-_NODE_NAME = re.compile(rb"^ffn_norm-(\d+)$")
-
-
-class _NodeCapture:
-    """cb_eval hook that copies each `ffn_norm-L` node ([n_embd, n_tokens] F32) as it is computed."""
-
-    def __init__(self, n_layer: int) -> None:
-        import llama_cpp
-
-        from bmoe import seam
-
-        self._seam = seam
-        self.rows: list[list[np.ndarray]] = [[] for _ in range(n_layer)]
-        self.error: BaseException | None = None
-        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
-
-    def _callback(self, t: int, ask: bool, _user: int) -> bool:
-        try:
-            if ctypes.string_at(t + self._seam.NAME_OFFSET, len(NORM_NODE)) != NORM_NODE:
-                return False
-            m = _NODE_NAME.match(ctypes.string_at(t + self._seam.NAME_OFFSET))
-            if m is None:  # not views named "ffn_norm-3 (reshaped)" and the like
-                return False
-            if ask:
-                return True
-            layer = int(m.group(1))
-            node = self._seam.tensor_at(t)
-            n_embd, n_tok = int(node.ne[0]), int(node.ne[1])
-            if node.type != 0 or int(node.nb[0]) != 4 or int(node.nb[1]) != 4 * n_embd:
-                raise RuntimeError(f"ffn_norm-{layer} is not a contiguous F32 tensor")
-            buf = (ctypes.c_float * (n_embd * n_tok)).from_address(node.data)
-            self.rows[layer].append(np.ctypeslib.as_array(buf).reshape(n_tok, n_embd).copy())
-            return True
-        except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
-            self.error = e
-            return False
+NORM_NODE = "ffn_norm"  # router input in llama.cpp's llama graph: cb(cur, "ffn_norm", il)
 
 
 def _render_dialogue(model: object, turns: tuple[tuple[str, str], ...]) -> str:
@@ -88,6 +51,7 @@ def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[n
     """
     import llama_cpp
 
+    from bmoe import seam
     from bmoe.tools.calibration_text import DIALOGUES, PASSAGES
     from bmoe.llama import Vocab, init_backend, load_model, new_context
 
@@ -97,13 +61,14 @@ def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[n
         raise RuntimeError(f"llama.cpp could not load {src}")
     ctx = batch = None
     try:
-        cap = _NodeCapture(llama_cpp.llama_model_n_layer(model))
+        rows: list[list[np.ndarray]] = [[] for _ in range(llama_cpp.llama_model_n_layer(model))]
+        tap = seam.NodeTap((NORM_NODE,), lambda _name, layer, r: rows[layer].append(r))
         vocab = Vocab(model)
         texts = list(PASSAGES) + [_render_dialogue(model, d) for d in DIALOGUES]
         docs = [vocab.tokenize(t, add_special=False) for t in texts]
         longest = max(len(d) for d in docs)
         n_ctx = 1 << max(8, math.ceil(math.log2(longest)))
-        ctx = new_context(model, n_ctx, threads, cap.c_callback, n_ubatch=n_ctx)
+        ctx = new_context(model, n_ctx, threads, tap.c_callback, n_ubatch=n_ctx)
         batch = llama_cpp.llama_batch_init(longest, 0, 1)
         total = sum(len(d) for d in docs)
         done, last = 0, 0.0
@@ -117,24 +82,24 @@ def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[n
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = 1
-            before = [len(r) for r in cap.rows]
+            before = [len(r) for r in rows]
             rc = llama_cpp.llama_decode(ctx, batch)
-            if cap.error is not None:
-                raise cap.error
+            if tap.error is not None:
+                raise tap.error
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed with code {rc} during calibration")
-            for layer, rows in enumerate(cap.rows):
-                got = sum(r.shape[0] for r in rows[before[layer]:])
+            for layer, got_rows in enumerate(rows):
+                got = sum(r.shape[0] for r in got_rows[before[layer]:])
                 if got != len(doc):
                     raise RuntimeError(f"layer {layer} produced {got} router-input rows for {len(doc)} tokens")
                 # drop position 0 (first row of this document's first chunk)
-                rows[before[layer]] = rows[before[layer]][1:]
+                got_rows[before[layer]] = got_rows[before[layer]][1:]
             done += len(doc)
             now = time.monotonic()
             if now - last >= 1.0 or done == total:
                 last = now
                 say(f"calibration: {done}/{total} tokens ({100 * done // total}%)")
-        return [np.concatenate(r) for r in cap.rows]
+        return [np.concatenate(r) for r in rows]
     finally:
         if batch is not None:
             llama_cpp.llama_batch_free(batch)
