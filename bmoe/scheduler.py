@@ -71,11 +71,12 @@ class Batching:
 
     `auto` works in phases of `phase` steps in one mode. A phase's cost is the median seconds per
     generated token of its steps, leaving out the first `settle` (they pay for what the other
-    mode left in the cache); each mode's cost is a moving average over its phases. It starts with
-    `batch` when every expert is cached (nothing to read: compute-bound), `turns` otherwise, then
-    tries the other mode for a phase; from then on it keeps the incumbent unless the other is
-    cheaper by `margin`, and tries the other again every `explore_every` phases, so a regime
-    change (a budget that adapts, other prompts, more requests) is noticed.
+    mode left in the cache); each mode's cost is a moving average over its phases. Its incumbent is
+    `batch` when every expert is cached (nothing to read: compute-bound), `turns` otherwise; the
+    first phase tries the other mode, the second the incumbent; from then on it keeps the
+    incumbent unless the other is cheaper by `margin`, and tries the other for one phase after
+    every `explore_every` phases, so a regime change (a budget that adapts, other prompts, more
+    requests) is noticed.
     """
 
     def __init__(self, mode: str, all_cached: Callable[[], bool], phase: int = 16, settle: int = 2,
