@@ -165,8 +165,9 @@ class SlabCheck:
 @pytest.fixture(scope="session")
 def demo_default() -> tuple[Path, float]:
     """The model and cache budget a no-argument `bmoe-cli`, `bmoe.load()` or `bmoe-server` runs:
-    the 16-expert demo, built with the real builder into the user cache when missing (under a
-    minute once the source and calibration are cached), so those paths run in every CI run."""
+    the 16-expert demo, built with the real builder into the user cache when missing (3-6 minutes
+    on 2 cores the first time: 206 s at load 5, 321 s at load 7.5), so those paths run in every CI
+    run."""
     from bmoe.tools import demo
 
     return demo.default_model(progress=lambda msg: print(f"demo: {msg}", file=sys.stderr, flush=True))
