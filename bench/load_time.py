@@ -31,8 +31,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.table:
         return table(Path(a.model), a.rounds)
-    kinds = {"plain": dict(streaming_enabled=False),
-             "stream": dict(cache_mb=a.cache_mb, streaming_io_threads=4)}
+    kinds = {"plain": dict(stream=False),
+             "stream": dict(cache_mb=a.cache_mb, io_threads=4)}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for rnd in range(a.rounds + 1):
         for name, kw in kinds.items():

