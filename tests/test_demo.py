@@ -204,8 +204,8 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
     eng = m.engine
     try:
         st = eng.streamer
-        inner = eng.hook.on_route
-        eng.hook.skip_route = None  # every routing decision goes through the wrapper below
+        inner = eng.hook.stops.on_route
+        eng.hook.stops.skip_route = lambda layer: False  # every routing decision goes through the wrapper below
         uses: collections.Counter[tuple[int, int]] = collections.Counter()
         target: dict[str, object] = {}
         hits = 0
@@ -220,7 +220,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
                     slice_bytes(st, st.cache.regions.index(r), target["expert"])[:] = data
                 hits += 1
 
-        eng.hook.on_route = on_route
+        eng.hook.stops.on_route = on_route
         ref = reference[STORY][0]
         assert _run(m, STORY, N_STORY) == ref
         (layer, victim), _ = max(uses.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]))

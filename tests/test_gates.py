@@ -193,14 +193,14 @@ def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(small_moe
               overlap) as m:
         e = m.engine
         prefill: dict[int, set[int]] = {}
-        inner = e.hook.on_route
+        inner = e.hook.stops.on_route
 
         def on_route(layer, ids) -> None:
             if len(ids) > 1:
                 prefill[layer] = {int(x) for x in ids.reshape(-1)}
             inner(layer, ids)
 
-        e.hook.on_route, e.hook.skip_route = on_route, None
+        e.hook.stops.on_route, e.hook.stops.skip_route = on_route, lambda layer: False
         res = complete(m, PROMPT, N_PREDICT)
     assert any(len(experts) == 8 for experts in prefill.values()), prefill
     assert res.ids == ref.ids and res.text == ref.text
@@ -226,7 +226,7 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
     ahead: set[int] = set()  # layers the prefill read ahead
     ahead_at: list[int] = []  # routings done when each was sent
     routes: list[tuple[int, int]] = []  # (layer, tokens) of every routing
-    send, inner = st.send, e.hook.on_route
+    send, inner = st.orders.send, e.hook.stops.on_route
 
     def on_send(lane, share, ahead_of=None) -> int:
         if (0, 1) not in routes:  # the decode has not started
@@ -241,7 +241,7 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
         routes.append((layer, len(ids)))
         inner(layer, ids)
 
-    st.send, e.hook.on_route = on_send, on_route
+    st.orders.send, e.hook.stops.on_route = on_send, on_route
     try:
         res = complete(m, words, N_PREDICT)
     finally:
