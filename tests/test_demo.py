@@ -24,6 +24,7 @@ from bmoe.model_files import open_model
 from bmoe.expert_cache import file_regions, working_sets
 from bmoe.units import MiB
 from tests.conftest import complete, load, slice_bytes
+from tests.conftest import reference as plain
 
 EXPERTS, TOP_K = 8, 2
 FACT = "What is the capital of France?"
@@ -62,12 +63,11 @@ def _run(m: Model, prompt: str, n: int) -> tuple[int, ...]:
 @pytest.fixture(scope="module")
 def reference(model: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Plain llama.cpp (no streaming): the token ids and text every other run is compared with."""
-    with _load(model, "--no-stream") as m:
-        out = {}
-        for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
-            res = complete(m, prompt, n, chat=True)
-            out[prompt] = (res.ids, res.text)
-        return out
+    out = {}
+    for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
+        res = plain(str(model), prompt, n, "-c", N_CTX, "-t", 1, chat=True)
+        out[prompt] = (res.ids, res.text)
+    return out
 
 
 # --- the file --------------------------------------------------------------------------------

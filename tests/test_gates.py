@@ -86,11 +86,11 @@ def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
         open_model(first)
 
 
-def test_memfd_segment_streams_identically(synth) -> None:
+def test_memfd_segment_streams_identically(small_moe) -> None:
     """Where /dev/shm is missing (Android) the slab is a memfd the lanes open through /proc."""
     from tests.conftest import bmoe_segments
 
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     before = bmoe_segments()
     res, _ = generate(path, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--io-threads", 2, "--shm", "memfd")
     assert res.ids == reference(path).ids
@@ -154,11 +154,11 @@ def cli_run(path: str, *flags: object) -> tuple[str, dict, str]:
 
 
 @pytest.mark.parametrize("case", ["sampled", "no-odirect", "cache-auto", "chat"])
-def test_cli_options_stream_what_plain_llama_cpp_computes(synth, case: str) -> None:
+def test_cli_options_stream_what_plain_llama_cpp_computes(small_moe, case: str) -> None:
     """Sampling, buffered reads, an auto-sized cache and the chat template: each streamed answer is
     plain llama.cpp's with the same options, at a budget that forces misses; and each option did
     change something (a sampled answer is not the greedy one, the chat answer not the raw one)."""
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     third = f"{open_model(path).expert_bytes / 3 / MiB:.2f}"
     same = {"sampled": [*SAMPLING, "--seed", 1234], "chat": ["--chat"]}.get(case, [])
     cache = {"cache-auto": ["--cache-mb", "auto", "--cache-floor-mb", 0, "--cache-ceil-mb", third],

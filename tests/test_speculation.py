@@ -142,8 +142,8 @@ def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> N
     assert speculation.Confidence(64, 0).worth(0), "a floor of 0 reads every prediction"
 
 
-def test_governor_switches_spec_gate_off_mid_run_losslessly(synth) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_governor_switches_spec_gate_off_mid_run_losslessly(small_moe) -> None:
+    path = str(small_moe)
     ref = reference(path)
     res, e, sc = _run(path, False, N_PREDICT, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
                       "--io-threads", 2, "--overlap", "--prefetch", 1, "--spec-gate", "--spec-warmup", 12,
@@ -155,8 +155,8 @@ def test_governor_switches_spec_gate_off_mid_run_losslessly(synth) -> None:
     assert not e.router_stop, "the per-layer router stop goes with it"
 
 
-def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(synth) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(small_moe) -> None:
+    path = str(small_moe)
     ref = reference(path)
     notices: list[str] = []
     with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--overlap", "--spec-gate",
@@ -174,9 +174,9 @@ def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(synth) -
     assert not g.active and any("spec-gate" in n and "off" in n for n in notices), notices
 
 
-def test_hung_spec_gate_turns_the_feature_off(synth, monkeypatch) -> None:
+def test_hung_spec_gate_turns_the_feature_off(small_moe, monkeypatch) -> None:
     monkeypatch.setattr(speculation, "HANG_S", 0.3)
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     ref = reference(path)
     notices: list[str] = []
     with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--no-overlap", "--spec-gate",
@@ -196,11 +196,11 @@ def test_hung_spec_gate_turns_the_feature_off(synth, monkeypatch) -> None:
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-def test_stall_is_zero_when_every_expert_is_resident_and_positive_on_every_miss(synth) -> None:
+def test_stall_is_zero_when_every_expert_is_resident_and_positive_on_every_miss(small_moe) -> None:
     """Stall is the time compute waited for reads: none at all when every expert is resident
     (--preload) and something on every token when no expert is (--cache-mb 0). SlabCheck turns the
     hook's all-resident skip off, so the resident run still stops at every routing node."""
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     ref = reference(path, n=16)
     every = open_model(path).expert_bytes * 2 / MiB  # page rounding: twice the expert bytes hold them all
     res, _, sc = _run(path, False, 16, "--cache-mb", every, "--preload", "--overlap", "--io-threads", 2)
@@ -221,8 +221,8 @@ def test_quantized_router_turns_spec_gate_off_with_a_notice(synth) -> None:
     assert "moe-spec-gate:" not in r.stdout
 
 
-def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_telemetry_lines_under_every_lever(small_moe, tmp_path: Path) -> None:
+    path = str(small_moe)
     csv = tmp_path / "run.csv"
     r = run_cli("-m", path, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "1", "--overlap",
                 "--prefetch", "2", "--spec-gate", "--spec-recall-min", "0", "--progress", "--csv", str(csv))
@@ -258,16 +258,16 @@ def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
     (["--spec-recall-min", "120"], "percentage"),
     (["--spec-precision", "-1"], "percentage"),
 ])
-def test_bad_lever_flags_exit_2(synth, flags: list[str], msg: str) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_bad_lever_flags_exit_2(small_moe, flags: list[str], msg: str) -> None:
+    path = str(small_moe)
     r = run_cli("-m", path, "-n", "4", *flags)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
-def test_session_done_reports_recall_and_stall(synth) -> None:
+def test_session_done_reports_recall_and_stall(small_moe) -> None:
     from bmoe.session_client import SessionClient
 
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     flags = ["-m", path, "-t", "1", "--cache-mb", "1", "--overlap", "--prefetch", "1"]
     with SessionClient(flags + ["--spec-gate", "--spec-recall-min", "0"]) as s:
         done = list(s.generate(1, PROMPT, n_predict=16))[-1]
