@@ -49,7 +49,7 @@ from bmoe.units import MiB
 if TYPE_CHECKING:
     from bmoe.chat import Renderer
     from bmoe.coordinator import Engine
-    from bmoe.readahead import Speculation
+    from bmoe.readahead import ReadsAhead
 
 __all__ = ["Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request",
            "StopText", "load", "setting_names"]
@@ -300,7 +300,7 @@ class Model:
         return self.driver.run([self.generation(r, slot=s) for r, s in zip(requests, self.slots)])
 
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
-               prefill_s: float, ahead: Speculation | None) -> GenerationStats:
+               prefill_s: float, ahead: ReadsAhead | None) -> GenerationStats:
         t = tally.totals()
         self._generations += 1
         self._tokens += t.tokens

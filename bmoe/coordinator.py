@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Callable
 
 import llama_cpp
-import numpy as np
 
 from bmoe import seam
 from bmoe.budget import Adaptive, decide
@@ -38,11 +37,12 @@ from bmoe.expert_cache import working_sets
 from bmoe.memory import MemoryProbe
 from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
 from bmoe.model_files import open_model
-from bmoe.readahead import Speculation
+from bmoe.readahead import ReadsAhead
 from bmoe.route_trace import TraceWriter
 from bmoe.settings import FLAGS, SamplerSettings, Settings, Words
 from bmoe.shm_cache import sweep_stale_segments
 from bmoe.speculation import SpecGate
+from bmoe.stops import Stops
 from bmoe.streamer import Streamer, regions_of
 from bmoe.telemetry import TokenStat
 from bmoe.units import MiB
@@ -142,22 +142,19 @@ class Engine:
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
                                       s.speculation.prefetch, list(cap.biases.values()))
         self._size_cache(st.full_bytes, max(need.values()), sum(need.values()))
-        self.hook.on_route, self.hook.slot_ids = st.on_route, st.slot_ids
-        if s.streaming.overlap:
-            self.hook.down_nodes = cap.down_inputs
-            self.hook.down_pending, self.hook.on_down = st.down_pending, st.on_down
         if s.speculation.gate:
             gate = SpecGate(self.files, st.layers, llama_cpp.llama_model_n_embd(self.model), s.speculation,
                             s.streaming.shm_backend, self.notice)
             if gate.active:
                 st.attach_gate(gate)
-                self.hook.on_router_input = self._router_input
             else:
                 gate.close()  # it said why (e.g. a quantized router); the run goes on without it
         if s.route_trace:
-            self._start_trace(Path(s.route_trace))
-        else:
-            self.hook.skip_route = st.skip
+            self.trace = TraceWriter(Path(s.route_trace), {
+                "model": str(Path(s.model).resolve()), "arch": self.files.arch, "n_expert": self.files.n_expert,
+                "top_k": self.files.n_expert_used, "layers": st.layers,
+                "n_embd": llama_cpp.llama_model_n_embd(self.model)})
+        self.hook.stops = Stops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace)
         if s.streaming.preload:
             if not st.holds_everything:
                 self.notice("--preload ignored: the cache budget does not hold every expert")
@@ -192,31 +189,7 @@ class Engine:
             most_mb = s.cache.mb if s.cache.mb is not None else s.cache.ceil_mb
             ceiling = st.full_bytes if most_mb is None else min(st.full_bytes, int(most_mb * MiB))
             self.adaptive = Adaptive(decided.floor, token_need, ceiling, margin=min(128 * MiB, token_need // 2))
-            st.watch = self._adapt
-
-    def _start_trace(self, path: Path) -> None:
-        st = self.streamer
-        self.trace = TraceWriter(path, {
-            "model": str(Path(self.settings.model).resolve()), "arch": self.files.arch,
-            "n_expert": self.files.n_expert, "top_k": self.files.n_expert_used, "layers": st.layers,
-            "n_embd": llama_cpp.llama_model_n_embd(self.model)})
-
-        def on_route(layer: int, ids: np.ndarray) -> None:
-            self.trace.on_route(layer, ids, st.predicted_for(layer))
-            st.on_route(layer, ids)
-
-        self.hook.on_route = on_route
-        self.hook.on_router_input = self._router_input
-
-    def _router_input(self, layer: int, node: int) -> None:
-        """Hand a layer's router input to the trace and the spec-gate; off once neither wants it."""
-        st = self.streamer
-        if self.trace:
-            self.trace.on_router_input(layer, seam.router_input(node))
-        if st.gate_running:
-            st.on_router_input(layer, node)
-        elif not self.trace:
-            self.hook.on_router_input = None  # the governor fired: no more stops at the router
+            st.watch = self._adapt  # the Streamer runs it once per token (Engine.step) and as the cache grows
 
     # ---- what the edges may ask ----------------------------------------------------------------
 
@@ -242,14 +215,13 @@ class Engine:
     def follow_memory(self) -> None:
         """Between generations: an adaptive budget follows the room as it does each token, so an
         idle session or server gives memory back when another program needs it."""
-        if self.adaptive is not None and self.streamer is not None:
-            self._adapt()
+        if self.streamer is not None:
+            self.streamer.follow()
 
     def _adapt(self) -> None:
         """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
         memory limits leave (Adaptive)."""
         st = self.streamer
-        st.watched_at = st.cached_bytes
         change = self.adaptive.step(st.budget, st.resident_bytes(), self.memory.least(), self.memory.pressure())
         if change is not None:
             old = st.budget
@@ -386,8 +358,8 @@ class Engine:
         rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
         for s, row in zip(going, rows):
             s.next = llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
-        if self.adaptive is not None:
-            self._adapt()
+        if self.streamer is not None:
+            self.streamer.follow()
         wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(going)
         if st:
             c = st.take_counters(step=True)
@@ -400,13 +372,13 @@ class Engine:
         stat = {id(s): st_ for s, st_ in zip(going, shares)}
         return [(toks[id(s)], stat[id(s)]) if id(s) in toks else None for s in seqs]
 
-    def end(self, s: Sequence) -> Speculation:
+    def end(self, s: Sequence) -> ReadsAhead:
         """Free a Sequence's sampler and settle the reads it left; returns what its reads ahead did."""
         if s.sampler is None:
-            return Speculation()
+            return ReadsAhead()
         llama_cpp.llama_sampler_free(s.sampler)
         s.sampler = None
-        ahead = Speculation()
+        ahead = ReadsAhead()
         if self.streamer:
             ahead = self.streamer.take_speculation()
             self.streamer.settle()
@@ -446,8 +418,7 @@ class Engine:
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
         st, self.streamer = self.streamer, None
-        self.hook.on_route = self.hook.on_router_input = self.hook.skip_route = None
-        self.hook.down_pending = self.hook.on_down = None
+        self.hook.stops = None
         try:
             if self.ctx:
                 llama_cpp.llama_free(self.ctx)

@@ -20,7 +20,7 @@ from bmoe.settings import SamplerSettings
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine
     from bmoe.coordinator import Sequence as EngineSequence
-    from bmoe.readahead import Speculation
+    from bmoe.readahead import ReadsAhead
 
 Message = dict[str, str]
 
@@ -162,7 +162,7 @@ class Slot:
         return 0 < n < len(messages) and list(messages[:n]) == self.messages
 
 
-OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "Speculation | None"], GenerationStats]
+OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadsAhead | None"], GenerationStats]
 
 
 class Generation:

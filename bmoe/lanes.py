@@ -13,7 +13,9 @@ from typing import Callable, Iterator, TypeVar
 import msgpack
 
 from bmoe.errors import LaneError
+from bmoe.workers.io_lane import CANCELLED
 
+__all__ = ["CANCELLED", "Lane", "LanePool", "ReadOrder", "merge_keyed", "spread"]
 
 ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
 T = TypeVar("T")

@@ -20,25 +20,23 @@ The cache admits these slices at the cold end and protects them until their laye
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
 from bmoe import seam
-from bmoe.expert_cache import ABSENT
+from bmoe.expert_cache import ABSENT, ExpertCache
+from bmoe.lanes import CANCELLED
+from bmoe.orders import Order, Orders
 from bmoe.speculation import SpecGate
-from bmoe.workers.io_lane import CANCELLED
-
-if TYPE_CHECKING:
-    from bmoe.streamer import Order, Streamer
 
 QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)
 WHOLE_LAYER = 7 / 8  # a batch routing this share of a layer's experts is taken to route all of the next
 
 
 @dataclass
-class Speculation:
-    """What the reads ahead did in one generation: the moe-prefetch / moe-spec-gate numbers."""
+class ReadsAhead:
+    """What the reads ahead did in one generation (counts): the moe-prefetch / moe-spec-gate numbers."""
 
     bytes: int = 0
     prefetched: int = 0
@@ -47,11 +45,13 @@ class Speculation:
 
 
 class ReadAhead:
-    """The wish list, the spec-gate's predictions and how they fared, for one Streamer."""
+    """The wish list, the spec-gate's predictions and how they fared; it sends and cancels its
+    orders through `orders` (bmoe.orders), beside the Streamer's demand reads."""
 
-    def __init__(self, streamer: Streamer, prefetch: int) -> None:
-        self.st = streamer
-        self.cache = streamer.cache
+    def __init__(self, orders: Orders, cache: ExpertCache, n_expert: int, top_k: int, prefetch: int) -> None:
+        self.orders = orders
+        self.cache = cache
+        self.n_expert, self.top_k = n_expert, max(1, top_k)
         self.prefetch = prefetch
         self.gate: SpecGate | None = None
         self.layers = sorted(self.cache.by_layer)
@@ -63,7 +63,7 @@ class ReadAhead:
         self.guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (confidence band, expert) absent when predicted
         self.read_ahead: set[tuple[int, int]] = set()  # finished reads ahead not yet routed
         self.used_in_flight: set[int] = set()  # orders whose layer routed their expert before they finished
-        self.counts = Speculation()
+        self.counts = ReadsAhead()
         self.route_seq = 0
         self.routed_at: dict[int, int] = {}
         self.batch_left = 0  # tokens of the decode under way whose last layer has not routed yet
@@ -106,7 +106,7 @@ class ReadAhead:
     def _routes_nearly_all(self, n_tokens: int) -> bool:
         """Whether n_tokens tokens, each routed to k distinct of n experts at random, are expected
         to cover WHOLE_LAYER of them."""
-        n, k = self.st.n_expert, max(1, self.st.files.n_expert_used)
+        n, k = self.n_expert, self.top_k
         return n_tokens > 1 and 1 - (1 - k / n) ** n_tokens >= WHOLE_LAYER
 
     def after_demand(self, layer: int, n_tokens: int, wanted: list[int]) -> None:
@@ -121,7 +121,7 @@ class ReadAhead:
         if pos == 0:
             self.ubatch = n_tokens
         if pos < last - 1 or (pos == last - 1 and self.last_routes_all):
-            if n_tokens > 1 and len(wanted) >= WHOLE_LAYER * self.st.n_expert:
+            if n_tokens > 1 and len(wanted) >= WHOLE_LAYER * self.n_expert:
                 self._read_whole(self.layers[pos + 1])
         if pos == last:
             if self.ubatch > 1:
@@ -155,42 +155,41 @@ class ReadAhead:
 
     def pump(self) -> None:
         """Queue wished-for reads in the lanes, one expert per order, up to QUEUE_PER_LANE per lane."""
-        queued = [0] * len(self.st.pool.lanes)
-        for order in self.st.inflight.values():
-            if order.ahead:
-                queued[order.lane] += 1
+        queued = [0] * self.orders.lanes
+        for _, order in self.orders.ahead():
+            queued[order.lane] += 1
         while self.wishes and min(queued) < QUEUE_PER_LANE:
             layer, e = self.wishes.pop(0)
             keys = self.cache.admit_speculative(layer, [e])
             if keys:
                 lane = queued.index(min(queued))
-                self.st.send(lane, self.st.reads_for(keys), ahead=[(layer, e)])
+                self.orders.send(lane, self.orders.reads_for(keys), ahead=[(layer, e)])
                 queued[lane] += 1
 
     def _read_whole(self, layer: int) -> None:
         """Every absent expert of the layer the cache makes room for, one order per expert, spread
         by bytes over the lanes (they serve it after any demand, in order)."""
-        load = [lane.pending_bytes() for lane in self.st.pool.lanes]
+        load = self.orders.pending_bytes()
         for e in range(self.cache.n_expert(layer)):
             keys = self.cache.admit_speculative(layer, [e])
             if keys:
-                reads = self.st.reads_for(keys)
+                reads = self.orders.reads_for(keys)
                 lane = load.index(min(load))
-                self.st.send(lane, reads, [(layer, e)])
+                self.orders.send(lane, reads, [(layer, e)])
                 load[lane] += sum(r[2] for r, _ in reads)
 
     def cancel(self, layer: int | None, routed: list[int] = ()) -> None:
         """Ask the lanes to drop the orders for `layer` (None: all layers) they have not started,
         except those for experts the layer routed to."""
         by_lane: dict[int, list[int]] = {}
-        for oid, order in self.st.inflight.items():
-            if not order.ahead or oid in self.cancelled:
+        for oid, order in self.orders.ahead():
+            if oid in self.cancelled:
                 continue
             at, e = order.ahead[0]
             if layer is None or (at == layer and e not in routed):
                 by_lane.setdefault(order.lane, []).append(oid)
                 self.cancelled.add(oid)
-        self.st.cancel(by_lane)
+        self.orders.cancel(by_lane)
 
     def _on_predictions(self) -> None:
         conf = self.gate.confidence
@@ -213,8 +212,8 @@ class ReadAhead:
                 self.read_ahead.discard((layer, e))
                 if not self.absent(layer, e):  # not evicted before its layer routed
                     self.counts.useful += 1
-        for oid, order in self.st.inflight.items():
-            if order.ahead and order.ahead[0][0] == layer and order.ahead[0][1] in wanted:
+        for oid, order in self.orders.ahead():
+            if order.ahead[0][0] == layer and order.ahead[0][1] in wanted:
                 self.used_in_flight.add(oid)
 
     def on_done(self, oid: int, order: Order, nbytes: int) -> None:
@@ -232,8 +231,8 @@ class ReadAhead:
             else:
                 self.read_ahead.update(order.ahead)
 
-    def take_counts(self) -> Speculation:
-        out, self.counts = self.counts, Speculation()
+    def take_counts(self) -> ReadsAhead:
+        out, self.counts = self.counts, ReadsAhead()
         return out
 
     def settle(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
 import numpy as np
 import llama_cpp
@@ -307,32 +307,47 @@ def deliver(exc: BaseException) -> None:
         raise exc
 
 
+class Stops(Protocol):
+    """What the eval hook calls at the nodes where it stops the graph (bmoe.stops implements it).
+
+    `down_nodes` maps each layer's down-matmul input node name to its layer (empty: no stop
+    there); `router_input` says whether to stop at each layer's router input (`ffn_moe_logits-L`).
+    """
+
+    down_nodes: dict[bytes, int]
+    router_input: bool
+
+    def skip_route(self, layer: int) -> bool: ...
+
+    def on_route(self, layer: int, ids: np.ndarray) -> None: ...
+
+    def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray: ...
+
+    def on_router_input(self, layer: int, node: int) -> None: ...
+
+    def down_pending(self, layer: int) -> bool: ...
+
+    def on_down(self, layer: int) -> None: ...
+
+
 class EvalHook:
     """The cb_eval trampoline.
 
-    In capture mode it records expert tensors; in stream mode it asks for each MoE layer's
-    `ffn_moe_weights-L` node (the router weights gathered with the real expert ids) and, in
-    its ask=False call, before any expert matmul reads the ids, calls `on_route(layer, ids)`
-    and then overwrites the routed ids in place with `slot_ids(layer, ids)`. With
-    `on_router_input` set it also hands over each layer's router input;
-    `skip_route(layer)` returning True lets a layer run without stopping (its tensors then
-    read the experts by their own ids). With
-    `down_nodes` (the down matmul's input node per layer, from Capture) and
-    `down_pending(layer)` true, it stops there and calls `on_down(layer)` before
-    the down matmul runs: under --overlap the down slices are awaited there. Exceptions
-    (including KeyboardInterrupt from a signal) are kept and the graph aborted:
-    ctypes would otherwise swallow them and let llama.cpp compute on.
+    In capture mode it records expert tensors; in stream mode (`stops` set) it asks for each MoE
+    layer's `ffn_moe_weights-L` node (the router weights gathered with the real expert ids) and,
+    in its ask=False call, before any expert matmul reads the ids, calls `stops.on_route(layer,
+    ids)` and then overwrites the routed ids in place with `stops.slot_ids(layer, ids)`; a layer
+    for which `stops.skip_route(layer)` is True runs without stopping (its tensors then read the
+    experts by their own ids). With `stops.router_input` it also hands over each layer's router
+    input; at a down-matmul input node of `stops.down_nodes` whose `down_pending(layer)` is true it
+    stops and calls `on_down(layer)` before the down matmul runs (under --overlap the down slices
+    are awaited there). Exceptions (including KeyboardInterrupt from a signal) are kept and the
+    graph aborted: ctypes would otherwise swallow them and let llama.cpp compute on.
     """
 
     def __init__(self) -> None:
         self.capture: Capture | None = None
-        self.on_route: Callable[[int, np.ndarray], None] | None = None
-        self.slot_ids: Callable[[int, np.ndarray], np.ndarray] | None = None
-        self.on_router_input: Callable[[int, np.ndarray], None] | None = None
-        self.skip_route: Callable[[int], bool] | None = None
-        self.down_nodes: dict[bytes, int] = {}
-        self.down_pending: Callable[[int], bool] | None = None
-        self.on_down: Callable[[int], None] | None = None
+        self.stops: Stops | None = None
         self.error: BaseException | None = None
         self._layers: dict[bytes, int | None] = {}
         self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
@@ -346,34 +361,35 @@ class EvalHook:
                 if ask:
                     self.capture.visit(t)
                 return False
-            if self.on_route is None:
+            stops = self.stops
+            if stops is None:
                 return False
             prefix = ctypes.string_at(t + NAME_OFFSET, 13)
             if prefix == WEIGHTS_PREFIX:
                 layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _WEIGHTS_NAME)
                 if ask:
                     # no need to stop the graph for a layer whose experts are all resident for good
-                    return layer is not None and not (self.skip_route and self.skip_route(layer))
+                    return layer is not None and not stops.skip_route(layer)
                 if layer is not None:
                     ids_node = tensor_at(t).src[1]  # ffn_moe_topk-L (Capture checked)
                     ids = routing_ids(ids_node)
-                    self.on_route(layer, ids)
-                    write_ids(ids_node, self.slot_ids(layer, ids))
+                    stops.on_route(layer, ids)
+                    write_ids(ids_node, stops.slot_ids(layer, ids))
                 return True
-            if self.on_router_input is not None and prefix[:12] == LOGITS_PREFIX:
+            if stops.router_input and prefix[:12] == LOGITS_PREFIX:
                 if ask:
                     return True
                 layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _LOGITS_NAME)
                 if layer is not None:
-                    self.on_router_input(layer, t)
+                    stops.on_router_input(layer, t)
                 return True
-            if self.down_pending is not None and prefix[:8] == DOWN_INPUT_PREFIX:
-                layer = self.down_nodes.get(ctypes.string_at(t + NAME_OFFSET))
+            if stops.down_nodes and prefix[:8] == DOWN_INPUT_PREFIX:
+                layer = stops.down_nodes.get(ctypes.string_at(t + NAME_OFFSET))
                 if layer is None:
                     return False
                 if ask:
-                    return self.down_pending(layer)
-                self.on_down(layer)
+                    return stops.down_pending(layer)
+                stops.on_down(layer)
                 return True
             return False
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns

@@ -1,76 +1,38 @@
 """Demand reads: a layer's missing expert slices, read by the lanes and waited for where the graph needs them.
 
-The eval hook (bmoe.seam) calls `on_route` with a layer's routed ids once its router weights are
+The eval hook (bmoe.seam, through bmoe.stops) calls `on_route` with a layer's routed ids once its router weights are
 gathered (`ffn_moe_weights-L`), then `slot_ids` for what the expert matmuls must read instead. The
 cache (bmoe.expert_cache) pins the layer's slices and makes room; the missing
 ones go to the lanes at once, gate/up before down, largest read first onto the least-loaded lane.
 Serial (`overlap` off): the hook returns once every read landed. Overlap: it returns once the
 gate/up slices landed, and `on_down` waits for the down slices at the down matmul's input node,
 so those reads run while the gate/up matmuls compute. Reads ahead of demand (prefetch, spec-gate)
-are bmoe.readahead's; this module owns the orders in flight, the waits and the per-token counters.
+are bmoe.readahead's; both send through bmoe.orders. This module owns the waits, the slot
+binding and the per-token counters; the lanes' busy time is bmoe.lane_stats'.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from bmoe import seam
 from bmoe.cache_policy import DEFAULT_POLICY
-from bmoe.expert_cache import ExpertCache, Region, layout
-from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
-from bmoe.model_files import ModelFiles
 from bmoe.errors import ModelError
-from bmoe.readahead import ReadAhead, Speculation
+from bmoe.expert_cache import ExpertCache, Region, layout
+from bmoe.lane_stats import LaneLoad, LaneStats
+from bmoe.lanes import CANCELLED, LanePool
+from bmoe.model_files import ModelFiles
+from bmoe.orders import Key, Order, Orders
+from bmoe.readahead import ReadAhead, ReadsAhead
 from bmoe.settings import StreamSettings
 from bmoe.shm_cache import Slab
 from bmoe.speculation import SpecGate
-from bmoe.units import MiB
-from bmoe.workers.io_lane import CANCELLED
 
-MAX_MERGED_READ = 4 * MiB
-WATCH_STEP = 64 * MiB  # an adaptive budget is checked again once the cache has taken this much more
-
-Key = tuple[int, int, int]  # (layer, region index, expert)
-
-
-@dataclass
-class Order:
-    """Reads sent to one lane: the slices they fill and, if speculative, the experts read ahead."""
-
-    keys: list[Key]
-    lane: int
-    ahead: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class LaneLoad:
-    """How busy the lanes were since the streamer started: the flash's idle time made visible."""
-
-    busy_s: list[float]  # per lane, reading
-    since_s: float  # wall time since the lanes started
-    mean_depth: float  # orders in flight (demand and read-ahead) when a layer's reads had gone out
-    per_token: list[tuple[float, float]] = field(default_factory=list)  # (lanes busy %, mean depth) per decode token
-
-    def lines(self) -> list[str]:
-        out = [f"io_lane {i}: busy {b:.2f} s of {self.since_s:.2f} s ({100 * b / self.since_s:.0f}%)"
-               for i, b in enumerate(self.busy_s)] if self.since_s > 0 else []
-        out.append(f"orders in flight when a layer's reads had gone out: {self.mean_depth:.2f} on average")
-        if self.per_token:
-            busy = sorted(b for b, _ in self.per_token)
-            depth = sorted(d for _, d in self.per_token)
-            out.append(f"per decode token ({len(busy)}): lanes busy p10 {_pct(busy, .1):.0f}% median "
-                       f"{_pct(busy, .5):.0f}% p90 {_pct(busy, .9):.0f}%; orders in flight median "
-                       f"{_pct(depth, .5):.2f} p90 {_pct(depth, .9):.2f}")
-        return out
-
-
-def _pct(values: list[float], q: float) -> float:
-    """The q-quantile of sorted `values` (nearest rank)."""
-    return values[min(len(values) - 1, int(q * len(values)))]
+WATCH_STEP = 64 * 2**20  # an adaptive budget is checked again once the cache has taken this much more
 
 
 @dataclass
@@ -135,22 +97,15 @@ class Streamer:
         self.overlap = streaming.overlap
         self.cache.defer_release = True  # pages given back while lanes read: see _wait
         self.down_kind = {ri for ri, r in enumerate(regions) if r.kind == "ffn_down_exps"}
-        self.inflight: dict[int, Order] = {}
+        self.orders = Orders(self.pool, self.cache)
         self.replaced: dict[int, list[int]] = {}  # cancelled order -> demand orders re-reading what it held
-        self.order_of: dict[Key, int] = {}
         self.down_orders: dict[int, list[int]] = {}
         self.counters = Counters()
         self.looked = (0, 0)  # the cache's (hits, lookups) at the last take_counters
-        self.busy_ns = 0  # the lanes' busy time (overlap's io)
         self.commit_ns = 0  # committing arrived slices, ever (for _wait's split)
-        self.ahead = ReadAhead(self, prefetch)
-        self.lane_busy_ns = [0] * streaming.io_threads
-        self.started = time.perf_counter()
-        self.depth_sum = self.depth_samples = 0
-        self.depth_taken = (0, 0)  # (depth_sum, depth_samples) at the last take_counters
-        self.taken_at = time.perf_counter_ns()
-        self.per_token: list[tuple[float, float]] = []  # LaneLoad.per_token
-        self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine)
+        self.ahead = ReadAhead(self.orders, self.cache, self.n_expert, files.n_expert_used, prefetch)
+        self.lane_stats = LaneStats(streaming.io_threads)
+        self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine.follow_memory's)
         self.watched_at = 0  # cache bytes at the last check
 
     def _bind(self, layer: int, base: int | None) -> None:
@@ -200,11 +155,6 @@ class Streamer:
         self.cache.set_budget(budget)
         self.counters.mgmt_ns += time.perf_counter_ns() - t0
 
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes the cache holds or has reserved for reads under way (what the budget bounds)."""
-        return self.cache.used
-
     def resident_bytes(self) -> int:
         return self.slab.resident_bytes()
 
@@ -231,11 +181,16 @@ class Streamer:
         return self.ahead.predictions.get(layer)
 
     def lane_load(self) -> LaneLoad:
-        return LaneLoad([b / 1e9 for b in self.lane_busy_ns], time.perf_counter() - self.started,
-                        self.depth_sum / self.depth_samples if self.depth_samples else 0.0, list(self.per_token))
+        return self.lane_stats.load()
 
-    def take_speculation(self) -> Speculation:
+    def take_speculation(self) -> ReadsAhead:
         return self.ahead.take_counts()
+
+    def follow(self) -> None:
+        """Run the adaptive budget's check now (once per token, and when the cache grew by WATCH_STEP)."""
+        if self.watch is not None:
+            self.watched_at = self.cache.used
+            self.watch()
 
     # ---- the hook's entry points ---------------------------------------------------------------
 
@@ -253,8 +208,8 @@ class Streamer:
         if experts.size and (experts[0] < 0 or experts[-1] >= self.n_expert):
             raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{self.n_expert - 1}")
         wanted = experts.tolist()
-        if self.watch is not None and self.cache.used - self.watched_at >= WATCH_STEP:
-            self.watch()  # a prefill fills the cache within one token: look before it takes more
+        if self.cache.used - self.watched_at >= WATCH_STEP:
+            self.follow()  # a prefill fills the cache within one token: look before it takes more
         self.ahead.on_route(layer, ids, wanted)
         missing = self.cache.plan(layer, wanted)
         self.pool.hold()
@@ -265,8 +220,7 @@ class Streamer:
             t1 = time.perf_counter_ns()
             wrote = self.pool.flush()  # the reads start: the lanes woken may take this CPU first
             handed = time.perf_counter_ns() - t1 if wrote else 0
-        self.depth_sum += len(self.inflight)
-        self.depth_samples += 1
+        self.lane_stats.sample_depth(len(self.orders.inflight))
         c = self.counters
         c.mgmt_ns += t1 - t0
         if self.overlap:
@@ -328,46 +282,20 @@ class Streamer:
     def _send_demand(self, layer: int, wanted: list[int], missing: list[Key]) -> tuple[list[int], list[int]]:
         """Send the layer's missing reads (gate/up before down); returns (await now, await at down)."""
         split = self.overlap and any(ri in self.down_kind for ri in self.cache.by_layer[layer])
-        now = self.spread([k for k in missing if not (split and k[1] in self.down_kind)])
-        later = self.spread([k for k in missing if split and k[1] in self.down_kind])
+        now = self.orders.spread([k for k in missing if not (split and k[1] in self.down_kind)])
+        later = self.orders.spread([k for k in missing if split and k[1] in self.down_kind])
         for key in self.cache.layer_slices(layer, wanted):
-            oid = self.order_of.get(key)  # a read already under way (speculative) covers this slice
+            oid = self.orders.order_of.get(key)  # a read already under way (speculative) covers this slice
             target = later if split and key[1] in self.down_kind else now
             if oid is not None and oid not in target:
                 target.append(oid)
         return now, later
 
-    def spread(self, keys: list[Key]) -> list[int]:
-        """Demand reads over all lanes; returns order ids."""
-        if not keys:
-            return []
-        shares = spread(self.reads_for(keys), [lane.pending_bytes() for lane in self.pool.lanes])
-        return [self.send(i, share) for i, share in enumerate(shares) if share]
-
-    def send(self, lane: int, share: list[tuple[ReadOrder, list[Key]]],
-             ahead: list[tuple[int, int]] | None = None) -> int:
-        """One order to one lane; `ahead` names the experts it reads ahead of demand (speculative)."""
-        oid = self.pool.send(lane, [r for r, _ in share], speculative=bool(ahead))
-        keys = [k for _, ks in share for k in ks]
-        self.inflight[oid] = Order(keys, lane, ahead or [])
-        for k in keys:
-            self.order_of[k] = oid
-        return oid
-
-    def cancel(self, by_lane: dict[int, list[int]]) -> None:
-        """Ask lanes to drop these speculative orders if not started (they answer CANCELLED)."""
-        for lane, oids in by_lane.items():
-            self.pool.lanes[lane].cancel(oids)
-
-    def reads_for(self, keys: list[Key]) -> list[tuple[ReadOrder, list[Key]]]:
-        """The slices' reads, adjacent ones merged, each with the slices it fills."""
-        return merge_keyed([(self.cache.read_order(k), k) for k in keys], MAX_MERGED_READ)
-
     # ---- completions ---------------------------------------------------------------------------
 
     def tick(self) -> None:
         """Collect what finished and keep idle lanes busy, without blocking."""
-        if self.inflight or self.ahead.listening:
+        if self.orders.inflight or self.ahead.listening:
             self.pool.poll(0, self.ahead.handlers())
             self._collect()
             self.ahead.pump()
@@ -398,11 +326,9 @@ class Streamer:
         return time.perf_counter_ns() - t0 - spent
 
     def _collect(self) -> None:
-        for oid in [o for o in self.pool.done if o in self.inflight]:
+        for oid in self.orders.done():
             nbytes, busy = self.pool.take(oid)
-            order = self.inflight.pop(oid)
-            for k in order.keys:
-                del self.order_of[k]
+            order = self.orders.pop(oid)
             self.ahead.on_done(oid, order, nbytes)
             if nbytes == CANCELLED:
                 self._abandon(oid, order)
@@ -411,8 +337,7 @@ class Streamer:
             self.cache.commit(order.keys)
             self.commit_ns += time.perf_counter_ns() - c0
             self.counters.read_bytes += nbytes
-            self.busy_ns += busy
-            self.lane_busy_ns[order.lane] += busy
+            self.lane_stats.answered(order.lane, busy)
 
     def _abandon(self, oid: int, order: Order) -> None:
         """A cancelled order read nothing: its slices are absent again. Should a layer have come to
@@ -421,17 +346,17 @@ class Streamer:
         needed = [k for k in order.keys if k in self.cache.pinned]
         self.cache.abandon([k for k in order.keys if k not in self.cache.pinned])
         if needed:
-            self.replaced[oid] = self.spread(needed)
+            self.replaced[oid] = self.orders.spread(needed)
 
     def _live(self, oid: int) -> bool:
         """An order still to wait for: in flight, or cancelled and replaced by orders in flight."""
-        return oid in self.inflight or any(self._live(o) for o in self.replaced.get(oid, ()))
+        return oid in self.orders.inflight or any(self._live(o) for o in self.replaced.get(oid, ()))
 
     def settle(self) -> None:
         """Finish every read in flight and drop queued ones: the cache is consistent again."""
         self.down_orders.clear()
         self.ahead.settle()
-        self._wait(list(self.inflight))
+        self._wait(list(self.orders.inflight))
         self.replaced.clear()
 
     # ---- whole-cache operations ----------------------------------------------------------------
@@ -443,24 +368,17 @@ class Streamer:
             return 0
         for layer in sorted(c.by_layer):
             experts = list(range(c.n_expert(layer)))
-            self._wait(self.spread(c.plan(layer, experts)))
+            self._wait(self.orders.spread(c.plan(layer, experts)))
         c.reset_stats()
         return self.take_counters().read_bytes
 
     def take_counters(self, step: bool = False) -> Counters:
-        """The counters since the last call; under overlap, io is the lanes' busy time. A decode
-        `step`'s lane utilisation (busy time of the reads answered ÷ lanes × its wall time) and
-        mean queue depth go to LaneLoad.per_token."""
+        """The counters since the last call; under overlap, io is the lanes' busy time (a decode
+        `step` also records the lanes' busy share: LaneStats)."""
         out, self.counters = self.counters, Counters()
-        now = time.perf_counter_ns()
-        if step and now > self.taken_at:
-            total, samples = self.depth_sum - self.depth_taken[0], self.depth_samples - self.depth_taken[1]
-            depth = total / samples if samples else 0.0
-            self.per_token.append((100 * self.busy_ns / (len(self.lane_busy_ns) * (now - self.taken_at)), depth))
-        self.taken_at, self.depth_taken = now, (self.depth_sum, self.depth_samples)
+        busy = self.lane_stats.take(step)
         if self.overlap:
-            out.io_ns = self.busy_ns
-        self.busy_ns = 0
+            out.io_ns = busy
         looked = self.cache.stats.snapshot()
         out.hits, out.lookups = looked[0] - self.looked[0], looked[1] - self.looked[1]
         self.looked = looked

@@ -159,9 +159,9 @@ class SlabCheck:
         self.bad: list[str] = []
         self._slots: dict[int, dict[int, int]] = {}  # layer -> expert -> slot ggml reads
         self._fds = [os.open(p, os.O_RDONLY) for p in self.st.files.paths]
-        slot_ids, down, pending = self.hook.slot_ids, self.hook.on_down, self.hook.down_pending
+        slot_ids, down, pending = self.hook.stops.slot_ids, self.hook.stops.on_down, self.hook.stops.down_pending
         overlap = self.st.overlap
-        self.hook.skip_route = None
+        self.hook.stops.skip_route = lambda layer: False
 
         def remap(layer, ids):
             slots = slot_ids(layer, ids)
@@ -169,7 +169,7 @@ class SlabCheck:
             self._check(layer, lambda kind: not overlap or kind != "ffn_down_exps", "routing node")
             return slots
 
-        self.hook.slot_ids = remap
+        self.hook.stops.slot_ids = remap
         if pending is not None:
             def on_down(layer):
                 down(layer)
@@ -181,7 +181,7 @@ class SlabCheck:
                 self._check(layer, lambda kind: kind == "ffn_down_exps", "down input (no stop)")
                 return False
 
-            self.hook.on_down, self.hook.down_pending = on_down, down_pending
+            self.hook.stops.on_down, self.hook.stops.down_pending = on_down, down_pending
 
     def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
         from bmoe import seam

@@ -19,8 +19,8 @@ CHAT = [{"role": "user", "content": "hello there how are you"}]
 
 
 @pytest.fixture(scope="module")
-def path(synth) -> str:
-    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def path(small_moe) -> str:
+    return str(small_moe)
 
 
 @pytest.fixture(scope="module")

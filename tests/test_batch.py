@@ -41,8 +41,8 @@ def test_a_streamed_batch_of_four_equals_plain_llama_cpp_on_the_same_batch(synth
         assert check.checked and not check.bad, check.bad[:3]
 
 
-def test_a_batch_of_one_is_the_request_alone(synth) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_a_batch_of_one_is_the_request_alone(small_moe) -> None:
+    path = str(small_moe)
     with bmoe.load(path, cache_mb=1, **FAST) as one:
         want = one.generate(PROMPTS[0], max_tokens=N)
     with bmoe.load(path, parallel=2, cache_mb=1, **FAST) as m:
@@ -85,8 +85,8 @@ def serve(m: Model, prompts: list[str], mode: str, queue: int = 4, n: int = N) -
 
 
 @pytest.fixture(scope="module")
-def model(synth) -> Model:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def model(small_moe) -> Model:
+    path = str(small_moe)
     with bmoe.load(path, parallel=3, cache_mb=1, io_threads=2, **FAST) as m:
         yield m
 
@@ -177,8 +177,8 @@ def test_auto_batching_takes_the_cheaper_mode_and_keeps_measuring_the_other() ->
     assert b.best() == "turns"
 
 
-def test_the_server_runs_requests_together_with_parallel(synth) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_the_server_runs_requests_together_with_parallel(small_moe) -> None:
+    path = str(small_moe)
     s = Server("-m", path, *FLAGS, "--parallel", "2", "--batching", "batch", env={"BMOE_API_KEY": KEY})
     try:
         health = httpx.get(s.url + "/health").json()

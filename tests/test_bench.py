@@ -26,8 +26,8 @@ SECTIONS = ["# bmoe-bench report", "## Command", "## Machine", "## Model", "## M
 
 
 @pytest.fixture(scope="module")
-def tiny(synth) -> Path:
-    return synth(arch="qwen3moe", layers=4, experts=8, top_k=2)
+def tiny(small_moe) -> Path:
+    return small_moe
 
 
 def cgroup_usable() -> bench_sys.CgroupHierarchy | None:

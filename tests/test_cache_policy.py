@@ -189,8 +189,8 @@ def test_unknown_policy_is_refused_with_the_valid_names() -> None:
     assert "unknown cache policy 'mru'" in r.stderr and all(name in r.stderr for name in POLICIES)
 
 
-def test_bench_policies_replays_a_recorded_trace(synth, tmp_path) -> None:
-    model = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_bench_policies_replays_a_recorded_trace(small_moe, tmp_path) -> None:
+    model = str(small_moe)
     trace = tmp_path / "t.jsonl"
     rec = run_cli("-m", model, "-p", "The river flows past the mill and the old stone bridge", "-n", "24",
                   "--cache-mb", "0", "--route-trace", str(trace))

@@ -17,8 +17,8 @@ PROMPT = "A short note about the weather in the northern hills during the long w
 
 
 @pytest.fixture(scope="module")
-def model(synth) -> str:
-    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def model(small_moe) -> str:
+    return str(small_moe)
 
 
 def answer_and_summary(stdout: str) -> tuple[str, list[str]]:

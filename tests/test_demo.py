@@ -24,6 +24,7 @@ from bmoe.model_files import open_model
 from bmoe.expert_cache import file_regions, working_sets
 from bmoe.units import MiB
 from tests.conftest import complete, load, slice_bytes
+from tests.conftest import reference as plain
 
 EXPERTS, TOP_K = 8, 2
 FACT = "What is the capital of France?"
@@ -62,12 +63,11 @@ def _run(m: Model, prompt: str, n: int) -> tuple[int, ...]:
 @pytest.fixture(scope="module")
 def reference(model: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Plain llama.cpp (no streaming): the token ids and text every other run is compared with."""
-    with _load(model, "--no-stream") as m:
-        out = {}
-        for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
-            res = complete(m, prompt, n, chat=True)
-            out[prompt] = (res.ids, res.text)
-        return out
+    out = {}
+    for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
+        res = plain(str(model), prompt, n, "-c", N_CTX, "-t", 1, chat=True)
+        out[prompt] = (res.ids, res.text)
+    return out
 
 
 # --- the file --------------------------------------------------------------------------------
@@ -204,8 +204,8 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
     eng = m.engine
     try:
         st = eng.streamer
-        inner = eng.hook.on_route
-        eng.hook.skip_route = None  # every routing decision goes through the wrapper below
+        inner = eng.hook.stops.on_route
+        eng.hook.stops.skip_route = lambda layer: False  # every routing decision goes through the wrapper below
         uses: collections.Counter[tuple[int, int]] = collections.Counter()
         target: dict[str, object] = {}
         hits = 0
@@ -220,7 +220,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
                     slice_bytes(st, st.cache.regions.index(r), target["expert"])[:] = data
                 hits += 1
 
-        eng.hook.on_route = on_route
+        eng.hook.stops.on_route = on_route
         ref = reference[STORY][0]
         assert _run(m, STORY, N_STORY) == ref
         (layer, victim), _ = max(uses.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]))

@@ -164,7 +164,7 @@ def test_a_layers_orders_reach_each_lane_in_one_write(model: str, plain: tuple[i
             route(layer, ids)
             per_layer.append((len(sent) - n_sent, len(writes) - n_writes))
 
-        e.hook.on_route = on_route
+        e.hook.stops.on_route = on_route
         assert complete(m, PROMPT, 32).ids == plain
     finally:
         m.close()

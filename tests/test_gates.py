@@ -86,11 +86,11 @@ def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
         open_model(first)
 
 
-def test_memfd_segment_streams_identically(synth) -> None:
+def test_memfd_segment_streams_identically(small_moe) -> None:
     """Where /dev/shm is missing (Android) the slab is a memfd the lanes open through /proc."""
     from tests.conftest import bmoe_segments
 
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     before = bmoe_segments()
     res, _ = generate(path, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--io-threads", 2, "--shm", "memfd")
     assert res.ids == reference(path).ids
@@ -154,11 +154,11 @@ def cli_run(path: str, *flags: object) -> tuple[str, dict, str]:
 
 
 @pytest.mark.parametrize("case", ["sampled", "no-odirect", "cache-auto", "chat"])
-def test_cli_options_stream_what_plain_llama_cpp_computes(synth, case: str) -> None:
+def test_cli_options_stream_what_plain_llama_cpp_computes(small_moe, case: str) -> None:
     """Sampling, buffered reads, an auto-sized cache and the chat template: each streamed answer is
     plain llama.cpp's with the same options, at a budget that forces misses; and each option did
     change something (a sampled answer is not the greedy one, the chat answer not the raw one)."""
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     third = f"{open_model(path).expert_bytes / 3 / MiB:.2f}"
     same = {"sampled": [*SAMPLING, "--seed", 1234], "chat": ["--chat"]}.get(case, [])
     cache = {"cache-auto": ["--cache-mb", "auto", "--cache-floor-mb", 0, "--cache-ceil-mb", third],
@@ -193,14 +193,14 @@ def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(small_moe
               overlap) as m:
         e = m.engine
         prefill: dict[int, set[int]] = {}
-        inner = e.hook.on_route
+        inner = e.hook.stops.on_route
 
         def on_route(layer, ids) -> None:
             if len(ids) > 1:
                 prefill[layer] = {int(x) for x in ids.reshape(-1)}
             inner(layer, ids)
 
-        e.hook.on_route, e.hook.skip_route = on_route, None
+        e.hook.stops.on_route, e.hook.stops.skip_route = on_route, lambda layer: False
         res = complete(m, PROMPT, N_PREDICT)
     assert any(len(experts) == 8 for experts in prefill.values()), prefill
     assert res.ids == ref.ids and res.text == ref.text
@@ -226,7 +226,7 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
     ahead: set[int] = set()  # layers the prefill read ahead
     ahead_at: list[int] = []  # routings done when each was sent
     routes: list[tuple[int, int]] = []  # (layer, tokens) of every routing
-    send, inner = st.send, e.hook.on_route
+    send, inner = st.orders.send, e.hook.stops.on_route
 
     def on_send(lane, share, ahead_of=None) -> int:
         if (0, 1) not in routes:  # the decode has not started
@@ -241,7 +241,7 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
         routes.append((layer, len(ids)))
         inner(layer, ids)
 
-    st.send, e.hook.on_route = on_send, on_route
+    st.orders.send, e.hook.stops.on_route = on_send, on_route
     try:
         res = complete(m, words, N_PREDICT)
     finally:

@@ -157,8 +157,8 @@ def test_adaptive_falls_back_to_no_cache_rather_than_thrash_and_says_so() -> Non
 
 
 @pytest.fixture(scope="module")
-def model(synth) -> str:
-    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def model(small_moe) -> str:
+    return str(small_moe)
 
 
 def test_an_auto_budget_with_room_to_spare_holds_every_expert_and_preloads(model: str) -> None:

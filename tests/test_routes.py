@@ -36,11 +36,11 @@ def test_trace_records_routes_and_router_inputs(synth, tmp_path, arch: str) -> N
             assert set(np.argsort(-logits, kind="stable")[:2].tolist()) == set(r[layer])
 
 
-def test_bench_routes_reports_reuse_recall_and_lru_curve(synth, tmp_path) -> None:
+def test_bench_routes_reports_reuse_recall_and_lru_curve(small_moe, tmp_path) -> None:
     import subprocess
     import sys
 
-    model = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    model = str(small_moe)
     trace_path = tmp_path / "t.jsonl"
     assert run_cli("-m", model, "-p", PROMPT, "-n", "24", "--cache-mb", "0",
                    "--route-trace", str(trace_path)).returncode == 0

@@ -109,7 +109,7 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
     probs: dict[int, np.ndarray] = {}
     seen = {"weights": 0, "mul_mat_id": 0, "add_id": 0}
     bad: list[str] = []
-    route, remap = e.hook.on_route, e.hook.slot_ids
+    route, remap = e.hook.stops.on_route, e.hook.stops.slot_ids
 
     def on_route(layer, ids):
         real[layer] = ids.copy()
@@ -119,7 +119,7 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
         slots[layer] = remap(layer, ids)
         return slots[layer]
 
-    e.hook.on_route, e.hook.slot_ids = on_route, slot_ids
+    e.hook.stops.on_route, e.hook.stops.slot_ids = on_route, slot_ids
 
     def f32(addr: int) -> np.ndarray:
         t = seam.tensor_at(addr)
@@ -195,7 +195,7 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
             return True
         return e.hook._callback(t, ask, _u)
 
-    e.hook.on_route = on_route
+    e.hook.stops.on_route = on_route
     try:
         _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(read_logits))
         toks = e.tokenize(PROMPT)

@@ -75,8 +75,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def model(synth) -> str:
-    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def model(small_moe) -> str:
+    return str(small_moe)
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,7 @@ def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
     try:
         engine = s.engine
         first_layer = min(engine.streamer.layers)
-        route, cancel, keep = engine.hook.on_route, engine.interrupt, engine.kv_keep
+        route, cancel, keep = engine.hook.stops.on_route, engine.interrupt, engine.kv_keep
         cancelled, armed = threading.Event(), threading.Event()
         ubatches: list[tuple[int, int]] = []  # (tokens in the ubatch, KV length) at each prefill ubatch
         kept: list[tuple[int, int]] = []  # (KV length, n) at each kv_keep(n)
@@ -251,7 +251,7 @@ def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
             kept.append((engine.kv_len(seq), n))
             return keep(n, seq)
 
-        engine.hook.on_route, engine.interrupt, engine.kv_keep = on_route, cancel_seen, kv_keep
+        engine.hook.stops.on_route, engine.interrupt, engine.kv_keep = on_route, cancel_seen, kv_keep
         s.send({"cmd": "generate", "id": 1, "prompt": TURNS[0], "n_predict": 12})
         first = check_turn(s.events_until(1), 1, 12)
         armed.set()

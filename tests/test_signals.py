@@ -26,9 +26,9 @@ WORKERS = ("bmoe.workers.io_lane", "bmoe.workers.spec_gate")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory, synth) -> str:
+def model(tmp_path_factory: pytest.TempPathFactory, small_moe) -> str:
     """A copy under a name of its own: a worker still running after the test is found by it."""
-    src = synth(arch="qwen3moe", layers=4, experts=8, top_k=2)
+    src = small_moe
     dst = tmp_path_factory.mktemp("signals") / "signals-model.gguf"
     dst.write_bytes(Path(src).read_bytes())
     return str(dst)

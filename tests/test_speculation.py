@@ -8,6 +8,7 @@ the bytes the matmuls are about to read equal the file's.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import signal
 import time
@@ -41,7 +42,7 @@ class Ran:
         e = m.engine
         self.streamer = e.streamer
         self.gate = e.streamer.ahead.gate if e.streamer else None
-        self.router_stop = e.hook.on_router_input is not None
+        self.router_stop = e.hook.stops.router_input
 
 
 def _run(path: str, prompt_chat: bool = False, n: int = N_PREDICT, *flags: object,
@@ -106,8 +107,12 @@ def test_demo_gate(demo_model: str, overlap: bool, prefetch: int, spec_gate: boo
 
 
 def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_model: str) -> None:
-    """--spec-precision: with a high floor fewer predicted experts are read and more of them are used,
-    and the output does not change."""
+    """--spec-precision: with a high floor fewer predicted experts are read, those read are not used
+    less often than with no floor, and the output does not change.
+
+    How many predictions arrive in time depends on the machine's load (a busy machine read 2 at the
+    high floor), so "not used less often" is a binomial test: the high floor's hits must not be
+    improbably few (below 1 %) for the no-floor run's share of useful reads."""
     runs = {}
     for floor in (0, 90):
         res, _, sc = _run(demo_model, True, 16, "--cache-mb", open_model(demo_model).expert_bytes / 2 / MiB,
@@ -116,7 +121,9 @@ def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_mode
         assert not sc.bad and res.ids == reference(demo_model, True, 16).ids
         runs[floor] = res.stats
     assert runs[90].prefetched_experts < runs[0].prefetched_experts
-    assert runs[90].useful_experts * runs[0].prefetched_experts >= runs[0].useful_experts * runs[90].prefetched_experts
+    n, k, p = runs[90].prefetched_experts, runs[90].useful_experts, runs[0].useful_experts / runs[0].prefetched_experts
+    at_most_k = sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
+    assert at_most_k >= 0.01, (runs[0], runs[90])
 
 
 def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> None:
@@ -135,8 +142,8 @@ def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> N
     assert speculation.Confidence(64, 0).worth(0), "a floor of 0 reads every prediction"
 
 
-def test_governor_switches_spec_gate_off_mid_run_losslessly(synth) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_governor_switches_spec_gate_off_mid_run_losslessly(small_moe) -> None:
+    path = str(small_moe)
     ref = reference(path)
     res, e, sc = _run(path, False, N_PREDICT, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
                       "--io-threads", 2, "--overlap", "--prefetch", 1, "--spec-gate", "--spec-warmup", 12,
@@ -148,8 +155,8 @@ def test_governor_switches_spec_gate_off_mid_run_losslessly(synth) -> None:
     assert not e.router_stop, "the per-layer router stop goes with it"
 
 
-def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(synth) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(small_moe) -> None:
+    path = str(small_moe)
     ref = reference(path)
     notices: list[str] = []
     with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--overlap", "--spec-gate",
@@ -167,9 +174,9 @@ def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(synth) -
     assert not g.active and any("spec-gate" in n and "off" in n for n in notices), notices
 
 
-def test_hung_spec_gate_turns_the_feature_off(synth, monkeypatch) -> None:
+def test_hung_spec_gate_turns_the_feature_off(small_moe, monkeypatch) -> None:
     monkeypatch.setattr(speculation, "HANG_S", 0.3)
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     ref = reference(path)
     notices: list[str] = []
     with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--no-overlap", "--spec-gate",
@@ -189,11 +196,11 @@ def test_hung_spec_gate_turns_the_feature_off(synth, monkeypatch) -> None:
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-def test_stall_is_zero_when_every_expert_is_resident_and_positive_on_every_miss(synth) -> None:
+def test_stall_is_zero_when_every_expert_is_resident_and_positive_on_every_miss(small_moe) -> None:
     """Stall is the time compute waited for reads: none at all when every expert is resident
     (--preload) and something on every token when no expert is (--cache-mb 0). SlabCheck turns the
     hook's all-resident skip off, so the resident run still stops at every routing node."""
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     ref = reference(path, n=16)
     every = open_model(path).expert_bytes * 2 / MiB  # page rounding: twice the expert bytes hold them all
     res, _, sc = _run(path, False, 16, "--cache-mb", every, "--preload", "--overlap", "--io-threads", 2)
@@ -214,8 +221,8 @@ def test_quantized_router_turns_spec_gate_off_with_a_notice(synth) -> None:
     assert "moe-spec-gate:" not in r.stdout
 
 
-def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_telemetry_lines_under_every_lever(small_moe, tmp_path: Path) -> None:
+    path = str(small_moe)
     csv = tmp_path / "run.csv"
     r = run_cli("-m", path, "-p", PROMPT, "-n", "24", "-t", "1", "--cache-mb", "1", "--overlap",
                 "--prefetch", "2", "--spec-gate", "--spec-recall-min", "0", "--progress", "--csv", str(csv))
@@ -251,16 +258,16 @@ def test_telemetry_lines_under_every_lever(synth, tmp_path: Path) -> None:
     (["--spec-recall-min", "120"], "percentage"),
     (["--spec-precision", "-1"], "percentage"),
 ])
-def test_bad_lever_flags_exit_2(synth, flags: list[str], msg: str) -> None:
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def test_bad_lever_flags_exit_2(small_moe, flags: list[str], msg: str) -> None:
+    path = str(small_moe)
     r = run_cli("-m", path, "-n", "4", *flags)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
-def test_session_done_reports_recall_and_stall(synth) -> None:
+def test_session_done_reports_recall_and_stall(small_moe) -> None:
     from bmoe.session_client import SessionClient
 
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     flags = ["-m", path, "-t", "1", "--cache-mb", "1", "--overlap", "--prefetch", "1"]
     with SessionClient(flags + ["--spec-gate", "--spec-recall-min", "0"]) as s:
         done = list(s.generate(1, PROMPT, n_predict=16))[-1]
@@ -288,10 +295,10 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
     try:
         e = m.engine
         st = e.streamer
-        assert set(e.hook.down_nodes.values()) == set(st.layers)
-        assert all(n.decode().startswith("ffn_moe_swiglu") for n in e.hook.down_nodes)
+        assert set(e.hook.stops.down_nodes.values()) == set(st.layers)
+        assert all(n.decode().startswith("ffn_moe_swiglu") for n in e.hook.stops.down_nodes)
         routed: dict[int, list[int]] = {}
-        route, down = e.hook.on_route, e.hook.on_down
+        route, down = e.hook.stops.on_route, e.hook.stops.on_down
         stops = []
 
         def on_route(layer, ids):
@@ -307,8 +314,8 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
                     for x in routed[layer]:
                         slice_bytes(st, ri, x)[:] = bytes(r.expert_bytes)
 
-        e.hook.on_route, e.hook.on_down = on_route, on_down
-        e.hook.down_pending = lambda layer: True  # stop at every down input, reads done or not
+        e.hook.stops.on_route, e.hook.stops.on_down = on_route, on_down
+        e.hook.stops.down_pending = lambda layer: True  # stop at every down input, reads done or not
         res = complete(m, PROMPT, 16)
     finally:
         m.close()

@@ -26,8 +26,8 @@ BMOE_SUMMARY_KEYS = ("cache_budget_mib", "prefill_tokens", "prefill_s", "load_s"
 
 
 @pytest.fixture(scope="module")
-def model(synth) -> str:
-    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+def model(small_moe) -> str:
+    return str(small_moe)
 
 
 def progress_run(model: str, tmp_path, *flags: str) -> tuple[telemetry.ParsedRun, str, str]:

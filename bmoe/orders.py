@@ -1,0 +1,85 @@
+"""The reads sent to the I/O lanes and not answered yet: which slices each order fills, on which
+lane, and which experts it reads ahead of demand.
+
+Demand reads (bmoe.streamer) and reads ahead (bmoe.readahead) both send, cancel and look up
+orders here, the one owner of that state; neither reaches into the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from bmoe.expert_cache import ExpertCache
+from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
+from bmoe.units import MiB
+
+MAX_MERGED_READ = 4 * MiB
+Key = tuple[int, int, int]  # (layer, region index, expert)
+
+
+@dataclass
+class Order:
+    """Reads sent to one lane: the slices they fill and, if speculative, the experts read ahead."""
+
+    keys: list[Key]
+    lane: int
+    ahead: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Orders:
+    """Every order in flight, by id and by the slice it fills."""
+
+    def __init__(self, pool: LanePool, cache: ExpertCache) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.inflight: dict[int, Order] = {}
+        self.order_of: dict[Key, int] = {}
+
+    @property
+    def lanes(self) -> int:
+        return len(self.pool.lanes)
+
+    def pending_bytes(self) -> list[int]:
+        """Bytes each lane has been asked to read and has not answered yet."""
+        return [lane.pending_bytes() for lane in self.pool.lanes]
+
+    def ahead(self) -> Iterator[tuple[int, Order]]:
+        """(id, order) of every speculative order in flight."""
+        return ((oid, o) for oid, o in self.inflight.items() if o.ahead)
+
+    def reads_for(self, keys: list[Key]) -> list[tuple[ReadOrder, list[Key]]]:
+        """The slices' reads, adjacent ones merged, each with the slices it fills."""
+        return merge_keyed([(self.cache.read_order(k), k) for k in keys], MAX_MERGED_READ)
+
+    def send(self, lane: int, share: list[tuple[ReadOrder, list[Key]]], ahead: list[tuple[int, int]] | None = None) -> int:
+        """One order to one lane; `ahead` names the experts it reads ahead of demand (speculative)."""
+        oid = self.pool.send(lane, [r for r, _ in share], speculative=bool(ahead))
+        keys = [k for _, ks in share for k in ks]
+        self.inflight[oid] = Order(keys, lane, ahead or [])
+        for k in keys:
+            self.order_of[k] = oid
+        return oid
+
+    def spread(self, keys: list[Key]) -> list[int]:
+        """Demand reads over all lanes, largest first onto the least loaded; returns order ids."""
+        if not keys:
+            return []
+        shares = spread(self.reads_for(keys), self.pending_bytes())
+        return [self.send(i, share) for i, share in enumerate(shares) if share]
+
+    def cancel(self, by_lane: dict[int, list[int]]) -> None:
+        """Ask lanes to drop these speculative orders if not started (they answer CANCELLED)."""
+        for lane, oids in by_lane.items():
+            self.pool.lanes[lane].cancel(oids)
+
+    def done(self) -> list[int]:
+        """Orders the lanes have answered and that are still ours to collect."""
+        return [o for o in self.pool.done if o in self.inflight]
+
+    def pop(self, oid: int) -> Order:
+        """An answered order leaves flight; its slices are no longer being read."""
+        order = self.inflight.pop(oid)
+        for k in order.keys:
+            del self.order_of[k]
+        return order

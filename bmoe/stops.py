@@ -1,0 +1,53 @@
+"""What happens at each node where llama.cpp's graph stops for bmoe while streaming: the routing
+(the Streamer's demand reads and remap, and the route trace), each layer's router input (the
+spec-gate's prediction and the trace) and the down matmul's input (overlap's wait).
+
+`Stops` is the eval hook's one listener (bmoe.seam.Stops); the Engine builds it once the
+Streamer, the spec-gate and the trace exist.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bmoe import seam
+from bmoe.route_trace import TraceWriter
+from bmoe.streamer import Streamer
+
+
+class Stops:
+    """The streaming run's answers at the graph's stops."""
+
+    def __init__(self, streamer: Streamer, down_nodes: dict[bytes, int], trace: TraceWriter | None) -> None:
+        self.st = streamer
+        self.trace = trace
+        self.down_nodes = down_nodes  # empty without --overlap: every read is awaited at the routing node
+        self.router_input = streamer.gate_running or trace is not None
+
+    def skip_route(self, layer: int) -> bool:
+        """A layer whose experts are all resident for good runs through (a trace sees every layer)."""
+        return self.trace is None and self.st.skip(layer)
+
+    def on_route(self, layer: int, ids: np.ndarray) -> None:
+        if self.trace is not None:
+            self.trace.on_route(layer, ids, self.st.predicted_for(layer))
+        self.st.on_route(layer, ids)
+
+    def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        return self.st.slot_ids(layer, ids)
+
+    def on_router_input(self, layer: int, node: int) -> None:
+        """Hand a layer's router input to the trace and the spec-gate; no more stops there once
+        neither wants it (the recall governor switched the gate off)."""
+        if self.trace is not None:
+            self.trace.on_router_input(layer, seam.router_input(node))
+        if self.st.gate_running:
+            self.st.on_router_input(layer, node)
+        elif self.trace is None:
+            self.router_input = False
+
+    def down_pending(self, layer: int) -> bool:
+        return self.st.down_pending(layer)
+
+    def on_down(self, layer: int) -> None:
+        self.st.on_down(layer)
