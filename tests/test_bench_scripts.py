@@ -48,9 +48,14 @@ def test_python_script_imports_and_has_help(script: Path) -> None:
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
 
 
-def test_load_time_table_mode_runs(synth) -> None:
-    model = synth(arch="qwen3moe", layers=4, experts=8, top_k=2)
-    r = _run(sys.executable, BENCH / "load_time.py", "-m", model, "--rounds", "1", "--table")
+def test_load_time_runs_through_the_api(small_moe: Path) -> None:
+    r = _run(sys.executable, BENCH / "load_time.py", "-m", small_moe, "--rounds", "1", "--cache-mb", "1")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^median load_s: plain [\d.]+ s, streaming [\d.]+ s", r.stdout, re.M), r.stdout
+
+
+def test_load_time_table_mode_runs(small_moe: Path) -> None:
+    r = _run(sys.executable, BENCH / "load_time.py", "-m", small_moe, "--rounds", "1", "--table")
     assert r.returncode == 0, r.stderr
     assert re.search(r"^gguf\.GGUFReader: median [\d.]+ ms", r.stdout, re.M), r.stdout
     assert re.search(r"^bmoe\.gguf_table\.read_table: median [\d.]+ ms", r.stdout, re.M), r.stdout
