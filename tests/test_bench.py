@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -244,6 +245,28 @@ def test_real_run_without_limit(tiny: Path, tmp_path: Path) -> None:
     assert got["bmoe_load_s"] == pytest.approx(line["load_s"] - line["llama_load_s"])
     assert (got["prefill_s"], got["load_s"], got["prefill_tokens"]) == (line["prefill_s"], line["load_s"],
                                                                         line["prefill_tokens"])
+
+
+def test_a_configuration_runs_from_its_own_checkout(tiny: Path, tmp_path: Path) -> None:
+    """--checkout NAME=DIR: that configuration's bmoe-cli is the other tree's (a code A/B in one run)."""
+    other = tmp_path / "other"
+    shutil.copytree(REPO / "bmoe", other / "bmoe", ignore=shutil.ignore_patterns("__pycache__"))
+    cli = other / "bmoe" / "cli.py"
+    cli.write_text(cli.read_text().replace("def main(argv: list[str] | None = None) -> int:\n",
+                                           "def main(argv: list[str] | None = None) -> int:\n"
+                                           "    print('from the other checkout', file=sys.stderr)\n"))
+    r = subprocess.run(bench_cmd(tiny, tmp_path / "out", "--repeats", "1", "--warmup", "0", "--config", "b=",
+                                 "--checkout", f"b={other}"), capture_output=True, text=True, timeout=LIMIT,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    errs = {rec["config"]: (tmp_path / "out" / "runs" / rec["stderr_file"]).read_text() for rec in doc["runs"]}
+    assert "from the other checkout" in errs["b"] and "from the other checkout" not in errs["c1"]
+    assert [c["checkout"] for c in doc["configs"] if c["name"] == "b"] == [str(other.resolve())]
+    assert f"(from `{other.resolve()}`)" in (tmp_path / "out" / "report.md").read_text()
+    bad = subprocess.run(bench_cmd(tiny, tmp_path / "x", "--checkout", f"c1={tmp_path}"), capture_output=True,
+                         text=True, timeout=LIMIT, cwd=tmp_path)
+    assert bad.returncode == 2 and "holds no bmoe/cli.py" in bad.stderr
 
 
 def test_real_run_under_cgroup_limit(tiny: Path, tmp_path: Path) -> None:

@@ -134,3 +134,29 @@ def test_light_modules_do_not_load_llama_cpp(module: str) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False", f"importing {module} loads llama.cpp"
+
+
+def _schema() -> tuple:
+    from bmoe.settings import SCHEMA
+
+    return SCHEMA
+
+
+@pytest.mark.parametrize("entry", _schema(), ids=lambda e: e.name)
+def test_every_setting_is_a_flag_of_both_commands_and_a_keyword_of_load(entry) -> None:
+    """The three edges come from one declaration in bmoe/settings.py: nothing to forget when a
+    setting is added (its flag in bmoe-cli --help and bmoe-server --help, its bmoe.load keyword)."""
+    import inspect
+
+    import bmoe
+    from bmoe import flags, server
+    from bmoe.settings import from_keywords, names
+
+    for help_text in (flags.build_parser().format_help(), server.build_parser().format_help()):
+        words = help_text.replace(",", " ").split()
+        assert entry.option.flag in words, entry.option.flag
+    if entry.name == "model":
+        assert "path" in inspect.signature(bmoe.load).parameters  # bmoe.load's first argument
+    else:
+        assert entry.name in names()
+        assert entry.get(from_keywords("m.gguf", **{entry.name: entry.default})) == entry.default

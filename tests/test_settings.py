@@ -4,14 +4,12 @@ bmoe-cli's and bmoe-server's flags, bmoe.load's keywords, and validation worded 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 
-import bmoe
-from bmoe import flags, server
+from bmoe import flags
 from bmoe.errors import ConfigError
-from bmoe.settings import SCHEMA, SamplerSettings, Settings, from_keywords, names
+from bmoe.settings import SamplerSettings, Settings, from_keywords
 from tests.conftest import run_cli
 
 
@@ -45,20 +43,6 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
         changed |= {k for k, v in got.items() if v != _leaves(defaults)[k]}
     assert changed == set(_leaves(defaults)), f"no flag sets {sorted(set(_leaves(defaults)) - changed)}"
     assert _settings(["--session", "--cache-policy", "cycle"]).cache.policy == "cycle"
-
-
-@pytest.mark.parametrize("entry", SCHEMA, ids=[e.name for e in SCHEMA])
-def test_every_setting_is_a_flag_of_both_commands_and_a_keyword_of_load(entry) -> None:
-    """The three edges come from one declaration: nothing to forget when a setting is added."""
-    cli_help, server_help = flags.build_parser().format_help(), server.build_parser().format_help()
-    assert entry.option.flag in cli_help.split() or entry.option.flag + "," in cli_help.split()
-    assert entry.option.flag in server_help.split() or entry.option.flag + "," in server_help.split()
-    if entry.name == "model":
-        assert "path" in inspect.signature(bmoe.load).parameters  # bmoe.load's first argument
-    else:
-        assert entry.name in names()
-        s = from_keywords("m.gguf", **{entry.name: entry.default})
-        assert entry.get(s) == entry.default
 
 
 def test_keywords_are_the_flags_words_and_errors_speak_them() -> None:

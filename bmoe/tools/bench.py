@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-n", "--n-predict", type=positive_int, default=32, help="tokens per run (default 32)")
     r.add_argument("--config", action="append", type=bench_config.parse_config, default=[], metavar="NAME='FLAGS'",
                    help="a configuration: a name and the bmoe-cli flags it runs with; repeat for more")
+    r.add_argument("--checkout", action="append", type=bench_config.parse_checkout, default=[], metavar="NAME=DIR",
+                   help="run configuration NAME's bmoe-cli from the source tree DIR (another git worktree), so a "
+                        "code change is measured against the code before it in one benchmark, round-robin")
     r.add_argument("--no-baseline", action="store_true",
                    help=f"leave out the built-in baseline {bench_config.BASELINE_NAME}='{shlex.join(bench_config.BASELINE_FLAGS)}'")
     r.add_argument("--common", type=bench_config.parse_common, default=[], metavar="'FLAGS'",

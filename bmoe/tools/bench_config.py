@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+from pathlib import Path
 from dataclasses import dataclass
 
 from bmoe.settings import StreamSettings
@@ -22,14 +23,28 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 @dataclass
 class Config:
-    """bmoe-cli flags under a name; the name labels the configuration's runs, log files and rows."""
+    """bmoe-cli flags under a name; the name labels the configuration's runs, log files and rows.
+    `checkout` is the source tree its bmoe-cli runs from (None: this one)."""
 
     name: str
     flags: list[str]
+    checkout: Path | None = None
 
     @property
     def text(self) -> str:
         return shlex.join(self.flags)
+
+
+def parse_checkout(text: str) -> tuple[str, Path]:
+    """`NAME=DIR` -> (configuration name, a source tree holding bmoe/cli.py)."""
+    name, eq, where = text.partition("=")
+    path = Path(where).expanduser().resolve()
+    if not eq or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR, e.g. before=../bmoe-main")
+    if not (path / "bmoe" / "cli.py").is_file():
+        raise argparse.ArgumentTypeError(f"{where!r} holds no bmoe/cli.py; give a checkout of this project "
+                                         "(e.g. `git worktree add ../bmoe-before COMMIT`)")
+    return name.strip(), path
 
 
 def parse_config(text: str) -> Config:

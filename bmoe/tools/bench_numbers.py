@@ -125,7 +125,7 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
         runs = [r for r in records if r["config"] == c.name and r["phase"] == "measure"]
         ok = [r for r in runs if r["ok"]]
         tps = [r["tok_s"] for r in ok]
-        s = {"config": c.name, "flags": c.flags, "runs": len(runs), "ok_runs": len(ok),
+        s = {"config": c.name, "flags": c.flags, "checkout": str(c.checkout) if c.checkout else None, "runs": len(runs), "ok_runs": len(ok),
              "tok_s_median": _med(tps), "tok_s_min": min(tps) if tps else None,
              "tok_s_max": max(tps) if tps else None,
              "tok_s_q1": percentile(tps, 25) if len(tps) >= 4 else None,

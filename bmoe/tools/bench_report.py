@@ -101,7 +101,8 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
         iob = _f(s["io_bound_tok_s"])
         if s["io_bound_tok_s"] is not None:
             iob += f" ({s['bw_threads']} thr)"
-        L.append(f"| {s['config']} | `{shlex.join(s['flags']) or ' '}` | {s['ok_runs']}/{s['runs']} | "
+        where = f" (from `{s['checkout']}`)" if s.get("checkout") else ""
+        L.append(f"| {s['config']} | `{shlex.join(s['flags']) or ' '}`{where} | {s['ok_runs']}/{s['runs']} | "
                  f"{_f(s['tok_s_median'])} | {spread} | {_f(s['s_per_token_median'], '.4f')} | "
                  f"{_f(s['s_per_token_p95'], '.4f')} | {_f(s['mib_per_token'])} | "
                  f"{_f(s['steady_mib_per_token'])} | {_f(s['cache_hit_pct'], '.1f')} | "

@@ -151,7 +151,8 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
         cmd += ["--csv", str(csv_path)]
     rec: dict = {"index": index, "phase": phase, "round": rnd,
                  "repeat": rnd if phase == "measure" else None,
-                 "config": cfg.name, "flags": cfg.flags, "cmd": cmd}
+                 "config": cfg.name, "flags": cfg.flags, "cmd": cmd,
+                 "checkout": str(cfg.checkout) if cfg.checkout else None}
 
     if env.drop != "none":
         bench_sys.drop_file_cache(env.shards)
@@ -182,7 +183,7 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
                     balloon = bench_sys.Balloon(size)
         t0 = time.monotonic()
         with open(out_path, "w") as fo, open(err_path, "w") as fe:
-            proc = subprocess.Popen(argv, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, cwd=cfg.checkout,
                                     start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
             sampler = bench_sys.TreeSampler(proc.pid, env.interval).start()
             try:
@@ -287,6 +288,11 @@ def _configs(a: argparse.Namespace) -> list[Config]:
     if not configs:
         raise BenchError("nothing to run: give at least one --config NAME='FLAGS' (or drop --no-baseline)")
     check_cli_flags(configs, a.common)
+    for name, where in a.checkout:
+        match = [c for c in configs if c.name == name]
+        if not match:
+            raise BenchError(f"--checkout {name}={where}: no configuration is named {name!r}")
+        match[0].checkout = where
     if a.compute_ref and not any(c.name == a.compute_ref for c in configs):
         raise BenchError(f"--compute-ref {a.compute_ref!r} names no configuration; give it as --config "
                          f"{a.compute_ref}='--cache-mb <all experts> --preload'")
@@ -333,7 +339,8 @@ def prepare(a: argparse.Namespace, argv: list[str]) -> Bench:
                        (f"file `{a.file}`" if a.file else "bmoe-cli's default"),
         "n_predict": a.n_predict, "skip_tokens": a.skip_tokens, "repeats": a.repeats, "warmup": a.warmup, "csv": csv_ok,
         "common_flags": a.common,
-        "configs": [{"name": c.name, "flags": c.flags} for c in configs],
+        "configs": [{"name": c.name, "flags": c.flags, "checkout": str(c.checkout) if c.checkout else None}
+                    for c in configs],
         "memory_limit": {"mb": limit.mb, "method": limit.method, "description": limit.describe(),
                          "notes": limit.notes,
                          "cgroup_parent": str(limit.hierarchy.parent) if limit.hierarchy else None},
