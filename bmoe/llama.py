@@ -114,6 +114,21 @@ def make_sampler(s: SamplerSettings, vocab: Vocab | None = None, grammar: Gramma
     return chain
 
 
+def seq_state(ctx: llama_cpp.llama_context_p, seq: int) -> bytes:
+    """The KV state of sequence `seq` (llama.cpp's state API), to put back with `set_seq_state`."""
+    n = llama_cpp.llama_state_seq_get_size(ctx, seq)
+    buf = (ctypes.c_uint8 * n)()
+    got = llama_cpp.llama_state_seq_get_data(ctx, buf, n, seq)
+    return ctypes.string_at(buf, got)
+
+
+def set_seq_state(ctx: llama_cpp.llama_context_p, seq: int, data: bytes) -> bool:
+    """Replace sequence `seq`'s KV with a state `seq_state` took; False when llama.cpp refuses it
+    (another model's or context's), the sequence then being empty."""
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    return llama_cpp.llama_state_seq_set_data(ctx, buf, len(data), seq) == len(data)
+
+
 class Vocab:
     def __init__(self, model: llama_cpp.llama_model_p) -> None:
         self.model = model

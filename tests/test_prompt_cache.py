@@ -1,0 +1,152 @@
+"""The prompt cache's store (bmoe.prompt_cache) and llama.cpp's per-sequence state API under it:
+a prefix's KV saved, checked and put back gives the same logits as prefilling it, and nothing
+read from disk is trusted."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from bmoe.llama import seq_state, set_seq_state
+from bmoe.prompt_cache import PromptCache, model_identity
+from tests.plain_llama import Plain
+
+ID = b"\x01" * 32
+
+
+def store(folder: Path, mb: float = 10.0, identity: bytes = ID) -> tuple[PromptCache, list[str]]:
+    notes: list[str] = []
+    return PromptCache(folder, mb, identity, notes.append), notes
+
+
+def test_an_entry_comes_back_for_a_prompt_that_begins_with_it(tmp_path: Path) -> None:
+    c, _ = store(tmp_path)
+    c.save([1, 2, 3], b"three")
+    c.save([1, 2, 3, 4, 5], b"five")
+    c.save([1, 9], b"other")
+    again, notes = store(tmp_path)  # a restart finds them
+    e = again.match([1, 2, 3, 4, 5, 6])
+    assert e.tokens == (1, 2, 3, 4, 5) and again.load(e) == b"five" and not notes
+    assert again.match([1, 2, 3, 4, 5]).tokens == (1, 2, 3), "one token at least is left to decode"
+    assert again.match([1, 2, 3, 4, 5, 6], shorter_than=5).tokens == (1, 2, 3)
+    assert again.match([2, 1]) is None
+
+
+def test_the_folder_stays_within_its_bound_least_recently_used_first(tmp_path: Path) -> None:
+    mib = 2**20
+    c, _ = store(tmp_path, mb=2.5)
+    a = c.save([1], b"a" * mib)
+    c.save([2], b"b" * mib)
+    time.sleep(0.01)
+    assert c.load(a) is not None  # [1] is now the more recently used
+    c.save([3], b"c" * mib)
+    left = sorted(e.tokens for e in c.entries.values())
+    assert left == [(1,), (3,)], "the least recently used entry went"
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.kv")) <= 2.5 * mib
+    assert c.save([4], b"d" * 3 * mib) is None, "an entry over the bound is not kept"
+
+
+def test_a_truncated_or_corrupt_file_is_ignored_with_a_notice_and_removed(tmp_path: Path) -> None:
+    c, _ = store(tmp_path)
+    cut = c.save([1, 2], b"x" * 1000)
+    flip = c.save([1, 2, 3], b"y" * 1000)
+    junk = tmp_path / "junk.kv"
+    junk.write_bytes(b"not a cache file at all")
+    with open(cut.path, "r+b") as f:
+        f.truncate(cut.size - 10)
+    again, notes = store(tmp_path)
+    assert {n.split(" is ")[0] for n in notes} == {f"prompt cache: {cut.path.name}", "prompt cache: junk.kv"}
+    assert all(n.endswith("; ignored and removed") for n in notes)
+    assert not cut.path.exists() and not junk.exists()
+    raw = bytearray(flip.path.read_bytes())
+    raw[-1] ^= 0xFF
+    flip.path.write_bytes(bytes(raw))
+    e = again.match([1, 2, 3, 4])
+    assert e.tokens == (1, 2, 3) and again.load(e) is None
+    assert notes[-1] == f"prompt cache: {flip.path.name} is corrupt (its checksum does not match); ignored and removed"
+    assert not flip.path.exists() and again.match([1, 2, 3, 4]) is None
+
+
+def test_another_models_entries_are_left_alone(tmp_path: Path) -> None:
+    mine, _ = store(tmp_path)
+    mine.save([1, 2], b"mine")
+    other, notes = store(tmp_path, identity=b"\x02" * 32)
+    assert other.match([1, 2, 3]) is None and not notes
+    assert len(list(tmp_path.glob("*.kv"))) == 1
+
+
+def test_a_file_swapped_under_its_name_is_not_trusted(tmp_path: Path) -> None:
+    c, notes = store(tmp_path)
+    e = c.save([1, 2], b"two")
+    other = c.save([7, 8], b"eight")
+    os.replace(other.path, e.path)  # the right name, another prompt's KV
+    assert c.load(e) is None and "changed on disk" in notes[-1]
+
+
+# ---- with llama.cpp ---------------------------------------------------------------------------------
+
+
+def decode(p: Plain, seq: int, toks: list[int], pos: int) -> np.ndarray:
+    batch = llama_cpp.llama_batch_init(len(toks), 0, 1)
+    for j, t in enumerate(toks):
+        batch.token[j], batch.pos[j], batch.n_seq_id[j] = t, pos + j, 1
+        batch.seq_id[j][0] = seq
+        batch.logits[j] = j == len(toks) - 1
+    batch.n_tokens = len(toks)
+    try:
+        assert llama_cpp.llama_decode(p.ctx, batch) == 0
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(p.vocab.ptr)
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(p.ctx, -1), shape=(n_vocab,)).copy()
+
+
+def test_a_saved_prefix_put_back_gives_the_logits_of_prefilling_it(synth, tmp_path: Path) -> None:
+    path = synth(arch="qwen3moe", layers=2, experts=4, top_k=2)
+    p = Plain(path, n_ctx=256)
+    try:
+        toks = p.vocab.tokenize("The keeper climbed the stairs of the old lighthouse every evening " * 3)
+        mem = llama_cpp.llama_get_memory(p.ctx)
+        k = len(toks) - 5
+        decode(p, 0, toks[:k], 0)
+        cache, notes = store(tmp_path, identity=model_identity([Path(path)]))
+        cache.save(toks[:k], seq_state(p.ctx, 0))
+        want = decode(p, 0, toks[k:], k)
+        llama_cpp.llama_memory_clear(mem, True)
+        decode(p, 0, [5, 6, 7], 0)  # something else in the sequence first
+        again, _ = store(tmp_path, identity=model_identity([Path(path)]))  # a restart
+        e = again.match(toks)
+        assert e is not None and len(e.tokens) == k
+        assert set_seq_state(p.ctx, 0, again.load(e))
+        assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == k - 1
+        assert np.array_equal(decode(p, 0, toks[k:], k), want)
+    finally:
+        p.close()
+
+
+def test_llama_cpp_refuses_another_models_state(synth) -> None:
+    small = Plain(synth(arch="qwen3moe", layers=2, experts=4, top_k=2), n_ctx=128)
+    other = Plain(synth(arch="qwen3moe", layers=3, experts=4, top_k=2), n_ctx=128)
+    try:
+        decode(small, 0, [5, 6, 7, 8], 0)
+        state = seq_state(small.ctx, 0)
+        assert not set_seq_state(other.ctx, 0, state)
+        assert llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(other.ctx), 0) == -1
+        assert not set_seq_state(small.ctx, 0, state[:len(state) // 2]), "a cut state is refused too"
+    finally:
+        small.close()
+        other.close()
+
+
+def test_the_identity_follows_the_bytes_not_the_name(synth, tmp_path: Path) -> None:
+    a = Path(synth(arch="qwen3moe", layers=2, experts=4, top_k=2))
+    b = Path(synth(arch="qwen3moe", layers=2, experts=4, top_k=2, seed=1))
+    copy = tmp_path / "renamed.gguf"
+    copy.write_bytes(a.read_bytes())
+    assert model_identity([a]) == model_identity([copy]) != model_identity([b])
+    assert model_identity([a], "n_seq=1") != model_identity([a], "n_seq=2")
