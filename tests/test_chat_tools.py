@@ -96,3 +96,16 @@ def test_a_plain_conversation_renders_as_before(vocab) -> None:
     msgs = [{"role": "user", "content": "Hello"}]
     assert r.render(msgs, think=True) == r.render(msgs, think=True, tools=None) == \
         "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_bmoe_synth_stores_another_models_template(tmp_path: Path) -> None:
+    import llama_cpp
+
+    from bmoe.tools.synth import write_model
+
+    qwen3 = (TEMPLATES / "qwen3.jinja").read_text()
+    model = load_model(write_model(tmp_path / "q.gguf", layers=2, experts=4, chat_template=qwen3))
+    try:
+        assert llama_cpp.llama_model_chat_template(model, None).decode() == qwen3
+    finally:
+        llama_cpp.llama_model_free(model)
