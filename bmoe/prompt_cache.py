@@ -12,6 +12,18 @@ other models are left alone. The folder as a whole stays within the bound: the l
 used files go first (a file's mtime is its last use). Each file is written under a temporary
 name and renamed, so no reader sees half of one.
 
+Where a prompt is cut (`cut`, `usable`, `pieces`): saving a prefix means decoding the prompt in
+parts, [0, P) and then the rest, where plain llama.cpp decodes it in one call; a restart decodes
+only the rest. Either must compute every token exactly as the one call does, or the answers would
+differ. llama.cpp cuts a call into ubatches of n_ubatch tokens from its start, and ggml's CPU
+kernels are exact per token within a regime the ubatch's size picks: flash attention takes its
+tiled kernel for a ubatch of 64 tokens or more (GGML_FA_TILE_Q) and a per-row one below (and a
+matmul of one row leaves tinyBLAS). So the rest is decoded as [P, next multiple of n_ubatch) and
+then the remainder, which gives every later token the one call's ubatch, and P is taken only
+where it cuts its own ubatch into two parts of 64 tokens or more (or falls on a multiple of
+n_ubatch). The save point is 64 tokens or more before the end of the prefix, so that any later
+prompt sharing the prefix can use it. tests/test_prompt_cache.py pins these facts on llama.cpp.
+
 File layout, little-endian: magic (8) | model identity (32) | n_tokens u32 | payload bytes u64 |
 payload SHA-256 (32) | tokens int32 × n_tokens | payload.
 """
@@ -32,6 +44,7 @@ MAGIC = b"BMOEKV\x00\x01"
 _HEAD = struct.Struct("<8s32sIQ32s")
 SUFFIX = ".kv"
 _SAMPLES = 16  # 4 KiB blocks read from each model file for its identity
+FA_TILE = 64  # ggml-cpu's GGML_FA_TILE_Q: a ubatch of at least this many tokens takes the tiled flash attention
 _BLOCK = 4096
 
 
@@ -51,6 +64,32 @@ def model_identity(paths: Sequence[Path], context: str = "") -> bytes:
                 f.seek(size * i // _SAMPLES)
                 h.update(f.read(_BLOCK))
     return h.digest()
+
+
+def usable(p: int, n: int, n_ubatch: int) -> bool:
+    """Whether a prompt of `n` tokens decoded as [0, p) and then `pieces(p, n)` computes each token as
+    one call does: p a multiple of n_ubatch, or both parts of the ubatch p falls in 64 tokens or more."""
+    if not 0 < p < n:
+        return False
+    a = p % n_ubatch
+    return a == 0 or (a >= FA_TILE and n_ubatch - a >= FA_TILE and n - p >= FA_TILE)
+
+
+def pieces(p: int, n: int, n_ubatch: int) -> list[tuple[int, int]]:
+    """The calls that decode [p, n) so that, from the next multiple of n_ubatch on, the ubatches are
+    those of one call from 0."""
+    edge = -(-p // n_ubatch) * n_ubatch
+    return [(p, n)] if edge in (p, n) or edge > n else [(p, edge), (edge, n)]
+
+
+def cut(n: int, prefix: int, n_ubatch: int) -> int:
+    """Where to save a prompt of `n` tokens whose first `prefix` are worth keeping (a system prompt
+    and tools): the furthest usable point at least FA_TILE tokens before the prefix ends, so that
+    any prompt sharing the prefix can use it; 0 for none."""
+    for p in range(min(prefix, n) - FA_TILE, 0, -1):
+        if usable(p, n, n_ubatch):
+            return p
+    return 0
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from bmoe.settings import SamplerSettings
 
 
 class Plain:
-    def __init__(self, path: str | Path, n_ctx: int = 1024) -> None:
+    def __init__(self, path: str | Path, n_ctx: int = 1024, n_ubatch: int | None = None) -> None:
         init_backend()
         self.model = load_model(path)
         assert self.model, f"llama.cpp could not load {path}"
-        self.ctx = new_context(self.model, n_ctx, threads=2)
+        self.ctx = new_context(self.model, n_ctx, threads=2, n_ubatch=n_ubatch)
         self.vocab = Vocab(self.model)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bmoe.llama import seq_state, set_seq_state
-from bmoe.prompt_cache import PromptCache, model_identity
+from bmoe.prompt_cache import FA_TILE, PromptCache, cut, model_identity, pieces, usable
 from tests.plain_llama import Plain
 
 ID = b"\x01" * 32
@@ -150,3 +150,54 @@ def test_the_identity_follows_the_bytes_not_the_name(synth, tmp_path: Path) -> N
     copy.write_bytes(a.read_bytes())
     assert model_identity([a]) == model_identity([copy]) != model_identity([b])
     assert model_identity([a], "n_seq=1") != model_identity([a], "n_seq=2")
+
+
+# ---- where a prompt may be cut ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p, n, ok", [
+    (1536, 2050, True), (1536, 1537, True),  # a multiple of n_ubatch: the rest has the one call's ubatches
+    (1936, 2030, True), (1936, 2050, True),  # [1536, 2048) cut into 400 + 112
+    (1990, 2100, False),  # 454 + 58: the second part takes another kernel
+    (1550, 2030, False),  # 14 + 498
+    (1936, 1990, False),  # a rest of 54
+    (0, 10, False), (10, 10, False),
+])
+def test_usable_cuts(p: int, n: int, ok: bool) -> None:
+    assert usable(p, n, 512) is ok
+
+
+def test_pieces_rejoin_the_one_calls_ubatches() -> None:
+    assert pieces(1936, 2100, 512) == [(1936, 2048), (2048, 2100)]
+    assert pieces(1936, 2000, 512) == [(1936, 2000)]
+    assert pieces(1536, 2100, 512) == [(1536, 2100)]
+
+
+def test_the_save_point_leaves_room_for_any_later_question() -> None:
+    p = cut(2030, 2000, 512)
+    assert p == 2000 - FA_TILE and usable(p, 2030, 512)
+    assert all(usable(p, n, 512) for n in range(2001, 4000)), "any prompt that shares the 2000 tokens can use it"
+    assert cut(2200, 2100, 512) == 2048 - FA_TILE, "a cut leaves 64 tokens on both sides of its ubatch too"
+    assert cut(100, 90, 512) == 0, "no cut leaves 64 tokens on both sides"
+
+
+@pytest.fixture(scope="module")
+def pinned(synth) -> Plain:
+    p = Plain(synth(arch="qwen3moe", layers=2, experts=4, top_k=2), n_ctx=1024, n_ubatch=256)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("p", [512, 100, 420, 300, 500, 580])
+def test_llama_cpp_computes_a_usable_cut_exactly_and_another_not(pinned: Plain, p: int) -> None:
+    """Pins the kernel regimes `usable` relies on (see bmoe.prompt_cache): decoded as [0, p) and its
+    pieces, a cut it accepts gives the logits of one call exactly; one it refuses does not."""
+    toks = pinned.spell(" ".join(f"word{i % 97} the keeper of the light" for i in range(200)))[:600]
+    mem = llama_cpp.llama_get_memory(pinned.ctx)
+    llama_cpp.llama_memory_clear(mem, True)
+    one = decode(pinned, 0, toks, 0)
+    llama_cpp.llama_memory_clear(mem, True)
+    decode(pinned, 0, toks[:p], 0)
+    for a, b in pieces(p, len(toks), 256):
+        two = decode(pinned, 0, toks[a:b], a)
+    assert np.array_equal(one, two) is usable(p, len(toks), 256)
