@@ -23,8 +23,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cache-mb", type=float, default=1300)
     a = ap.parse_args()
-    kinds = {"plain": dict(streaming_enabled=False),
-             "stream": dict(cache_mb=a.cache_mb, streaming_io_threads=4)}
+    kinds = {"plain": dict(stream=False),
+             "stream": dict(cache_mb=a.cache_mb, io_threads=4)}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for rnd in range(a.rounds + 1):
         for name, kw in kinds.items():

@@ -36,8 +36,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     sizes = [int(k) for k in a.sizes.split(",")]
-    runs = {"plain llama.cpp (--no-stream)": dict(streaming_enabled=False),
-            "bmoe, every expert cached (--preload)": dict(cache_preload=True, streaming_io_threads=4)}
+    runs = {"plain llama.cpp (--no-stream)": dict(stream=False),
+            "bmoe, every expert cached (--preload)": dict(preload=True, io_threads=4)}
     got: dict[str, dict[int, list[float]]] = {name: {k: [] for k in sizes} for name in runs}
     texts: dict[str, dict[int, list[str]]] = {name: {} for name in runs}
     alone: dict[str, list[str]] = {}

@@ -12,11 +12,11 @@
     with bmoe.load("model.gguf", parallel=4) as m:             # four KV sequences
         done = m.batch([m.prepare(p, max_tokens=64) for p in prompts])   # decoded together
 
-Settings are the keywords of bmoe.settings' dataclasses, so the API, `bmoe-cli`'s flags and
-`bmoe-server` reach the same run: a top-level field (`n_ctx=4096`, `threads=4`), a whole group
-(`cache=CacheSettings(mb=500)` or `cache={"mb": 500}`) or one field of a group as
-`GROUP_FIELD` (`cache_mb=500`, `streaming_io_threads=4`, `speculation_prefetch=1`,
-`sampler_temp=0.7`); `setting_names()` lists them.
+Settings are keywords named after their `bmoe-cli` flags (`--cache-mb` is `cache_mb=500`,
+`--io-threads` is `io_threads=4`, `--no-stream` is `stream=False`, `-c` is `n_ctx=4096`), declared
+once in bmoe.settings, so the API, `bmoe-cli` and `bmoe-server` reach the same run; a value may
+also be given as its flag's text (`cache_mb="auto"`). `setting_names()` lists them. Errors name
+the keywords; notices go to the `bmoe` logger.
 
 Every generation is a bmoe.generation.Generation: `Model.run` drives one on the first KV sequence
 (the CLI and the session use it), `Model.batch` several in one llama.cpp batch per step (load with
@@ -31,17 +31,19 @@ Importing this module loads no llama.cpp; `load` does.
 
 from __future__ import annotations
 
-import argparse
+import logging
 import queue
 import threading
 import weakref
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from bmoe import console, flags, telemetry
+from bmoe import model_source, telemetry
+from bmoe.errors import ConfigError, ContextTooLong
 from bmoe.generation import Chunk, Completion, Generation, GenerationStats, Message, Request, Slot, StopText
-from bmoe.settings import ConfigError, SamplerSettings, Settings
+from bmoe.settings import KEYWORDS, N_PREDICT, SamplerSettings, from_keywords
+from bmoe.settings import names as setting_names
 from bmoe.units import MiB
 
 if TYPE_CHECKING:
@@ -49,75 +51,26 @@ if TYPE_CHECKING:
     from bmoe.coordinator import Engine
     from bmoe.readahead import Speculation
 
-__all__ = ["Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "Request", "StopText",
-           "load", "setting_names", "settings_for"]
+__all__ = ["Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request",
+           "StopText", "load", "setting_names"]
+
+log = logging.getLogger("bmoe")
 
 FIX = "shorten the prompt, lower max_tokens, or load the model with a larger n_ctx"
 RELOAD_FIX = "load it again with bmoe.load"
 
-# ---- settings from keywords ------------------------------------------------------------------------
-
-
-def _groups() -> dict[str, type]:
-    """Settings' group fields (cache, streaming, ...) and their dataclasses."""
-    return {f.name: type(f.default_factory()) for f in fields(Settings) if f.default_factory is not MISSING}
-
-
-def _top_level() -> list[str]:
-    return [f.name for f in fields(Settings) if f.name != "model" and f.name not in _groups()]
-
-
-def setting_names() -> list[str]:
-    """Every keyword `load` takes for a setting: top-level fields, groups, and GROUP_FIELD leaves."""
-    groups = _groups()
-    leaves = [f"{g}_{f.name}" for g, cls in groups.items() for f in fields(cls)]
-    return _top_level() + list(groups) + leaves
-
-
-def settings_for(path: str, **kw: Any) -> Settings:
-    """Settings for the model at `path` from keywords named after the Settings dataclasses.
-
-    A group may be given whole (a dataclass or a dict of its fields) and single fields of it as
-    GROUP_FIELD; a single field wins over the same field in a whole group.
-    """
-    groups = _groups()
-    given: dict[str, dict[str, Any]] = {g: {} for g in groups}
-    leaves: dict[str, dict[str, Any]] = {g: {} for g in groups}
-    top: dict[str, Any] = {}
-    for key, value in kw.items():
-        group, _, leaf = key.partition("_")
-        if key in groups:
-            cls = groups[key]
-            if isinstance(value, cls):
-                value = {f.name: getattr(value, f.name) for f in fields(cls)}
-            elif not isinstance(value, Mapping):
-                raise TypeError(f"{key}= takes a {cls.__name__} or a dict of its fields, not {type(value).__name__}")
-            given[key] = dict(value)
-        elif key in _top_level():
-            top[key] = value
-        elif group in groups and leaf in {f.name for f in fields(groups[group])}:
-            leaves[group][leaf] = value
-        else:
-            raise TypeError(f"unknown setting {key!r}; the settings are: {', '.join(setting_names())}")
-    base = Settings(model=str(path))
-    try:
-        return replace(base, **top, **{g: replace(getattr(base, g), **{**given[g], **leaves[g]}) for g in groups})
-    except TypeError as e:
-        raise TypeError(f"{e}; the settings are: {', '.join(setting_names())}") from None
-
-
-def load(path: str | Path | None = None, *, notice: Callable[[str], None] = console.notice, **settings: Any) -> Model:
+def load(path: str | Path | None = None, *, notice: Callable[[str], None] = log.warning, **settings: Any) -> Model:
     """Load a MoE GGUF (no path: the demo model, built on first use, as `bmoe-cli` runs it).
 
     `settings` are keywords of the Settings dataclasses (see the module notes); `notice` gets
-    what the user should know (budget decisions, a dense model run plain). Close the Model, or
-    use it as a context manager, to stop the I/O lanes and free the shared memory.
+    what the user should know (budget decisions, a dense model run plain, the demo's build); by
+    default the `bmoe` logger, which Python shows on stderr unless logging is configured. Close
+    the Model, or use it as a context manager, to stop the I/O lanes and free the shared memory.
     """
     from bmoe.coordinator import Engine
 
-    s = settings_for("" if path is None else str(path), **settings)
-    s = flags.resolve_model(argparse.Namespace(model=None if path is None else str(path)), s)
-    return Model(Engine(s, notice=notice))
+    s = model_source.resolve(from_keywords("" if path is None else str(path), **settings), notice)
+    return Model(Engine(s, notice=notice, words=KEYWORDS))
 
 
 @dataclass(frozen=True)
@@ -155,17 +108,20 @@ def _messages(messages: Sequence[Mapping[str, Any]]) -> tuple[Message, ...]:
 class Model:
     """A loaded model. `run` serves one generation at a time on the first KV sequence (calls from
     several threads take turns); `batch` decodes several prompts together, one KV sequence each
-    (load with `parallel=N`), and bmoe.scheduler does so for a server's concurrent requests."""
+    (load with `parallel=N`), and bmoe.scheduler does so for a server's concurrent requests. Every
+    one goes through the one loop, bmoe.driver.Driver (`driver`)."""
 
     def __init__(self, engine: Engine) -> None:
+        from bmoe.driver import Driver
+
         self.engine = engine
+        self.driver = Driver(engine)
         self.name = Path(engine.settings.model).stem
         self.slots = [Slot(i) for i in range(engine.settings.parallel)]
         self.notice = engine.notice
         self._renderer: Renderer | None = None
-        self.turn = threading.Lock()  # whoever drives the engine holds it
-        self._lock = threading.Lock()  # guards _running
-        self._running: list[Generation] = []
+        self._lock = threading.Lock()  # guards _live
+        self._live: list[Generation] = []  # made and not finished: what `cancel` reaches
         self._generations = self._tokens = self._read_bytes = 0
         self._last: GenerationStats | None = None
         self._finalizer = weakref.finalize(self, engine.close)
@@ -216,10 +172,11 @@ class Model:
     def _stream(self, req: Request) -> Iterator[Chunk]:
         """Run `req` on a thread of its own and hand its chunks over; leaving early cancels it."""
         items: queue.SimpleQueue[Chunk | BaseException | None] = queue.SimpleQueue()
+        gen = self.generation(req, items.put)
 
         def work() -> None:
             try:
-                self.run(req, items.put)
+                self.run(gen)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
                 items.put(e)
             finally:
@@ -233,7 +190,7 @@ class Model:
                     raise item
                 yield item
         finally:
-            self.cancel(req)
+            self.driver.cancel(gen)
             worker.join()
 
     # -- the one generation path --
@@ -255,7 +212,7 @@ class Model:
         return s
 
     def prepare(self, prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None, *,
-                max_tokens: int = flags.N_PREDICT, temperature: float | None = None, top_p: float | None = None,
+                max_tokens: int = N_PREDICT, temperature: float | None = None, top_p: float | None = None,
                 top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
                 think: bool = True, fix: str = FIX) -> Request:
         """A prompt or a conversation as a Request; ConfigError when it cannot run.
@@ -263,7 +220,7 @@ class Model:
         Sampling options left None keep the load's (greedy by default). `stop` strings end the
         answer where one first appears (it is not part of the text). `think` False renders the
         conversation with `enable_thinking=False` for templates that read it. `fix` ends the
-        message of a prompt too long for the context.
+        message of a prompt too long for the context (ContextTooLong).
         """
         if (prompt is None) == (messages is None):
             raise TypeError("give a prompt or messages, not both or neither")
@@ -293,27 +250,29 @@ class Model:
             self._renderer = Renderer(self.engine.vocab, self.engine.chat_template())
         return self._renderer
 
-    def cancel(self, req: Request | None = None) -> None:
-        """Stop the generation in flight (only `req`'s, when given); safe from any thread.
+    def generation(self, req: Request, on_chunk: Callable[[Chunk], None] | None = None,
+                   slot: Slot | None = None) -> Generation:
+        """`req` as a Generation on `slot` (default: the first KV sequence), for `run` or a driver of
+        several (bmoe.scheduler); `cancel` reaches it from now until it finishes."""
+        gen = Generation(self.engine, slot or self.slots[0], req, on_chunk, self._stats)
+        with self._lock:
+            self._live = [g for g in self._live if not g.finished] + [gen]
+        return gen
 
-        It ends with finish_reason "cancelled" and its KV rolled back to what it held before; a
+    def cancel(self, req: Request | None = None) -> None:
+        """Stop the generations made and not finished (only `req`'s, when given); safe from any thread.
+
+        Each ends with finish_reason "cancelled" and its KV rolled back to what it held before; a
         generation running alone stops mid-token, one in a batch after the step in flight.
         """
         with self._lock:
-            hit = [g for g in self._running if req is None or g.req is req]
-            for g in hit:
-                g.cancel()
-            if hit and len(self._running) == 1:
-                self.engine.cancel()
+            live = [g for g in self._live if not g.finished and (req is None or g.req is req)]
+        for g in live:
+            self.driver.cancel(g)
 
     def extends(self, messages: Sequence[Message]) -> bool:
         """Whether `messages` continue the conversation the first KV sequence holds."""
         return self.slots[0].extends(messages)
-
-    def generation(self, req: Request, slot: Slot, on_chunk: Callable[[Chunk], None] | None = None) -> Generation:
-        """`req` as a Generation on `slot`, for a driver of several (bmoe.scheduler); `running` it
-        makes it cancellable with `cancel`."""
-        return Generation(self.engine, slot, req, on_chunk, self._stats)
 
     def slot_for(self, req: Request) -> Slot | None:
         """A free slot for `req`: the one whose conversation it extends, else the least recently
@@ -325,24 +284,12 @@ class Model:
                     return s
         return min(free, key=lambda s: s.used, default=None)
 
-    def running(self, gens: list[Generation]) -> None:
-        """The generations in flight now (what `cancel` reaches)."""
-        with self._lock:
-            self._running = list(gens)
-            if not gens:
-                self.engine.reset_cancel()
-
-    def run(self, req: Request, on_chunk: Callable[[Chunk], None] | None = None) -> Completion:
-        """Generate for `req` on the first KV sequence, handing each Chunk to `on_chunk` as it comes
-        (on this thread). A chat that extends that sequence's conversation prefills only what the
-        KV does not hold yet (see Generation)."""
-        with self.turn:
-            gen = self.generation(req, self.slots[0], on_chunk)
-            self.running([gen])
-            try:
-                return gen.run()
-            finally:
-                self.running([])
+    def run(self, req: Request | Generation, on_chunk: Callable[[Chunk], None] | None = None) -> Completion:
+        """Generate for `req` on the first KV sequence (or run a Generation made by `generation`),
+        handing each Chunk to `on_chunk` as it comes (on this thread). A chat that extends that
+        sequence's conversation prefills only what the KV does not hold yet (see Generation)."""
+        gen = req if isinstance(req, Generation) else self.generation(req, on_chunk)
+        return self.driver.run([gen])[0]
 
     def batch(self, requests: Sequence[Request]) -> list[Completion]:
         """Decode `requests` together, one KV sequence each: prefill each in order, then one
@@ -350,28 +297,7 @@ class Model:
         if not 0 < len(requests) <= len(self.slots):
             raise ConfigError(f"a batch of {len(requests)} needs as many KV sequences (1 or more); "
                               f"this model was loaded with parallel={len(self.slots)}")
-        with self.turn:
-            gens = [self.generation(r, s) for r, s in zip(requests, self.slots)]
-            self.running(gens)
-            done: list[Completion] = []
-            try:
-                for g in gens:
-                    g.begin()
-                while live := [g for g in gens if not g.done]:
-                    self.engine.step([g.seq for g in live])
-                for g in gens:
-                    done.append(g.finish())
-            except BaseException as e:
-                for g in gens[len(done):]:
-                    if g.slot.busy:  # begun, not finished
-                        try:
-                            g.finish(e)
-                        except BaseException:  # noqa: BLE001 - the first error is the one to raise
-                            pass
-                raise
-            finally:
-                self.running([])
-            return done
+        return self.driver.run([self.generation(r, slot=s) for r, s in zip(requests, self.slots)])
 
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
                prefill_s: float, ahead: Speculation | None) -> GenerationStats:

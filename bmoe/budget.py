@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bmoe.errors import ConfigError
 from bmoe.memory import Room
-from bmoe.settings import CacheSettings, ConfigError
+from bmoe.settings import FLAGS, CacheSettings, Words
 from bmoe.units import MiB
 
 
@@ -23,28 +24,28 @@ def mib_up(nbytes: int) -> str:
     return f"{-(-nbytes * 10 // MiB) / 10:g}"
 
 
-def floor(cache: CacheSettings, rooms: list[Room]) -> tuple[int, str]:
+def floor(cache: CacheSettings, rooms: list[Room], w: Words = FLAGS) -> tuple[int, str]:
     """Bytes the limits must keep free, and how to say so: --cache-floor-mb, or by default 1536 MiB
     but at most a quarter of the tightest cgroup limit. Inside a cgroup its charge already holds
     bmoe's own memory (dense weights, KV, lanes), so the floor only covers what may still grow;
     1536 MiB in a 2500 MiB container would leave a cache too small to hit."""
     if cache.floor_mb is not None:
-        return int(cache.floor_mb * MiB), f"--cache-floor-mb {cache.floor_mb:g}"
+        return int(cache.floor_mb * MiB), w.value("cache_floor_mb", cache.floor_mb)
     limits = [r.cgroup_limit for r in rooms if r.cgroup_limit]
     if limits and min(limits) // 4 < cache.FLOOR_MB * MiB:
         quarter = min(limits) // 4
         return quarter, f"the floor {quarter / MiB:.0f} MiB (a quarter of the cgroup limit)"
-    return int(cache.FLOOR_MB * MiB), f"--cache-floor-mb {cache.FLOOR_MB:g}"
+    return int(cache.FLOOR_MB * MiB), w.value("cache_floor_mb", cache.FLOOR_MB)
 
 
 def auto_cache_bytes(expert_bytes: int, rooms: list[Room], floor_bytes: int, floor_text: str,
-                     ceil_mb: float | None = None) -> tuple[int, str]:
+                     ceil_mb: float | None = None, w: Words = FLAGS) -> tuple[int, str]:
     """The `--cache-mb auto` budget: the least of every limit's room minus the floor, the ceiling and
     every expert's bytes; with the terms it compared, for the notice that reports it."""
     terms = [(max(0, r.bytes - floor_bytes), f"{r.name} minus {floor_text}") for r in rooms]
     terms.append((expert_bytes, f"experts total {expert_bytes / MiB:.0f} MiB"))
     if ceil_mb is not None:
-        terms.append((int(ceil_mb * MiB), f"--cache-ceil-mb {ceil_mb:g}"))
+        terms.append((int(ceil_mb * MiB), w.value("cache_ceil_mb", ceil_mb)))
     budget = min(b for b, _ in terms)
     why = "; ".join(f"{'=> ' if b == budget else ''}{what}" for b, what in terms)
     return budget, why
@@ -58,35 +59,37 @@ class Budget:
 
 
 def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_need: int, token_need: int,
-           rooms: list[Room]) -> Budget:
-    """The cache budget in bytes for this model, or a ConfigError that names the fix.
+           rooms: list[Room], w: Words = FLAGS) -> Budget:
+    """The cache budget in bytes for this model, or a ConfigError that names the fix in the
+    caller's words (`w`: flags or bmoe.load keywords).
 
     `layer_need` / `token_need`: one layer's / one token's working set (bmoe.expert_cache.working_sets).
     """
     notice = None
-    floor_bytes, floor_text = floor(cache, rooms)
+    floor_bytes, floor_text = floor(cache, rooms, w)
+    force, no_cache = w.value("force", True), w.value("cache_mb", 0.0)
     if cache.mb is not None:
         budget = int(cache.mb * MiB)
     else:
-        budget, why = auto_cache_bytes(expert_bytes, rooms, floor_bytes, floor_text, cache.ceil_mb)
+        budget, why = auto_cache_bytes(expert_bytes, rooms, floor_bytes, floor_text, cache.ceil_mb, w)
         notice = f"cache budget {budget / MiB:.1f} MiB (auto, the least of: {why})"
         if 0 < budget < token_need and not cache.force:
             notice += (f"; that is below one token's working set ({token_need / MiB:.1f} MiB), where a "
-                       "cache thrashes, so this run has none (as --cache-mb 0); --force keeps it")
+                       f"cache thrashes, so this run has none (as {no_cache}); {force} keeps it")
             budget = 0
         if reads_ahead and budget <= 0:
-            raise ConfigError("--prefetch and --spec-gate read experts ahead into the cache, and --cache-mb "
-                              "auto found no room for one; free memory, lower --cache-floor-mb, or drop "
-                              "those flags")
-    what = "--cache-mb " + (f"{cache.mb:g}" if cache.mb is not None else f"auto ({budget / MiB:.1f})")
+            raise ConfigError(f"{w.name('prefetch')} and {w.name('spec_gate')} read experts ahead into the cache, "
+                              f"and {w.value('cache_mb', None)} found no room for one; free memory, lower "
+                              f"{w.name('cache_floor_mb')}, or drop them")
+    what = w.value("cache_mb", cache.mb) if cache.mb is not None else f"{w.value('cache_mb', None)} ({budget / MiB:.1f})"
+    enough = w.value("cache_mb", float(mib_up(token_need)))
     if 0 < budget < layer_need:
         raise ConfigError(f"{what} is below one layer's working set ({layer_need / MiB:.1f} MiB), which even "
-                          f"--force cannot run; use --cache-mb {mib_up(token_need)} (one token's working set) "
-                          "or more, or 0 for no cache")
+                          f"{force} cannot run; use {enough} (one token's working set) or more, or 0 for no cache")
     if 0 < budget < token_need and not cache.force:
         raise ConfigError(f"{what} is below one token's working set ({token_need / MiB:.1f} MiB): the cache "
-                          "would thrash, each token evicting experts the next one needs again; use --cache-mb "
-                          f"{mib_up(token_need)} or more, 0 for no cache, or --force to run with it anyway")
+                          f"would thrash, each token evicting experts the next one needs again; use {enough} "
+                          f"or more, 0 for no cache, or {force} to run with it anyway")
     return Budget(budget, floor_bytes, notice)
 
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import llama_cpp
 
 from bmoe.llama import Vocab
-from bmoe.settings import ConfigError
+from bmoe.errors import ConfigError
 
 
 class Renderer:

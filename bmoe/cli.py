@@ -8,22 +8,16 @@ bmoe.session. The flags live in bmoe.flags.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 
-from bmoe import console, flags, profile, seam, telemetry
+from bmoe import console, exits, flags, model_source, profile, telemetry
 from bmoe.api import Chunk, GenerationStats, Model
 from bmoe.coordinator import Engine
-from bmoe.lanes import LaneError
-from bmoe.model_files import ModelError
-from bmoe.settings import ConfigError
+from bmoe.errors import BmoeError, ConfigError
 from bmoe.units import MiB
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
-EXIT_ERROR = 1
-EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
 
 
 def read_prompt(a: argparse.Namespace) -> str:
@@ -38,16 +32,6 @@ def read_prompt(a: argparse.Namespace) -> str:
     except UnicodeDecodeError as e:
         raise ConfigError(f"prompt file {a.file} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); "
                           "save it as UTF-8") from None
-
-
-def _on_signal(signum: int, _frame: object) -> None:
-    seam.deliver(KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(EXIT_SIGTERM))
-
-
-def install_signal_handlers() -> None:
-    """SIGINT / SIGTERM end the process as KeyboardInterrupt / SystemExit(143), even mid-decode."""
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
 
 
 def summary(engine: Engine, lines: list[telemetry.TokenLine], stats: GenerationStats) -> list[str]:
@@ -73,7 +57,7 @@ def prefetch_line(stats: GenerationStats) -> str:
 def run(a: argparse.Namespace, settings: flags.Settings) -> int:
     """One prompt through `Model.run`, the generation path the session and the server use too."""
     prompt = read_prompt(a)
-    settings = flags.resolve_model(a, settings)
+    settings = model_source.resolve(settings, console.notice)
     csv_file = open(a.csv, "w", buffering=1) if a.csv else None
     model = Model(Engine(settings, notice=console.notice))
     engine = model.engine
@@ -130,20 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.model is None and a.prompt is None and a.file is None and not a.session:
         a.prompt, a.chat = DEMO_PROMPT, True
-    settings = flags.check(ap, a)
-    install_signal_handlers()
+    settings = flags.settings_from(ap, a)
+    exits.install_signal_handlers()
     if a.session:
         from bmoe import session
 
         return session.serve(a, settings)
     try:
         return run(a, settings)
-    except (ModelError, ConfigError, LaneError, OSError) as e:
+    except (BmoeError, OSError) as e:
         console.error(str(e))
-        return EXIT_ERROR
+        return exits.EXIT_ERROR
     except KeyboardInterrupt:
         print("bmoe-cli: interrupted", file=sys.stderr)
-        return EXIT_SIGINT
+        return exits.EXIT_SIGINT
 
 
 if __name__ == "__main__":

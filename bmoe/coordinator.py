@@ -5,7 +5,8 @@ expert tensors in one warm-up graph, visited but not computed (bmoe.seam), sizes
 (bmoe.budget), builds the Streamer (slab, slot pools, cache and I/O lanes: bmoe.streamer) and the spec-gate
 (bmoe.speculation), hooks them into llama.cpp's eval callback and runs prefill and decode:
 `begin` prefills one KV sequence, `step` decodes one token for each of several sequences in one
-llama.cpp batch (`--parallel`), `end` frees one; `generate` is one sequence through all three.
+llama.cpp batch (`--parallel`), `end` frees one. Requests reach these only through the one
+generation loop, bmoe.driver.
 
 Per MoE layer and step, llama.cpp computes up to the router weights `ffn_moe_weights-L`; the
 hook hands the routed ids (every token's in the batch) to the Streamer, which sends the missing
@@ -14,13 +15,15 @@ slice serially, or with `overlap` the gate/up slices there and the down slices a
 matmul's input node, while reads ahead (prefetch, spec-gate) fill idle lanes. Output is computed
 from exactly the bytes plain llama.cpp would use.
 
-The edges (bmoe.cli, bmoe.session, bmoe.api, bmoe.scheduler) use only the Engine's public methods.
+The edges (bmoe.cli, bmoe.session, bmoe.api, bmoe.driver, bmoe.scheduler, bmoe.server_app) use only
+the Engine's public methods and properties, never its parts (tests/test_layout.py checks that no
+product module reads another's private attributes).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,70 +32,50 @@ import numpy as np
 
 from bmoe import seam
 from bmoe.budget import Adaptive, decide
-from bmoe.chat import Renderer
 from bmoe.dense import dense_ranges, pin
+from bmoe.errors import Cancelled, ConfigError, ContextTooLong, ModelError
 from bmoe.expert_cache import working_sets
 from bmoe.memory import MemoryProbe
-from bmoe.llama import TextStream, Vocab, init_backend, load_model, make_sampler, new_context
-from bmoe.model_files import ModelError, open_model
+from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
+from bmoe.model_files import open_model
 from bmoe.readahead import Speculation
 from bmoe.route_trace import TraceWriter
-from bmoe.settings import ConfigError, SamplerSettings, Settings, validate
+from bmoe.settings import FLAGS, SamplerSettings, Settings, Words
 from bmoe.shm_cache import sweep_stale_segments
 from bmoe.speculation import SpecGate
 from bmoe.streamer import Streamer, regions_of
 from bmoe.telemetry import TokenStat
 from bmoe.units import MiB
 
-__all__ = ["Cancelled", "ConfigError", "Engine", "Result", "Sequence"]
+__all__ = ["Engine", "Sequence"]
 
-OnPiece = Callable[[int, str, TokenStat], None]
 ABORTED = 2  # llama_decode: the abort callback stopped the graph
-
-
-class Cancelled(Exception):
-    """A cancel request (Engine.cancel) stopped the generation; the Engine stays usable."""
-
-
-@dataclass
-class Result:
-    ids: list[int]
-    text: str
-    n_prompt: int
-    prefill_s: float
-    steps: list[TokenStat]
-    max_resident: int = 0
-    speculation: Speculation = field(default_factory=Speculation)
 
 
 @dataclass
 class Sequence:
-    """One generation in the engine (Engine.begin/step/end): its KV sequence, sampler and result."""
+    """One generation's state in the engine (Engine.begin/step/end): its KV sequence and sampler."""
 
     seq: int
     sampler: llama_cpp.llama_sampler_p | None
-    n_predict: int
-    on_piece: OnPiece
-    result: Result
-    out: TextStream = field(default_factory=TextStream)
     next: int = -1  # the token sampled from its last logits, decoded at its next step
-    done: bool = False
-    error: BaseException | None = None  # what ended it early (raised by its on_piece)
+    prefill_s: float = 0.0
 
 
 class Engine:
     """A loaded model and context; streaming experts unless `settings.streaming.enabled` is off."""
 
-    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None) -> None:
-        validate(settings)
+    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None, words: Words = FLAGS) -> None:
+        """Load `settings.model` as `settings` ask (validated by the edge: bmoe.flags, bmoe.settings.from_keywords);
+        `notice` hears what the user should know, errors name settings in `words` (the edge's)."""
         self.settings = settings
         self.notice = notice
+        self.words = words
         self.streamer: Streamer | None = None
         self.trace: TraceWriter | None = None
         self.model = self.ctx = None
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
-        self.cancel_requested = False
         t0 = time.perf_counter()
         self.files = open_model(settings.model)
         init_backend(settings.verbose)
@@ -151,7 +134,7 @@ class Engine:
         tensors = list(cap.tensors.values())
         regions = regions_of(self.files, tensors)
         need = working_sets(regions, max(1, self.files.n_expert_used))
-        if s.pin_dense:  # before the expert tensors are rebound: their data pointers find the mapping
+        if s.streaming.pin_dense:  # before the expert tensors are rebound: their data pointers find the mapping
             t0 = time.perf_counter()
             n = pin(dense_ranges(self.files, tensors))
             self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
@@ -175,7 +158,7 @@ class Engine:
             self._start_trace(Path(s.route_trace))
         else:
             self.hook.skip_route = st.skip
-        if s.cache.preload:
+        if s.streaming.preload:
             if not st.holds_everything:
                 self.notice("--preload ignored: the cache budget does not hold every expert")
             else:
@@ -201,7 +184,7 @@ class Engine:
         `expert_bytes` is what holding every expert takes in the cache (its slots, page-rounded),
         so an auto budget with room to spare holds them all (and --preload can fill it)."""
         s, st = self.settings, self.streamer
-        decided = decide(s.cache, s.reads_ahead, expert_bytes, layer_need, token_need, self.memory.rooms())
+        decided = decide(s.cache, s.reads_ahead, expert_bytes, layer_need, token_need, self.memory.rooms(), self.words)
         if decided.notice:
             self.notice(decided.notice)
         st.set_budget(decided.bytes)
@@ -245,6 +228,11 @@ class Engine:
     def budget(self) -> int:
         """The expert cache's budget in bytes now (0 without streaming or without a cache)."""
         return self.streamer.budget if self.streamer else 0
+
+    @property
+    def holds_every_expert(self) -> bool:
+        """Every expert is in memory for good: plain llama.cpp's mapping, or a cache budget that holds them all."""
+        return self.streamer is None or self.streamer.holds_everything
 
     @property
     def cache_active(self) -> bool:
@@ -291,12 +279,6 @@ class Engine:
     def arch(self) -> str:
         return self.files.arch
 
-    def prompt_tokens(self, prompt: str, chat: bool) -> list[int]:
-        """The prompt's tokens, with `chat` as one user turn in the model's chat template (bmoe.chat)."""
-        if chat:
-            prompt = Renderer(self.vocab, self.chat_template()).render([{"role": "user", "content": prompt}], think=True)
-        return self.tokenize(prompt)
-
     def tokenize(self, text: str) -> list[int]:
         """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""
         return self.vocab.tokenize(text, add_special=True)
@@ -310,10 +292,10 @@ class Engine:
         if n_tokens <= 0:
             raise ConfigError("the prompt is empty (no tokens); give it some text")
         if n_tokens + n_predict > self.n_ctx:
-            raise ConfigError(f"the prompt ({n_tokens} tokens) plus {n_predict} tokens to generate exceeds "
-                              f"the context of {self.n_ctx} tokens; {fix}")
+            raise ContextTooLong(f"the prompt ({n_tokens} tokens) plus {n_predict} tokens to generate exceeds "
+                                 f"the context of {self.n_ctx} tokens; {fix}", n_tokens + n_predict, self.n_ctx)
 
-    # ---- KV and cancel (the session keeps a conversation in the KV) ---------------------------
+    # ---- KV and cancel (a Slot's tokens are the KV sequence's: bmoe.generation) ----------------
 
     def clear_kv(self, seq: int = -1) -> None:
         """Empty sequence `seq`'s KV (-1: every sequence's)."""
@@ -339,73 +321,43 @@ class Engine:
             return 0
         return n
 
-    def cancel(self) -> None:
-        """Stop the decode in flight; safe to call from another thread.
+    def interrupt(self) -> None:
+        """Stop the llama_decode in flight with Cancelled; safe to call from another thread.
 
-        Like a signal (seam.deliver), a Cancelled is parked on the hook: the eval and abort
-        callbacks stop the running graph and `_decode` raises it. An error already parked
-        (a lane failure, a signal) is left in place, so it is not mistaken for a cancel. The
-        flag covers the time between decodes; `generate` checks it after each token. A cancel
-        stops every sequence of a batched step: a scheduler of several drops one between steps.
+        Like a signal (seam.deliver), the Cancelled is parked on the hook: the eval and abort
+        callbacks stop the running graph and `_decode` raises it. An error already parked (a lane
+        failure, a signal) is left in place, so it is not mistaken for a cancel. Only the
+        generation driver (bmoe.driver) calls it, when every generation in the decode is cancelled.
         """
-        self.cancel_requested = True
         if self.hook.error is None:
             self.hook.error = Cancelled()
 
-    def reset_cancel(self) -> None:
-        """Forget a cancel that arrived after its generation ended."""
-        self.cancel_requested = False
+    def clear_interrupt(self) -> None:
+        """Forget an interrupt that came after its decode ended."""
         if isinstance(self.hook.error, Cancelled):
             self.hook.error = None
 
-    # ---- generation ----------------------------------------------------------------------------
+    # ---- decoding ------------------------------------------------------------------------------
 
-    def generate(self, tokens: list[int], n_predict: int, on_piece: OnPiece = lambda i, s, st: None,
-                 fix: str = "raise -c or shorten the prompt", sampler: SamplerSettings | None = None) -> Result:
-        """Prefill `tokens` after what sequence 0's KV holds, then decode up to `n_predict` tokens.
+    def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
+              fix: str = "raise -c or shorten the prompt") -> Sequence:
+        """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
+        then decodes it.
 
-        The KV afterwards holds the old tokens, `tokens` and every token in `Result.ids` (each
-        sampled token is decoded before the next one is sampled; an end-of-generation token is
-        not). `fix` ends the message when the context is too small. `sampler` overrides the
-        settings' sampler for this call (a server's requests each bring their own). Raises
-        Cancelled when `cancel` is called mid-prefill or mid-decode.
-        """
-        def piece(i: int, text: str, stat: TokenStat) -> None:
-            on_piece(i, text, stat)
-            if self.cancel_requested:
-                raise Cancelled()
-
-        if self.cancel_requested:
-            raise Cancelled()
-        seq = self.begin(0, tokens, n_predict, piece, fix, sampler)
-        try:
-            while not seq.done:
-                self.step([seq])
-            if seq.error is not None:
-                raise seq.error
-            return seq.result
-        finally:
-            self.end(seq)
-
-    def begin(self, seq: int, tokens: list[int], n_predict: int, on_piece: OnPiece,
-              fix: str = "raise -c or shorten the prompt", sampler: SamplerSettings | None = None) -> Sequence:
-        """Prefill `tokens` after what sequence `seq`'s KV holds; `step` then decodes it.
-
-        Raises ConfigError when it does not fit the context, Cancelled when cancelled mid-prefill.
-        Every Sequence begun must be ended (`end`), also after an error.
+        Raises ContextTooLong when it does not fit the context (`fix` ends the message), Cancelled
+        when interrupted mid-prefill. Every Sequence begun must be ended (`end`), also after an error.
         """
         pos = self.kv_len(seq)
         self.check_fits(pos + len(tokens), n_predict, fix)
         st = self.streamer
-        chain = make_sampler(sampler or self.settings.sampler)
-        s = Sequence(seq, chain, n_predict, on_piece, Result([], "", len(tokens), 0.0, []))
+        s = Sequence(seq, make_sampler(sampler))
         try:
             t0 = time.perf_counter()
             row = self._decode([(seq, tokens, pos)])[0]
             if st:  # the prefill's reads ahead land (or are dropped) in the prefill, not in the first token
                 st.settle()
-            s.result.prefill_s = time.perf_counter() - t0
-            s.next = llama_cpp.llama_sampler_sample(chain, self.ctx, row)
+            s.prefill_s = time.perf_counter() - t0
+            s.next = llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
         except BaseException:
             self.end(s)
             raise
@@ -417,29 +369,22 @@ class Engine:
             self.trace.active = True
         return s
 
-    def step(self, seqs: list[Sequence]) -> None:
-        """Decode one token for each of `seqs` together, in one llama.cpp batch.
+    def step(self, seqs: list[Sequence]) -> list[tuple[int, TokenStat] | None]:
+        """Decode, for each of `seqs` together in one llama.cpp batch, the token it sampled after
+        its last decode; returns per sequence that token and its TokenStat, or None for one that
+        had sampled end-of-generation (nothing decoded: it is done).
 
-        Each decodes the token it sampled after its last decode (llama.cpp keeps only the last
-        decode's logits, so every sequence samples at once); one that sampled end-of-generation is
-        done without a decode. Each token's TokenStat is the step's wall time and an even share
-        of the step's reads, waits and hits (the shares add up to the step's). An exception from
-        a sequence's `on_piece` ends that sequence (kept in `.error`), not the step; one from the
-        decode ends the step.
+        llama.cpp keeps only the last decode's logits, so every sequence samples its next token
+        right after the decode. Each token's TokenStat is the step's wall time and an even share
+        of the step's reads, waits and hits (the shares add up to the step's).
         """
         c0 = time.perf_counter_ns()
-        going = []
-        for s in seqs:
-            tok = s.next
-            if self.vocab.is_eog(tok):
-                s.done = True
-            else:
-                s.result.ids.append(tok)
-                going.append((s, tok))
+        going = [s for s in seqs if not self.vocab.is_eog(s.next)]
         if not going:
-            return
-        rows = self._decode([(s.seq, [tok], self.kv_len(s.seq)) for s, tok in going])
-        for (s, _tok), row in zip(going, rows):
+            return [None] * len(seqs)
+        toks = {id(s): s.next for s in going}
+        rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
+        for s, row in zip(going, rows):
             s.next = llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
         if self.adaptive is not None:
             self._adapt()
@@ -447,37 +392,28 @@ class Engine:
         if st:
             c = st.take_counters(step=True)
             counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
-            stats = [TokenStat(wall, *(x * (i + 1) // k - x * i // k for x in counts), st.budget) for i in range(k)]
-            resident = st.resident_bytes()
+            shares = [TokenStat(wall, *(x * (i + 1) // k - x * i // k for x in counts), st.budget) for i in range(k)]
         else:
-            stats, resident = [TokenStat(wall, 0, 0, 0, 0, 0)] * k, 0
+            shares = [TokenStat(wall, 0, 0, 0, 0, 0)] * k
         if self.trace:
-            self.trace.end_step(going[0][1])
-        for (s, tok), stat in zip(going, stats):
-            res = s.result
-            res.steps.append(stat)
-            res.max_resident = max(res.max_resident, resident)
-            try:
-                s.on_piece(len(res.ids) - 1, s.out.push(self.vocab.piece(tok)), stat)
-            except Exception as e:  # noqa: BLE001 - this sequence's own end (a stop string, a cancel)
-                s.error, s.done = e, True
-            if len(res.ids) >= s.n_predict:
-                s.done = True
+            self.trace.end_step(toks[id(going[0])])
+        stat = {id(s): st_ for s, st_ in zip(going, shares)}
+        return [(toks[id(s)], stat[id(s)]) if id(s) in toks else None for s in seqs]
 
-    def end(self, s: Sequence) -> None:
-        """Free a Sequence's sampler and settle the reads it left; its text is final (`result`)."""
+    def end(self, s: Sequence) -> Speculation:
+        """Free a Sequence's sampler and settle the reads it left; returns what its reads ahead did."""
         if s.sampler is None:
-            return
-        s.out.finish()
-        s.result.text = s.out.text
+            return Speculation()
         llama_cpp.llama_sampler_free(s.sampler)
         s.sampler = None
+        ahead = Speculation()
         if self.streamer:
-            s.result.speculation = self.streamer.take_speculation()
+            ahead = self.streamer.take_speculation()
             self.streamer.settle()
         if self.trace:
             self.trace.active = False
             self.trace.write()
+        return ahead
 
     def _decode(self, parts: list[tuple[int, list[int], int]], aborts: bool = False) -> list[int]:
         """One llama_decode of (sequence, tokens, first position) parts; logits for each part's last

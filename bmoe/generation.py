@@ -1,18 +1,20 @@
-"""One request from prefill to its last chunk (Generation), and what it gives back.
+"""One request's life on a KV sequence (Generation on a Slot), and what it gives back.
 
-A Generation runs on a Slot: one llama.cpp KV sequence and exactly the tokens (and, for a chat,
-the conversation) it holds. `Model.run` drives one Generation alone; a scheduler of several
-(bmoe.scheduler) steps many together in one batch (Engine.step). Either way the same code
-decides the prefix to reuse, the chunks, the stop strings, the finish reason and the KV after.
+A Generation is one request from prefill to its last chunk: the KV prefix it can reuse, its
+tokens as text (UTF-8 held back until whole, stop strings cut), its telemetry, its finish reason
+and the KV it leaves. It never drives the engine itself: bmoe.driver's Driver, the one loop,
+begins it, steps it with others and finishes it, for every caller.
 """
 
 from __future__ import annotations
 
+import codecs
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from bmoe import telemetry
+from bmoe.errors import Cancelled
 from bmoe.settings import SamplerSettings
 
 if TYPE_CHECKING:
@@ -63,8 +65,12 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Completion:
+    """A finished generation: its text, stats, and the tokens it generated with each one's telemetry."""
+
     text: str
     stats: GenerationStats
+    ids: tuple[int, ...] = ()  # the generated tokens (an end-of-generation token is not one)
+    tokens: tuple[telemetry.TokenLine, ...] = ()  # each generated token's telemetry, in order
 
     @property
     def finish_reason(self) -> str:
@@ -126,11 +132,17 @@ class StopText:
         return out
 
 
-def cancelled() -> Exception:
-    """The engine's Cancelled, imported when needed: importing bmoe.api loads no llama.cpp."""
-    from bmoe.coordinator import Cancelled
+class TextStream:
+    """Token pieces → text, holding back a partial UTF-8 sequence until it completes."""
 
-    return Cancelled()
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, piece: bytes) -> str:
+        return self._dec.decode(piece)
+
+    def finish(self) -> str:
+        return self._dec.decode(b"", final=True)
 
 
 @dataclass
@@ -150,36 +162,36 @@ class Slot:
         return 0 < n < len(messages) and list(messages[:n]) == self.messages
 
 
-class Generation:
-    """`req` on `slot`: `begin` prefills, Engine.step decodes `seq`, `finish` ends it.
+OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "Speculation | None"], GenerationStats]
 
-    A chat that extends the slot's conversation prefills only the tokens past the prefix the KV
-    already holds. Afterwards the KV holds the prompt and the answer; a cancelled generation is
-    rolled back to the reused prefix, one cut by a stop string to its prompt. `on_end` hears the
-    stats of every generation that finishes.
+
+class Generation:
+    """`req` on `slot`: `begin` prefills, `take` adds each decoded token, `finish` ends it.
+
+    Only the driver (bmoe.driver) calls these. A chat that extends the slot's conversation
+    prefills only the tokens past the prefix the KV already holds. Afterwards the KV holds the
+    prompt and the answer; a cancelled generation is rolled back to the reused prefix, one cut by
+    a stop string to its prompt. `on_end` hears the stats of every generation that finishes.
     """
 
     def __init__(self, engine: Engine, slot: Slot, req: Request, on_chunk: Callable[[Chunk], None] | None,
-                 on_end: Callable[[telemetry.Tally, str, int, int, int, float, Speculation | None], GenerationStats]) -> None:
+                 on_end: OnEnd) -> None:
         self.engine, self.slot, self.req = engine, slot, req
         self.on_chunk = on_chunk
         self.on_end = on_end
         self.seq: EngineSequence | None = None
-        self.cancelled = False
+        self.cancelled = False  # asked to stop (Driver.cancel); it ends at the next token or step
+        self.finished = False  # `finish` has run: nothing more happens to it
+        self.ended: BaseException | None = None  # why it is done before its last token: a stop string, a cancel
+        self.done = False
         self.tokens = list(req.tokens)
+        self.ids: list[int] = []
         self.keep = 0
+        self.utf8 = TextStream()
         self.text = StopText(req.stop)
         self.tally = telemetry.Tally(req.max_tokens, engine.streaming and engine.settings.streaming.overlap,
                                      engine.cache_active)
         self.t0 = time.perf_counter()
-
-    @property
-    def done(self) -> bool:
-        return self.seq is not None and self.seq.done
-
-    def cancel(self) -> None:
-        """End it after the token being decoded (with finish_reason "cancelled")."""
-        self.cancelled = True
 
     def begin(self) -> None:
         """Keep the prefix of the KV this request can reuse and prefill the rest."""
@@ -194,40 +206,35 @@ class Generation:
         if not reuse:
             slot.messages = []
         if self.cancelled:
-            raise cancelled()
-        self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, self._on_piece, sampler=req.sampler)
+            raise Cancelled()
+        self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler)
 
-    def _on_piece(self, _i: int, piece: str, stat: telemetry.TokenStat) -> None:
+    def take(self, decoded: tuple[int, telemetry.TokenStat] | None) -> None:
+        """The engine's step for this generation: the token it decoded and its stat, or None when
+        it had sampled end-of-generation. Sets `done` when this was its last token."""
+        if decoded is None:
+            self.done = True
+            return
+        tok, stat = decoded
+        self.ids.append(tok)
         line = self.tally.add(stat)
-        new = self.text.push(piece)
+        new = self.text.push(self.utf8.push(self.engine.vocab.piece(tok)))
         if self.on_chunk:
             self.on_chunk(Chunk(new, line))
         if self.text.cut is not None:
-            raise _Stopped()
-        if self.cancelled:
-            raise cancelled()
-
-    def run(self) -> Completion:
-        """Drive it alone to its end (Model.run)."""
-        try:
-            self.begin()
-            while not self.seq.done:
-                self.engine.step([self.seq])
-        except Exception as e:  # noqa: BLE001 - finish decides what each ending means
-            return self.finish(e)
-        return self.finish()
+            self.ended, self.done = _Stopped(), True
+        elif self.cancelled:
+            self.ended, self.done = Cancelled(), True
+        elif len(self.ids) >= self.req.max_tokens:
+            self.done = True
 
     def finish(self, error: BaseException | None = None) -> Completion:
         """End it: the KV, the slot's conversation, the stats and the last chunk. An error other
         than a cancel or a stop string is raised again after the KV is rolled back."""
-        from bmoe.coordinator import Cancelled
-
         e, slot, tokens, text = self.engine, self.slot, self.tokens, self.text
-        seq = self.seq
-        if seq is not None:
-            e.end(seq)
-            error = error or seq.error
-        res = seq.result if seq is not None else None
+        self.finished = True
+        error = error or self.ended
+        ahead = e.end(self.seq) if self.seq is not None else None
         slot.busy, slot.used = False, time.monotonic()
         if isinstance(error, Cancelled):
             finish, kv = "cancelled", tokens[:e.kv_keep(self.keep, slot.seq)]
@@ -238,21 +245,21 @@ class Generation:
             self._check_kv()
             raise error
         else:
-            tail = text.push(res.text[len(text.raw):]) + text.flush()
+            tail = text.push(self.utf8.finish()) + text.flush()
             if tail and self.on_chunk:
                 self.on_chunk(Chunk(tail))
-            finish = "stop" if text.cut is not None or len(res.ids) < self.req.max_tokens else "length"
-            kv = tokens + res.ids
+            finish = "stop" if text.cut is not None or len(self.ids) < self.req.max_tokens else "length"
+            kv = tokens + self.ids
         slot.kv_tokens = kv
         if finish != "cancelled" and self.req.messages is not None:
             slot.messages = [*self.req.messages, {"role": "assistant", "content": text.text}]
         self._check_kv()
-        prefill_s = res.prefill_s if res is not None else time.perf_counter() - self.t0  # cancelled mid-prefill
-        stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep, len(slot.kv_tokens), prefill_s,
-                            res.speculation if res is not None else None)
+        prefill_s = self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0
+        stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep, len(slot.kv_tokens),
+                            prefill_s, ahead)
         if self.on_chunk:
             self.on_chunk(Chunk("", finish_reason=finish, stats=stats))
-        return Completion(text.text, stats)
+        return Completion(text.text, stats, tuple(self.ids), tuple(self.tally.lines))
 
     def _check_kv(self) -> None:
         """The token list must describe the KV exactly; if not (a bug), start clean rather than lie."""

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from bmoe.settings import ConfigError
+from bmoe.errors import ConfigError
 
 # keywords the converter would silently skip: refusing them keeps "valid under the grammar" = "valid under the schema"
 UNSUPPORTED = frozenset({

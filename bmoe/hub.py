@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from bmoe.model_files import split_name
-from bmoe.settings import ConfigError
+from bmoe.errors import ConfigError
 
 DEFAULT_QUANT = "Q4_K_M"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

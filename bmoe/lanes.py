@@ -12,6 +12,8 @@ from typing import Callable, Iterator, TypeVar
 
 import msgpack
 
+from bmoe.errors import LaneError
+
 
 ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
 T = TypeVar("T")
@@ -43,10 +45,6 @@ def spread(items: list[tuple[ReadOrder, T]], load: list[int]) -> list[list[tuple
         shares[i].append(item)
         load[i] += item[0][2]
     return shares
-
-
-class LaneError(RuntimeError):
-    pass
 
 
 class Lane:

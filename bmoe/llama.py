@@ -5,7 +5,6 @@ Kept apart from the seam: nothing here reaches into ggml internals.
 
 from __future__ import annotations
 
-import codecs
 import collections
 import ctypes
 import os
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import llama_cpp
 
-from bmoe.model_files import ModelError
+from bmoe.errors import ModelError
 from bmoe.settings import SamplerSettings
 
 if TYPE_CHECKING:
@@ -159,21 +158,3 @@ class Vocab:
     def warmup_token(self) -> int:
         bos = llama_cpp.llama_vocab_bos(self.ptr)
         return bos if bos >= 0 else 0
-
-
-class TextStream:
-    """Token pieces → text, holding back a partial UTF-8 sequence until it completes."""
-
-    def __init__(self) -> None:
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-
-    def push(self, piece: bytes) -> str:
-        new = self._dec.decode(piece)
-        self.text += new
-        return new
-
-    def finish(self) -> str:
-        new = self._dec.decode(b"", final=True)
-        self.text += new
-        return new

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
-from bmoe.generation import Generation, cancelled
-from bmoe.settings import ConfigError
+from bmoe.errors import ConfigError
+from bmoe.generation import Completion, Generation
 
 MODES = ("auto", "batch", "turns")
 
@@ -161,7 +161,6 @@ class Scheduler:
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # admitted and prefilled (or being prefilled), oldest first
-        self.prefilling: Job | None = None
         self.closed = False
         self.thread = threading.Thread(target=self._work, name="bmoe-generate", daemon=True)
 
@@ -170,8 +169,7 @@ class Scheduler:
         return len(self.model.slots)
 
     def _all_cached(self) -> bool:
-        e = self.model.engine
-        return not e.streaming or (e.streamer is not None and e.streamer.holds_everything)
+        return self.model.engine.holds_every_expert
 
     def start(self) -> None:
         self.thread.start()
@@ -190,15 +188,14 @@ class Scheduler:
 
     def cancel(self, job: Job) -> None:
         """The client is gone: take `job` out of the queue, or end its generation (mid-prefill at
-        once, mid-decode after the step in flight)."""
+        once, mid-decode after the step in flight unless it decodes alone)."""
         with self.cond:
             if job in self.waiting:
                 self.waiting.remove(job)
                 self._positions()
-            elif job.gen is not None:
-                job.gen.cancel()
-                if self.prefilling is job:
-                    self.model.engine.cancel()
+                return
+        if job.gen is not None:
+            self.model.driver.cancel(job.gen)
 
     def close(self) -> None:
         """Stop: what waits ends with ShuttingDown, what runs is cancelled; idempotent."""
@@ -207,12 +204,10 @@ class Scheduler:
             for job in self.waiting:
                 job.deliver(ShuttingDown())
             self.waiting.clear()
-            for job in self.active:
-                if job.gen is not None:
-                    job.gen.cancel()
-            if self.prefilling is not None:
-                self.model.engine.cancel()
+            running = [job.gen for job in self.active if job.gen is not None]
             self.cond.notify_all()
+        for gen in running:
+            self.model.driver.cancel(gen)
 
     def join(self) -> None:
         if self.thread.is_alive():
@@ -231,6 +226,11 @@ class Scheduler:
             with self.cond:
                 jobs, self.active = self.active, []
             for job in jobs:
+                if job.gen is not None and not job.gen.finished:
+                    try:
+                        job.gen.finish(e)  # rolls its KV back, then raises e again
+                    except BaseException:  # noqa: BLE001, S110 - e is what every job hears
+                        pass
                 job.deliver(GenerationFailed(f"{type(e).__name__}: {e}"))
             self.on_fatal(e)
             self.close()
@@ -247,7 +247,7 @@ class Scheduler:
             while self.waiting and not self.closed and (slot := self.model.slot_for(self.waiting[0].req)):
                 job = self.waiting.popleft()
                 slot.busy = True  # taken now: the next slot_for must not offer it again
-                job.gen = self.model.generation(job.req, slot, job.deliver)
+                job.gen = self.model.generation(job.req, job.deliver, slot)
                 self.active.append(job)
                 admitted.append(job)
                 job.deliver(Position(0))
@@ -255,62 +255,43 @@ class Scheduler:
                 self._positions()
         for job in admitted:
             self._begin(job)
-        self._end(self._cancelled())
         if self.active:
             self._step()
         return True
 
     def _begin(self, job: Job) -> None:
-        with self.cond:
-            self.prefilling = job
+        """Prefill `job`; a request that cannot run hears why (ConfigError) and the rest go on."""
         try:
-            with self.model.turn:
-                self.model.engine.check_model_unchanged(self.reload_fix)
-                job.gen.begin()
+            self.model.engine.check_model_unchanged(self.reload_fix)
+            done = self.model.driver.begin(job.gen)
         except ConfigError as e:  # checked at admission; the request's all the same
-            self._drop(job)
             job.gen.slot.busy = False
+            self._drop(job)
             job.deliver(e)
-        except Exception as e:  # noqa: BLE001 - a cancel ends this job; anything else, the engine
-            self._end([job], e)
-        finally:
-            with self.cond:
-                self.prefilling = None
-                self.model.engine.reset_cancel()  # a cancel that came as the prefill ended is on the job
-
-    def _cancelled(self) -> list[Job]:
-        return [j for j in self.active if j.gen.cancelled and j.gen.seq is not None]
+            return
+        if done is not None:  # cancelled during its prefill
+            self._done(job, done)
 
     def _step(self) -> None:
-        gens = [j.gen for j in self.active]
-        mode = self.batching.choose() if len(gens) > 1 else "turns"
+        jobs = list(self.active)
+        mode = self.batching.choose() if len(jobs) > 1 else "turns"
         if mode == "turns":
-            gens = gens[:1]
-        before = sum(len(g.seq.result.ids) for g in gens)
+            jobs = jobs[:1]
         t0 = time.perf_counter()
-        with self.model.turn:
-            self.model.engine.step([g.seq for g in gens])
+        before = sum(len(j.gen.ids) for j in jobs)
+        ended = self.model.driver.step([j.gen for j in jobs])
         if len(self.active) > 1:
-            self.batching.record(mode, sum(len(g.seq.result.ids) for g in gens) - before, time.perf_counter() - t0)
-        self._end([j for j in self.active if j.gen.done])
+            self.batching.record(mode, sum(len(j.gen.ids) for j in jobs) - before, time.perf_counter() - t0)
+        of = {id(j.gen): j for j in jobs}
+        for gen, done in ended:
+            self._done(of[id(gen)], done)
 
-    def _end(self, jobs: list[Job], error: BaseException | None = None) -> None:
-        """Finish `jobs` (with `error`, or as cancelled when they were); an engine failure is raised
-        after the job heard of it."""
-        for job in jobs:
-            self._drop(job)
-            why = error or (cancelled() if job.gen.cancelled and not job.gen.done else None)
-            try:
-                with self.model.turn:
-                    stats = job.gen.finish(why).stats
-            except BaseException as e:
-                job.deliver(GenerationFailed(f"{type(e).__name__}: {e}"))
-                raise
-            self.on_generation(stats)
+    def _done(self, job: Job, done: Completion) -> None:
+        self._drop(job)
+        self.on_generation(done.stats)
 
     def _drop(self, job: Job) -> None:
         with self.cond:
             if job in self.active:
                 self.active.remove(job)
                 self._positions()
-

@@ -57,14 +57,15 @@ import sys
 import threading
 from typing import Any, Callable
 
-from bmoe import console, flags, profile, telemetry
+from bmoe import console, model_source, profile, telemetry
+from bmoe.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
 from bmoe.api import Chunk, Completion, Model
 from bmoe.coordinator import Engine
 from bmoe.protocol import CANCEL, CLOSE, DONE_KEYS, NO_ID, PROFILE, Generate, RequestError, safe, parse_request
-from bmoe.settings import ConfigError, Settings
+from bmoe.errors import BmoeError, ConfigError
+from bmoe.settings import Settings
 from bmoe.units import MiB
 
-EXIT_OK, EXIT_ERROR, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 130, 143
 CONTEXT_FIX = "shorten it, lower n_predict, start a new chat (clear_kv:true) or restart the session with a larger -c"
 
 
@@ -135,6 +136,7 @@ class Session:
         self.notice = notice
         self.requests: queue.Queue[Generate | str] = queue.Queue()
         self.in_flight: int | None = None  # id of the queued or running generate (under out.lock)
+        self.cancel_asked = False  # a cancel came for it before its Generation was made (under out.lock)
 
     # -- reader thread --
 
@@ -193,11 +195,11 @@ class Session:
                 if self.in_flight is None:
                     self.notice("cancel ignored: no generation in flight")
                 else:
-                    self.engine.cancel()
+                    self._cancel()
                 return None
             if req == CLOSE:
                 if self.in_flight is not None:
-                    self.engine.cancel()
+                    self._cancel()
                 self.requests.put(CLOSE)
                 return CLOSE
             if self.in_flight is not None:
@@ -207,6 +209,11 @@ class Session:
             self.in_flight = req.id
             self.requests.put(req)
         return None
+
+    def _cancel(self) -> None:
+        """Cancel the generate in flight: its Generation if made, else when it is (under out.lock)."""
+        self.cancel_asked = True
+        self.model.cancel()
 
     def profile(self) -> None:
         """The per-process table (coordinator, workers) on stderr, on demand; stdout stays protocol-only."""
@@ -231,7 +238,7 @@ class Session:
     def _finish(self, tag: str, obj: dict[str, Any]) -> None:
         with self.out.lock:
             self.in_flight = None
-            self.engine.reset_cancel()
+            self.cancel_asked = False
             self.out.line(tag, obj)
 
     def run(self, req: Generate) -> None:
@@ -252,8 +259,12 @@ class Session:
                 text += c.text
                 self.out.raw(telemetry.token_lines(c.token, text))
 
+        with self.out.lock:
+            gen = self.model.generation(job, on_chunk)
+            if self.cancel_asked:
+                self.model.driver.cancel(gen)
         try:
-            done = self.model.run(job, on_chunk)
+            done = self.model.run(gen)
         except ConfigError as e:  # should not happen (checked above); keep serving all the same
             self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
             return
@@ -287,7 +298,7 @@ def _fatal(out: Output, rid: int, exc: BaseException) -> int:
         msg = "terminated (SIGTERM); the session ended" if code == EXIT_SIGTERM else f"exiting ({exc.code})"
     else:
         msg, code = str(exc) or type(exc).__name__, EXIT_ERROR
-        if type(exc).__name__ not in ("ConfigError", "ModelError", "LaneError"):
+        if not isinstance(exc, BmoeError):
             msg = f"{type(exc).__name__}: {msg}"
         if rid != NO_ID:
             msg = f"generation {rid} failed: {msg}"
@@ -316,7 +327,7 @@ def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
     engine: Engine | None = None
     session: Session | None = None
     try:
-        engine = Engine(flags.resolve_model(a, settings), notice=console.notice)
+        engine = Engine(model_source.resolve(settings, console.notice), notice=console.notice)
         session = Session(Model(engine), out, a.n_predict)
         out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.arch, "n_ctx": engine.n_ctx})
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",

@@ -1,34 +1,110 @@
-"""What a run is asked to do, in groups, each default written once, and the one check of it.
+"""What a run is asked to do: every setting declared once, and the one check of it.
 
-`bmoe-cli`'s flags take their defaults from these classes (bmoe.flags), so the help text, a
-session and a Python caller all get the same run. `validate` is pure: it looks at the settings
-alone, never at the model or the machine (bmoe.budget decides what the machine allows).
+Each setting is a dataclass field declared with `setting(...)`: its name, type and default, and
+in the same place its flag, its `bmoe.load` keyword (the flag's words unless given), its help
+and its bounds (`Option`). `bmoe-cli`'s and `bmoe-server`'s flags (bmoe.flags) and
+`bmoe.load`'s keywords (`from_keywords`) are generated from these declarations, and `validate`
+words its errors in the caller's own vocabulary (`FLAGS` or `KEYWORDS`), so adding a setting is
+one declaration here. The order of declaration is the order of `--help`.
+
+`validate` is pure: it looks at the settings alone, never at the model or the machine
+(bmoe.budget decides what the machine allows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import difflib
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import Any, Callable, Iterator, Mapping, get_type_hints
 
+from bmoe.argtypes import number, percent, positive_float, positive_int
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
+from bmoe.errors import ConfigError
+
+N_PREDICT = 64  # tokens a request generates when it does not say
 
 
-class ConfigError(ValueError):
-    """A setting that cannot work (alone, or with this model); the message names the fix."""
+def _cache_mb(text: str) -> float | None:
+    """--cache-mb: MiB, or 'auto' (None)."""
+    if text == "auto":
+        return None
+    return number(text, float, "a number of MiB or 'auto'", lambda v: not v < 0,
+                  "must be 0 (no cache), a positive number of MiB, or 'auto'")
+
+
+def _mib(text: str) -> float:
+    """--cache-floor-mb and --cache-ceil-mb: a MiB count, 0 or more."""
+    return number(text, float, "a number of MiB", lambda v: v >= 0 and v != float("inf"),
+                  "must be a number of MiB, 0 or more")
+
+
+def _policy(text: str) -> str:
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown cache policy {text!r}; choose one of {', '.join(POLICIES)}")
+    return text
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one setting is spelled, explained and bounded at every edge."""
+
+    flag: str  # the long flag; a bool whose flag starts "--no-" is on by default and the flag turns it off
+    help: str  # `{default}` becomes the field's default
+    short: str | None = None  # e.g. "-t"; also how errors name it
+    keyword: str | None = None  # bmoe.load's keyword; None: the flag's words ("--no-odirect" -> "odirect")
+    parse: Callable[[str], Any] | None = None  # text -> value (the flag's argparse type; bmoe.load takes text too)
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    toggle: bool = False  # a bool with both --X and --no-X
+    ok: Callable[[Any], bool] | None = None  # the bound, checked for every edge (None values are not checked)
+    rule: str = ""  # the bound in words, after the offending value
+    auto: str | None = None  # what None means, as the user writes it ("auto")
+
+    @property
+    def name(self) -> str:
+        """The keyword: bmoe.load's, and the argparse dest."""
+        return self.keyword or self.flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+
+
+def setting(default: Any, flag: str, help: str, **option: Any) -> Any:  # noqa: A002 - argparse's word
+    """A settings field with its Option (see the module notes)."""
+    return field(default=default, metadata={"option": Option(flag, help, **option)})
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """The expert cache: its budget and which slice it gives up first."""
 
-    mb: float | None = None  # None: `auto`, sized from memory (bmoe.budget)
-    floor_mb: float | None = None  # memory `auto` leaves to the system; None: FLOOR_MB
-    ceil_mb: float | None = None  # the most `auto` may take; None: no cap
-    force: bool = False  # accept a budget below one token's working set
-    policy: str = DEFAULT_POLICY
-    preload: bool = False  # read every expert at start when the budget holds them all
-    adapt: bool = False  # a fixed `mb` also follows free memory (auto always does)
+    mb: float | None = setting(
+        None, "--cache-mb", parse=_cache_mb, auto="auto", ok=lambda v: v >= 0,
+        rule="a budget is 0 (no cache), a positive number of MiB, or auto",
+        help="expert cache budget in MiB; 0 = no cache (re-read every token); 'auto' (default) = the least room "
+             "any memory limit leaves (the cgroup's, the machine's, an rlimit's) minus --cache-floor-mb, at most "
+             "--cache-ceil-mb, following free memory while it runs; a budget below one token's working set is "
+             "refused (auto falls back to no cache) unless --force")
+    policy: str = setting(
+        DEFAULT_POLICY, "--cache-policy", parse=_policy, metavar="NAME", ok=lambda v: v in POLICIES,
+        rule=f"unknown cache policy; choose one of {', '.join(POLICIES)}",
+        help=f"which experts the cache gives up first: {', '.join(POLICIES)} (default {{default}}; compare them "
+             "on a trace with `bmoe-bench policies`)")
+    floor_mb: float | None = setting(
+        None, "--cache-floor-mb", parse=_mib, ok=lambda v: v >= 0, rule="a number of MiB, 0 or more",
+        help="memory --cache-mb auto (and --adapt) leaves free under every limit (default 1536, at most a quarter "
+             "of a cgroup's limit)")
+    ceil_mb: float | None = setting(
+        None, "--cache-ceil-mb", parse=_mib, ok=lambda v: v >= 0, rule="a number of MiB, 0 or more",
+        help="the most --cache-mb auto may take (default: no cap)")
+    adapt: bool = setting(
+        False, "--adapt",
+        help="let a fixed --cache-mb follow free memory too: shrink (giving pages back) when the cgroup or machine "
+             "runs short of --cache-floor-mb, grow back up to N when it frees (--cache-mb auto always does)")
+    force: bool = setting(
+        False, "--force",
+        help="run with a cache budget below one token's working set (it thrashes: every token re-reads experts "
+             "it just evicted)")
 
-    FLOOR_MB = 1536.0
+    FLOOR_MB = 1536.0  # what `auto` leaves free when floor_mb is None
 
     @property
     def adaptive(self) -> bool:
@@ -39,89 +115,287 @@ class CacheSettings:
 class StreamSettings:
     """Where expert bytes come from and how the reads are waited for."""
 
-    enabled: bool = True  # False: plain llama.cpp (mmap), the reference output
-    io_threads: int = 2
-    odirect: bool = True
-    lane_timeout: float = 30.0
-    shm_backend: str = "auto"
-    overlap: bool = True  # wait for down slices only before the down matmul
+    io_threads: int = setting(2, "--io-threads", parse=positive_int, ok=lambda v: v >= 1,
+                              rule="streaming needs at least one I/O lane", help="I/O lane processes (default {default})")
+    lane_timeout: float = setting(
+        30.0, "--lane-timeout", parse=positive_float, ok=lambda v: v > 0, rule="a number of seconds above 0",
+        help="seconds an I/O lane may leave a read unanswered before it is replaced (default {default})")
+    shm_backend: str = setting(
+        "auto", "--shm", keyword="shm", choices=("auto", "posix", "memfd"), ok=lambda v: v in ("auto", "posix", "memfd"),
+        rule="choose auto, posix or memfd",
+        help="cache segment: POSIX shared memory (/dev/shm) or an anonymous memfd; auto picks memfd when /dev/shm "
+             "is missing (default {default})")
+    odirect: bool = setting(True, "--no-odirect", help="buffered reads + FADV_DONTNEED instead of O_DIRECT")
+    preload: bool = setting(False, "--preload",
+                            help="read every expert into the cache at start (when the budget holds them all)")
+    enabled: bool = setting(True, "--no-stream", help="plain llama.cpp (mmap), no expert streaming")
+    pin_dense: bool = setting(
+        False, "--pin-dense",
+        help="lock the dense (non-expert) weights in memory (mlock), so a tight memory limit cannot evict them and "
+             "fault them back in every token; they count against the budget")
+    overlap: bool = setting(
+        True, "--overlap", toggle=True,
+        help="read asynchronously: wait for gate/up slices at the routing node and for down slices only before the "
+             "down matmul; speculative reads run during compute (default: on when streaming; --no-overlap waits "
+             "for every read at the routing node)")
 
 
 @dataclass(frozen=True)
 class SpecSettings:
     """Reads ahead: temporal prefetch and the spec-gate's next-layer prediction."""
 
-    prefetch: int = 0  # layers ahead to read the previous token's experts for
-    gate: bool = False
-    warmup: int = 512  # predictions scored before the recall governor may switch the gate off
-    recall_min: float = 75.0
-    precision: float = 70.0  # see bench/reports/2026-11-29-issue5 and bmoe.speculation.Confidence
+    prefetch: int = setting(
+        0, "--prefetch", parse=positive_int, metavar="K", ok=lambda v: v >= 0, rule="a number of layers, 0 or more",
+        help="after a layer routes, read ahead the experts the previous token routed at the next K layers (needs a "
+             "cache; off by default: a third of its reads are used, it measured 3-13%% slower)")
+    gate: bool = setting(
+        False, "--spec-gate", toggle=True,
+        help="predict the next layer's experts from this layer's router input in a separate process and read them "
+             "ahead (needs a cache and F32/F16 routers; off by default: it measured 4-5%% faster with a cache of a "
+             "third of the experts, 4-5%% slower with a sixth)")
+    warmup: int = setting(
+        512, "--spec-warmup", parse=positive_int, metavar="N", ok=lambda v: v >= 1, rule="1 or more predictions",
+        help="predictions scored before the recall governor may switch --spec-gate off (default {default})")
+    recall_min: float = setting(
+        75.0, "--spec-recall-min", parse=percent, metavar="P", ok=lambda v: 0 <= v <= 100, rule="a percentage from 0 to 100",
+        help="switch --spec-gate off for the run when its recall is below P%% after the warm-up; 0 = never "
+             "(default {default})")
+    precision: float = setting(  # see bench/reports/2026-11-29-issue5 and bmoe.speculation.Confidence
+        70.0, "--spec-precision", parse=percent, metavar="P", ok=lambda v: 0 <= v <= 100,
+        rule="a percentage from 0 to 100",
+        help="read a predicted expert ahead only when predictions as sure as this one came true at least P%% of the "
+             "time (measured per band of router probability as the run goes; 0 = read every prediction; default "
+             "{default})")
 
 
 @dataclass(frozen=True)
 class SamplerSettings:
     """llama.cpp's sampler chain; temp 0 is greedy."""
 
-    temp: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    seed: int = 0
+    temp: float = setting(0.0, "--temp", parse=float, ok=lambda v: v >= 0, rule="0 (greedy) or more",
+                          help="temperature; 0 = greedy (default {default})")
+    top_k: int = setting(40, "--top-k", parse=int, ok=lambda v: v >= 0, rule="0 (off) or more",
+                         help="top-k when sampling (default {default})")
+    top_p: float = setting(0.95, "--top-p", parse=float, ok=lambda v: 0 < v <= 1, rule="above 0 and at most 1",
+                           help="top-p when sampling (default {default})")
+    seed: int = setting(0, "--seed", parse=int, help="sampling seed (default {default})")
 
 
 @dataclass(frozen=True)
 class Settings:
-    model: str
-    n_ctx: int = 2048
-    threads: int = 0  # 0: every core
-    verbose: bool = False
-    route_trace: str | None = None
-    pin_dense: bool = False  # mlock the dense weights in llama.cpp's mapping (bmoe.dense)
-    parallel: int = 1  # KV sequences that may decode together in one batch (Model.batch, bmoe.scheduler)
+    """A run: the model and every setting, top-level and in groups (the groups are code's; each
+    setting has one flag and one keyword of its own)."""
+
+    model: str = setting("", "--model", short="-m",
+                         help="GGUF model (first shard of a split model); default: the demo model")
+    threads: int = setting(0, "--threads", short="-t", parse=positive_int, ok=lambda v: v >= 0,
+                           rule="a number of threads (0: every core)", help="compute threads (default: all cores)")
+    n_ctx: int = setting(2048, "--ctx-size", short="-c", keyword="n_ctx", metavar="CTX_SIZE", parse=positive_int,
+                         ok=lambda v: v >= 1,
+                         rule="the context needs at least one token", help="context size in tokens (default {default})")
+    parallel: int = setting(
+        1, "--parallel", parse=positive_int, metavar="N", ok=lambda v: v >= 1, rule="at least one sequence decodes",
+        help="KV sequences, each of -c tokens: up to N requests may decode together in one batch (bmoe-server's "
+             "concurrent requests, bmoe.Model.batch; default {default})")
     cache: CacheSettings = field(default_factory=CacheSettings)
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    route_trace: str | None = setting(
+        None, "--route-trace", metavar="PATH",
+        help="write each decode token's routed experts per layer (JSON lines) and the router inputs "
+             "(PATH.hidden.npy), for `bmoe-bench routes`")
+    verbose: bool = setting(False, "--verbose", help="show llama.cpp's own log on stderr")
 
     @property
     def reads_ahead(self) -> bool:
         return bool(self.speculation.prefetch or self.speculation.gate)
 
 
-def _ahead_flags(s: Settings) -> str:
-    flags = [f for f, on in (("--prefetch", s.speculation.prefetch), ("--spec-gate", s.speculation.gate)) if on]
-    return " and ".join(flags)
+# ---- the schema ------------------------------------------------------------------------------------
+
+GROUPS = {f.name: f.default_factory for f in fields(Settings) if f.default_factory is not MISSING}
 
 
-def validate(s: Settings) -> None:
-    """Raise ConfigError for settings that contradict each other, in the user's (flag) words."""
-    c = s.cache
-    if s.n_ctx < 1:
-        raise ConfigError(f"-c {s.n_ctx}: the context needs at least one token")
-    if s.parallel < 1:
-        raise ConfigError(f"--parallel {s.parallel}: at least one sequence decodes")
-    if s.streaming.io_threads < 1:
-        raise ConfigError(f"--io-threads {s.streaming.io_threads}: streaming needs at least one I/O lane")
-    if c.policy not in POLICIES:
-        raise ConfigError(f"unknown cache policy {c.policy!r}; choose one of {', '.join(POLICIES)}")
-    if c.mb is not None and c.mb < 0:
-        raise ConfigError(f"--cache-mb {c.mb:g}: a budget is 0 (no cache), a positive number of MiB, or auto")
-    if s.reads_ahead and not s.streaming.enabled:
-        raise ConfigError(f"{_ahead_flags(s)} stream experts; drop them or drop --no-stream")
-    sizing = [f for f, v in (("--cache-floor-mb", c.floor_mb), ("--cache-ceil-mb", c.ceil_mb)) if v is not None]
+@dataclass(frozen=True)
+class Entry:
+    """One setting in the schema: where it lives in Settings, its declaration and its Python type."""
+
+    group: str | None  # None: a top-level field of Settings
+    field: Field
+    option: Option
+    type: Any
+
+    @property
+    def name(self) -> str:
+        return self.option.name
+
+    def get(self, s: Settings) -> Any:
+        return getattr(s if self.group is None else getattr(s, self.group), self.field.name)
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+
+def _entries(cls: type, group: str | None) -> Iterator[Entry]:
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        if "option" in f.metadata:
+            yield Entry(group, f, f.metadata["option"], hints[f.name])
+        elif f.name in GROUPS and cls is Settings:
+            yield from _entries(GROUPS[f.name], f.name)
+
+
+def schema_of(cls: type) -> tuple[Entry, ...]:
+    """The settings a dataclass declares with `setting(...)`, in order (Settings' groups included)."""
+    return tuple(_entries(cls, None))
+
+
+SCHEMA: tuple[Entry, ...] = schema_of(Settings)
+BY_NAME = {e.name: e for e in SCHEMA}
+assert len(BY_NAME) == len(SCHEMA), "two settings share a keyword"
+
+
+def build(values: Mapping[str, Any]) -> Settings:
+    """Settings with these values (by keyword) and every other setting at its default."""
+    top = {BY_NAME[k].field.name: v for k, v in values.items() if BY_NAME[k].group is None}
+    groups = {g: replace(make(), **{BY_NAME[k].field.name: v for k, v in values.items() if BY_NAME[k].group == g})
+              for g, make in GROUPS.items()}
+    return Settings(**top, **groups)
+
+
+# ---- how each edge names a setting ----------------------------------------------------------------
+
+
+class Words:
+    """How errors name settings and values: as flags (`--cache-mb 500`) or as keywords (`cache_mb=500`)."""
+
+    def __init__(self, flags: bool) -> None:
+        self.flags = flags
+
+    def name(self, key: str) -> str:
+        o = BY_NAME[key].option
+        return (o.short or o.flag) if self.flags else o.name
+
+    def value(self, key: str, v: Any) -> str:
+        """The setting at value v, as the user would have written it."""
+        e = BY_NAME[key]
+        o = e.option
+        if isinstance(v, bool) and not self.flags:
+            return f"{o.name}={v}"
+        if isinstance(v, bool):
+            if o.toggle:
+                return o.flag if v else "--no-" + o.flag.removeprefix("--")
+            return o.flag
+        text = o.auto if v is None and o.auto else (f"{v:g}" if isinstance(v, float) else str(v))
+        if self.flags:
+            return f"{o.short or o.flag} {text}"
+        return f"{o.name}={text!r}" if v is None or isinstance(v, str) else f"{o.name}={text}"
+
+
+FLAGS, KEYWORDS = Words(flags=True), Words(flags=False)
+
+
+# ---- bmoe.load's keywords --------------------------------------------------------------------------
+
+
+def from_keywords(path: str, **kw: Any) -> Settings:
+    """Settings for the model at `path` from bmoe.load's keywords, validated in their words.
+
+    A keyword's value has the setting's type; text is read as its flag would read it
+    (`cache_mb="auto"`). TypeError names an unknown keyword (and the nearest known ones) or a
+    value of the wrong type; ConfigError a value out of bounds or settings that contradict.
+    """
+    values: dict[str, Any] = {"model": path}
+    for key, v in kw.items():
+        e = BY_NAME.get(key)
+        if e is None or key == "model":
+            near = difflib.get_close_matches(key, list(BY_NAME), n=3)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise TypeError(f"unknown setting {key!r}{hint} (the settings are: {', '.join(names())})")
+        values[key] = _coerce(e, v)
+    s = build(values)
+    validate(s, KEYWORDS, frozenset(kw))
+    return s
+
+
+def names() -> list[str]:
+    """Every keyword bmoe.load takes for a setting, in the schema's order."""
+    return [e.name for e in SCHEMA if e.name != "model"]
+
+
+def _coerce(e: Entry, v: Any) -> Any:
+    """A keyword's value checked against the setting's type; text parsed as the flag parses it."""
+    o = e.option
+    if isinstance(v, str) and o.parse is not None and not _accepts(e.type, v):
+        try:
+            return o.parse(v)
+        except (argparse.ArgumentTypeError, ValueError) as err:
+            raise ConfigError(f"{o.name}={v!r}: {err}") from None
+    if not _accepts(e.type, v):
+        raise TypeError(f"{o.name}={v!r}: expected {_type_words(e.type)}, not {type(v).__name__}")
+    return float(v) if isinstance(v, int) and not isinstance(v, bool) and float in _members(e.type) else v
+
+
+def _members(t: Any) -> tuple[type, ...]:
+    return tuple(getattr(t, "__args__", (t,)))
+
+
+def _accepts(t: Any, v: Any) -> bool:
+    for m in _members(t):
+        if m is type(None) and v is None:
+            return True
+        if m is bool and isinstance(v, bool):
+            return True
+        if m in (int, float) and isinstance(v, (int, float) if m is float else int) and not isinstance(v, bool):
+            return True
+        if m is str and isinstance(v, str):
+            return True
+    return False
+
+
+def _type_words(t: Any) -> str:
+    return " or ".join("None" if m is type(None) else m.__name__ for m in _members(t))
+
+
+# ---- the one check ---------------------------------------------------------------------------------
+
+
+def validate(s: Settings, w: Words = FLAGS, given: frozenset[str] = frozenset()) -> None:
+    """Raise ConfigError for a setting out of its bounds or settings that contradict each other, in
+    the caller's words (`w`); `given` are the settings the user set (the rest are defaults)."""
+    for e in SCHEMA:
+        v = e.get(s)
+        if e.option.ok is not None and v is not None and not e.option.ok(v):
+            raise ConfigError(f"{w.value(e.name, v)}: {e.option.rule}")
+    c, st, sp = s.cache, s.streaming, s.speculation
+    ahead = " and ".join(w.name(k) for k, on in (("prefetch", sp.prefetch), ("spec_gate", sp.gate)) if on)
+    no_stream = w.value("stream", False)
+    if not st.enabled and "overlap" in given and st.overlap:
+        raise ConfigError(f"{w.value('overlap', True)} streams experts; drop it or drop {no_stream}")
+    if ahead and not st.enabled:
+        raise ConfigError(f"{ahead} stream experts; drop them or drop {no_stream}")
+    auto = w.value("cache_mb", None)
+    sizing = [w.name(k) for k, v in (("cache_floor_mb", c.floor_mb), ("cache_ceil_mb", c.ceil_mb)) if v is not None]
     if sizing and c.mb is not None and (c.ceil_mb is not None or not c.adapt):
-        raise ConfigError(f"{' and '.join(sizing)} size --cache-mb auto, and --cache-mb {c.mb:g} is fixed; "
-                          f"drop {' and '.join(sizing)} or use --cache-mb auto")
-    if sizing and not s.streaming.enabled:
-        raise ConfigError(f"{' and '.join(sizing)} size the expert cache, and --no-stream has none; "
-                          "drop one of them")
+        raise ConfigError(f"{' and '.join(sizing)} size {auto}, and {w.value('cache_mb', c.mb)} is fixed; "
+                          f"drop {' and '.join(sizing)} or use {auto}")
+    if sizing and not st.enabled:
+        raise ConfigError(f"{' and '.join(sizing)} size the expert cache, and {no_stream} has none; drop one of them")
     if c.ceil_mb == 0:
-        raise ConfigError("--cache-ceil-mb 0 leaves --cache-mb auto no room; for no cache say --cache-mb 0")
-    if s.pin_dense and not s.streaming.enabled:
-        raise ConfigError("--pin-dense keeps the dense weights resident while experts stream, and --no-stream "
-                          "streams nothing; drop one of them")
-    if c.adapt and (c.mb == 0 or not s.streaming.enabled):
-        raise ConfigError("--adapt moves the expert cache's budget with free memory, and "
-                          f"{'--cache-mb 0' if s.streaming.enabled else '--no-stream'} has no cache; drop one of them")
-    if s.reads_ahead and c.mb == 0:
-        raise ConfigError(f"{_ahead_flags(s)} read experts ahead into the cache, and --cache-mb 0 has none; "
-                          "give it a budget (--cache-mb N or auto)")
+        raise ConfigError(f"{w.value('cache_ceil_mb', 0.0)} leaves {auto} no room; for no cache say "
+                          f"{w.value('cache_mb', 0.0)}")
+    if st.pin_dense and not st.enabled:
+        raise ConfigError(f"{w.name('pin_dense')} keeps the dense weights resident while experts stream, and "
+                          f"{no_stream} streams nothing; drop one of them")
+    if c.adapt and (c.mb == 0 or not st.enabled):
+        raise ConfigError(f"{w.name('adapt')} moves the expert cache's budget with free memory, and "
+                          f"{w.value('cache_mb', 0.0) if st.enabled else no_stream} has no cache; drop one of them")
+    if ahead and c.mb == 0:
+        budget = "--cache-mb N or auto" if w.flags else "cache_mb=N or 'auto'"
+        raise ConfigError(f"{ahead} read experts ahead into the cache, and {w.value('cache_mb', 0.0)} has none; "
+                          f"give it a budget ({budget})")
+    if s.route_trace and s.parallel > 1:
+        raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
+                          f"{w.value('parallel', s.parallel)} decodes several; drop one of them")

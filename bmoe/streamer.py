@@ -22,7 +22,8 @@ from bmoe import seam
 from bmoe.cache_policy import DEFAULT_POLICY
 from bmoe.expert_cache import ExpertCache, Region, layout
 from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
-from bmoe.model_files import ModelError, ModelFiles
+from bmoe.model_files import ModelFiles
+from bmoe.errors import ModelError
 from bmoe.readahead import ReadAhead, Speculation
 from bmoe.settings import StreamSettings
 from bmoe.shm_cache import Slab

@@ -54,6 +54,8 @@ class TokenLine:
     cache_hit_pct: float
     overlap: bool = False
     budget_bytes: int = 0
+    hits: int = 0  # this token's cache lookups that found the expert resident
+    lookups: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -151,7 +153,7 @@ class Tally:
         line = TokenLine(step=len(self.lines) + 1, steps=self.steps, wall_ms=st.wall_ns / 1e6,
                          io_ms=st.io_ns / 1e6, mgmt_ms=st.mgmt_ns / 1e6, stall_ms=st.stall_ns / 1e6,
                          read_bytes=st.read_bytes, cache_hit_pct=self.hit_pct, overlap=self.overlap,
-                         budget_bytes=st.budget_bytes)
+                         budget_bytes=st.budget_bytes, hits=st.hits, lookups=st.lookups)
         self.lines.append(line)
         return line
 

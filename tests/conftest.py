@@ -4,6 +4,7 @@ import ctypes
 import os
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +12,7 @@ import psutil
 import pytest
 
 from bmoe import flags
+from bmoe.api import Chunk, Completion, Model
 from bmoe.settings import Settings
 from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
 
@@ -82,7 +84,49 @@ def no_leaked_segments() -> None:
 def settings_for(model: object, *cli_flags: object) -> Settings:
     """The Settings `bmoe-cli -m MODEL FLAGS...` would run with: tests take the user's path to them."""
     ap = flags.build_parser()
-    return flags.check(ap, ap.parse_args(["-m", str(model), *map(str, cli_flags)]))
+    return flags.settings_from(ap, ap.parse_args(["-m", str(model), *map(str, cli_flags)]))
+
+
+def load(model: object, *cli_flags: object, notice: Callable[[str], None] = lambda s: None) -> Model:
+    """The Model `bmoe-cli -m MODEL FLAGS...` runs: its Engine, driven by the one generation loop."""
+    from bmoe.api import Model
+    from bmoe.coordinator import Engine
+
+    return Model(Engine(settings_for(model, *cli_flags), notice=notice))
+
+
+def complete(model: Model, prompt: str, n: int, chat: bool = False,
+             on_chunk: Callable[[Chunk], None] | None = None) -> Completion:
+    """One answer of `n` tokens at most, through Model.run and bmoe.driver: the path users run."""
+    req = (model.prepare(messages=[{"role": "user", "content": prompt}], max_tokens=n) if chat
+           else model.prepare(prompt=prompt, max_tokens=n))
+    return model.run(req, on_chunk)
+
+
+def per_token(act: Callable[[int], None]) -> Callable[[Chunk], None]:
+    """An on_chunk that calls act(i) as the i-th generated token's chunk arrives (from 0)."""
+    def on_chunk(c: Chunk) -> None:
+        if c.token is not None:
+            act(c.token.step - 1)
+    return on_chunk
+
+
+def generate(model: object, prompt: str, n: int, *cli_flags: object, chat: bool = False) -> Completion:
+    """Load with these flags, answer once, close."""
+    with load(model, *cli_flags) as m:
+        return complete(m, prompt, n, chat)
+
+
+@lru_cache(maxsize=None)
+def reference(model: str, prompt: str, n: int, *cli_flags: object, chat: bool = False) -> Completion:
+    """Plain llama.cpp's answer (`--no-stream`), once per test session: what every gate compares with."""
+    return generate(model, prompt, n, "--no-stream", *cli_flags, chat=chat)
+
+
+@pytest.fixture(scope="session")
+def small_moe(synth: Callable[..., Path]) -> Path:
+    """The small MoE most tests stream: qwen3moe, 4 layers of 8 experts, top-2, q8_0."""
+    return synth(arch="qwen3moe", layers=4, experts=8, top_k=2)
 
 
 def slice_bytes(streamer: object, ri: int, e: int) -> memoryview:

@@ -8,13 +8,12 @@ import psutil
 import pytest
 
 import bmoe
-from bmoe.api import Chunk, Model, StopText, settings_for
-from bmoe.model_files import ModelError
-from bmoe.settings import CacheSettings, ConfigError, SamplerSettings
+from bmoe.api import Chunk, Model, StopText
+from bmoe.errors import ConfigError, ModelError
 from tests.conftest import bmoe_segments, run_cli
 
 PROMPT = "Once upon a time there was a king"
-FAST = {"threads": 1, "streaming_io_threads": 2}
+FAST = {"threads": 1, "io_threads": 2}
 CHAT = [{"role": "user", "content": "hello there how are you"}]
 
 
@@ -32,7 +31,7 @@ def model(path: str) -> Model:
 @pytest.fixture(scope="module")
 def plain(path: str) -> Model:
     """Plain llama.cpp (no streaming): the reference every streamed answer equals."""
-    with bmoe.load(path, streaming_enabled=False, threads=1) as m:
+    with bmoe.load(path, stream=False, threads=1) as m:
         yield m
 
 
@@ -159,21 +158,9 @@ def test_sampling_options_per_call(model: Model) -> None:
     assert model.generate(PROMPT, max_tokens=12) != a  # the load's sampler (greedy) again
 
 
-def test_settings_come_from_the_settings_dataclasses() -> None:
-    s = settings_for("m.gguf", n_ctx=512, cache=CacheSettings(mb=64, policy="lru"), cache_mb=32,
-                     sampler={"temp": 0.5}, streaming_io_threads=3)
-    assert (s.n_ctx, s.cache.mb, s.cache.policy, s.sampler, s.streaming.io_threads) == \
-           (512, 32, "lru", SamplerSettings(temp=0.5), 3)
-    for bad in ({"cache_size": 1}, {"cache": {"size": 1}}, {"model": "x"}):
-        with pytest.raises(TypeError, match="the settings are: n_ctx"):
-            settings_for("m.gguf", **bad)
-    with pytest.raises(TypeError, match="cache= takes a CacheSettings or a dict"):
-        settings_for("m.gguf", cache=5)
-
-
 def test_load_refuses_contradictory_settings_and_leaves_nothing(path: str) -> None:
     before = bmoe_segments()
-    with pytest.raises(ConfigError, match="--cache-mb"):
+    with pytest.raises(ConfigError, match=r"^cache_mb=-1: "):
         bmoe.load(path, cache_mb=-1)
     with pytest.raises(ModelError, match="does not exist"):
         bmoe.load(path + ".missing")

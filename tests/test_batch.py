@@ -31,11 +31,11 @@ def answers(m: Model, prompts: list[str], n: int = N) -> list[str]:
 def test_a_streamed_batch_of_four_equals_plain_llama_cpp_on_the_same_batch(synth, arch: str, quant: str,
                                                                           lanes: int) -> None:
     path = str(synth(arch=arch, quant=quant, layers=4, experts=8, top_k=2))
-    with bmoe.load(path, streaming_enabled=False, parallel=4, **FAST) as plain:
+    with bmoe.load(path, stream=False, parallel=4, **FAST) as plain:
         want = answers(plain, PROMPTS)
     assert len(set(want)) == 4 and all(w.strip() for w in want)
     third = open_model(path).expert_bytes / 3 / MiB
-    with bmoe.load(path, parallel=4, cache_mb=third, cache_force=True, streaming_io_threads=lanes, **FAST) as m:
+    with bmoe.load(path, parallel=4, cache_mb=third, force=True, io_threads=lanes, **FAST) as m:
         check = SlabCheck(m.engine)
         assert answers(m, PROMPTS) == want
         assert check.checked and not check.bad, check.bad[:3]
@@ -87,7 +87,7 @@ def serve(m: Model, prompts: list[str], mode: str, queue: int = 4, n: int = N) -
 @pytest.fixture(scope="module")
 def model(synth) -> Model:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
-    with bmoe.load(path, parallel=3, cache_mb=1, streaming_io_threads=2, **FAST) as m:
+    with bmoe.load(path, parallel=3, cache_mb=1, io_threads=2, **FAST) as m:
         yield m
 
 

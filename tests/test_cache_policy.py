@@ -189,13 +189,6 @@ def test_unknown_policy_is_refused_with_the_valid_names() -> None:
     assert "unknown cache policy 'mru'" in r.stderr and all(name in r.stderr for name in POLICIES)
 
 
-def test_session_takes_the_cache_policy_flag() -> None:
-    from bmoe.flags import build_parser, check
-
-    ap = build_parser()
-    assert check(ap, ap.parse_args(["-m", "x.gguf", "--session", "--cache-policy", "cycle"])).cache.policy == "cycle"
-
-
 def test_bench_policies_replays_a_recorded_trace(synth, tmp_path) -> None:
     model = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     trace = tmp_path / "t.jsonl"

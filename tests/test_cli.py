@@ -156,20 +156,23 @@ def test_auto_budget_is_capped_by_the_ceiling(model: str, force: bool) -> None:
 
 
 def test_model_file_changed_during_a_run_is_an_error(model: str, tmp_path, monkeypatch, capsys) -> None:
-    from bmoe import cli
+    from bmoe import cli, exits
     from bmoe.coordinator import Engine
 
     copy = tmp_path / "m.gguf"
     copy.write_bytes(open(model, "rb").read())
     step = Engine.step
+    steps = []
 
     def touch_mid_run(self, seqs):
-        step(self, seqs)
-        if len(seqs[0].result.ids) == 3:
+        out = step(self, seqs)
+        steps.append(out)
+        if len(steps) == 3:
             os.utime(copy, (copy.stat().st_atime, copy.stat().st_mtime + 5))
+        return out
 
     monkeypatch.setattr(Engine, "step", touch_mid_run)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # leave pytest's own handlers alone
+    monkeypatch.setattr(exits.signal, "signal", lambda *a: None)  # leave pytest's own handlers alone
     before = bmoe_segments()
     assert cli.main(["-m", str(copy), "-p", PROMPT, "-n", "6", "-t", "1", "--cache-mb", "1"]) == 1
     err = capsys.readouterr().err

@@ -18,12 +18,12 @@ import gguf
 import numpy as np
 import pytest
 
-from bmoe.coordinator import Engine
+from bmoe.api import Model
 from bmoe.tools import demo, demo_routers, demo_write
 from bmoe.model_files import open_model
 from bmoe.expert_cache import file_regions, working_sets
 from bmoe.units import MiB
-from tests.conftest import settings_for, slice_bytes
+from tests.conftest import complete, load, slice_bytes
 
 EXPERTS, TOP_K = 8, 2
 FACT = "What is the capital of France?"
@@ -48,30 +48,26 @@ def quarter_mb(model: Path) -> float:
     return max(files.expert_bytes / 4, token) / MiB
 
 
-def _engine(model: Path, *flags: object) -> Engine:
+def _load(model: Path, *flags: object) -> Model:
     # One compute thread: the model is tiny, and llama.cpp's spinning thread pool slows down
     # many times over when another process (a parallel test, a build) competes for the cores.
-    return Engine(settings_for(model, "-c", N_CTX, "-t", 1, *flags))
+    return load(model, "-c", N_CTX, "-t", 1, *flags)
 
 
-def _run(engine: Engine, prompt: str, n: int) -> list[int]:
-    engine.clear_kv()
-    return engine.generate(engine.prompt_tokens(prompt, chat=True), n).ids
+def _run(m: Model, prompt: str, n: int) -> tuple[int, ...]:
+    """A one-turn chat (it starts from an empty KV: it extends no earlier conversation)."""
+    return complete(m, prompt, n, chat=True).ids
 
 
 @pytest.fixture(scope="module")
-def reference(model: Path) -> dict[str, tuple[list[int], str]]:
+def reference(model: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Plain llama.cpp (no streaming): the token ids and text every other run is compared with."""
-    eng = _engine(model, "--no-stream")
-    try:
+    with _load(model, "--no-stream") as m:
         out = {}
         for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
-            eng.clear_kv()
-            res = eng.generate(eng.prompt_tokens(prompt, chat=True), n)
+            res = complete(m, prompt, n, chat=True)
             out[prompt] = (res.ids, res.text)
         return out
-    finally:
-        eng.close()
 
 
 # --- the file --------------------------------------------------------------------------------
@@ -182,7 +178,7 @@ def test_default_model_budget_is_a_quarter(model: Path, quarter_mb: float, monke
 # --- running it ------------------------------------------------------------------------------
 
 
-def test_answers_like_smollm2(reference: dict[str, tuple[list[int], str]]) -> None:
+def test_answers_like_smollm2(reference: dict[str, tuple[tuple[int, ...], str]]) -> None:
     ids, text = reference[FACT]
     assert "Paris" in text, text
     story = reference[STORY][1]
@@ -190,24 +186,22 @@ def test_answers_like_smollm2(reference: dict[str, tuple[list[int], str]]) -> No
 
 
 def test_streaming_gives_the_same_tokens(model: Path, quarter_mb: float,
-                                         reference: dict[str, tuple[list[int], str]]) -> None:
-    eng = _engine(model, "--cache-mb", quarter_mb)
-    try:
+                                         reference: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    with _load(model, "--cache-mb", quarter_mb) as m:
         for prompt, n in ((FACT, N_FACT), (STORY, N_STORY)):
-            assert _run(eng, prompt, n) == reference[prompt][0], prompt
-        assert eng.streamer.cache.stats.evictions > 0  # the quarter budget really made it re-read
-    finally:
-        eng.close()
+            assert _run(m, prompt, n) == reference[prompt][0], prompt
+        assert m.engine.streamer.cache.stats.evictions > 0  # the quarter budget really made it re-read
 
 
 def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: float,
-                                                     reference: dict[str, tuple[list[int], str]]) -> None:
+                                                     reference: dict[str, tuple[tuple[int, ...], str]]) -> None:
     """Overwrite one routed expert's slab bytes right after the cache has them, every time it is
     routed: with another expert's bytes (wrong) or zeros (missing). Either must change the text.
 
     The budget holds every expert, so after the first run nothing is re-read and the runs are
     quick; the slab is the same one a smaller budget would use."""
-    eng = _engine(model, "--cache-mb", 4 * quarter_mb + 64)
+    m = _load(model, "--cache-mb", 4 * quarter_mb + 64)
+    eng = m.engine
     try:
         st = eng.streamer
         inner = eng.hook.on_route
@@ -228,7 +222,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
 
         eng.hook.on_route = on_route
         ref = reference[STORY][0]
-        assert _run(eng, STORY, N_STORY) == ref
+        assert _run(m, STORY, N_STORY) == ref
         (layer, victim), _ = max(uses.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]))
         donor = (victim + 1) % EXPERTS
         regions = [r for r in st.cache.regions if r.layer == layer]
@@ -243,7 +237,7 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
                                   ("missing", [(r, bytes(r.expert_bytes)) for r in regions])):
                 hits = 0
                 target.update(layer=layer, expert=victim, bytes=payload)
-                got = _run(eng, STORY, N_STORY)
+                got = _run(m, STORY, N_STORY)
                 target.clear()
                 for r, data in originals:  # put the right bytes back for the next case
                     slice_bytes(st, st.cache.regions.index(r), victim)[:] = data
@@ -252,6 +246,6 @@ def test_wrong_or_missing_expert_changes_the_output(model: Path, quarter_mb: flo
         finally:
             for fd in fds.values():
                 os.close(fd)
-        assert _run(eng, STORY, N_STORY) == ref  # and with the right bytes back, the same text again
+        assert _run(m, STORY, N_STORY) == ref  # and with the right bytes back, the same text again
     finally:
-        eng.close()
+        m.close()

@@ -11,37 +11,33 @@ import psutil
 import pytest
 
 from bmoe.coordinator import Engine
-from bmoe.lanes import LaneError
-from tests.conftest import settings_for
+from bmoe.errors import LaneError
+from tests.conftest import complete, load, per_token, reference
 
 PROMPT = "On the far side of the lake there was a workshop where clocks were repaired by hand"
 
 
-@pytest.fixture(scope="module")
-def model(synth) -> str:
-    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+FLAGS = ("-c", 256, "-t", 2)
 
 
 @pytest.fixture(scope="module")
-def reference(model: str) -> list[int]:
-    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--no-stream"))
-    try:
-        return e.generate(e.prompt_tokens(PROMPT, chat=False), 32).ids
-    finally:
-        e.close()
+def model(small_moe) -> str:
+    return str(small_moe)
 
 
-def run_with(model: str, injure, *flags: object) -> tuple[list[int], int]:
+@pytest.fixture(scope="module")
+def plain(model: str) -> tuple[int, ...]:
+    return reference(model, PROMPT, 32, *FLAGS).ids
+
+
+def run_with(model: str, injure, *flags: object) -> tuple[tuple[int, ...], int]:
     """Generate with no cache (every token reads) and `injure(engine, step)` after each token."""
-    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 0, "--io-threads", 2, *flags))
-    try:
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), 32, lambda i, s, st: injure(e, i))
-        return res.ids, e.streamer.pool.restarts
-    finally:
-        e.close()
+    with load(model, *FLAGS, "--cache-mb", 0, "--io-threads", 2, *flags) as m:
+        res = complete(m, PROMPT, 32, on_chunk=per_token(lambda i: injure(m.engine, i)))
+        return res.ids, m.engine.streamer.pool.restarts
 
 
-def test_killed_lane_is_replaced_and_output_unchanged(model: str, reference: list[int]) -> None:
+def test_killed_lane_is_replaced_and_output_unchanged(model: str, plain: tuple[int, ...]) -> None:
     killed = []
 
     def injure(e: Engine, i: int) -> None:
@@ -51,11 +47,11 @@ def test_killed_lane_is_replaced_and_output_unchanged(model: str, reference: lis
             os.kill(lane.pid, signal.SIGKILL)
 
     ids, restarts = run_with(model, injure)
-    assert ids == reference
+    assert ids == plain
     assert killed and restarts == 1
     assert not psutil.pid_exists(killed[0])
 
-def test_hung_lane_is_replaced_and_output_unchanged(model: str, reference: list[int]) -> None:
+def test_hung_lane_is_replaced_and_output_unchanged(model: str, plain: tuple[int, ...]) -> None:
     """A lane that stops answering (SIGSTOP) is found by --lane-timeout, killed and replaced, and
     its reads re-issued: the output does not change.
 
@@ -84,18 +80,18 @@ def test_hung_lane_is_replaced_and_output_unchanged(model: str, reference: list[
             os.kill(lane.pid, signal.SIGSTOP)
             threading.Thread(target=watchdog, args=(lane.pid,), daemon=True).start()
 
-    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 0, "--io-threads", 2, "--lane-timeout", 1.5))
+    m = load(model, *FLAGS, "--cache-mb", 0, "--io-threads", 2, "--lane-timeout", 1.5)
     try:
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), 32, lambda i, s, st: injure(e, i))
+        res = complete(m, PROMPT, 32, on_chunk=per_token(lambda i: injure(m.engine, i)))
         finished.set()
-        pool = e.streamer.pool
+        pool = m.engine.streamer.pool
         after = pool.lanes[0].pid
         restarts = pool.restarts
     finally:
         finished.set()
-        e.close()
+        m.close()
     assert not resumed, "the stopped lane was not replaced in 600 s"
-    assert res.ids == reference
+    assert res.ids == plain
     assert stopped and after != stopped[0] and restarts >= 1
     assert not psutil.pid_exists(stopped[0]), "the hung process was killed and reaped, not left stopped"
 
@@ -147,10 +143,11 @@ def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders
         slab.close()
 
 
-def test_a_layers_orders_reach_each_lane_in_one_write(model: str, reference: list[int]) -> None:
+def test_a_layers_orders_reach_each_lane_in_one_write(model: str, plain: tuple[int, ...]) -> None:
     """Under overlap a layer sends gate/up and down orders (and reads ahead) to each lane; they are
     held and written once per lane, since every write wakes a lane that takes the CPU."""
-    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 0, "--io-threads", 2, "--overlap"))
+    m = load(model, *FLAGS, "--cache-mb", 0, "--io-threads", 2, "--overlap")
+    e = m.engine
     writes: list[int] = []  # lane index of every write to a lane's stdin
     sent: list[int] = []  # order ids
     try:
@@ -168,8 +165,8 @@ def test_a_layers_orders_reach_each_lane_in_one_write(model: str, reference: lis
             per_layer.append((len(sent) - n_sent, len(writes) - n_writes))
 
         e.hook.on_route = on_route
-        assert e.generate(e.prompt_tokens(PROMPT, chat=False), 32).ids == reference
+        assert complete(m, PROMPT, 32).ids == plain
     finally:
-        e.close()
+        m.close()
     assert any(orders > 2 for orders, _ in per_layer), "more orders than lanes in some layer"
     assert all(n_writes <= 2 for _, n_writes in per_layer), per_layer

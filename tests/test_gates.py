@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 
-from bmoe.coordinator import Engine, Result
+from bmoe.api import Completion
 from bmoe.model_files import open_model
 from bmoe.speculation import SpecGate
 from bmoe.tools.synth import ARCHES
 from bmoe.units import MiB
 from tests import spec_lines
-from tests.conftest import run_cli, settings_for
+from tests.conftest import complete, load, run_cli
+from tests.conftest import reference as plain
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
@@ -24,21 +23,20 @@ CASES = [(arch, "q8_0") for arch in ARCHES] + [
 ]
 
 
-def generate(path: str, *flags: object) -> tuple[Result, SpecGate | None]:
-    """One greedy run with these bmoe-cli flags; with it the run's spec-gate (closed), for its counters."""
-    e = Engine(settings_for(path, "-c", 256, "-t", 2, *flags))
-    try:
-        gate = e.streamer.ahead.gate if e.streamer else None
-        toks = e.prompt_tokens(PROMPT, chat=False)
-        assert len(toks) >= 13
-        return e.generate(toks, N_PREDICT), gate
-    finally:
-        e.close()
+FLAGS = ("-c", 256, "-t", 2)
 
 
-@lru_cache(maxsize=None)
-def reference(path: str) -> Result:
-    res, _ = generate(path, "--no-stream")
+def generate(path: str, *flags: object) -> tuple[Completion, SpecGate | None]:
+    """One greedy answer with these bmoe-cli flags through the one generation loop (bmoe.driver);
+    with it the run's spec-gate (closed), for its counters."""
+    with load(path, *FLAGS, *flags) as m:
+        gate = m.engine.streamer.ahead.gate if m.engine.streamer else None
+        assert len(m.engine.tokenize(PROMPT)) >= 13
+        return complete(m, PROMPT, N_PREDICT), gate
+
+
+def reference(path: str) -> Completion:
+    res = plain(path, PROMPT, N_PREDICT, *FLAGS)
     assert len(res.ids) >= MIN_TOKENS, "the reference must not stop early, or the gate proves little"
     return res
 
@@ -56,14 +54,14 @@ def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes:
     res, _ = generate(path, "--cache-mb", cache_mb, "--io-threads", lanes, "--force", *preload)
     assert res.ids == ref.ids
     assert res.text == ref.text
-    hits = sum(s.hits for s in res.steps)
-    misses = sum(s.lookups - s.hits for s in res.steps)
+    hits = sum(s.hits for s in res.tokens)
+    misses = sum(s.lookups - s.hits for s in res.tokens)
     if budget == "zero":
-        assert all(s.read_bytes > 0 for s in res.steps), "with no cache every token reads its experts"
+        assert all(s.read_bytes > 0 for s in res.tokens), "with no cache every token reads its experts"
     if budget == "third":
         assert hits > 0 and misses > 0, "a third of the experts must force misses and still hit"
     if budget == "preload":  # every layer is complete: the hook lets the graph run through
-        assert misses == 0 and hits > 0 and all(s.read_bytes == 0 for s in res.steps)
+        assert misses == 0 and hits > 0 and all(s.read_bytes == 0 for s in res.tokens)
 
 
 def test_split_model_streams_from_every_shard(tmp_path) -> None:
@@ -79,7 +77,7 @@ def test_split_model_streams_from_every_shard(tmp_path) -> None:
 
 
 def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
-    from bmoe.model_files import ModelError
+    from bmoe.errors import ModelError
     from bmoe.tools.synth import write_model
 
     first = write_model(tmp_path / "gap.gguf", layers=2, splits=2)
@@ -112,9 +110,9 @@ def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) ->
     for policy in POLICIES:
         res, _ = generate(path, "--cache-mb", cache_mb, "--io-threads", lanes, "--cache-policy", policy)
         assert res.ids == ref.ids and res.text == ref.text, policy
-        misses = sum(s.lookups - s.hits for s in res.steps)
+        misses = sum(s.lookups - s.hits for s in res.tokens)
         assert misses > 0, f"{policy}: a third of the experts must force misses"
-        hit_pcts[policy] = sum(s.hits for s in res.steps) / sum(s.lookups for s in res.steps)
+        hit_pcts[policy] = sum(s.hits for s in res.tokens) / sum(s.lookups for s in res.tokens)
     assert len(set(hit_pcts.values())) > 1, f"the policies should not all keep the same experts: {hit_pcts}"
 
 
@@ -137,7 +135,7 @@ def test_every_cache_policy_with_speculative_reads_streams_identically(synth, ar
             what = f"{policy} {' '.join(map(str, prefetch)) or 'spec-gate only'}"
             assert res.ids == ref.ids and res.text == ref.text, what
             assert g.active and g.disabled_below is None and g.scored > 0 and g.predicted > 0, what
-            assert res.speculation.prefetched > 0 and res.speculation.bytes > 0, \
+            assert res.stats.prefetched_experts > 0 and res.stats.speculative_mib > 0, \
                 f"{what}: the run must read ahead, or the gate proves little"
 
 
@@ -180,34 +178,30 @@ def test_cli_options_stream_what_plain_llama_cpp_computes(synth, case: str) -> N
         assert f"bmoe: cache budget {float(third):.1f} MiB (auto, " in err and f"=> --cache-ceil-mb {third}" in err, err
     else:
         assert plain == greedy
-        e = Engine(settings_for(path, "-c", 256, "-t", 1, "--cache-mb", third, "--no-odirect"))
-        try:
-            assert e.streamer.pool.odirect is False and all("--no-odirect" in lane.cmd for lane in e.streamer.pool.lanes)
-        finally:
-            e.close()
+        with load(path, "-c", 256, "-t", 1, "--cache-mb", third, "--no-odirect") as m:
+            pool = m.engine.streamer.pool
+            assert pool.odirect is False and all("--no-odirect" in lane.cmd for lane in pool.lanes)
 
 
 @pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
-def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(synth, overlap: str) -> None:
+def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(small_moe, overlap: str) -> None:
     """The prompt's batch routes every expert of a layer at once, more than a budget of a third
     holds: the layer's whole set is pinned and read in one go, and the output is still plain's."""
-    path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+    path = str(small_moe)
     ref = reference(path)
-    e = Engine(settings_for(path, "-c", 256, "-t", 2, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
-                            "--force", "--io-threads", 2, overlap))
-    prefill: dict[int, set[int]] = {}
-    inner = e.hook.on_route
+    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--force", "--io-threads", 2,
+              overlap) as m:
+        e = m.engine
+        prefill: dict[int, set[int]] = {}
+        inner = e.hook.on_route
 
-    def on_route(layer, ids) -> None:
-        if len(ids) > 1:
-            prefill[layer] = {int(x) for x in ids.reshape(-1)}
-        inner(layer, ids)
+        def on_route(layer, ids) -> None:
+            if len(ids) > 1:
+                prefill[layer] = {int(x) for x in ids.reshape(-1)}
+            inner(layer, ids)
 
-    e.hook.on_route, e.hook.skip_route = on_route, None
-    try:
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), N_PREDICT)
-    finally:
-        e.close()
+        e.hook.on_route, e.hook.skip_route = on_route, None
+        res = complete(m, PROMPT, N_PREDICT)
     assert any(len(experts) == 8 for experts in prefill.values()), prefill
     assert res.ids == ref.ids and res.text == ref.text
 
@@ -222,15 +216,11 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     flags = ("-c", 1024, "-t", 2)
     words = (PROMPT + " ") * 10
-    plain = Engine(settings_for(path, *flags, "--no-stream"))
-    try:
-        toks = plain.prompt_tokens(words, chat=False)
-        ref = plain.generate(toks, N_PREDICT)
-    finally:
-        plain.close()
+    ref = plain(path, words, N_PREDICT, *flags)
+    m = load(path, *flags, "--cache-mb", open_model(path).expert_bytes * 2.5 / 4 / MiB, "--io-threads", 2)
+    e = m.engine
+    toks = e.tokenize(words)
     assert 512 < len(toks) <= 1024 - N_PREDICT, len(toks)  # two ubatches of at most 512
-    e = Engine(settings_for(path, *flags, "--cache-mb", open_model(path).expert_bytes * 2.5 / 4 / MiB,
-                            "--io-threads", 2))
     st = e.streamer
     demand: set[tuple[int, int]] = set()  # (ubatch, layer routing) of the prefill's demand orders
     ahead: set[int] = set()  # layers the prefill read ahead
@@ -253,9 +243,9 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
 
     st.send, e.hook.on_route = on_send, on_route
     try:
-        res = e.generate(toks, N_PREDICT)
+        res = complete(m, words, N_PREDICT)
     finally:
-        e.close()
+        m.close()
     assert routes[:8:4] == [(0, 512), (0, len(toks) - 512)]
     last = [n for layer, n in routes[:8] if layer == 3]
     if arch == "gpt-oss":

@@ -8,7 +8,8 @@ import gguf
 import pytest
 
 from bmoe.gguf_table import GGUFError, read_table
-from bmoe.model_files import ModelError, open_model
+from bmoe.model_files import open_model
+from bmoe.errors import ModelError
 from bmoe.tools import demo
 from bmoe.tools.synth import ARCHES
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from bmoe.hub import HubRef, parse, pick
-from bmoe.settings import ConfigError
+from bmoe.errors import ConfigError
 from tests.hub_server import LoopbackHub
 
 REPO = "bmoe/synth-GGUF"
 FETCH = """
 import sys
 from bmoe import console, hub
-from bmoe.settings import ConfigError
+from bmoe.errors import ConfigError
 try:
     print(hub.fetch(hub.parse(sys.argv[1]), console.notice))
 except ConfigError as e:

@@ -25,12 +25,13 @@ def _is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def _imports(path: Path) -> set[str]:
-    """bmoe modules a file imports, at the top or inside functions; `if TYPE_CHECKING:` blocks aside."""
+def _imports(path: Path, typing_too: bool = False) -> set[str]:
+    """bmoe modules a file imports, at the top or inside functions; `if TYPE_CHECKING:` blocks aside
+    unless `typing_too`."""
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not typing_too:
             return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in MODULES)
@@ -46,12 +47,13 @@ def _imports(path: Path) -> set[str]:
 
 
 GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+TYPED_GRAPH = {name: _imports(path, typing_too=True) - {name} for name, path in MODULES.items()}
 
 
-def _reach(start: str) -> set[str]:
+def _reach(start: str, graph: dict[str, set[str]] = GRAPH) -> set[str]:
     seen, todo = set(), [start]
     while todo:
-        for nxt in GRAPH[todo.pop()]:
+        for nxt in graph[todo.pop()]:
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)
@@ -65,21 +67,59 @@ def test_the_import_graph_is_read_from_the_source() -> None:
     assert "bmoe.streamer" not in GRAPH["bmoe.readahead"], "TYPE_CHECKING imports are not edges"
 
 
-def test_no_import_cycles() -> None:
-    cycles = sorted(name for name in GRAPH if name in _reach(name))
+@pytest.mark.parametrize("graph", ["runtime", "typing"])
+def test_no_import_cycles(graph: str) -> None:
+    """No module imports itself through others, also not through imports made only for type checking
+    (a cycle hidden behind TYPE_CHECKING is still two modules that know each other's insides)."""
+    g = GRAPH if graph == "runtime" else TYPED_GRAPH
+    cycles = sorted(name for name in g if name in _reach(name, g))
     assert not cycles, f"modules that import themselves through others: {cycles}"
+
+
+def test_the_api_imports_no_command_line_module() -> None:
+    assert not GRAPH["bmoe.api"] & {"bmoe.flags", "bmoe.console", "bmoe.cli", "bmoe.session", "bmoe.server"}
+
+
+def _product_modules() -> dict[str, ast.Module]:
+    return {name: ast.parse(path.read_text()) for name, path in MODULES.items() if not name.startswith("bmoe.tools")}
+
+
+def test_no_product_module_reads_another_objects_private_attributes() -> None:
+    """`obj._x` only on self or cls: one owner for each piece of state."""
+    bad = []
+    for name, tree in _product_modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    bad.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not bad, bad
+
+
+def test_no_error_is_told_apart_by_its_words_or_class_name() -> None:
+    """Errors are matched by type (bmoe.errors), never by `"..." in str(e)` or `type(e).__name__ ==`."""
+    bad = []
+    for name, tree in _product_modules().items():
+        for handler in (n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler) and n.name):
+            for node in ast.walk(handler):
+                if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq))
+                                                         for op in node.ops):
+                    for side in (node.left, *node.comparators):
+                        text = ast.unparse(side)
+                        if text in (f"str({handler.name})", f"type({handler.name}).__name__"):
+                            bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, bad
 
 
 def test_the_coordinator_never_imports_the_tools() -> None:
     assert not [m for m in _reach("bmoe.coordinator") if m.startswith("bmoe.tools")]
 
 
-def test_only_the_flags_reach_into_the_tools_for_the_demo_model() -> None:
-    """A no-argument bmoe-cli runs the demo model, which the flags build on first use; no other
+def test_only_the_model_source_reaches_into_the_tools_for_the_demo_model() -> None:
+    """A no-argument run uses the demo model, which bmoe.model_source builds on first use; no other
     product module imports a tool."""
     into_tools = {name: sorted(m for m in deps if m.startswith("bmoe.tools"))
                   for name, deps in GRAPH.items() if not name.startswith("bmoe.tools")}
-    assert {name: deps for name, deps in into_tools.items() if deps} == {"bmoe.flags": ["bmoe.tools.demo"]}
+    assert {name: deps for name, deps in into_tools.items() if deps} == {"bmoe.model_source": ["bmoe.tools.demo"]}
 
 
 def test_workers_import_only_what_moves_bytes_or_predicts() -> None:

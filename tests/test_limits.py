@@ -18,7 +18,7 @@ from bmoe.coordinator import Engine
 from bmoe.memory import V1_UNLIMITED, MemoryProbe, Room
 from bmoe.tools import bench_sys
 from bmoe.units import MiB
-from tests.conftest import REPO, run_cli, settings_for
+from tests.conftest import REPO, complete, load, per_token, reference, run_cli, settings_for
 
 PROMPT = "The harbour master counted the boats that came in before the storm reached the coast"
 
@@ -179,14 +179,10 @@ def test_the_cache_shrinks_and_grows_back_with_the_limit_and_the_output_stays_ex
                                "cg/memory/t/memory.usage_in_bytes": f"{100 * MiB}\n",
                                "cg/memory/t/memory.stat": "total_inactive_file 0\n"})
     usage = cg / "memory" / "t" / "memory.usage_in_bytes"
-    plain = Engine(settings_for(model, "-c", 256, "-t", 2, "--no-stream"))
-    try:
-        ref = plain.generate(plain.prompt_tokens(PROMPT, chat=False), 40).ids
-    finally:
-        plain.close()
+    ref = reference(model, PROMPT, 40, "-c", 256, "-t", 2).ids
     notices: list[str] = []
-    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 1000, "--adapt", "--cache-floor-mb", 100),
-               notice=notices.append)
+    m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1000, "--adapt", "--cache-floor-mb", 100, notice=notices.append)
+    e = m.engine
     try:
         e.memory = MemoryProbe(proc, cg)
         full = e.adaptive.ceiling  # every expert's slots: the most a budget can use
@@ -194,7 +190,7 @@ def test_the_cache_shrinks_and_grows_back_with_the_limit_and_the_output_stays_ex
 
         other = 100 * MiB  # what the rest of the cgroup holds; the charge is that plus the slab
 
-        def squeeze(i: int, _text: str, _st: object) -> None:
+        def squeeze(i: int) -> None:
             nonlocal other
             resident.append(e.resident_bytes())
             if i == 8:  # another process takes all but 99 MiB of the limit: 1 MiB under the floor
@@ -203,15 +199,15 @@ def test_the_cache_shrinks_and_grows_back_with_the_limit_and_the_output_stays_ex
                 other = 100 * MiB
             usage.write_text(f"{other + e.resident_bytes()}\n")
 
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), 40, squeeze)
+        res = complete(m, PROMPT, 40, on_chunk=per_token(squeeze))
         # idle between requests, the budget still follows the limit
         usage.write_text(f"{limit - 50 * MiB}\n")
         e.follow_memory()
         idle_budget = e.budget
     finally:
-        e.close()
+        m.close()
     assert res.ids == ref
-    budgets = [min(s.budget_bytes, full) for s in res.steps]
+    budgets = [min(s.budget_bytes, full) for s in res.tokens]
     low = min(budgets)
     assert budgets[0] == full and 0 < low < full and budgets[-1] == full, [b / MiB for b in budgets]
     assert budgets.index(low) == 9, "the shrink is at the first token after the squeeze"
@@ -231,7 +227,8 @@ def test_pinned_dense_weights_are_the_files_bytes_and_the_output_is_exact(model:
 
     monkeypatch.setattr(coordinator, "pin", pin_and_keep)
     notices: list[str] = []
-    e = Engine(settings_for(model, "-c", 256, "-t", 2, "--cache-mb", 1, "--pin-dense"), notice=notices.append)
+    m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1, "--pin-dense", notice=notices.append)
+    e = m.engine
     try:
         (ranges,) = seen
         locked = int(Path("/proc/self/status").read_text().split("VmLck:")[1].split()[0]) * 1024
@@ -246,15 +243,11 @@ def test_pinned_dense_weights_are_the_files_bytes_and_the_output_is_exact(model:
         for offset, nbytes in dense:
             assert ctypes.string_at(base + offset, nbytes) == data[offset:offset + nbytes]
             assert any(a <= base + offset and base + offset + nbytes <= a + n for a, n in ranges)
-        out = e.generate(e.prompt_tokens(PROMPT, chat=False), 16).ids
+        out = complete(m, PROMPT, 16).ids
     finally:
-        e.close()
+        m.close()
     assert any("pinned" in n and "dense weights" in n for n in notices), notices
-    plain = Engine(settings_for(model, "-c", 256, "-t", 2, "--no-stream"))
-    try:
-        assert out == plain.generate(plain.prompt_tokens(PROMPT, chat=False), 16).ids
-    finally:
-        plain.close()
+    assert out == reference(model, PROMPT, 16, "-c", 256, "-t", 2).ids
 
 
 # ---- one live run in a real cgroup --------------------------------------------------------------

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from bmoe import seam
+from bmoe.api import Model
 from bmoe.coordinator import ABORTED, Engine
 from bmoe.expert_cache import RESIDENT
 from bmoe.tools.synth import ARCHES
-from tests.conftest import SlabCheck, settings_for, slice_bytes
+from tests.conftest import SlabCheck, complete, settings_for, slice_bytes
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp above the sea"
 
@@ -152,7 +153,7 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
 
     try:
         _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
-        e.generate(e.prompt_tokens(PROMPT, chat=False), 4)
+        complete(Model(e), PROMPT, 4)
     finally:
         check.close()
         e.close()
@@ -197,7 +198,7 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
     e.hook.on_route = on_route
     try:
         _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(read_logits))
-        toks = e.prompt_tokens(PROMPT, chat=False)
+        toks = e.tokenize(PROMPT)
         e._decode([(0, toks, 0)])
     finally:
         e.close()
@@ -228,19 +229,18 @@ def test_llama_cpp_computes_from_the_slab(synth) -> None:
     """Corrupting a resident expert's slab bytes changes the output: nothing reads the mmap any more."""
     path = synth(arch="qwen3moe", layers=3, experts=8, top_k=2)
     e = engine(path, "--cache-mb", 1000)
+    m = Model(e)
     try:
-        toks = e.prompt_tokens(PROMPT, chat=False)
-        good = e.generate(toks, 16).ids
-        e.clear_kv()
+        good = complete(m, PROMPT, 16).ids
         cache = e.streamer.cache
         assert cache.stats.evictions == 0
         for ri, r in enumerate(cache.regions):  # everything the first run read stays resident: corrupt it
             for ex in range(r.n_expert):
                 if cache.state[ri][ex] == RESIDENT:
                     slice_bytes(e.streamer, ri, ex)[:] = bytes(r.expert_bytes)
-        bad = e.generate(toks, 16).ids
+        bad = complete(m, PROMPT, 16).ids
     finally:
-        e.close()
+        m.close()
     assert good != bad
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from bmoe import speculation, telemetry
-from bmoe.coordinator import Engine, Result
+from bmoe.api import Completion, Model
 from bmoe.model_files import open_model
 from bmoe.tools import demo
 from bmoe.units import MiB
 from tests import spec_lines
-from tests.conftest import SlabCheck, run_cli, settings_for, slice_bytes
+from tests.conftest import SlabCheck, complete, load, per_token, run_cli, slice_bytes
+from tests.conftest import reference as plain
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
@@ -30,39 +31,38 @@ MODES = list(itertools.product([False, True], [0, 1, 2], [False, True]))  # over
 MODE_IDS = [f"{'overlap' if o else 'serial'}-p{p}-{'spec' if g else 'nospec'}" for o, p, g in MODES]
 
 
-class Ran:
-    """What a finished run leaves to look at (the Engine itself is closed)."""
+FLAGS = ("-c", 512, "-t", 1)
 
-    def __init__(self, e: Engine) -> None:
+
+class Ran:
+    """What a finished run leaves to look at (the Model itself is closed)."""
+
+    def __init__(self, m: Model) -> None:
+        e = m.engine
         self.streamer = e.streamer
         self.gate = e.streamer.ahead.gate if e.streamer else None
         self.router_stop = e.hook.on_router_input is not None
 
 
 def _run(path: str, prompt_chat: bool = False, n: int = N_PREDICT, *flags: object,
-         check: bool = True) -> tuple[Result, Ran, SlabCheck | None]:
-    e = Engine(settings_for(path, "-c", 512, "-t", 1, *flags))
-    sc = SlabCheck(e) if check and e.streamer else None
+         check: bool = True) -> tuple[Completion, Ran, SlabCheck | None]:
+    m = load(path, *FLAGS, *flags)
+    sc = SlabCheck(m.engine) if check and m.engine.streamer else None
     try:
-        res = e.generate(e.prompt_tokens(PROMPT, chat=prompt_chat), n)
-        return res, Ran(e), sc
+        res = complete(m, PROMPT, n, prompt_chat)
+        return res, Ran(m), sc
     finally:
-        e.close()
+        m.close()
         if sc:
             sc.close()
 
 
-_refs: dict[tuple[str, bool, int], Result] = {}
-
-
-def reference(path: str, chat: bool = False, n: int = N_PREDICT) -> Result:
-    if (path, chat, n) not in _refs:
-        _refs[path, chat, n] = _run(path, chat, n, "--no-stream")[0]
-    return _refs[path, chat, n]
+def reference(path: str, chat: bool = False, n: int = N_PREDICT) -> Completion:
+    return plain(path, PROMPT, n, *FLAGS, chat=chat)
 
 
 def _gate(path: str, cache_mb: float, overlap: bool, prefetch: int, spec_gate: bool,
-          chat: bool = False, n: int = N_PREDICT) -> tuple[Result, Ran, SlabCheck]:
+          chat: bool = False, n: int = N_PREDICT) -> tuple[Completion, Ran, SlabCheck]:
     ref = reference(path, chat, n)
     levers = ["--overlap" if overlap else "--no-overlap", "--spec-gate" if spec_gate else "--no-spec-gate"]
     if prefetch:
@@ -72,15 +72,15 @@ def _gate(path: str, cache_mb: float, overlap: bool, prefetch: int, spec_gate: b
     assert not sc.bad, sc.bad[:5]
     assert sc.checked > 0
     assert res.ids == ref.ids and res.text == ref.text
-    assert sum(s.lookups - s.hits for s in res.steps) > 0, "the budget must force misses"
+    assert sum(s.lookups - s.hits for s in res.tokens) > 0, "the budget must force misses"
     if prefetch or spec_gate:
-        assert res.speculation.prefetched > 0 and res.speculation.bytes > 0
+        assert res.stats.prefetched_experts > 0 and res.stats.speculative_mib > 0
     if spec_gate:
         assert e.gate is not None and e.gate.scored > 0
     if overlap:
-        assert any(s.stall_ns > 0 for s in res.steps)
+        assert any(s.stall_ms > 0 for s in res.tokens)
     else:
-        assert all(s.stall_ns == 0 for s in res.steps)
+        assert all(s.stall_ms == 0 for s in res.tokens)
     return res, e, sc
 
 
@@ -114,9 +114,9 @@ def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_mode
                           "--io-threads", 2, "--overlap", "--spec-gate", "--spec-recall-min", 0,
                           "--spec-precision", floor)
         assert not sc.bad and res.ids == reference(demo_model, True, 16).ids
-        runs[floor] = res.speculation
-    assert runs[90].prefetched < runs[0].prefetched
-    assert runs[90].useful * runs[0].prefetched >= runs[0].useful * runs[90].prefetched
+        runs[floor] = res.stats
+    assert runs[90].prefetched_experts < runs[0].prefetched_experts
+    assert runs[90].useful_experts * runs[0].prefetched_experts >= runs[0].useful_experts * runs[90].prefetched_experts
 
 
 def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> None:
@@ -152,20 +152,17 @@ def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(synth) -
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     ref = reference(path)
     notices: list[str] = []
-    e = Engine(settings_for(path, "-c", 512, "-t", 1, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
-                            "--overlap", "--spec-gate", "--spec-recall-min", 0), notice=notices.append)
-    try:
-        g = e.streamer.ahead.gate
+    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--overlap", "--spec-gate",
+              "--spec-recall-min", 0, notice=notices.append) as m:
+        g = m.engine.streamer.ahead.gate
         pid = g.pid
         assert "bmoe.workers.spec_gate" in " ".join(open(f"/proc/{pid}/cmdline").read().split("\0"))
 
-        def on_piece(i: int, _text: str, _st: object) -> None:
+        def kill(i: int) -> None:
             if i == 5:
                 os.kill(pid, signal.SIGKILL)
 
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), N_PREDICT, on_piece)
-    finally:
-        e.close()
+        res = complete(m, PROMPT, N_PREDICT, on_chunk=per_token(kill))
     assert res.ids == ref.ids
     assert not g.active and any("spec-gate" in n and "off" in n for n in notices), notices
 
@@ -175,21 +172,18 @@ def test_hung_spec_gate_turns_the_feature_off(synth, monkeypatch) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
     ref = reference(path)
     notices: list[str] = []
-    e = Engine(settings_for(path, "-c", 512, "-t", 1, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
-                            "--no-overlap", "--spec-gate", "--spec-recall-min", 0), notice=notices.append)
-    try:
-        g = e.streamer.ahead.gate
+    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--no-overlap", "--spec-gate",
+              "--spec-recall-min", 0, notice=notices.append) as m:
+        g = m.engine.streamer.ahead.gate
         pid = g.pid
 
-        def on_piece(i: int, _text: str, _st: object) -> None:
+        def stop(i: int) -> None:
             if i == 3:
                 os.kill(pid, signal.SIGSTOP)
             if i in (10, 20):
                 time.sleep(0.4)
 
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), N_PREDICT, on_piece)
-    finally:
-        e.close()
+        res = complete(m, PROMPT, N_PREDICT, on_chunk=per_token(stop))
     assert res.ids == ref.ids
     assert not g.active and any("did not answer" in n for n in notices), notices
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
@@ -204,11 +198,11 @@ def test_stall_is_zero_when_every_expert_is_resident_and_positive_on_every_miss(
     every = open_model(path).expert_bytes * 2 / MiB  # page rounding: twice the expert bytes hold them all
     res, _, sc = _run(path, False, 16, "--cache-mb", every, "--preload", "--overlap", "--io-threads", 2)
     assert not sc.bad and sc.checked > 0 and res.ids == ref.ids
-    assert all(s.read_bytes == 0 and 0 < s.hits == s.lookups for s in res.steps), "every expert resident"
-    assert [s.stall_ns for s in res.steps] == [0] * len(res.steps)
+    assert all(s.read_bytes == 0 and 0 < s.hits == s.lookups for s in res.tokens), "every expert resident"
+    assert [s.stall_ms for s in res.tokens] == [0] * len(res.tokens)
     res, _, sc = _run(path, False, 16, "--cache-mb", 0, "--overlap", "--io-threads", 2)
     assert not sc.bad and sc.checked > 0 and res.ids == ref.ids
-    assert all(s.read_bytes > 0 and s.stall_ns > 0 for s in res.steps), [s.stall_ns for s in res.steps]
+    assert all(s.read_bytes > 0 and s.stall_ms > 0 for s in res.tokens), [s.stall_ms for s in res.tokens]
 
 
 def test_quantized_router_turns_spec_gate_off_with_a_notice(synth) -> None:
@@ -290,8 +284,9 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
     lasts one layer of one token."""
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path, n=16)
-    e = Engine(settings_for(path, "-c", 512, "-t", 1, "--cache-mb", 0, "--io-threads", 1, "--overlap"))
+    m = load(path, *FLAGS, "--cache-mb", 0, "--io-threads", 1, "--overlap")
     try:
+        e = m.engine
         st = e.streamer
         assert set(e.hook.down_nodes.values()) == set(st.layers)
         assert all(n.decode().startswith("ffn_moe_swiglu") for n in e.hook.down_nodes)
@@ -314,8 +309,8 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
 
         e.hook.on_route, e.hook.on_down = on_route, on_down
         e.hook.down_pending = lambda layer: True  # stop at every down input, reads done or not
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), 16)
+        res = complete(m, PROMPT, 16)
     finally:
-        e.close()
+        m.close()
     assert len(stops) >= 16 * len(st.layers)
     assert (res.ids != ref.ids) == changes

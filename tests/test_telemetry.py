@@ -11,10 +11,9 @@ import psutil
 import pytest
 
 from bmoe import telemetry
-from bmoe.coordinator import Engine
 from bmoe.session_client import SessionClient
 from tests import spec_lines
-from tests.conftest import run_cli, settings_for
+from tests.conftest import complete, load, per_token, run_cli
 
 PROMPT = "Tell me about the harbour town where the fishing boats come home every evening before dark"
 N = 20
@@ -119,9 +118,9 @@ def test_serial_io_and_read_bytes_are_what_the_lanes_did(model: str) -> None:
     """Measured, not derived: with no cache in serial mode every token blocks on reads (io > 0, within
     its wall time) and its read bytes are the bytes the lane processes read from the file, as the
     kernel counted them (/proc/PID/io read_bytes: O_DIRECT reads bypass the page cache)."""
-    e = Engine(settings_for(model, "-c", 256, "-t", 1, "--cache-mb", 0, "--no-overlap", "--io-threads", 2))
+    m = load(model, "-c", 256, "-t", 1, "--cache-mb", 0, "--no-overlap", "--io-threads", 2)
     try:
-        pool = e.streamer.pool
+        pool = m.engine.streamer.pool
         if not pool.odirect:
             pytest.skip("the model's file system refuses O_DIRECT: the kernel's read_bytes counts page-cache misses")
 
@@ -131,22 +130,22 @@ def test_serial_io_and_read_bytes_are_what_the_lanes_did(model: str) -> None:
         kernel: list[int] = []
         last = [0]
 
-        def on_piece(i: int, _text: str, _st: object) -> None:
+        def on_token(_i: int) -> None:
             now = lanes_read()
             kernel.append(now - last[0])
             last[0] = now
 
-        res = e.generate(e.prompt_tokens(PROMPT, chat=False), N, on_piece)
+        res = complete(m, PROMPT, N, on_chunk=per_token(on_token))
         pids = [lane.pid for lane in pool.lanes]
     finally:
-        e.close()
-    assert len(res.steps) == N and pool.restarts == 0 and pids
-    for i, st in enumerate(res.steps):
-        assert 0 < st.io_ns <= st.wall_ns and st.mgmt_ns >= 0 and st.io_ns + st.mgmt_ns <= st.wall_ns, (i, st)
-        assert st.stall_ns == 0
+        m.close()
+    assert len(res.tokens) == N and pool.restarts == 0 and pids
+    for i, t in enumerate(res.tokens):
+        assert 0 < t.io_ms <= t.wall_ms and t.mgmt_ms >= 0 and t.io_ms + t.mgmt_ms <= t.wall_ms, (i, t)
+        assert t.stall_ms == 0
     # the first delta also holds the prompt's reads (prefill has no callback of its own)
-    assert kernel[0] > res.steps[0].read_bytes > 0
-    assert kernel[1:] == [st.read_bytes for st in res.steps[1:]]
+    assert kernel[0] > res.tokens[0].read_bytes > 0
+    assert kernel[1:] == [t.read_bytes for t in res.tokens[1:]]
 
 
 def test_every_line_written_is_the_specs(model: str, tmp_path) -> None:

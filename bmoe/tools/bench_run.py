@@ -46,7 +46,7 @@ def check_cli_flags(configs: list[Config], common: list[str]) -> None:
         p = flags.build_parser()
         p.exit_on_error = False
         try:
-            flags.check(p, p.parse_args(["-m", "x.gguf", *common, *c.flags]))
+            flags.settings_from(p, p.parse_args(["-m", "x.gguf", *common, *c.flags]))
         except argparse.ArgumentError as e:
             raise BenchError(f"configuration {c.name!r}: bmoe-cli rejects its flags: {e}") from None
         except SystemExit:
@@ -257,7 +257,8 @@ def _model(path: str) -> tuple[Path, list[Path]]:
     if not model.is_file():
         raise BenchError(f"model file {model} does not exist; check the -m path")
     try:
-        from bmoe.model_files import ModelError, shard_paths
+        from bmoe.model_files import shard_paths
+        from bmoe.errors import ModelError
 
         shards = shard_paths(model.resolve())
     except ModelError as e:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bmoe.model_files import ModelError
+from bmoe.errors import ModelError
 from bmoe.tools.demo_calibrate import calibration_states
 from bmoe.tools.demo_routers import SEED, make_router
 from bmoe.tools.demo_write import GB, RECIPE, check_args, experts_for_size, write

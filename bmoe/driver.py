@@ -1,0 +1,129 @@
+"""The one generation loop: every caller's generations are begun, stepped and finished here.
+
+`bmoe-cli`, the session and `bmoe.load(...)`'s generate/stream/chat run one Generation through
+`Driver.run`; `Model.batch` runs several; the server's scheduler admits, steps and finishes them
+one call at a time (`begin`, `step`). Whoever drives the engine holds `turn`.
+
+Cancelling is one mechanism, `Driver.cancel`: the generation is flagged and ends after the token
+being decoded (`Generation.take`) or before its next step. When every generation in the llama.cpp
+decode under way is cancelled, that decode is interrupted too (Engine.interrupt), so a lone
+request stops mid-prefill or mid-token; a batch step with one live member runs to its end.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+
+from bmoe.errors import Cancelled
+from bmoe.generation import Completion, Generation
+
+if TYPE_CHECKING:
+    from bmoe.coordinator import Engine
+
+T = TypeVar("T")
+
+
+class Driver:
+    """Drives the engine for generations: prefill one, decode a step for several, finish them."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.turn = threading.RLock()  # whoever drives the engine holds it (a run: for all of it)
+        self._lock = threading.Lock()  # guards `_decoding` against `cancel` from other threads
+        self._decoding: list[Generation] = []  # the generations in the llama_decode under way
+
+    def run(self, gens: Sequence[Generation]) -> list[Completion]:
+        """Prefill each of `gens` in order, then decode them together, a step for every one still
+        going, until each has ended; their Completions in order. An engine error finishes every
+        generation begun (KV rolled back) and is raised."""
+        done: dict[int, Completion] = {}
+        with self.turn:
+            try:
+                for g in gens:
+                    if (c := self.begin(g)) is not None:
+                        done[id(g)] = c
+                while live := [g for g in gens if id(g) not in done]:
+                    for g, c in self.step(live):
+                        done[id(g)] = c
+            except BaseException as e:
+                self._abandon([g for g in gens if id(g) not in done and g.slot.busy], e)
+                raise
+        return [done[id(g)] for g in gens]
+
+    def begin(self, gen: Generation) -> Completion | None:
+        """Prefill `gen`; its Completion when it ended there (cancelled), else None.
+
+        A ConfigError (the request cannot run) or an engine error is raised after `gen` was
+        finished and its KV rolled back."""
+        with self.turn:
+            try:
+                self._decode([gen], gen.begin)
+            except Cancelled as e:
+                return gen.finish(e)
+            except BaseException as e:
+                gen.finish(e)  # raises e again after the KV is rolled back
+                raise
+        return None
+
+    def step(self, gens: Sequence[Generation]) -> list[tuple[Generation, Completion]]:
+        """One decode step for `gens` (begun, not ended) in one llama.cpp batch; returns those that
+        ended with their Completions. A cancelled one ends before the step, without decoding.
+        An engine error is raised as is: the caller finishes what it began (`run`, the scheduler)."""
+        ended: list[tuple[Generation, Completion]] = []
+        with self.turn:
+            going = []
+            for g in gens:
+                if g.cancelled:
+                    ended.append((g, g.finish(Cancelled())))
+                else:
+                    going.append(g)
+            if not going:
+                return ended
+            try:
+                steps = self._decode(going, lambda: self.engine.step([g.seq for g in going]))
+            except Cancelled as e:  # every one of them was cancelled mid-step
+                return ended + [(g, g.finish(e)) for g in going]
+            for g, decoded in zip(going, steps):
+                try:
+                    g.take(decoded)
+                except Exception as e:  # noqa: BLE001 - its on_chunk failed: this one ends, with that error
+                    g.ended, g.done = e, True
+            failed: BaseException | None = None
+            for g in going:
+                if g.done:
+                    try:
+                        ended.append((g, g.finish()))
+                    except BaseException as e:  # noqa: BLE001 - raised once the others are finished
+                        failed = failed or e
+            if failed is not None:
+                raise failed
+        return ended
+
+    def cancel(self, gen: Generation) -> None:
+        """Stop `gen` (finish_reason "cancelled", KV rolled back); safe from any thread."""
+        with self._lock:
+            gen.cancelled = True
+            if self._decoding and all(g.cancelled for g in self._decoding):
+                self.engine.interrupt()
+
+    def _decode(self, gens: list[Generation], call: Callable[[], T]) -> T:
+        """Run an engine call for `gens`, interruptible by `cancel` while it runs."""
+        with self._lock:
+            self._decoding = gens
+            if all(g.cancelled for g in gens):
+                self.engine.interrupt()
+        try:
+            return call()
+        finally:
+            with self._lock:
+                self._decoding = []
+                self.engine.clear_interrupt()
+
+    def _abandon(self, gens: list[Generation], error: BaseException) -> None:
+        """Finish generations an error left begun, rolling back their KV; the first error is the one raised."""
+        for g in gens:
+            try:
+                g.finish(error)
+            except BaseException:  # noqa: BLE001, S110 - `error` is raised by the caller
+                pass

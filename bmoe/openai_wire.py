@@ -1,0 +1,170 @@
+"""The OpenAI HTTP API's shapes, as bmoe-server speaks them: request bodies (pydantic, strict
+types), response objects and stream chunks (`Shape`), and errors as OpenAI error objects
+(`ServeError`). No engine and no routes here: bmoe.server_app joins these to the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.sse import format_sse_event
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from bmoe import telemetry
+from bmoe.api import Chunk, GenerationStats
+from bmoe.errors import ConfigError
+from bmoe.scheduler import GenerationFailed, QueueFull, ShuttingDown
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+
+class ServeError(Exception):
+    """An error answered as an OpenAI error object with its HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def shutting_down() -> ServeError:
+    return ServeError(503, "the server is shutting down; send the request again when it is back",
+                      "server_error", "shutting_down")
+
+
+def serve_error(e: Exception) -> ServeError:
+    """What a request hears of a scheduler's exception (bmoe.scheduler)."""
+    if isinstance(e, ShuttingDown):
+        return shutting_down()
+    if isinstance(e, QueueFull):
+        return ServeError(429, f"the server is busy: {e}; send it again later", "rate_limit_error", "queue_full")
+    if isinstance(e, ConfigError):
+        return ServeError(400, str(e))
+    assert isinstance(e, GenerationFailed), e
+    return ServeError(500, f"generation failed: {e}", "server_error", "internal_error")
+
+
+def http_error(exc: HTTPException) -> ServeError:
+    code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
+    return ServeError(exc.status_code, str(exc.detail), "server_error" if exc.status_code >= 500
+                      else "invalid_request_error", code.get(exc.status_code))
+
+
+def validation_error(exc: RequestValidationError) -> ServeError:
+    first = exc.errors()[0]
+    where = ".".join(str(x) for x in first.get("loc", ())[1:])
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return ServeError(400, f"the body is not valid JSON ({detail}); send a JSON object", code="invalid_json")
+    msg = f"{where}: {first.get('msg')}" if where else f"the body: {first.get('msg')}"
+    more = len(exc.errors()) - 1
+    return ServeError(400, msg + (f" (and {more} more)" if more else ""), param=where or None)
+
+
+# ---- request bodies --------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    """What /v1/completions and /v1/chat/completions share; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=4)
+    stream: bool = False
+    n: Literal[1] = 1
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] = Field(min_length=1)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    think: bool = True
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+
+class Shape:
+    """The OpenAI object of one endpoint: a whole response, a streamed chunk, the last chunk."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, s: GenerationStats, ahead: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": s.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(s), "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
+
+    def chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice],
+                **extra}
+
+    def token(self, c: Chunk) -> dict[str, Any]:
+        return self.chunk({"content": c.text} if self.chat else c.text, bmoe=telemetry.progress_fields(c.token))
+
+    def last(self, s: GenerationStats, ahead: int) -> dict[str, Any]:
+        return self.chunk({} if self.chat else "", s.finish_reason, usage=usage(s),
+                          bmoe={**dataclasses.asdict(s), "queue_position": ahead})
+
+
+def usage(s: GenerationStats) -> dict[str, int]:
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    return format_sse_event(data_str=obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False))

@@ -1,0 +1,286 @@
+"""bmoe-server's HTTP app: the routes, the Prometheus metrics and the middleware that counts
+answers and bounds request bodies (FastAPI on uvicorn's event loop). Requests are checked and
+tokenized here, then handed to the scheduler (bmoe.scheduler) as jobs whose events become
+responses; the decisions are in bmoe.server's notes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from bmoe.api import Chunk, GenerationStats, Model, Request
+from bmoe.errors import ConfigError, ContextTooLong
+from bmoe.openai_wire import (ChatBody, CompletionBody, ServeError, Shape, _Body, http_error, serve_error,
+                              shutting_down, sse, validation_error)
+from bmoe.scheduler import Event, Job, Position, QueueFull, Scheduler, ShuttingDown
+
+CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """The Prometheus registry of one server: totals, the last request's telemetry, queue and cache gauges."""
+
+    def __init__(self, model: Model, sched: Scheduler) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("bmoe_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=r)
+        self.generations = Counter("bmoe_generations", "generations run, by finish reason", ["finish_reason"],
+                                   registry=r)
+        self.generated = Counter("bmoe_generated_tokens", "tokens generated", registry=r)
+        self.prefilled = Counter("bmoe_prefill_tokens", "prompt tokens decoded (a reused KV prefix is not)",
+                                 registry=r)
+        self.read = Counter("bmoe_read_bytes", "expert bytes read from flash while decoding", registry=r)
+        self.decode_s = Counter("bmoe_decode_seconds", "wall time of the decode tokens", registry=r)
+        self.stall_s = Counter("bmoe_stall_seconds", "decode time lost waiting for expert reads", registry=r)
+        self.last = Gauge("bmoe_last_request", "the last generation's telemetry (tok_s, mib_per_token, "
+                          "cache_hit_pct, stall_s_per_token, prefill_s)", ["measure"], registry=r)
+        Gauge("bmoe_queue_waiting", "requests waiting for a KV sequence", registry=r).set_function(
+            lambda: len(sched.waiting))
+        Gauge("bmoe_generating", "generations running", registry=r).set_function(lambda: len(sched.active))
+        steps = Gauge("bmoe_decode_steps", "decode steps with two or more generations running, by how they ran "
+                      "(batch: together; turns: the oldest alone)", ["mode"], registry=r)
+        for mode in sched.batching.steps:
+            steps.labels(mode).set_function(lambda m=mode: sched.batching.steps[m])
+        e = model.engine
+        Gauge("bmoe_cache_resident_bytes", "expert bytes resident in the cache", registry=r).set_function(
+            e.resident_bytes)
+        Gauge("bmoe_cache_budget_bytes", "the expert cache budget", registry=r).set_function(lambda: e.budget)
+        Gauge("bmoe_kv_tokens", "tokens in the KV, every sequence's", registry=r).set_function(
+            lambda: sum(len(s.kv_tokens) for s in model.slots))
+
+    def generation(self, s: GenerationStats) -> None:
+        self.generations.labels(s.finish_reason).inc()
+        self.generated.inc(s.completion_tokens)
+        self.prefilled.inc(s.prefill_tokens)
+        self.read.inc(s.read_mib * 2**20)
+        wall = s.completion_tokens / s.tok_s if s.tok_s > 0 else 0.0
+        self.decode_s.inc(wall)
+        self.stall_s.inc(s.stall_s_per_token * s.completion_tokens)
+        for k in ("tok_s", "mib_per_token", "cache_hit_pct", "stall_s_per_token", "prefill_s"):
+            self.last.labels(k).set(getattr(s, k))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Gate:
+    """ASGI middleware at the app's edge: counts every answer by route and status, and answers a
+    body over `limit` bytes with a 413 error object before the app reads any of it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, limit: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        too_large = ServeError(413, f"the request body is over {self.limit} bytes (bmoe-server --max-body-kb)",
+                               code="request_too_large").response()
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await too_large(scope, receive, counted)
+            return
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                await too_large(scope, receive, counted)
+                return
+        pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, counted)
+
+
+async def _disconnected(request: HttpRequest) -> None:
+    """Returns when the client has gone (the body is read: nothing else comes before that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+
+
+def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int) -> FastAPI:
+    """The FastAPI app serving `model` through `sched`."""
+    metrics = Metrics(model, sched)
+    sched.on_generation = metrics.generation
+    bearer = HTTPBearer(auto_error=False)
+
+    async def authorized(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if api_key is None:
+            return
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), api_key.encode()):
+            raise ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+                             code="invalid_api_key")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        sched.close()
+        await asyncio.to_thread(sched.join)
+
+    app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(Gate, metrics=metrics, limit=max_body)
+    api = APIRouter(dependencies=[Depends(authorized)])
+
+    @app.exception_handler(ServeError)
+    async def on_serve_error(_r: HttpRequest, exc: ServeError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_r: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def on_http(_r: HttpRequest, exc: HTTPException) -> JSONResponse:
+        return http_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def on_bug(_r: HttpRequest, exc: Exception) -> JSONResponse:
+        return ServeError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
+                          "internal_error").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model.name, "generating": len(sched.active), "parallel": sched.capacity,
+                "waiting": len(sched.waiting)}
+
+    @api.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model.name, "object": "model",
+                                            "created": int(time.time() - model.engine.load_s),
+                                            "owned_by": "bmoe"}]}
+
+    async def prepare(body: _Body, max_tokens: int | None, **what: Any) -> Request:
+        """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
+        sampling = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        try:
+            return await asyncio.to_thread(model.prepare, **what, **sampling, max_tokens=max_tokens or n_predict,
+                                           stop=body.stop, fix=CONTEXT_FIX)
+        except ConfigError as e:
+            too_long = isinstance(e, ContextTooLong)
+            raise ServeError(400, str(e), code="context_length_exceeded" if too_long else None,
+                             param="messages" if "messages" in what else "prompt") from None
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionBody, request: HttpRequest) -> Response:
+        if isinstance(body.prompt, list) and len(body.prompt) != 1:
+            raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        req = await prepare(body, body.max_tokens, prompt=prompt)
+        return await answer(request, body, req, Shape(False, model.name))
+
+    @api.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: HttpRequest) -> Response:
+        req = await prepare(body, body.max_tokens or body.max_completion_tokens,
+                            messages=[m.as_dict() for m in body.messages], think=body.think)
+        return await answer(request, body, req, Shape(True, model.name))
+
+    async def answer(request: HttpRequest, body: _Body, req: Request, shape: Shape) -> Response:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        try:
+            ahead = sched.submit(job)
+        except (QueueFull, ShuttingDown) as e:
+            raise serve_error(e) from None
+        headers = {"X-Queue-Position": str(ahead)}
+        if body.stream:
+            return StreamingResponse(stream(job, events, shape, ahead), media_type="text/event-stream",
+                                     headers=headers)
+        text, stats = await whole(request, job, events)
+        return JSONResponse(shape.whole(text, stats, ahead), headers=headers)
+
+    async def whole(request: HttpRequest, job: Job, events: asyncio.Queue[Event]) -> tuple[str, GenerationStats]:
+        gone = asyncio.ensure_future(_disconnected(request))
+        parts: list[str] = []
+        try:
+            while True:
+                get = asyncio.ensure_future(events.get())
+                await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    sched.cancel(job)
+                    raise ServeError(499, "the client closed the connection", code="client_gone")
+                item = get.result()
+                if isinstance(item, Exception):
+                    raise serve_error(item)
+                if isinstance(item, Chunk):
+                    parts.append(item.text)
+                    if item.stats is not None:
+                        return "".join(parts), ended(item.stats)
+        finally:
+            gone.cancel()
+
+    def ended(s: GenerationStats) -> GenerationStats:
+        if s.finish_reason == "cancelled":  # only a shutdown cancels a request whose client is there
+            raise shutting_down()
+        return s
+
+    async def stream(job: Job, events: asyncio.Queue[Event], shape: Shape, ahead: int) -> AsyncIterator[bytes]:
+        try:
+            if ahead:
+                yield format_sse_event(comment=f"queue position {ahead}")
+            if shape.chat:
+                yield sse(shape.chunk({"role": "assistant", "content": ""}))
+            while True:
+                item = await events.get()
+                if isinstance(item, Position):
+                    yield format_sse_event(comment=f"queue position {item.ahead}" if item.ahead else "running")
+                    continue
+                if isinstance(item, Exception):
+                    yield sse(serve_error(item).body())
+                    break
+                if item.stats is None:
+                    yield sse(shape.token(item))
+                    continue
+                try:
+                    yield sse(shape.last(ended(item.stats), ahead))
+                except ServeError as e:
+                    yield sse(e.body())
+                break
+            yield sse("[DONE]")
+        finally:
+            sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
+
+    app.include_router(api)
+    return app

@@ -1,0 +1,94 @@
+"""The settings schema: each setting declared once (bmoe.settings), and every edge generated from it:
+bmoe-cli's and bmoe-server's flags, bmoe.load's keywords, and validation worded for each."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+import bmoe
+from bmoe import flags, server
+from bmoe.errors import ConfigError
+from bmoe.settings import SCHEMA, SamplerSettings, Settings, from_keywords, names
+from tests.conftest import run_cli
+
+
+def _leaves(obj: object, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out.update(_leaves(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {prefix + f.name: v})
+    return out
+
+
+def _settings(argv: list[str]) -> Settings:
+    ap = flags.build_parser()
+    return flags.settings_from(ap, ap.parse_args(argv))
+
+
+def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
+    """Each Settings field (every group) is set by some flag, so --session, one-shot and the tests all
+    reach every setting the same way; and the flags' defaults are the Settings' defaults."""
+    defaults = _settings([])
+    assert _leaves(defaults) == _leaves(Settings()), "flag defaults differ from Settings defaults"
+    fixed = [["-m", "other.gguf", "-c", "512", "-t", "3", "--verbose", "--route-trace", "t.jsonl", "--temp", "0.5",
+              "--top-k", "7", "--top-p", "0.5", "--seed", "9", "--cache-policy", "lru", "--force", "--preload",
+              "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
+              "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
+              "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense"],
+             ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"]]
+    changed = set()
+    for argv in fixed:
+        got = _leaves(_settings(argv))
+        changed |= {k for k, v in got.items() if v != _leaves(defaults)[k]}
+    assert changed == set(_leaves(defaults)), f"no flag sets {sorted(set(_leaves(defaults)) - changed)}"
+    assert _settings(["--session", "--cache-policy", "cycle"]).cache.policy == "cycle"
+
+
+@pytest.mark.parametrize("entry", SCHEMA, ids=[e.name for e in SCHEMA])
+def test_every_setting_is_a_flag_of_both_commands_and_a_keyword_of_load(entry) -> None:
+    """The three edges come from one declaration: nothing to forget when a setting is added."""
+    cli_help, server_help = flags.build_parser().format_help(), server.build_parser().format_help()
+    assert entry.option.flag in cli_help.split() or entry.option.flag + "," in cli_help.split()
+    assert entry.option.flag in server_help.split() or entry.option.flag + "," in server_help.split()
+    if entry.name == "model":
+        assert "path" in inspect.signature(bmoe.load).parameters  # bmoe.load's first argument
+    else:
+        assert entry.name in names()
+        s = from_keywords("m.gguf", **{entry.name: entry.default})
+        assert entry.get(s) == entry.default
+
+
+def test_keywords_are_the_flags_words_and_errors_speak_them() -> None:
+    s = from_keywords("m.gguf", n_ctx=512, cache_mb="auto", cache_policy="lru", temp=0.5, io_threads=3, stream=True)
+    assert (s.model, s.n_ctx, s.cache.mb, s.cache.policy, s.sampler, s.streaming.io_threads) == \
+           ("m.gguf", 512, None, "lru", SamplerSettings(temp=0.5), 3)
+    assert from_keywords("m.gguf", cache_mb=500).cache.mb == 500.0 == from_keywords("m.gguf", cache_mb="500").cache.mb
+    with pytest.raises(TypeError, match=r"unknown setting 'streaming_io_threads'; did you mean io_threads\?"):
+        from_keywords("m.gguf", streaming_io_threads=1)
+    with pytest.raises(TypeError, match="unknown setting 'model'.*the settings are: threads, n_ctx"):
+        from_keywords("m.gguf", model="x")
+    with pytest.raises(TypeError, match=r"io_threads=2.5: expected int, not float"):
+        from_keywords("m.gguf", io_threads=2.5)
+    with pytest.raises(ConfigError, match=r"^cache_mb=-1: a budget is 0 \(no cache\)"):
+        from_keywords("m.gguf", cache_mb=-1)
+    with pytest.raises(ConfigError, match=r"^cache_floor_mb size cache_mb='auto', and cache_mb=500 is fixed; drop cache_floor_mb or use cache_mb='auto'$"):
+        from_keywords("m.gguf", cache_mb=500, cache_floor_mb=100)
+    with pytest.raises(ConfigError, match=r"^overlap=True streams experts; drop it or drop stream=False$"):
+        from_keywords("m.gguf", overlap=True, stream=False)
+    assert not from_keywords("m.gguf", stream=False).streaming.enabled  # the default overlap is no contradiction
+
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--io-threads", "0"], "argument --io-threads: must be 1 or more"),
+    (["--no-stream", "--overlap"], "--overlap streams experts; drop it or drop --no-stream"),
+    (["--route-trace", "t.jsonl", "--parallel", "2"],
+     "--route-trace records one sequence's routing, and --parallel 2 decodes several; drop one of them"),
+    (["--temp", "-1"], "--temp -1: 0 (greedy) or more"),
+])
+def test_flag_errors_speak_flags(argv: list[str], words: str) -> None:
+    r = run_cli(*argv)
+    assert r.returncode == 2 and r.stderr.rstrip().endswith(f"bmoe-cli: error: {words}"), r.stderr
