@@ -95,7 +95,7 @@ class Plain:
             chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
             llama_cpp.llama_sampler_chain_add(chain, ban)
             llama_cpp.llama_sampler_chain_add(chain, rest)
-        out = TextStream()
+        out, text = TextStream(), ""
         try:
             toks = self.vocab.tokenize(prompt)
             for _ in range(n):
@@ -103,9 +103,9 @@ class Plain:
                 assert llama_cpp.llama_decode(self.ctx, llama_cpp.llama_batch_get_one(arr, len(toks))) == 0
                 tok = llama_cpp.llama_sampler_sample(chain, self.ctx, -1)
                 if self.vocab.is_eog(tok):
-                    return out.text + out.finish(), True
-                out.push(self.piece(tok))
+                    return text + out.finish(), True
+                text += out.push(self.piece(tok))
                 toks = [tok]
-            return out.text + out.finish(), False
+            return text + out.finish(), False
         finally:
             llama_cpp.llama_sampler_free(chain)
