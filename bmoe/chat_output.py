@@ -420,3 +420,23 @@ def _parses(args: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How one request's answer is read: the template's syntax, whether tool calls are looked for,
+    and whether the prompt left the reasoning block open."""
+
+    syntax: Syntax
+    tools: bool = False
+    think_open: bool = False
+
+    def parser(self) -> OutputParser:
+        return OutputParser(self.syntax, self.tools, self.think_open)
+
+    def read(self, text: str) -> Message:
+        """A whole answer's message."""
+        p = self.parser()
+        p.push(text)
+        p.finish()
+        return p.message()

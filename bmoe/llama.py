@@ -144,12 +144,13 @@ class Vocab:
             n = llama_cpp.llama_tokenize(self.ptr, raw, len(raw), buf, cap, add_special, True)
         return list(buf[:n])
 
-    def piece(self, tok: int) -> bytes:
+    def piece(self, tok: int, special: bool = False) -> bytes:
+        """The token's text; a special (control) token's is empty unless `special`."""
         buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def is_eog(self, tok: int) -> bool:

@@ -34,11 +34,15 @@ import hashlib
 import os
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from bmoe.coordinator import Engine
 
 MAGIC = b"BMOEKV\x00\x01"
 _HEAD = struct.Struct("<8s32sIQ32s")
@@ -239,3 +243,53 @@ class PromptCache:
     def bytes(self) -> int:
         """Bytes of this model's entries."""
         return sum(e.size for e in self.entries.values())
+
+
+class PromptKV:
+    """The prompt cache at work on one engine: a prompt's prefix put back into a KV sequence, or
+    prefilled there and kept (Generation.begin calls `prefill` for a sequence it emptied)."""
+
+    def __init__(self, engine: Engine, folder: str, limit_mb: float) -> None:
+        import llama_cpp
+
+        self.engine = engine
+        self.n_ubatch = llama_cpp.llama_n_ubatch(engine.ctx)
+        identity = model_identity(engine.files.paths, f"n_seq={engine.settings.parallel}")
+        self.store = PromptCache(folder, limit_mb, identity, engine.notice)
+
+    def prefill(self, seq: int, tokens: Sequence[int], prefix: int) -> tuple[int, int, float]:
+        """Fill empty sequence `seq` with the start of `tokens`: the longest kept prefix it can use,
+        or else (when `prefix`, the tokens worth keeping, allows a cut) the prefix prefilled and kept;
+        then up to the next ubatch edge (see the module notes). Returns (tokens the KV holds now,
+        tokens decoded here, seconds); what is left, at least one token, is the caller's to decode."""
+        from bmoe.llama import seq_state, set_seq_state
+
+        e, n, u = self.engine, len(tokens), self.n_ubatch
+        t0 = time.perf_counter()
+        held = decoded = 0
+        for entry in sorted(self.store.entries.values(), key=lambda x: -len(x.tokens)):
+            p = len(entry.tokens)
+            if not (usable(p, n, u) and tuple(tokens[:p]) == entry.tokens):
+                continue
+            payload = self.store.load(entry)
+            if payload is None:
+                continue
+            if set_seq_state(e.ctx, seq, payload):
+                held = p
+                break
+            self.store.refused(entry)
+            e.clear_kv(seq)
+        if not held and (p := cut(n, prefix, u)):
+            e.prefill(seq, list(tokens[:p]))
+            held = decoded = p
+            try:
+                self.store.save(tokens[:p], seq_state(e.ctx, seq))
+            except OSError as err:
+                e.notice(f"prompt cache: cannot write to {self.store.folder} ({err.strerror}); the prefix is not kept")
+        if held:
+            first = pieces(held, n, u)[0]
+            if first[1] < n:
+                e.prefill(seq, list(tokens[first[0]:first[1]]))
+                decoded += first[1] - first[0]
+                held = first[1]
+        return held, decoded, time.perf_counter() - t0
