@@ -201,3 +201,82 @@ def test_llama_cpp_computes_a_usable_cut_exactly_and_another_not(pinned: Plain, 
     for a, b in pieces(p, len(toks), 256):
         two = decode(pinned, 0, toks[a:b], a)
     assert np.array_equal(one, two) is usable(p, len(toks), 256)
+
+
+# ---- at work: bmoe.load(prompt_cache=...), bmoe-server --prompt-cache ---------------------------------
+
+SYSTEM = " ".join(f"Rule {i}: answer the keeper of the light in plain words and name the stairs." for i in range(25))
+RUN = dict(n_ctx=2048, threads=2, io_threads=2, cache_mb=4)
+
+
+def ask(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def cached_model(synth) -> str:
+    return str(synth(arch="qwen3moe", layers=4, experts=8, top_k=2))
+
+
+@pytest.fixture(scope="module")
+def plain_answers(cached_model: str) -> dict[str, str]:
+    import bmoe
+
+    with bmoe.load(cached_model, **RUN) as m:
+        return {q: m.chat(ask(q), max_tokens=12) for q in ("Where are the stairs?", "Who keeps the light?")}
+
+
+def test_a_kept_prefix_survives_a_restart_and_answers_stay_the_same(cached_model, plain_answers, tmp_path) -> None:
+    import bmoe
+
+    notes: list[str] = []
+    with bmoe.load(cached_model, prompt_cache=str(tmp_path), notice=notes.append, **RUN) as m:
+        first = m.chat(ask("Where are the stairs?"), max_tokens=12)
+        s = m.stats.last
+        assert s.prefill_tokens == s.prompt_tokens > 600, "the first run prefills it all (and keeps its prefix)"
+    assert first == plain_answers["Where are the stairs?"]
+    files = list(tmp_path.glob("*.kv"))
+    assert len(files) == 1 and not notes
+    with bmoe.load(cached_model, prompt_cache=str(tmp_path), notice=notes.append, **RUN) as m:  # a restart
+        for q, want in plain_answers.items():
+            assert m.chat(ask(q), max_tokens=12) == want, q
+            s = m.stats.last
+            assert s.prefill_tokens < 200 < s.prompt_tokens, "the system prompt came from the cache"
+    assert not notes
+
+
+def test_a_truncated_cache_file_is_ignored_with_a_notice(cached_model, plain_answers, tmp_path) -> None:
+    import bmoe
+
+    with bmoe.load(cached_model, prompt_cache=str(tmp_path), **RUN) as m:
+        m.chat(ask("Where are the stairs?"), max_tokens=12)
+    (f,) = tmp_path.glob("*.kv")
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    notes: list[str] = []
+    with bmoe.load(cached_model, prompt_cache=str(tmp_path), notice=notes.append, **RUN) as m:
+        assert m.chat(ask("Where are the stairs?"), max_tokens=12) == plain_answers["Where are the stairs?"]
+        assert m.stats.last.prefill_tokens == m.stats.last.prompt_tokens, "nothing was trusted"
+    assert any(n.startswith(f"prompt cache: {f.name} is cut short") and n.endswith("ignored and removed")
+               for n in notes), notes
+    assert len(list(tmp_path.glob("*.kv"))) == 1, "kept again, whole"
+
+
+def test_the_cache_stays_within_its_bound(cached_model, tmp_path) -> None:
+    import bmoe
+
+    notes: list[str] = []
+    with bmoe.load(cached_model, prompt_cache=str(tmp_path), notice=notes.append, **RUN) as m:
+        m.chat(ask("Where are the stairs?"), max_tokens=4)
+        one = sum(p.stat().st_size for p in tmp_path.glob("*.kv"))
+    bound = one * 1.5 / 2**20
+    with bmoe.load(cached_model, prompt_cache=str(tmp_path), prompt_cache_mb=bound, notice=notes.append, **RUN) as m:
+        for i in range(3):  # three other system prompts: each kept, the oldest dropped
+            m.chat([{"role": "system", "content": f"Variant {i}. " + SYSTEM}, {"role": "user", "content": "Hi"}],
+                   max_tokens=2)
+            assert sum(p.stat().st_size for p in tmp_path.glob("*.kv")) <= bound * 2**20
+    assert len(list(tmp_path.glob("*.kv"))) == 1
+    with bmoe.load(cached_model, prompt_cache=str(tmp_path), prompt_cache_mb=one / 2 / 2**20, notice=notes.append,
+                   **RUN) as m:
+        m.chat(ask("Where are the stairs?"), max_tokens=2)
+    assert "over --prompt-cache-mb" in notes[-1] and "not kept" in notes[-1]
