@@ -138,10 +138,13 @@ class ChatFormat:
     def stable_prefix(self, messages: Sequence[Mapping[str, Any]], think: bool, tools: Any,
                       tokens: Sequence[int], tokenize: Any) -> int:
         """How many of a chat prompt's `tokens` do not depend on its last message (the system prompt,
-        tools and earlier turns): what a prompt cache keeps."""
+        tools and earlier turns): what a prompt cache keeps. A conversation of one message (a
+        session's first turn, `bmoe-cli --chat`) keeps all of it, as a plain prompt does."""
         from bmoe.chat import common_prefix
 
         msgs = [dict(m) for m in check_messages(messages)]
+        if len(msgs) == 1:
+            return len(tokens)
         msgs[-1]["content"] = _PROBE + (msgs[-1].get("content") or "")[::-1]
         try:
             other = tokenize(self.renderer.render(msgs, think, tools=list(tools) if tools else None))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bmoe import telemetry
 from bmoe.hub import HubRef, parse, pick
 from bmoe.errors import ConfigError
 from tests.hub_server import LoopbackHub
@@ -198,3 +199,28 @@ def test_pick_refuses_a_partial_quant_name_and_a_split_model_without_a_shard() -
     with pytest.raises(ConfigError, match="lacks BF16/Qwen3-30B-A3B-BF16-00002-of-00002.gguf"):
         pick([f for f in LISTING if not f.endswith("-00002-of-00002.gguf")], HubRef("o/r", "BF16"))
     assert pick(["only.gguf", "mmproj.gguf"], HubRef("o/r")) == ["only.gguf"]
+
+
+# ---- -hf at every edge --------------------------------------------------------------------------------
+
+
+def test_bmoe_cli_and_bmoe_load_run_a_model_by_name(hub, files, tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path), HF_HUB_DISABLE_TELEMETRY="1")
+    run = ["-p", "Once upon a time", "-n", "6", "-t", "2", "--io-threads", "2", "--cache-mb", "2", "--progress"]
+    local = subprocess.run([sys.executable, "-m", "bmoe.cli", "-m", str(files["Q4_0/synth-Q4_0-00001-of-00003.gguf"]),
+                            *run], capture_output=True, text=True, timeout=300)
+    named = subprocess.run([sys.executable, "-m", "bmoe.cli", "-hf", f"{REPO}:Q4_0", *run], capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert local.returncode == 0 and named.returncode == 0, named.stderr
+    answer = telemetry.parse_output(local.stdout).answer
+    assert answer and telemetry.parse_output(named.stdout).answer == answer, "by name it runs as the files do"
+    code = ("import bmoe\nwith bmoe.load(hf='bmoe/synth-GGUF:Q4_0', cache_mb=2, threads=2) as m:\n"
+            "    print(m.generate('Once upon a time', max_tokens=6), end='')")
+    api = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**env, "HF_HUB_OFFLINE": "1"})
+    assert api.returncode == 0, api.stderr
+    assert api.stdout == answer
+    both = subprocess.run([sys.executable, "-m", "bmoe.cli", "-m", "x.gguf", "-hf", REPO], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert both.returncode == 2 and "error: -m names a file and -hf a model on the hub; give one of them" in both.stderr

@@ -280,3 +280,30 @@ def test_the_cache_stays_within_its_bound(cached_model, tmp_path) -> None:
                    **RUN) as m:
         m.chat(ask("Where are the stairs?"), max_tokens=2)
     assert "over --prompt-cache-mb" in notes[-1] and "not kept" in notes[-1]
+
+
+def test_the_session_and_the_server_keep_prefixes_across_restarts(cached_model, plain_answers, tmp_path) -> None:
+    from bmoe.session_client import SessionClient
+    from tests.test_server import KEY, Server
+
+    flags = ["-m", cached_model, "-c", "2048", "-t", "2", "--io-threads", "2", "--cache-mb", "4",
+             "--prompt-cache", str(tmp_path / "session")]
+    prompt = SYSTEM + " Where are the stairs?"
+    done = []
+    for _ in range(2):  # the same first turn, before and after a restart
+        with SessionClient(flags) as s:
+            _, last = s.ask(1, prompt, n_predict=8)
+            done.append(last[1])
+    assert done[0]["text"] == done[1]["text"] and done[1]["n_prompt"] < 200 < done[0]["n_prompt"]
+
+    served = []
+    for _ in range(2):
+        srv = Server("-m", cached_model, "-c", "2048", "-t", "2", "--io-threads", "2", "--cache-mb", "4",
+                     "--prompt-cache", str(tmp_path / "server"), env={"BMOE_API_KEY": KEY})
+        try:
+            r = srv.client().chat.completions.create(model="x", messages=ask("Where are the stairs?"), max_tokens=12)
+            served.append((r.choices[0].message.content, r.model_extra["bmoe"]["prefill_tokens"]))
+        finally:
+            srv.stop()
+    assert served[0][0] == served[1][0] == plain_answers["Where are the stairs?"]
+    assert served[1][1] < 200 < served[0][1]
