@@ -229,3 +229,26 @@ def test_an_unknown_tool_in_tool_choice_is_a_400(thinker: Server) -> None:
                          "tool_choice": {"type": "function", "function": {"name": "launch"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert "no tool is named 'launch'; the tools are: get_weather" in r.json()["error"]["message"]
+
+
+# ---- the same in-process (bmoe.load) ------------------------------------------------------------------
+
+
+def test_the_python_api_takes_response_format_and_tools(qwen3_synth, synth) -> None:
+    import bmoe
+    from bmoe.errors import ConfigError
+
+    with bmoe.load(qwen3_synth, cache_mb=1, threads=2, io_threads=2) as m:
+        text = m.chat([{"role": "user", "content": "Plan a trip."}], think=False, max_tokens=240,
+                      response_format={"type": "json_schema", "json_schema": {"name": "trip",
+                                                                              "schema": Trip.model_json_schema()}})
+        Trip.model_validate_json(text)
+        msg = m.chat_message(ASK, think=False, tools=[WEATHER, TIME], tool_choice="required",
+                             parallel_tool_calls=False, max_tokens=240)
+        assert len(msg.calls) == 1 and msg.content == ""
+        json.loads(msg.calls[0].arguments)
+        thought = m.chat_message([{"role": "user", "content": "Why?"}], max_tokens=80, grammar=THINK)
+        assert thought.reasoning and thought.content and "<think>" not in thought.content
+    with bmoe.load(str(synth(arch="qwen3moe", layers=2, experts=4, top_k=2)), cache_mb=1, threads=2) as m:
+        with pytest.raises(ConfigError, match="does not show the model any tools"):
+            m.chat(ASK, tools=[WEATHER])
