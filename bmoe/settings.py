@@ -416,9 +416,6 @@ def validate(s: Settings, w: Words = FLAGS, given: frozenset[str] = frozenset())
                           f"give it a budget ({budget})")
     if s.hf and s.model:
         raise ConfigError(f"{w.name('model')} names a file and {w.name('hf')} a model on the hub; give one of them")
-    if "prompt_cache_mb" in given and not s.prompt_cache:
-        raise ConfigError(f"{w.name('prompt_cache_mb')} bounds {w.name('prompt_cache')}; give "
-                          f"{w.name('prompt_cache')} {'DIR' if w.flags else '=DIR'} too, or drop it")
     if s.route_trace and s.parallel > 1:
         raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
                           f"{w.value('parallel', s.parallel)} decodes several; drop one of them")
