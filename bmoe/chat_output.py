@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass, field
 
 from bmoe.chat_syntax import HARMONY, HERMES, MISTRAL, Syntax
@@ -209,13 +210,13 @@ class OutputParser:
     `think_open`: the prompt ends inside the reasoning block, so the answer starts in it.
     """
 
-    def __init__(self, syntax: Syntax, tools: bool = True, think_open: bool = False) -> None:
+    def __init__(self, syntax: Syntax, tools: bool = True, think_open: bool = False, salt: str = "") -> None:
         self.syntax = syntax
+        self.salt = salt or secrets.token_hex(8)  # one request's: its calls' ids
         self.tools = tools and syntax.tools
         self.think_open = think_open and syntax.think is not None
         self.text = ""
         self._sent = _Scan()
-        self._ids: list[str] = []
         self._args_sent: list[int] = []
 
     def push(self, piece: str) -> Delta:
@@ -237,9 +238,7 @@ class OutputParser:
         return Message(content, s.reasoning, tuple(calls))
 
     def _id(self, k: int) -> str:
-        while len(self._ids) <= k:
-            self._ids.append(self.syntax.call_id())
-        return self._ids[k]
+        return self.syntax.call_id(self.salt, k)
 
     def _emit(self, s: _Scan) -> Delta:
         d = Delta()
@@ -430,9 +429,10 @@ class Reading:
     syntax: Syntax
     tools: bool = False
     think_open: bool = False
+    salt: str = field(default_factory=lambda: secrets.token_hex(8))  # this request's: its calls' ids
 
     def parser(self) -> OutputParser:
-        return OutputParser(self.syntax, self.tools, self.think_open)
+        return OutputParser(self.syntax, self.tools, self.think_open, self.salt)
 
     def read(self, text: str) -> Message:
         """A whole answer's message."""
@@ -440,3 +440,11 @@ class Reading:
         p.push(text)
         p.finish()
         return p.message()
+
+    def turn(self, text: str) -> dict:
+        """The answer as the assistant message a client sends back in its next request (content, and
+        tool calls as bmoe.chat_request checks them; reasoning is not sent back)."""
+        m = self.read(text)
+        if not m.calls:
+            return {"role": "assistant", "content": m.content}
+        return {"role": "assistant", "content": m.content or None, "tool_calls": [c.openai() for c in m.calls]}

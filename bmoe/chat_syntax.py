@@ -22,8 +22,8 @@ template keeps its reasoning block in front of a forced call or a JSON answer.
 
 from __future__ import annotations
 
+import hashlib
 import re
-import secrets
 import string
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -60,11 +60,13 @@ class Syntax:
             return ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
         return tags
 
-    def call_id(self) -> str:
-        """A new call's id: Mistral's templates take only 9 letters and digits."""
+    def call_id(self, salt: str, index: int) -> str:
+        """Call `index`'s id in the answer to the request `salt` stands for (the same each time that
+        answer is read); Mistral's templates take only 9 letters and digits."""
+        h = int.from_bytes(hashlib.sha256(f"{salt}:{index}".encode()).digest(), "big")
         if self.name == MISTRAL:
-            return "".join(secrets.choice(_ALNUM) for _ in range(9))
-        return f"call_{secrets.token_hex(12)}"
+            return "".join(_ALNUM[(h >> (6 * i)) % len(_ALNUM)] for i in range(9))
+        return f"call_{h & ((1 << 96) - 1):024x}"
 
 
 def detect(template: str | None) -> Syntax:

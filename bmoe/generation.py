@@ -264,7 +264,8 @@ class Generation:
             kv = tokens + self.ids
         slot.kv_tokens = kv
         if finish != "cancelled" and self.req.messages is not None:
-            slot.messages = [*self.req.messages, {"role": "assistant", "content": text.text}]
+            r = self.req.reading
+            slot.messages = [*self.req.messages, r.turn(text.text) if r else {"role": "assistant", "content": text.text}]
         self._check_kv()
         prefill_s = self.cached[1] + (self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0)
         stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep + self.cached[0],

@@ -90,6 +90,16 @@ def test_required_tool_call_streamed_and_not_then_the_tools_answer(served) -> No
     assert calls and all(tc.type == "function" and tc.id for tc in calls)
     args_ok(calls[0])
 
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [tc.model_dump() for tc in calls]},
+            *({"role": "tool", "tool_call_id": tc.id, "content": json.dumps({"temp_c": 21, "sky": "clear"})}
+              for tc in calls)]
+    after = c.chat.completions.create(model="x", messages=turn, tools=[WEATHER, TIME], tool_choice="none",
+                                      max_tokens=12, extra_body=extra)
+    assert after.choices[0].finish_reason in ("stop", "length") and after.choices[0].message.tool_calls is None
+    assert after.usage.prompt_tokens > r.usage.prompt_tokens, "the call and its answer are in the prompt"
+    assert after.model_extra["bmoe"]["prefill_tokens"] < r.usage.prompt_tokens, \
+        "the call sent back continues the conversation: its KV is reused"
+
     stream = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=240, stream=True, extra_body=extra)
     got: dict[int, dict] = {}
@@ -105,13 +115,6 @@ def test_required_tool_call_streamed_and_not_then_the_tools_answer(served) -> No
     assert [(g["name"], json.loads(g["arguments"])) for g in got.values()] == \
         [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls], "greedy: the same calls streamed"
 
-    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [tc.model_dump() for tc in calls]},
-            *({"role": "tool", "tool_call_id": tc.id, "content": json.dumps({"temp_c": 21, "sky": "clear"})}
-              for tc in calls)]
-    after = c.chat.completions.create(model="x", messages=turn, tools=[WEATHER, TIME], tool_choice="none",
-                                      max_tokens=12, extra_body=extra)
-    assert after.choices[0].finish_reason in ("stop", "length") and after.choices[0].message.tool_calls is None
-    assert after.usage.prompt_tokens > r.usage.prompt_tokens, "the call and its answer are in the prompt"
 
 
 def test_parallel_calls_are_each_complete(served) -> None:
