@@ -109,3 +109,10 @@ def test_bmoe_synth_stores_another_models_template(tmp_path: Path) -> None:
         assert llama_cpp.llama_model_chat_template(model, None).decode() == qwen3
     finally:
         llama_cpp.llama_model_free(model)
+
+
+def test_a_special_token_is_written_out_only_when_asked(vocab) -> None:
+    """What lets a syntax's markers (gpt-oss's <|channel|>, Mistral's [TOOL_CALLS]) reach the parser:
+    Generation writes the Request's `specials` with their text (bmoe.chat_request.ChatFormat.markers)."""
+    (tok,) = vocab.tokenize("<|im_start|>", add_special=False)
+    assert vocab.piece(tok, special=True) == b"<|im_start|>" and vocab.piece(tok) == b""
