@@ -28,7 +28,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from bmoe.grammar import Grammar, GrammarError, literal, not_containing, schema_rules
+from bmoe.grammar import Grammar, GrammarError, check_schema, literal, not_containing, schema_rules
 
 HERMES, MISTRAL, HARMONY, PLAIN = "hermes", "mistral", "harmony", "plain"
 CHOICES = ("auto", "none", "required")
@@ -125,6 +125,7 @@ def check_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> To
         params = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, Mapping):
             raise GrammarError(f"{where}.function.parameters: a JSON schema object", f"{where}.function.parameters")
+        check_schema(params, f"{where}.function.parameters")
         functions[name] = params
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, Mapping):

@@ -88,18 +88,17 @@ def check_schema(schema: Any, where: str = "schema") -> None:
                 check_schema(sub, f"{here}[{i}]")
 
 
-def _convert(schema: Any, where: str, name: str = "") -> tuple[Any, str]:
-    """(converter, rule name) with `schema` visited as rule `name` ("" → root)."""
+def _visit(conv: Any, schema: Any, where: str, name: str = "") -> str:
+    """Add `schema` to the converter `conv` as rule `name` ("" → root), its `$ref`s resolved within
+    itself; the rule's name. GrammarError naming `where` for what the converter cannot take."""
     check_schema(schema, where)
-    conv = _converter()
     try:
         resolved = conv.resolve_refs(json.loads(json.dumps(schema)), where)
-        rule = conv.visit(resolved, name)
+        return conv.visit(resolved, name)
     except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as e:
         detail = str(e) or type(e).__name__
         raise GrammarError(f"{where}: this schema cannot be turned into a grammar ({detail}); simplify that part",
                            where) from None
-    return conv, rule
 
 
 def _text(conv: Any, extra: str = "") -> str:
@@ -112,7 +111,8 @@ def schema_grammar(schema: Any, where: str = "schema") -> Grammar:
         schema = {}
     if schema is False:
         raise GrammarError(f"{where}: false accepts no document; give a schema", where)
-    conv, _ = _convert(schema, where)
+    conv = _converter()
+    _visit(conv, schema, where)
     return Grammar(_text(conv))
 
 
@@ -125,17 +125,8 @@ def schema_rules(schemas: Mapping[str, Any], where: str) -> tuple[str, dict[str,
     """GBNF rules for several schemas in one grammar (no root): the text and each schema's rule
     name. Each schema's `$ref`s resolve within itself."""
     conv = _converter()
-    names = {}
-    for key, schema in schemas.items():
-        here = f"{where}.{key}" if where else key
-        check_schema(schema, here)
-        try:
-            resolved = conv.resolve_refs(json.loads(json.dumps(schema)), here)
-            names[key] = conv.visit(resolved, re.sub(r"[^a-zA-Z0-9-]+", "-", key))
-        except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as e:
-            detail = str(e) or type(e).__name__
-            raise GrammarError(f"{here}: this schema cannot be turned into a grammar ({detail}); simplify that part",
-                               here) from None
+    names = {key: _visit(conv, schema, f"{where}.{key}" if where else key, re.sub(r"[^a-zA-Z0-9-]+", "-", key))
+             for key, schema in schemas.items()}
     return _text(conv), names
 
 

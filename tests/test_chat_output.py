@@ -189,8 +189,12 @@ def test_an_unconvertible_tool_schema_names_the_tool() -> None:
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 1}}}}}
     with pytest.raises(GrammarError) as e:
-        tool_grammar(HERMES2, check_tools([bad], "required"))
-    assert "call-f.properties.arguments.properties.n.minimum" in str(e.value)
+        check_tools([bad], "required")
+    assert e.value.param == "tools[0].function.parameters.properties.n.minimum"
+    pattern = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "pattern": "[a-z]"}}}}}
+    with pytest.raises(GrammarError, match=r'tools.call-f: this schema cannot be turned into a grammar \(Pattern must start'):
+        tool_grammar(HERMES2, check_tools([pattern], "required"))
 
 
 @pytest.fixture(scope="module")
