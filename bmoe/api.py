@@ -48,7 +48,10 @@ from bmoe.units import MiB
 
 if TYPE_CHECKING:
     from bmoe.chat import Renderer
+    from bmoe.chat_output import Message as ChatMessage
+    from bmoe.chat_request import ChatFormat
     from bmoe.coordinator import Engine
+    from bmoe.prompt_cache import PromptKV
     from bmoe.readahead import ReadsAhead
 
 __all__ = ["Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request",
@@ -91,17 +94,6 @@ class ModelStats:
     last: GenerationStats | None
 
 
-def _messages(messages: Sequence[Mapping[str, Any]]) -> tuple[Message, ...]:
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ConfigError(f"messages[{i}] needs a 'role' and a 'content', both strings")
-        out.append({"role": m["role"], "content": m["content"]})
-    if not out:
-        raise ConfigError("messages is empty; give at least one message")
-    return tuple(out)
-
-
 # ---- the model -------------------------------------------------------------------------------------
 
 
@@ -120,6 +112,12 @@ class Model:
         self.slots = [Slot(i) for i in range(engine.settings.parallel)]
         self.notice = engine.notice
         self._renderer: Renderer | None = None
+        self._chat_format: ChatFormat | None = None
+        self.prompt_cache: PromptKV | None = None  # --prompt-cache (bmoe.prompt_cache)
+        if engine.settings.prompt_cache:
+            from bmoe.prompt_cache import PromptKV
+
+            self.prompt_cache = PromptKV(engine, engine.settings.prompt_cache, engine.settings.prompt_cache_mb)
         self._lock = threading.Lock()  # guards _live
         self._live: list[Generation] = []  # made and not finished: what `cancel` reaches
         self._generations = self._tokens = self._read_bytes = 0
@@ -158,8 +156,20 @@ class Model:
 
     def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
         """The assistant's answer to a conversation ([{"role", "content"}, ...]) rendered with the
-        model's own chat template; reuses the KV of a conversation it extends."""
-        return self.run(self._checked(messages=messages, **options)).text
+        model's own chat template; reuses the KV of a conversation it extends. With
+        `response_format` it is the JSON document; a thinking model's reasoning is left out (see
+        `chat_message`)."""
+        req = self._checked(messages=messages, **options)
+        done = self.run(req)
+        return done.text if req.reading is None else req.reading.read(done.text).content
+
+    def chat_message(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatMessage:
+        """`chat`'s answer as a message: content, reasoning and tool calls (pass `tools`, as OpenAI's)."""
+        from bmoe.chat_output import Message as ChatMessage
+
+        req = self._checked(messages=messages, **options)
+        text = self.run(req).text
+        return req.reading.read(text) if req.reading else ChatMessage(text, "", ())
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Iterator[Chunk]:
         """`chat`, as chunks while they are generated."""
@@ -214,14 +224,28 @@ class Model:
     def prepare(self, prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None, *,
                 max_tokens: int = N_PREDICT, temperature: float | None = None, top_p: float | None = None,
                 top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                think: bool = True, fix: str = FIX) -> Request:
+                think: bool = True, fix: str = FIX, response_format: Mapping[str, Any] | None = None,
+                grammar: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                tool_choice: str | Mapping[str, Any] | None = None,
+                parallel_tool_calls: bool | None = None) -> Request:
         """A prompt or a conversation as a Request; ConfigError when it cannot run.
 
         Sampling options left None keep the load's (greedy by default). `stop` strings end the
         answer where one first appears (it is not part of the text). `think` False renders the
         conversation with `enable_thinking=False` for templates that read it. `fix` ends the
-        message of a prompt too long for the context (ContextTooLong).
+        message of a prompt too long for the context (ContextTooLong). `response_format` (OpenAI's:
+        json_object or json_schema) or `grammar` (GBNF) hold the answer to a form while it is
+        sampled; `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's, for a chat) show the
+        model tools and, unless tool_choice is none, read its calls (bmoe.chat_request).
         """
+        if messages is not None:
+            return self._prepare_chat(messages, max_tokens=max_tokens, sampler=self.sampler(temperature, top_p, top_k,
+                                                                                           seed),
+                                      stop=stop, think=think, fix=fix, response_format=response_format,
+                                      grammar=grammar, tools=tools, tool_choice=tool_choice,
+                                      parallel_tool_calls=parallel_tool_calls)
+        if tools is not None or tool_choice is not None:
+            raise ConfigError("tools: a plain prompt has no tools; send messages (a chat) to use them")
         if (prompt is None) == (messages is None):
             raise TypeError("give a prompt or messages, not both or neither")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -231,16 +255,30 @@ class Model:
             raise ConfigError("stop is a string or a list of strings")
         sampler = self.sampler(temperature, top_p, top_k, seed)
         e = self.engine
-        if messages is not None:
-            msgs = _messages(messages)
-            tokens = e.tokenize(self.renderer.render(list(msgs), think))
-        else:
-            if not isinstance(prompt, str):
-                raise ConfigError(f"the prompt is a string, not {type(prompt).__name__}")
-            msgs = None
-            tokens = e.tokenize(prompt)
+        if not isinstance(prompt, str):
+            raise ConfigError(f"the prompt is a string, not {type(prompt).__name__}")
+        g = self.chat_format.check_grammar(response_format, grammar)
+        if g is not None:
+            self.chat_format.verify(g)
+        tokens = e.tokenize(prompt)
         e.check_fits(len(tokens), max_tokens, fix)
-        return Request(tuple(tokens), max_tokens, sampler, stops, msgs)
+        return Request(tuple(tokens), max_tokens, sampler, stops, None, grammar=g, cache_prefix=len(tokens))
+
+    def _prepare_chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int, sampler: SamplerSettings,
+                      stop: str | Sequence[str] | None, think: bool, fix: str, **asked: Any) -> Request:
+        """`prepare` for a conversation: rendered with what it asks for (bmoe.chat_request)."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"max_tokens {max_tokens!r}: it is a whole number of tokens, 1 or more")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if not all(isinstance(s, str) for s in stops):
+            raise ConfigError("stop is a string or a list of strings")
+        e, f = self.engine, self.chat_format
+        parts = f.parts(messages, think, **asked)
+        tokens = e.tokenize(parts.text)
+        e.check_fits(len(tokens), max_tokens, fix)
+        prefix = f.stable_prefix(parts.messages, think, parts.tools, tokens, e.tokenize) if self.prompt_cache else 0
+        return Request(tuple(tokens), max_tokens, sampler, stops, parts.messages, grammar=parts.grammar,
+                       specials=parts.specials, reading=parts.reading, cache_prefix=prefix)
 
     @property
     def renderer(self) -> Renderer:
@@ -250,11 +288,20 @@ class Model:
             self._renderer = Renderer(self.engine.vocab, self.engine.chat_template())
         return self._renderer
 
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The chat template's syntax for tools and reasoning (bmoe.chat_request)."""
+        if self._chat_format is None:
+            from bmoe.chat_request import ChatFormat
+
+            self._chat_format = ChatFormat(self.renderer, self.engine.vocab)
+        return self._chat_format
+
     def generation(self, req: Request, on_chunk: Callable[[Chunk], None] | None = None,
                    slot: Slot | None = None) -> Generation:
         """`req` as a Generation on `slot` (default: the first KV sequence), for `run` or a driver of
         several (bmoe.scheduler); `cancel` reaches it from now until it finishes."""
-        gen = Generation(self.engine, slot or self.slots[0], req, on_chunk, self._stats)
+        gen = Generation(self.engine, slot or self.slots[0], req, on_chunk, self._stats, self.prompt_cache)
         with self._lock:
             self._live = [g for g in self._live if not g.finished] + [gen]
         return gen

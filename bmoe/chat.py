@@ -3,12 +3,19 @@
 llama.cpp's `llama_chat_apply_template` renders what it recognises (exactly as one-shot `--chat`
 renders a single turn); a template it does not know, or `think:false` on a template that reads
 `enable_thinking`, is rendered with jinja2 (the template itself). See bmoe.session's notes.
+
+Tools, and conversations with tool calls or tool results in them, always go through jinja2, which
+passes the template `tools` as llama.cpp's jinja path does. Messages reach the template as the
+common templates expect them (llama.cpp adapts them the same way): a tool call's `arguments` as an
+object rather than JSON text, a missing content as "", and `reasoning_content` also as `thinking`
+(gpt-oss's name for it).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+import json
+from typing import Any, Mapping, Sequence
 
 import llama_cpp
 
@@ -24,14 +31,33 @@ class Renderer:
         self.template = template
         self.reads_thinking = bool(self.template and b"enable_thinking" in self.template)
         self._jinja: Any = None
+        self._tools: bool | None = None
 
-    def render(self, messages: list[dict[str, str]], think: bool) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], think: bool,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         if self.template is None:
-            return "".join(m["content"] for m in messages)
-        if not think and self.reads_thinking:
-            return self._render_jinja(messages, enable_thinking=False)
+            return "".join(m.get("content") or "" for m in messages)
+        thinking = {} if think or not self.reads_thinking else {"enable_thinking": False}
+        if tools or any(set(m) - {"role", "content"} or m["role"] == "tool" for m in messages):
+            return self._render_jinja(template_messages(messages), tools=list(tools) if tools else None, **thinking)
+        if thinking:
+            return self._render_jinja(list(messages), **thinking)
         text = self._render_llama(messages)
-        return self._render_jinja(messages) if text is None else text
+        return self._render_jinja(list(messages)) if text is None else text
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template shows the model its tools: a tool named only here must appear in
+        the prompt (the way llama.cpp's jinja path probes a template)."""
+        if self._tools is None:
+            probe = {"type": "function", "function": {"name": "bmoe_probe_tool_7f3a", "description": "probe",
+                                                      "parameters": {"type": "object", "properties": {}}}}
+            try:
+                text = self._render_jinja([{"role": "user", "content": "hi"}], tools=[probe])
+            except ConfigError:
+                text = ""
+            self._tools = "bmoe_probe_tool_7f3a" in text
+        return self._tools
 
     def _render_llama(self, messages: list[dict[str, str]]) -> str | None:
         """llama_chat_apply_template, add_ass=True (what one-shot --chat does); None if unsupported."""
@@ -72,6 +98,32 @@ class Renderer:
         if bos and text.startswith(bos) and llama_cpp.llama_vocab_get_add_bos(self.vocab.ptr):
             text = text[len(bos):]
         return text
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates read them (see the module notes)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("reasoning_content") and "thinking" not in m:
+            m["thinking"] = m["reasoning_content"]
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass  # not JSON: the template gets the text
+                c["function"] = fn
+                calls.append(c)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

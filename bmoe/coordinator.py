@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import llama_cpp
 
@@ -46,6 +46,9 @@ from bmoe.stops import Stops
 from bmoe.streamer import Streamer, regions_of
 from bmoe.telemetry import TokenStat
 from bmoe.units import MiB
+
+if TYPE_CHECKING:
+    from bmoe.grammar import Grammar
 
 __all__ = ["Engine", "Sequence"]
 
@@ -244,7 +247,9 @@ class Engine:
         return self.streamer.gate_recall() if self.streamer else None
 
     def chat_template(self) -> bytes | None:
-        """The chat template stored in the GGUF, if any."""
+        """The chat template: --chat-template-file's, else the one stored in the GGUF, if any."""
+        if self.settings.chat_template_file:
+            return Path(self.settings.chat_template_file).read_bytes()
         return llama_cpp.llama_model_chat_template(self.model, None) or None
 
     @property
@@ -311,8 +316,23 @@ class Engine:
 
     # ---- decoding ------------------------------------------------------------------------------
 
+    def prefill(self, seq: int, tokens: list[int]) -> float:
+        """Decode `tokens` after what sequence `seq`'s KV holds, sampling nothing (a prompt decoded in
+        parts: bmoe.prompt_cache); the seconds it took. Cancelled when interrupted."""
+        st = self.streamer
+        t0 = time.perf_counter()
+        try:
+            self._decode([(seq, tokens, self.kv_len(seq))])
+            if st:
+                st.settle()
+        finally:
+            if st:  # a prefill's reads are not the decode's
+                st.take_counters()
+                st.take_speculation()
+        return time.perf_counter() - t0
+
     def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
-              fix: str = "raise -c or shorten the prompt") -> Sequence:
+              fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None) -> Sequence:
         """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
         then decodes it.
 
@@ -322,7 +342,7 @@ class Engine:
         pos = self.kv_len(seq)
         self.check_fits(pos + len(tokens), n_predict, fix)
         st = self.streamer
-        s = Sequence(seq, make_sampler(sampler))
+        s = Sequence(seq, make_sampler(sampler, self.vocab, grammar))
         try:
             t0 = time.perf_counter()
             row = self._decode([(seq, tokens, pos)])[0]

@@ -18,8 +18,11 @@ from bmoe.errors import Cancelled
 from bmoe.settings import SamplerSettings
 
 if TYPE_CHECKING:
+    from bmoe.chat_output import Reading
     from bmoe.coordinator import Engine
     from bmoe.coordinator import Sequence as EngineSequence
+    from bmoe.grammar import Grammar
+    from bmoe.prompt_cache import PromptKV
     from bmoe.readahead import ReadsAhead
 
 Message = dict[str, str]
@@ -86,6 +89,10 @@ class Request:
     sampler: SamplerSettings
     stop: tuple[str, ...] = ()
     messages: tuple[Message, ...] | None = None  # a chat's conversation; None: a plain prompt
+    grammar: Grammar | None = None  # holds sampling to a JSON schema or a tool call (bmoe.grammar)
+    specials: frozenset[int] = frozenset()  # tokens written as their special text (a chat syntax's markers)
+    reading: Reading | None = None  # how a chat's answer splits into reasoning, content, tool calls
+    cache_prefix: int = 0  # the prompt's first tokens worth keeping in a prompt cache (bmoe.prompt_cache)
 
 
 class _Stopped(Exception):
@@ -175,8 +182,9 @@ class Generation:
     """
 
     def __init__(self, engine: Engine, slot: Slot, req: Request, on_chunk: Callable[[Chunk], None] | None,
-                 on_end: OnEnd) -> None:
+                 on_end: OnEnd, cache: PromptKV | None = None) -> None:
         self.engine, self.slot, self.req = engine, slot, req
+        self.cache = cache  # a prompt cache: an emptied sequence starts from a kept prefix
         self.on_chunk = on_chunk
         self.on_end = on_end
         self.seq: EngineSequence | None = None
@@ -187,6 +195,7 @@ class Generation:
         self.tokens = list(req.tokens)
         self.ids: list[int] = []
         self.keep = 0
+        self.cached = (0, 0.0)  # tokens decoded and seconds spent by the prompt cache's part of the prefill
         self.utf8 = TextStream()
         self.text = StopText(req.stop)
         self.tally = telemetry.Tally(req.max_tokens, engine.streaming and engine.settings.streaming.overlap,
@@ -207,7 +216,10 @@ class Generation:
             slot.messages = []
         if self.cancelled:
             raise Cancelled()
-        self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler)
+        if self.cache is not None and self.keep == 0:
+            self.keep, decoded, spent = self.cache.prefill(slot.seq, self.tokens, req.cache_prefix)
+            slot.kv_tokens, self.cached = self.tokens[:self.keep], (decoded, spent)
+        self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler, grammar=req.grammar)
 
     def take(self, decoded: tuple[int, telemetry.TokenStat] | None) -> None:
         """The engine's step for this generation: the token it decoded and its stat, or None when
@@ -218,7 +230,7 @@ class Generation:
         tok, stat = decoded
         self.ids.append(tok)
         line = self.tally.add(stat)
-        new = self.text.push(self.utf8.push(self.engine.vocab.piece(tok)))
+        new = self.text.push(self.utf8.push(self.engine.vocab.piece(tok, tok in self.req.specials)))
         if self.on_chunk:
             self.on_chunk(Chunk(new, line))
         if self.text.cut is not None:
@@ -252,11 +264,12 @@ class Generation:
             kv = tokens + self.ids
         slot.kv_tokens = kv
         if finish != "cancelled" and self.req.messages is not None:
-            slot.messages = [*self.req.messages, {"role": "assistant", "content": text.text}]
+            r = self.req.reading
+            slot.messages = [*self.req.messages, r.turn(text.text) if r else {"role": "assistant", "content": text.text}]
         self._check_kv()
-        prefill_s = self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0
-        stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep, len(slot.kv_tokens),
-                            prefill_s, ahead)
+        prefill_s = self.cached[1] + (self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0)
+        stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep + self.cached[0],
+                            len(slot.kv_tokens), prefill_s, ahead)
         if self.on_chunk:
             self.on_chunk(Chunk("", finish_reason=finish, stats=stats))
         return Completion(text.text, stats, tuple(self.ids), tuple(self.tally.lines))

@@ -5,21 +5,30 @@ Kept apart from the seam: nothing here reaches into ggml internals.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
 from bmoe.errors import ModelError
 from bmoe.settings import SamplerSettings
 
+if TYPE_CHECKING:
+    from bmoe.grammar import Grammar
+
 _backend_ready = False
 _log_verbose = False
+_LOG_ERROR = 4  # GGML_LOG_LEVEL_ERROR (ggml.h)
+_errors: collections.deque[str] = collections.deque(maxlen=4)  # llama.cpp's last error lines, for messages
 
 
 @llama_cpp.llama_log_callback
 def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    if level == _LOG_ERROR:
+        _errors.append(text.decode(errors="replace").strip())
     if _log_verbose:
         sys.stderr.write(text.decode(errors="replace"))
 
@@ -67,9 +76,33 @@ def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, ev
     return ctx
 
 
-def make_sampler(s: SamplerSettings) -> llama_cpp.llama_sampler_p:
-    """llama.cpp's own sampler chain: greedy when temp is 0, else top-k → top-p → temp → dist."""
+def grammar_sampler(vocab: Vocab, g: Grammar) -> llama_cpp.llama_sampler_p:
+    """llama.cpp's grammar sampler for `g` (lazy when it has triggers); GrammarError naming llama.cpp's
+    complaint when it does not parse."""
+    from bmoe.grammar import GrammarError
+
+    _errors.clear()
+    if g.lazy:
+        pats = [p.encode() for p in g.triggers]
+        arr = (ctypes.c_char_p * len(pats))(*pats)
+        smpl = llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab.ptr, g.text.encode(), g.root.encode(), arr,
+                                                                  len(pats), None, 0)
+    else:
+        smpl = llama_cpp.llama_sampler_init_grammar(vocab.ptr, g.text.encode(), g.root.encode())
+    if not smpl:
+        why = "; ".join(_errors) or "see --verbose"
+        raise GrammarError(f"llama.cpp rejected the grammar ({why}); fix the grammar")
+    return smpl
+
+
+def make_sampler(s: SamplerSettings, vocab: Vocab | None = None, grammar: Grammar | None = None
+                 ) -> llama_cpp.llama_sampler_p:
+    """llama.cpp's own sampler chain: greedy when temp is 0, else top-k → top-p → temp → dist; a
+    grammar (bmoe.grammar) goes first, so every later stage sees only the tokens it allows."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if grammar is not None:
+        assert vocab is not None, "a grammar needs the vocab"
+        llama_cpp.llama_sampler_chain_add(chain, grammar_sampler(vocab, grammar))
     if s.temp <= 0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
     else:
@@ -78,6 +111,21 @@ def make_sampler(s: SamplerSettings) -> llama_cpp.llama_sampler_p:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temp))
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(s.seed & 0xFFFFFFFF))
     return chain
+
+
+def seq_state(ctx: llama_cpp.llama_context_p, seq: int) -> bytes:
+    """The KV state of sequence `seq` (llama.cpp's state API), to put back with `set_seq_state`."""
+    n = llama_cpp.llama_state_seq_get_size(ctx, seq)
+    buf = (ctypes.c_uint8 * n)()
+    got = llama_cpp.llama_state_seq_get_data(ctx, buf, n, seq)
+    return ctypes.string_at(buf, got)
+
+
+def set_seq_state(ctx: llama_cpp.llama_context_p, seq: int, data: bytes) -> bool:
+    """Replace sequence `seq`'s KV with a state `seq_state` took; False when llama.cpp refuses it
+    (another model's or context's), the sequence then being empty."""
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    return llama_cpp.llama_state_seq_set_data(ctx, buf, len(data), seq) == len(data)
 
 
 class Vocab:
@@ -96,12 +144,13 @@ class Vocab:
             n = llama_cpp.llama_tokenize(self.ptr, raw, len(raw), buf, cap, add_special, True)
         return list(buf[:n])
 
-    def piece(self, tok: int) -> bytes:
+    def piece(self, tok: int, special: bool = False) -> bytes:
+        """The token's text; a special (control) token's is empty unless `special`."""
         buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self.ptr, tok, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def is_eog(self, tok: int) -> bool:

@@ -58,6 +58,12 @@ class ModelFiles:
                 raise ModelError(f"model file {p} changed since it was loaded ({what}); {fix}")
 
 
+def split_name(name: str) -> tuple[str, int, int] | None:
+    """(stem, shard number, shards) of a split GGUF's name (`stem-0000i-of-0000N.gguf`), else None."""
+    m = _SPLIT.match(name)
+    return (m.group("stem"), int(m.group("i")), int(m.group("n"))) if m else None
+
+
 def shard_paths(path: Path) -> list[Path]:
     """All shards of a split GGUF (`-00001-of-0000N.gguf`), or just the file."""
     m = _SPLIT.match(path.name)

@@ -1,4 +1,5 @@
-"""Which model file a run uses: the path it was given or, with none, the demo model (built on
+"""Which model file a run uses: the path it was given, a model named on the Hugging Face hub
+(`-hf`, downloaded into its cache once: bmoe.hub) or, with neither, the demo model (built on
 first use, bmoe.tools.demo) with a cache budget of about a quarter of its experts.
 
 Every edge (bmoe-cli, the session, bmoe-server, bmoe.load) resolves its model here, so the
@@ -8,14 +9,27 @@ no-argument runs of each are the same run.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
+from bmoe.errors import ConfigError
 from bmoe.settings import Settings
 
 
 def resolve(s: Settings, progress: Callable[[str], None]) -> Settings:
-    """`s` with its model: as given, or (an empty model path) the demo model and, unless the cache
-    was sized, the demo's budget. `progress` hears of a first-use build."""
+    """`s` with its model: as given, downloaded by name (`hf`), or (neither) the demo model and,
+    unless the cache was sized, the demo's budget. `progress` hears of a download or a first-use
+    build. ConfigError when a named model cannot be had or --chat-template-file cannot be read."""
+    if s.chat_template_file:
+        try:
+            Path(s.chat_template_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"the chat template {s.chat_template_file} cannot be read "
+                              f"({getattr(e, 'strerror', None) or e}); give a jinja template file") from None
+    if s.hf:
+        from bmoe import hub
+
+        return replace(s, model=str(hub.fetch(hub.parse(s.hf), progress)))
     if s.model:
         return s
     from bmoe.tools.demo import default_model

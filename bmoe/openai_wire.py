@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from bmoe import telemetry
 from bmoe.api import Chunk, GenerationStats
+from bmoe.chat_output import Delta, Message
 from bmoe.errors import ConfigError
 from bmoe.scheduler import GenerationFailed, QueueFull, ShuttingDown
 
@@ -96,6 +97,8 @@ class _Body(BaseModel):
 
 class CompletionBody(_Body):
     prompt: str | list[str] = Field(min_length=1)
+    response_format: dict[str, Any] | None = None  # json_object / json_schema (bmoe.grammar)
+    grammar: str | None = None  # GBNF, as llama-server takes it
 
 
 class TextPart(BaseModel):
@@ -106,18 +109,32 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # null: an assistant's turn that only called tools
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    def as_dict(self) -> dict[str, Any]:
+        """The message for bmoe.chat_request (which checks what the roles need)."""
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     think: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -156,8 +173,34 @@ class Shape:
     def token(self, c: Chunk) -> dict[str, Any]:
         return self.chunk({"content": c.text} if self.chat else c.text, bmoe=telemetry.progress_fields(c.token))
 
-    def last(self, s: GenerationStats, ahead: int) -> dict[str, Any]:
-        return self.chunk({} if self.chat else "", s.finish_reason, usage=usage(s),
+    def message(self, m: Message, s: GenerationStats, ahead: int) -> dict[str, Any]:
+        """A whole chat answer read into reasoning, content and tool calls (bmoe.chat_output)."""
+        out = self.whole(m.content, s, ahead)
+        msg = out["choices"][0]["message"]
+        if m.reasoning:
+            msg["reasoning_content"] = m.reasoning
+        if m.calls:
+            msg["content"] = m.content or None
+            msg["tool_calls"] = [c.openai() for c in m.calls]
+            if s.finish_reason == "stop":
+                out["choices"][0]["finish_reason"] = "tool_calls"
+        return out
+
+    def delta(self, d: Delta, c: Chunk | None = None) -> dict[str, Any]:
+        """A streamed piece of a read answer (`c`: the token it came with, for its telemetry)."""
+        delta: dict[str, Any] = {}
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
+        if d.content or not d:
+            delta["content"] = d.content
+        if d.calls:
+            delta["tool_calls"] = [x.openai() for x in d.calls]
+        return self.chunk(delta, **({"bmoe": telemetry.progress_fields(c.token)} if c is not None else {}))
+
+    def last(self, s: GenerationStats, ahead: int, called: bool = False) -> dict[str, Any]:
+        """The last chunk; `called`: the answer made tool calls (finish_reason tool_calls)."""
+        finish = "tool_calls" if called and s.finish_reason == "stop" else s.finish_reason
+        return self.chunk({} if self.chat else "", finish, usage=usage(s),
                           bmoe={**dataclasses.asdict(s), "queue_position": ahead})
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import re
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import llama_cpp

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.errors import ConfigError, ContextTooLong
+from bmoe.grammar import GrammarError
 from bmoe.openai_wire import (ChatBody, CompletionBody, ServeError, Shape, _Body, http_error, serve_error,
                               shutting_down, sse, validation_error)
 from bmoe.scheduler import Event, Job, Position, QueueFull, Scheduler, ShuttingDown
@@ -196,6 +197,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
         try:
             return await asyncio.to_thread(model.prepare, **what, **sampling, max_tokens=max_tokens or n_predict,
                                            stop=body.stop, fix=CONTEXT_FIX)
+        except GrammarError as e:  # a schema, tools or grammar that cannot be held to: the field is named
+            raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:
             too_long = isinstance(e, ContextTooLong)
             raise ServeError(400, str(e), code="context_length_exceeded" if too_long else None,
@@ -206,13 +209,16 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        req = await prepare(body, body.max_tokens, prompt=prompt)
+        req = await prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
+                            grammar=body.grammar)
         return await answer(request, body, req, Shape(False, model.name))
 
     @api.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HttpRequest) -> Response:
         req = await prepare(body, body.max_tokens or body.max_completion_tokens,
-                            messages=[m.as_dict() for m in body.messages], think=body.think)
+                            messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
+                            tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                            response_format=body.response_format, grammar=body.grammar)
         return await answer(request, body, req, Shape(True, model.name))
 
     async def answer(request: HttpRequest, body: _Body, req: Request, shape: Shape) -> Response:
@@ -228,6 +234,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
             return StreamingResponse(stream(job, events, shape, ahead), media_type="text/event-stream",
                                      headers=headers)
         text, stats = await whole(request, job, events)
+        if req.reading is not None:
+            return JSONResponse(shape.message(req.reading.read(text), stats, ahead), headers=headers)
         return JSONResponse(shape.whole(text, stats, ahead), headers=headers)
 
     async def whole(request: HttpRequest, job: Job, events: asyncio.Queue[Event]) -> tuple[str, GenerationStats]:
@@ -257,6 +265,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
         return s
 
     async def stream(job: Job, events: asyncio.Queue[Event], shape: Shape, ahead: int) -> AsyncIterator[bytes]:
+        reader = job.req.reading.parser() if job.req.reading is not None else None
+        called = False
         try:
             if ahead:
                 yield format_sse_event(comment=f"queue position {ahead}")
@@ -271,10 +281,18 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
                     yield sse(serve_error(item).body())
                     break
                 if item.stats is None:
-                    yield sse(shape.token(item))
+                    if reader is None:
+                        yield sse(shape.token(item))
+                    else:
+                        d = reader.push(item.text)
+                        called = called or bool(d.calls)
+                        yield sse(shape.delta(d, item))
                     continue
+                if reader is not None and (d := reader.finish()):
+                    called = called or bool(d.calls)
+                    yield sse(shape.delta(d))
                 try:
-                    yield sse(shape.last(ended(item.stats), ahead))
+                    yield sse(shape.last(ended(item.stats), ahead, called))
                 except ServeError as e:
                     yield sse(e.body())
                 break

@@ -188,6 +188,11 @@ class Settings:
 
     model: str = setting("", "--model", short="-m",
                          help="GGUF model (first shard of a split model); default: the demo model")
+    hf: str | None = setting(  # bmoe.hub
+        None, "--hf-repo", short="-hf", keyword="hf", metavar="ORG/REPO[:QUANT]",
+        help="a model by name on the Hugging Face hub, downloaded once into its cache (every shard; HF_TOKEN, "
+             "HF_ENDPOINT, HF_HUB_OFFLINE apply; needs the hf extra); QUANT picks the file (default Q4_K_M or the "
+             "repository's only model)")
     threads: int = setting(0, "--threads", short="-t", parse=positive_int, ok=lambda v: v >= 0,
                            rule="a number of threads (0: every core)", help="compute threads (default: all cores)")
     n_ctx: int = setting(2048, "--ctx-size", short="-c", keyword="n_ctx", metavar="CTX_SIZE", parse=positive_int,
@@ -197,6 +202,19 @@ class Settings:
         1, "--parallel", parse=positive_int, metavar="N", ok=lambda v: v >= 1, rule="at least one sequence decodes",
         help="KV sequences, each of -c tokens: up to N requests may decode together in one batch (bmoe-server's "
              "concurrent requests, bmoe.Model.batch; default {default})")
+    chat_template_file: str | None = setting(
+        None, "--chat-template-file", metavar="FILE",
+        help="render chats with this jinja chat template instead of the model's own (e.g. one with tools for a "
+             "model whose template has none)")
+    prompt_cache: str | None = setting(  # bmoe.prompt_cache
+        None, "--prompt-cache", metavar="DIR",
+        help="keep the KV of each prompt's prefix (a chat's system prompt, tools and earlier turns) in DIR and, "
+             "for a later prompt that starts with a kept prefix, even after a restart, load it instead of "
+             "prefilling it")
+    prompt_cache_mb: float = setting(
+        4096.0, "--prompt-cache-mb", parse=positive_float, metavar="MB", ok=lambda v: v > 0,
+        rule="a number of MiB above 0",
+        help="the most --prompt-cache DIR may hold; the least recently used prefixes go first (default {default})")
     cache: CacheSettings = field(default_factory=CacheSettings)
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)
@@ -396,6 +414,8 @@ def validate(s: Settings, w: Words = FLAGS, given: frozenset[str] = frozenset())
         budget = "--cache-mb N or auto" if w.flags else "cache_mb=N or 'auto'"
         raise ConfigError(f"{ahead} read experts ahead into the cache, and {w.value('cache_mb', 0.0)} has none; "
                           f"give it a budget ({budget})")
+    if s.hf and s.model:
+        raise ConfigError(f"{w.name('model')} names a file and {w.name('hf')} a model on the hub; give one of them")
     if s.route_trace and s.parallel > 1:
         raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
                           f"{w.value('parallel', s.parallel)} decodes several; drop one of them")

@@ -36,7 +36,8 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
               "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
               "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
               "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense"],
-             ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"]]
+             ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"],
+             ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv", "--prompt-cache-mb", "9"]]
     changed = set()
     for argv in fixed:
         got = _leaves(_settings(argv))
@@ -52,7 +53,7 @@ def test_keywords_are_the_flags_words_and_errors_speak_them() -> None:
     assert from_keywords("m.gguf", cache_mb=500).cache.mb == 500.0 == from_keywords("m.gguf", cache_mb="500").cache.mb
     with pytest.raises(TypeError, match=r"unknown setting 'streaming_io_threads'; did you mean io_threads\?"):
         from_keywords("m.gguf", streaming_io_threads=1)
-    with pytest.raises(TypeError, match="unknown setting 'model'.*the settings are: threads, n_ctx"):
+    with pytest.raises(TypeError, match="unknown setting 'model'.*the settings are: hf, threads, n_ctx"):
         from_keywords("m.gguf", model="x")
     with pytest.raises(TypeError, match=r"io_threads=2.5: expected int, not float"):
         from_keywords("m.gguf", io_threads=2.5)

@@ -256,7 +256,7 @@ def _tensors(s: _Shape) -> list[_Tensor]:
     return out
 
 
-def _add_metadata(w: GGUFWriter, s: _Shape, seed: int) -> None:
+def _add_metadata(w: GGUFWriter, s: _Shape, seed: int, chat_template: str) -> None:
     a = s.arch
     w.add_string("general.name",
                  f"bmoe-synth {a} L{s.layers} E{s.experts}x{s.ff} {s.quant} seed{seed}")
@@ -292,7 +292,7 @@ def _add_metadata(w: GGUFWriter, s: _Shape, seed: int) -> None:
     w.add_uint32("tokenizer.ggml.eot_token_id", _IM_END)
     w.add_bool("tokenizer.ggml.add_bos_token", True)
     w.add_bool("tokenizer.ggml.add_eos_token", False)
-    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+    w.add_string("tokenizer.chat_template", chat_template)
 
 
 # --- tensor data ---------------------------------------------------------------------------
@@ -372,6 +372,7 @@ def write_model(
     size_gb: float | None = None,
     splits: int = 1,
     router: str = "f32",
+    chat_template: str = CHAT_TEMPLATE,
     progress: bool = False,
 ) -> Path:
     """Write a random-weight MoE GGUF that llama.cpp can load and run; return its path.
@@ -381,8 +382,9 @@ def write_model(
     shards `<stem>-0000i-of-0000N.gguf` beside `path`, and the first shard's path is returned.
     Expert tensors (`*_exps.weight`) use `quant`; the router uses `router` (F32 by default: a
     quantized router is what real files sometimes ship, and what --spec-gate cannot use); norms
-    are F32, other matrices F16. Tensors are generated and written one at a time, so
-    memory stays at about one expert tensor.
+    are F32, other matrices F16. `chat_template` is the jinja template stored (ChatML by default;
+    another model's, e.g. Qwen3's, to test what it renders and parses). Tensors are generated
+    and written one at a time, so memory stays at about one expert tensor.
     """
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHES)}")
@@ -421,7 +423,7 @@ def write_model(
     scratch = Path(tempfile.mkdtemp(prefix=".bmoe-synth-", dir=path.parent))
     w = GGUFWriter(scratch / path.name, arch, split_max_tensors=-(-len(tensors) // splits) if splits > 1 else 0)
     try:
-        _add_metadata(w, shape, seed)
+        _add_metadata(w, shape, seed, chat_template)
         for t in tensors:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes,
                               raw_dtype=_GGML_TYPE[t.qtype])
@@ -461,10 +463,18 @@ examples:
   bmoe-synth --arch gpt-oss --quant mxfp4 -o oss.gguf
   bmoe-synth --arch qwen2moe --layers 2 --experts 16 --top-k 4 --seed 7 -o q2.gguf
   bmoe-synth --layers 24 --experts 64 --top-k 8 --embd 1024 --size-gb 4 -o bench4g.gguf
+  bmoe-synth --chat-template qwen3.jinja -o think.gguf   # another model's chat template
 
 --size-gb X keeps --layers/--experts/--embd and picks the expert FFN width (--ff) so the file is
 about X GB (1 GB = 1e9 bytes); pass a realistic --layers/--experts/--embd with it.
 """
+
+
+def _read_template(ap: argparse.ArgumentParser, path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        ap.error(f"--chat-template {path}: {e.strerror}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="target file size in GB: chooses --ff (cannot be combined with --ff)")
     ap.add_argument("--splits", type=positive_int, default=1,
                     help="write N llama.cpp split shards (<stem>-0000i-of-0000N.gguf) instead of one file")
+    ap.add_argument("--chat-template", metavar="FILE", default=None,
+                    help="store this jinja chat template (default: ChatML without tools)")
     ap.add_argument("-o", "--output", required=True, help="output .gguf path")
     args = ap.parse_args(argv)
     if args.size_gb is not None and args.ff is not None:
@@ -501,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             args.output, arch=args.arch, layers=args.layers, experts=args.experts,
             top_k=args.top_k, embd=args.embd, ff=256 if args.ff is None else args.ff,
             quant=args.quant, seed=args.seed, size_gb=args.size_gb, splits=args.splits, router=args.router,
+            chat_template=CHAT_TEMPLATE if args.chat_template is None else _read_template(ap, args.chat_template),
             progress=True,
         )
     except ValueError as exc:

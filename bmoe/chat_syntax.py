@@ -1,0 +1,229 @@
+"""How a model's chat template writes tool calls and reasoning, and the grammars that hold it to that.
+
+The syntax is read from the template text (the model's own; llama.cpp's jinja path does the same
+by other means):
+
+- `hermes` (Qwen2.5/Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  reasoning in `<think>…</think>`;
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "abcdefghi"}]`, or with the newer
+  templates (`[ARGS]` in them) `[TOOL_CALLS]name[ARGS]{...}`; reasoning in `[THINK]…[/THINK]`;
+- `harmony` (gpt-oss): messages `<|channel|>analysis<|message|>…<|end|>`, the answer on channel
+  `final`, a call as `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`;
+- otherwise `plain`: no tool calls; reasoning in `<think>…</think>` when the template has it.
+
+Whether a template takes tools at all is tested by rendering (bmoe.chat.Renderer.supports_tools).
+
+`tool_choice` "required" and a named function are enforced from the first token by a grammar
+(GBNF from bmoe.grammar: each tool's parameters through the JSON-schema converter, wrapped in the
+syntax's markers); "auto" gets a lazy grammar that applies once the model opens a call (llama.cpp's
+trigger patterns), so even a small model's calls are well formed; "none" none at all. A thinking
+template keeps its reasoning block in front of a forced call or a JSON answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import string
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from bmoe.grammar import Grammar, GrammarError, check_schema, literal, not_containing, schema_rules
+
+HERMES, MISTRAL, HARMONY, PLAIN = "hermes", "mistral", "harmony", "plain"
+CHOICES = ("auto", "none", "required")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
+_ALNUM = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """One family's markers. `think` is the reasoning block's (open, close) tags, if any; `markers`
+    are the texts that must reach the parser as written (special tokens included)."""
+
+    name: str
+    think: tuple[str, str] | None = None
+    args_form: bool = False  # mistral's `[TOOL_CALLS]name[ARGS]{...}` (else a JSON array of calls)
+
+    @property
+    def tools(self) -> bool:
+        return self.name != PLAIN
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        tags = self.think or ()
+        if self.name == HERMES:
+            return (*tags, "<tool_call>", "</tool_call>")
+        if self.name == MISTRAL:
+            return (*tags, "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+        if self.name == HARMONY:
+            return ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
+        return tags
+
+    def call_id(self, salt: str, index: int) -> str:
+        """Call `index`'s id in the answer to the request `salt` stands for (the same each time that
+        answer is read); Mistral's templates take only 9 letters and digits."""
+        h = int.from_bytes(hashlib.sha256(f"{salt}:{index}".encode()).digest(), "big")
+        if self.name == MISTRAL:
+            return "".join(_ALNUM[(h >> (6 * i)) % len(_ALNUM)] for i in range(9))
+        return f"call_{h & ((1 << 96) - 1):024x}"
+
+
+def detect(template: str | None) -> Syntax:
+    """The syntax a chat template's text uses (see the module notes)."""
+    t = template or ""
+    if "<|channel|>" in t and "<|message|>" in t:
+        return Syntax(HARMONY)
+    if "[TOOL_CALLS]" in t:
+        return Syntax(MISTRAL, ("[THINK]", "[/THINK]") if "[THINK]" in t else None, args_form="[ARGS]" in t)
+    think = ("<think>", "</think>") if "<think>" in t else None
+    return Syntax(HERMES, think) if "<tool_call>" in t else Syntax(PLAIN, think)
+
+
+# ---- a request's tools ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's checked `tools` and `tool_choice`: `functions` maps each name to its parameters'
+    schema; `choice` is auto, none, required, or the one function's name."""
+
+    functions: dict[str, Any]
+    choice: str
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("auto", "none")
+
+    @property
+    def allowed(self) -> dict[str, Any]:
+        """The functions a call may name: the one named by tool_choice, else all."""
+        return self.functions if self.choice in CHOICES else {self.choice: self.functions[self.choice]}
+
+
+def check_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> Tools | None:
+    """`tools`/`tool_choice`/`parallel_tool_calls` as OpenAI defines them; None when there are no
+    tools (or tool_choice none leaves nothing to do); GrammarError naming the bad field."""
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none", "auto"):
+            raise GrammarError("tool_choice: there are no tools to choose from; send tools with it", "tool_choice")
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
+        raise GrammarError("tools: a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    functions: dict[str, Any] = {}
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, Mapping) or t.get("type") != "function" or not isinstance(t.get("function"), Mapping):
+            raise GrammarError(f"{where}: a tool is {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", where)
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise GrammarError(f"{where}.function.name: 1 to 64 letters, digits, _ or -", f"{where}.function.name")
+        if name in functions:
+            raise GrammarError(f"{where}.function.name: {name!r} is there twice", f"{where}.function.name")
+        params = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, Mapping):
+            raise GrammarError(f"{where}.function.parameters: a JSON schema object", f"{where}.function.parameters")
+        check_schema(params, f"{where}.function.parameters")
+        functions[name] = params
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, Mapping):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise GrammarError("tool_choice: auto, none, required or {\"type\": \"function\", \"function\": "
+                               "{\"name\": ...}}", "tool_choice")
+        if name not in functions:
+            raise GrammarError(f"tool_choice: no tool is named {name!r}; the tools are: {', '.join(functions)}",
+                               "tool_choice")
+        choice = name
+    elif choice not in CHOICES:
+        raise GrammarError(f"tool_choice: {choice!r} is not auto, none, required or a named function", "tool_choice")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise GrammarError("parallel_tool_calls: true or false", "parallel_tool_calls")
+    return Tools(functions, choice, True if parallel is None else parallel)
+
+
+# ---- grammars -------------------------------------------------------------------------------
+
+
+def _call_schemas(syntax: Syntax, tools: Tools) -> dict[str, Any]:
+    """One schema per allowed function for what follows its opening marker."""
+    out = {}
+    for name, params in tools.allowed.items():
+        if syntax.name == HERMES or (syntax.name == MISTRAL and not syntax.args_form):
+            props: dict[str, Any] = {"name": {"const": name}, "arguments": params}
+            if syntax.name == MISTRAL:
+                props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
+            out[f"call-{name}"] = {"type": "object", "properties": props, "required": list(props),
+                                   "additionalProperties": False}
+        else:
+            out[f"args-{name}"] = params
+    return out
+
+
+def _calls_rule(syntax: Syntax, tools: Tools, rules: Mapping[str, str]) -> str:
+    """The GBNF expression for the call(s), starting at the syntax's opening marker."""
+    many = tools.parallel and syntax.name != HARMONY  # gpt-oss makes one call per message
+    if syntax.name == HERMES:
+        one = f'"<tool_call>\\n" ({" | ".join(rules.values())}) "\\n</tool_call>"'
+        return f'{one} ("\\n" {one})*' if many else one
+    if syntax.name == MISTRAL and not syntax.args_form:
+        calls = f'({" | ".join(rules.values())})'
+        more = f' ("," " "? {calls})*' if many else ""
+        return f'"[TOOL_CALLS]" "[" {calls}{more} "]"'
+    if syntax.name == MISTRAL:
+        one = "(" + " | ".join(f'"[TOOL_CALLS]" {literal(n)} "[ARGS]" {rules[f"args-{n}"]}'
+                               for n in tools.allowed) + ")"
+        return f"{one}+" if many else one
+    if syntax.name == HARMONY:
+        alts = " | ".join(f'{literal(n)} " <|constrain|>json<|message|>" {rules[f"args-{n}"]}' for n in tools.allowed)
+        return f'"<|channel|>commentary to=functions." ({alts})'
+    raise AssertionError(syntax)
+
+
+def _reasoning_rule(syntax: Syntax, think_open: bool) -> tuple[str, str]:
+    """(prefix expression, extra rules) for a reasoning block before what a grammar forces:
+    optional, or already open when the prompt ends inside one."""
+    if syntax.name == HARMONY:
+        body = f"({not_containing('<|end|>')})*"
+        return ('(analysis "<|start|>assistant")? ', f'analysis ::= "<|channel|>analysis<|message|>" {body} "<|end|>"\n')
+    if syntax.think is None:
+        return "", ""
+    open_, close = syntax.think
+    body = f"({not_containing(close)})*"
+    if think_open:
+        return f'{body} {literal(close)} ws ', 'ws ::= [ \\n]{0,4}\n'
+    return (f'({literal(open_)} {body} {literal(close)} ws)? ', 'ws ::= [ \\n]{0,4}\n')
+
+
+def tool_grammar(syntax: Syntax, tools: Tools, thinking: bool = False, think_open: bool = False) -> Grammar | None:
+    """The grammar for a request's calls: forced (required, a named function) or lazy (auto);
+    None for tool_choice none. `thinking`: the template's reasoning block may come first (forced
+    only); `think_open`: the prompt ends inside one."""
+    if tools.choice == "none":
+        return None
+    if not syntax.tools:
+        raise GrammarError(f"tools: the chat template's tool-call syntax is not one bmoe parses (it parses "
+                           f"{HERMES}, {MISTRAL} and {HARMONY}); give a template of those with --chat-template-file",
+                           "tools")
+    text, rules = schema_rules(_call_schemas(syntax, tools), "tools")
+    calls = _calls_rule(syntax, tools, rules)
+    if not tools.forced:
+        triggers = {HERMES: (r"<tool_call>",), MISTRAL: (r"\[TOOL_CALLS\]",),
+                    HARMONY: (r"<\|channel\|>commentary to=functions\.",)}[syntax.name]
+        return Grammar(f"{text}\nroot ::= {calls}\n", triggers=triggers)
+    prefix, extra = _reasoning_rule(syntax, think_open) if (thinking or think_open) else ("", "")
+    return Grammar(f"{text}\n{extra}root ::= {prefix}{calls}\n")
+
+
+def with_reasoning(syntax: Syntax, g: Grammar, think_open: bool) -> Grammar:
+    """`g` (a JSON answer's grammar, root `root`) with the template's reasoning block allowed in front."""
+    prefix, extra = _reasoning_rule(syntax, think_open)
+    if not prefix:
+        return g
+    if syntax.name == HARMONY:
+        prefix += '"<|channel|>final<|message|>" '
+    body = re.sub(r"^root ::=", "answer ::=", g.text, flags=re.M)
+    return Grammar(f"{body}\n{extra}root ::= {prefix}answer\n")
