@@ -214,13 +214,18 @@ class Model:
     def prepare(self, prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None, *,
                 max_tokens: int = N_PREDICT, temperature: float | None = None, top_p: float | None = None,
                 top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                think: bool = True, fix: str = FIX) -> Request:
+                think: bool = True, fix: str = FIX, lossless: bool = False, forced: Sequence[int] = (),
+                logits: bool = False) -> Request:
         """A prompt or a conversation as a Request; ConfigError when it cannot run.
 
         Sampling options left None keep the load's (greedy by default). `stop` strings end the
         answer where one first appears (it is not part of the text). `think` False renders the
         conversation with `enable_thinking=False` for templates that read it. `fix` ends the
-        message of a prompt too long for the context (ContextTooLong).
+        message of a prompt too long for the context (ContextTooLong). `lossless` asks for plain
+        llama.cpp's output whatever lossy routing the model was loaded with (bmoe.lossy).
+        `forced` are token ids to generate instead of sampled ones (teacher forcing, as
+        `bmoe-bench quality` scores a text; max_tokens is then their number), and `logits` puts on
+        each Chunk the distribution its token was chosen from.
         """
         if (prompt is None) == (messages is None):
             raise TypeError("give a prompt or messages, not both or neither")
@@ -231,6 +236,11 @@ class Model:
             raise ConfigError("stop is a string or a list of strings")
         sampler = self.sampler(temperature, top_p, top_k, seed)
         e = self.engine
+        if lossless:
+            e.check_lossless("load it without one of them for lossless requests")
+        forced = tuple(int(t) for t in forced)
+        if forced:
+            max_tokens = len(forced)
         if messages is not None:
             msgs = _messages(messages)
             tokens = e.tokenize(self.renderer.render(list(msgs), think))
@@ -240,7 +250,7 @@ class Model:
             msgs = None
             tokens = e.tokenize(prompt)
         e.check_fits(len(tokens), max_tokens, fix)
-        return Request(tuple(tokens), max_tokens, sampler, stops, msgs)
+        return Request(tuple(tokens), max_tokens, sampler, stops, msgs, bool(lossless), forced, bool(logits))
 
     @property
     def renderer(self) -> Renderer:
@@ -280,7 +290,7 @@ class Model:
         free = [s for s in self.slots if not s.busy]
         if req.messages is not None:
             for s in free:
-                if s.extends(req.messages):
+                if s.extends(req.messages, req.lossless):
                     return s
         return min(free, key=lambda s: s.used, default=None)
 
@@ -300,7 +310,7 @@ class Model:
         return self.driver.run([self.generation(r, slot=s) for r, s in zip(requests, self.slots)])
 
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
-               prefill_s: float, ahead: ReadsAhead | None) -> GenerationStats:
+               prefill_s: float, ahead: ReadsAhead | None, lossy: bool) -> GenerationStats:
         t = tally.totals()
         self._generations += 1
         self._tokens += t.tokens
@@ -312,7 +322,10 @@ class Model:
             mib_per_token=t.per_tok(t.read_bytes / MiB), cache_hit_pct=tally.hit_pct,
             stall_s_per_token=t.per_tok(t.stall_s), mgmt_s_per_token=t.per_tok(t.mgmt_s),
             io_s_per_token=t.per_tok(t.io_s), speculative_mib=ahead.bytes / MiB if ahead else 0.0,
-            prefetched_experts=ahead.prefetched if ahead else 0, useful_experts=ahead.useful if ahead else 0)
+            prefetched_experts=ahead.prefetched if ahead else 0, useful_experts=ahead.useful if ahead else 0,
+            lossy=lossy, experts_per_token=self.engine.experts_per_token if lossy else self.engine.top_k,
+            dropped_per_token=t.per_tok(t.dropped), substituted_per_token=t.per_tok(t.substituted),
+            weight_changed_pct=t.per_tok(t.weight_changed_pct))
         return self._last
 
     @property
