@@ -40,6 +40,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum())
 
 
+def kl_divergence(base_ids: np.ndarray, base_logp: np.ndarray, logp: np.ndarray) -> float:
+    """KL(reference || this run) of one next-token distribution, as llama-perplexity sums it: over the
+    reference's tokens whose log-probability is above LOGP_FLOOR (`base_ids`, `base_logp`)."""
+    return float(np.sum(np.exp(base_logp) * (base_logp - logp[base_ids])))
+
+
 class Reference:
     """The reference's per-token distributions (the entries above LOGP_FLOOR) and most likely tokens."""
 
@@ -136,7 +142,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
                 same.append(True)
             else:
                 base = ref.logp[i]
-                kl.append(float(np.sum(np.exp(base) * (base - lp[ref.ids[i]]))))
+                kl.append(kl_divergence(ref.ids[i], base, lp))
                 same.append(top == ref.top1[i])
 
         t0 = time.perf_counter()
