@@ -14,7 +14,7 @@ The reference's repeats are scored against its first run: KL 0 and 100 % agreeme
 harness (or the decode) is not deterministic, which the report says.
 
 Outputs in --out: results.json, report.md, quality.png (tok/s against mean KL), the text scored,
-reference.npz and runs/ (each run's output, CSV and scores).
+and runs/ (each run's output, CSV and scores, and the reference's log-probabilities).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import shlex
+import shutil
 import statistics
 from pathlib import Path
 
@@ -106,9 +107,9 @@ def cmd_quality(a: argparse.Namespace, argv: list[str]) -> int:
     a.no_bandwidth, a.bw_mb, a.bw_threads = True, 0, []
     a.config = [Config(REFERENCE, []), *a.config]
     b = bench_run.prepare(a, argv)
-    text_path, ref_path = b.out / "text.txt", b.out / "reference.npz"
+    text_path, ref_path = b.out / "text.txt", b.env.runs_dir / "reference"
     text_path.write_text(text, encoding="utf-8")
-    ref_path.unlink(missing_ok=True)  # this benchmark's reference is its own first run
+    shutil.rmtree(ref_path, ignore_errors=True)  # this benchmark's reference is its own first run
     b.env.entry = ENTRY
     prompts = list(PROMPTS) if a.gen_tokens else []
     b.env.prompt_args = ["--text", str(text_path), "--context", str(a.context), "--reference", str(ref_path),
