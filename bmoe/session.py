@@ -15,8 +15,12 @@ Decisions where the contract is silent:
   context overflow, a second `generate` while one runs) gets one `BMOE_ERROR` with `fatal:false`
   and no `BMOE_BEGIN`; the session state is untouched. Its `id` is the request's own when the
   request carried an integer `id`, else -1. Fields are typed strictly (`id`/`n_predict` JSON
-  integers, not floats or booleans; `n_predict` >= 1; `think`/`clear_kv` booleans; null counts as
-  wrongly typed); unknown extra fields are ignored. Blank lines are ignored.
+  integers, not floats or booleans; `n_predict` >= 1; `think`/`clear_kv`/`lossless` booleans; null
+  counts as wrongly typed); unknown extra fields are ignored. Blank lines are ignored.
+- bmoe's additions: a session loaded with lossy routing (docs/lossy.md) answers a request with
+  `"lossless": true` with plain llama.cpp's output, and its `BMOE_DONE` lines carry, after the
+  contract's keys, what lossy routing did (`protocol.LOSSY_DONE_KEYS`); a lossless load's lines
+  are the contract's alone.
 - `cancel` with nothing in flight is ignored (a notice goes to stderr, nothing to stdout), so a
   cancel racing the end of its generation is harmless. A cancel reaching a `generate` that is
   queued but not yet started cancels it before prefill.
