@@ -227,7 +227,8 @@ class Model:
                 think: bool = True, fix: str = FIX, response_format: Mapping[str, Any] | None = None,
                 grammar: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                 tool_choice: str | Mapping[str, Any] | None = None,
-                parallel_tool_calls: bool | None = None) -> Request:
+                parallel_tool_calls: bool | None = None, lossless: bool = False, forced: Sequence[int] = (),
+                logits: bool = False) -> Request:
         """A prompt or a conversation as a Request; ConfigError when it cannot run.
 
         Sampling options left None keep the load's (greedy by default). `stop` strings end the
@@ -237,15 +238,11 @@ class Model:
         json_object or json_schema) or `grammar` (GBNF) hold the answer to a form while it is
         sampled; `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's, for a chat) show the
         model tools and, unless tool_choice is none, read its calls (bmoe.chat_request).
+        `lossless` asks for plain llama.cpp's output whatever lossy routing the model was loaded
+        with (bmoe.lossy). `forced` are token ids to generate instead of sampled ones (teacher
+        forcing, as `bmoe-bench quality` scores a text; max_tokens is then their number), and
+        `logits` puts on each Chunk the distribution its token was chosen from.
         """
-        if messages is not None:
-            return self._prepare_chat(messages, max_tokens=max_tokens, sampler=self.sampler(temperature, top_p, top_k,
-                                                                                           seed),
-                                      stop=stop, think=think, fix=fix, response_format=response_format,
-                                      grammar=grammar, tools=tools, tool_choice=tool_choice,
-                                      parallel_tool_calls=parallel_tool_calls)
-        if tools is not None or tool_choice is not None:
-            raise ConfigError("tools: a plain prompt has no tools; send messages (a chat) to use them")
         if (prompt is None) == (messages is None):
             raise TypeError("give a prompt or messages, not both or neither")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -254,31 +251,31 @@ class Model:
         if not all(isinstance(s, str) for s in stops):
             raise ConfigError("stop is a string or a list of strings")
         sampler = self.sampler(temperature, top_p, top_k, seed)
-        e = self.engine
+        e, f = self.engine, self.chat_format
+        if lossless:
+            e.check_lossless("load it without one of them for lossless requests")
+        forced = tuple(int(t) for t in forced)
+        if forced:
+            max_tokens = len(forced)
+        extra = dict(lossless=bool(lossless), forced=forced, logits=bool(logits))
+        if messages is not None:
+            parts = f.parts(messages, think, response_format=response_format, grammar=grammar, tools=tools,
+                            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+            tokens = e.tokenize(parts.text)
+            e.check_fits(len(tokens), max_tokens, fix)
+            prefix = f.stable_prefix(parts.messages, think, parts.tools, tokens, e.tokenize) if self.prompt_cache else 0
+            return Request(tuple(tokens), max_tokens, sampler, stops, parts.messages, grammar=parts.grammar,
+                           specials=parts.specials, reading=parts.reading, cache_prefix=prefix, **extra)
+        if tools is not None or tool_choice is not None:
+            raise ConfigError("tools: a plain prompt has no tools; send messages (a chat) to use them")
         if not isinstance(prompt, str):
             raise ConfigError(f"the prompt is a string, not {type(prompt).__name__}")
-        g = self.chat_format.check_grammar(response_format, grammar)
+        g = f.check_grammar(response_format, grammar)
         if g is not None:
-            self.chat_format.verify(g)
+            f.verify(g)
         tokens = e.tokenize(prompt)
         e.check_fits(len(tokens), max_tokens, fix)
-        return Request(tuple(tokens), max_tokens, sampler, stops, None, grammar=g, cache_prefix=len(tokens))
-
-    def _prepare_chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int, sampler: SamplerSettings,
-                      stop: str | Sequence[str] | None, think: bool, fix: str, **asked: Any) -> Request:
-        """`prepare` for a conversation: rendered with what it asks for (bmoe.chat_request)."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ConfigError(f"max_tokens {max_tokens!r}: it is a whole number of tokens, 1 or more")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(s, str) for s in stops):
-            raise ConfigError("stop is a string or a list of strings")
-        e, f = self.engine, self.chat_format
-        parts = f.parts(messages, think, **asked)
-        tokens = e.tokenize(parts.text)
-        e.check_fits(len(tokens), max_tokens, fix)
-        prefix = f.stable_prefix(parts.messages, think, parts.tools, tokens, e.tokenize) if self.prompt_cache else 0
-        return Request(tuple(tokens), max_tokens, sampler, stops, parts.messages, grammar=parts.grammar,
-                       specials=parts.specials, reading=parts.reading, cache_prefix=prefix)
+        return Request(tuple(tokens), max_tokens, sampler, stops, None, grammar=g, cache_prefix=len(tokens), **extra)
 
     @property
     def renderer(self) -> Renderer:
@@ -327,7 +324,7 @@ class Model:
         free = [s for s in self.slots if not s.busy]
         if req.messages is not None:
             for s in free:
-                if s.extends(req.messages):
+                if s.extends(req.messages, req.lossless):
                     return s
         return min(free, key=lambda s: s.used, default=None)
 
@@ -347,7 +344,7 @@ class Model:
         return self.driver.run([self.generation(r, slot=s) for r, s in zip(requests, self.slots)])
 
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
-               prefill_s: float, ahead: ReadsAhead | None) -> GenerationStats:
+               prefill_s: float, ahead: ReadsAhead | None, lossy: bool) -> GenerationStats:
         t = tally.totals()
         self._generations += 1
         self._tokens += t.tokens
@@ -359,7 +356,10 @@ class Model:
             mib_per_token=t.per_tok(t.read_bytes / MiB), cache_hit_pct=tally.hit_pct,
             stall_s_per_token=t.per_tok(t.stall_s), mgmt_s_per_token=t.per_tok(t.mgmt_s),
             io_s_per_token=t.per_tok(t.io_s), speculative_mib=ahead.bytes / MiB if ahead else 0.0,
-            prefetched_experts=ahead.prefetched if ahead else 0, useful_experts=ahead.useful if ahead else 0)
+            prefetched_experts=ahead.prefetched if ahead else 0, useful_experts=ahead.useful if ahead else 0,
+            lossy=lossy, experts_per_token=self.engine.experts_per_token if lossy else self.engine.top_k,
+            dropped_per_token=t.per_tok(t.dropped), substituted_per_token=t.per_tok(t.substituted),
+            weight_changed_pct=t.per_tok(t.weight_changed_pct))
         return self._last
 
     @property

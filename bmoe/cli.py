@@ -47,6 +47,8 @@ def summary(engine: Engine, lines: list[telemetry.TokenLine], stats: GenerationS
     gate = engine.spec_gate_recall()
     if gate is not None:
         out.append(telemetry.spec_gate_line(*gate))
+    if stats.lossy:
+        out.append(telemetry.lossy_line(totals, stats.experts_per_token, engine.top_k))
     return out
 
 
@@ -69,7 +71,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         lines: list[telemetry.TokenLine] = []
         text = ""
         if csv_file:
-            csv_file.write(telemetry.csv_header() + "\n")
+            csv_file.write(telemetry.csv_header(engine.is_lossy) + "\n")
 
         def on_chunk(chunk: Chunk) -> None:
             nonlocal text
@@ -79,7 +81,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
                 if a.progress:
                     out.write("".join(x + "\n" for x in telemetry.token_lines(chunk.token, text)))
                 if csv_file:
-                    csv_file.write(telemetry.csv_row(chunk.token) + "\n")
+                    csv_file.write(telemetry.csv_row(chunk.token, engine.is_lossy) + "\n")
             if not a.progress:
                 out.write(chunk.text)
             out.flush()

@@ -23,11 +23,12 @@ product module reads another's private attributes).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import llama_cpp
+import numpy as np
 
 from bmoe import seam
 from bmoe.budget import Adaptive, decide
@@ -36,6 +37,7 @@ from bmoe.errors import Cancelled, ConfigError, ContextTooLong, ModelError
 from bmoe.expert_cache import working_sets
 from bmoe.memory import MemoryProbe
 from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
+from bmoe.lossy import Lossy
 from bmoe.model_files import open_model
 from bmoe.readahead import ReadsAhead
 from bmoe.route_trace import TraceWriter
@@ -63,6 +65,10 @@ class Sequence:
     sampler: llama_cpp.llama_sampler_p | None
     next: int = -1  # the token sampled from its last logits, decoded at its next step
     prefill_s: float = 0.0
+    lossless: bool = False  # no lossy routing for this sequence's tokens (bmoe.lossy)
+    forced: list[int] = field(default_factory=list)  # tokens decoded next instead of sampled (teacher forcing)
+    keep_logits: bool = False
+    logits: np.ndarray | None = None  # with keep_logits: the distribution `next` was chosen from
 
 
 class Engine:
@@ -79,6 +85,8 @@ class Engine:
         self.model = self.ctx = None
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
+        self.lossy: Lossy | None = None  # lossy routing while streaming (the hook's)
+        self.fixed_k = 0  # --no-stream --experts-per-token: llama.cpp's own expert count, set at load
         t0 = time.perf_counter()
         self.files = open_model(settings.model)
         init_backend(settings.verbose)
@@ -92,6 +100,7 @@ class Engine:
             if removed:
                 notice(f"removed {len(removed)} shared-memory segment(s) left by dead runs")
         try:
+            self._check_lossy(moe, streaming)
             self._load(streaming)
             self.vocab = Vocab(self.model)
             if streaming:
@@ -109,11 +118,28 @@ class Engine:
 
     # ---- loading and wiring --------------------------------------------------------------------
 
+    def _check_lossy(self, moe: bool, streaming: bool) -> None:
+        """The lossy settings against the model: K within its top-k; without streaming K is llama.cpp's
+        own expert count, overridden at load (`fixed_k`)."""
+        lo, top_k = self.settings.lossy, self.files.n_expert_used
+        if not lo.on:
+            return
+        if not moe:
+            self.notice("the lossy routing settings change nothing on a model without experts")
+            return
+        k = lo.experts_per_token
+        if k > top_k:
+            raise ConfigError(f"{self.words.value('experts_per_token', k)}: {Path(self.settings.model).name} routes "
+                              f"each token to {top_k} experts; give at most {top_k}")
+        if not streaming and 0 < k < top_k:
+            self.fixed_k = k
+
     def _load(self, streaming: bool) -> None:
         """llama.cpp's own load (model, then context), timed apart as `llama_load_s`, so that
         `load_s - llama_load_s` is what bmoe adds to a plain llama.cpp load."""
         t0 = time.perf_counter()
-        self.model = load_model(self.settings.model)
+        ints = {f"{self.files.arch}.expert_used_count": self.fixed_k} if self.fixed_k else None
+        self.model = load_model(self.settings.model, ints)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
         self.ctx = new_context(self.model, self.settings.n_ctx, self.settings.threads,
@@ -143,7 +169,7 @@ class Engine:
             self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
         # the lanes and pinned weights are there before the budget is decided: they are in the charge
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
-                                      s.speculation.prefetch, list(cap.biases.values()))
+                                      s.speculation.prefetch, list(cap.biases.values()), spare=s.lossy.on)
         self._size_cache(st.full_bytes, max(need.values()), sum(need.values()))
         if s.speculation.gate:
             gate = SpecGate(self.files, st.layers, llama_cpp.llama_model_n_embd(self.model), s.speculation,
@@ -157,7 +183,9 @@ class Engine:
                 "model": str(Path(s.model).resolve()), "arch": self.files.arch, "n_expert": self.files.n_expert,
                 "top_k": self.files.n_expert_used, "layers": st.layers,
                 "n_embd": llama_cpp.llama_model_n_embd(self.model)})
-        self.hook.stops = Stops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace)
+        if s.lossy.on:
+            self.lossy = Lossy(s.lossy, self.files.n_expert_used, cap.norms, st.cache)
+        self.hook.stops = Stops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace, self.lossy)
         if s.streaming.preload:
             if not st.holds_everything:
                 self.notice("--preload ignored: the cache budget does not hold every expert")
@@ -256,6 +284,30 @@ class Engine:
     def arch(self) -> str:
         return self.files.arch
 
+    @property
+    def is_lossy(self) -> bool:
+        """Whether generations change routing (the load's lossy settings) unless they ask for lossless."""
+        return self.lossy is not None or self.fixed_k > 0
+
+    @property
+    def top_k(self) -> int:
+        """Experts the model's router picks per token and layer (its `expert_used_count`)."""
+        return self.files.n_expert_used
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts a lossy generation's tokens use per layer (the model's top-k when the setting is off)."""
+        return self.fixed_k or (self.lossy.k if self.lossy else self.files.n_expert_used)
+
+    def check_lossless(self, fix: str) -> None:
+        """ConfigError when a lossless generation cannot run: llama.cpp was loaded with its own expert
+        count lowered (--no-stream --experts-per-token), which no request can raise again."""
+        if self.fixed_k:
+            raise ConfigError(f"this model was loaded with {self.words.value('experts_per_token', self.fixed_k)} "
+                              f"and {self.words.value('stream', False)}: llama.cpp itself routes to "
+                              f"{self.fixed_k} experts, and no request can have the model's "
+                              f"{self.files.n_expert_used} back; {fix}")
+
     def tokenize(self, text: str) -> list[int]:
         """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""
         return self.vocab.tokenize(text, add_special=True)
@@ -318,9 +370,12 @@ class Engine:
 
     def prefill(self, seq: int, tokens: list[int]) -> float:
         """Decode `tokens` after what sequence `seq`'s KV holds, sampling nothing (a prompt decoded in
-        parts: bmoe.prompt_cache); the seconds it took. Cancelled when interrupted."""
+        parts: bmoe.prompt_cache); the seconds it took. Cancelled when interrupted. No lossy routing:
+        the KV kept from it serves lossless and lossy requests alike."""
         st = self.streamer
         t0 = time.perf_counter()
+        if self.lossy:
+            self.lossy.begin([False] * len(tokens))
         try:
             self._decode([(seq, tokens, self.kv_len(seq))])
             if st:
@@ -332,24 +387,32 @@ class Engine:
         return time.perf_counter() - t0
 
     def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
-              fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None) -> Sequence:
+              fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None, *,
+              lossless: bool = False, forced: list[int] = (), keep_logits: bool = False) -> Sequence:
         """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
-        then decodes it.
+        then decodes it. `lossless`: no lossy routing for this sequence. `forced`: the tokens its
+        steps decode, in order, instead of sampled ones (teacher forcing). `keep_logits`: each
+        step keeps the distribution it chose from (`Sequence.logits`).
 
         Raises ContextTooLong when it does not fit the context (`fix` ends the message), Cancelled
         when interrupted mid-prefill. Every Sequence begun must be ended (`end`), also after an error.
         """
         pos = self.kv_len(seq)
         self.check_fits(pos + len(tokens), n_predict, fix)
+        if lossless:
+            self.check_lossless("load it without one of them for lossless requests")
         st = self.streamer
-        s = Sequence(seq, make_sampler(sampler, self.vocab, grammar))
+        s = Sequence(seq, make_sampler(sampler, self.vocab, grammar), lossless=lossless, forced=list(forced),
+                     keep_logits=keep_logits)
         try:
             t0 = time.perf_counter()
+            if self.lossy:
+                self.lossy.begin([not lossless] * len(tokens))
             row = self._decode([(seq, tokens, pos)])[0]
             if st:  # the prefill's reads ahead land (or are dropped) in the prefill, not in the first token
                 st.settle()
             s.prefill_s = time.perf_counter() - t0
-            s.next = llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
+            self._choose(s, row)
         except BaseException:
             self.end(s)
             raise
@@ -375,9 +438,11 @@ class Engine:
         if not going:
             return [None] * len(seqs)
         toks = {id(s): s.next for s in going}
+        if self.lossy:
+            self.lossy.begin([not s.lossless for s in going])
         rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
         for s, row in zip(going, rows):
-            s.next = llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
+            self._choose(s, row)
         if self.streamer is not None:
             self.streamer.follow()
         wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(going)
@@ -386,11 +451,24 @@ class Engine:
             counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
             shares = [TokenStat(wall, *(x * (i + 1) // k - x * i // k for x in counts), st.budget) for i in range(k)]
         else:
-            shares = [TokenStat(wall, 0, 0, 0, 0, 0)] * k
+            shares = [TokenStat(wall, 0, 0, 0, 0, 0) for _ in range(k)]
+        if self.lossy:
+            layers = len(st.layers)
+            for stat, rc in zip(shares, self.lossy.take()):
+                stat.dropped, stat.substituted = rc.dropped, rc.substituted
+                stat.weight_changed_pct = 100.0 * rc.moved / layers
         if self.trace:
             self.trace.end_step(toks[id(going[0])])
         stat = {id(s): st_ for s, st_ in zip(going, shares)}
         return [(toks[id(s)], stat[id(s)]) if id(s) in toks else None for s in seqs]
+
+    def _choose(self, s: Sequence, row: int) -> None:
+        """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced
+        token, else its sampler's choice (kept with the distribution when asked)."""
+        if s.keep_logits:
+            n = llama_cpp.llama_vocab_n_tokens(self.vocab.ptr)
+            s.logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, row), shape=(n,)).copy()
+        s.next = s.forced.pop(0) if s.forced else llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
 
     def end(self, s: Sequence) -> ReadsAhead:
         """Free a Sequence's sampler and settle the reads it left; returns what its reads ahead did."""

@@ -105,10 +105,14 @@ class Region:
         return self.file_index, fo - head, _up(head + self.expert_bytes), at - head, head + self.expert_bytes
 
 
-def layout(regions: list[Region]) -> int:
+def layout(regions: list[Region], spare: bool = False) -> int:
     """Group the layers by their tensors' kinds and sizes and give each kind of each group a pool in
     the slab, room for every (layer, expert) of the group at once; returns the slab size (sparse:
-    only the pages reads fill cost memory)."""
+    only the pages reads fill cost memory).
+
+    With `spare`, each pool has one slot more, its last (`capacity - 1`): no expert ever takes it
+    (indices are handed out per class below it), so it stays all zeros, what a position lossy
+    routing dropped reads (bmoe.lossy)."""
     by_layer: dict[int, list[Region]] = {}
     for r in regions:
         by_layer.setdefault(r.layer, []).append(r)
@@ -120,7 +124,7 @@ def layout(regions: list[Region]) -> int:
     for g, (sig, layers) in enumerate(groups.items()):
         n_expert, kinds = sig[0], sig[1:]
         period = max(PAGE // gcd(size, PAGE) for _, size in kinds)
-        capacity = len(layers) * period * -(-n_expert // period)
+        capacity = len(layers) * period * -(-n_expert // period) + int(spare)
         pools = {}
         for kind, size in kinds:
             pools[kind] = cursor

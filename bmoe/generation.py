@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
+
 from bmoe import telemetry
 from bmoe.errors import Cancelled
 from bmoe.settings import SamplerSettings
@@ -48,6 +50,11 @@ class GenerationStats:
     speculative_mib: float = 0.0  # read ahead of demand (--prefetch, --spec-gate)
     prefetched_experts: int = 0
     useful_experts: int = 0  # of those, the ones their layer then routed
+    lossy: bool = False  # lossy routing changed this generation (the load's settings; it did not ask lossless)
+    experts_per_token: int = 0  # experts per layer its tokens used (the model's top-k when not lossy)
+    dropped_per_token: float = 0.0  # lossy routing: experts dropped (--drop-cold), over every layer
+    substituted_per_token: float = 0.0  # experts taken from the cache instead (--cache-routing)
+    weight_changed_pct: float = 0.0  # mean share of a layer's routing weight not computed as routed
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Chunk:
     token: telemetry.TokenLine | None = None
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logits: np.ndarray | None = None  # with Request.logits: the distribution this token was chosen from
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,9 @@ class Request:
     specials: frozenset[int] = frozenset()  # tokens written as their special text (a chat syntax's markers)
     reading: Reading | None = None  # how a chat's answer splits into reasoning, content, tool calls
     cache_prefix: int = 0  # the prompt's first tokens worth keeping in a prompt cache (bmoe.prompt_cache)
+    lossless: bool = False  # no lossy routing, whatever the load's settings (bmoe.lossy)
+    forced: tuple[int, ...] = ()  # teacher forcing: the tokens generated, in order, instead of sampled ones
+    logits: bool = False  # each Chunk carries the distribution its token was chosen from
 
 
 class _Stopped(Exception):
@@ -162,14 +173,16 @@ class Slot:
     messages: list[Message] = field(default_factory=list)
     busy: bool = False
     used: float = 0.0  # when a generation last ended here (the least recent is reused first)
+    lossy: bool = False  # its KV was computed with lossy routing: a lossless request does not reuse it
 
-    def extends(self, messages: Sequence[Message]) -> bool:
-        """Whether `messages` continue this slot's conversation (that conversation, then more)."""
+    def extends(self, messages: Sequence[Message], lossless: bool = False) -> bool:
+        """Whether `messages` continue this slot's conversation (that conversation, then more), in KV
+        a lossless request may reuse."""
         n = len(self.messages)
-        return 0 < n < len(messages) and list(messages[:n]) == self.messages
+        return 0 < n < len(messages) and list(messages[:n]) == self.messages and not (lossless and self.lossy)
 
 
-OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadsAhead | None"], GenerationStats]
+OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadsAhead | None", bool], GenerationStats]
 
 
 class Generation:
@@ -200,6 +213,8 @@ class Generation:
         self.text = StopText(req.stop)
         self.tally = telemetry.Tally(req.max_tokens, engine.streaming and engine.settings.streaming.overlap,
                                      engine.cache_active)
+        self.lossy = engine.is_lossy and not req.lossless
+        self.logits: np.ndarray | None = None  # with req.logits: the distribution the next token comes from
         self.t0 = time.perf_counter()
 
     def begin(self) -> None:
@@ -208,18 +223,21 @@ class Generation:
 
         e, slot, req = self.engine, self.slot, self.req
         slot.busy = True
-        reuse = req.messages is not None and slot.extends(req.messages)
+        reuse = req.messages is not None and slot.extends(req.messages, req.lossless)
         self.keep = e.kv_keep(min(common_prefix(slot.kv_tokens, self.tokens), len(self.tokens) - 1)
                               if reuse else 0, slot.seq)
         slot.kv_tokens = slot.kv_tokens[:self.keep]
         if not reuse:
             slot.messages = []
+        slot.lossy = slot.lossy and self.keep > 0 or self.lossy
         if self.cancelled:
             raise Cancelled()
         if self.cache is not None and self.keep == 0:
             self.keep, decoded, spent = self.cache.prefill(slot.seq, self.tokens, req.cache_prefix)
             slot.kv_tokens, self.cached = self.tokens[:self.keep], (decoded, spent)
-        self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler, grammar=req.grammar)
+        self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler, grammar=req.grammar,
+                           lossless=req.lossless, forced=list(req.forced), keep_logits=req.logits)
+        self.logits = self.seq.logits
 
     def take(self, decoded: tuple[int, telemetry.TokenStat] | None) -> None:
         """The engine's step for this generation: the token it decoded and its stat, or None when
@@ -231,8 +249,9 @@ class Generation:
         self.ids.append(tok)
         line = self.tally.add(stat)
         new = self.text.push(self.utf8.push(self.engine.vocab.piece(tok, tok in self.req.specials)))
+        logits, self.logits = self.logits, self.seq.logits
         if self.on_chunk:
-            self.on_chunk(Chunk(new, line))
+            self.on_chunk(Chunk(new, line, logits=logits))
         if self.text.cut is not None:
             self.ended, self.done = _Stopped(), True
         elif self.cancelled:
@@ -269,7 +288,7 @@ class Generation:
         self._check_kv()
         prefill_s = self.cached[1] + (self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0)
         stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep + self.cached[0],
-                            len(slot.kv_tokens), prefill_s, ahead)
+                            len(slot.kv_tokens), prefill_s, ahead, self.lossy)
         if self.on_chunk:
             self.on_chunk(Chunk("", finish_reason=finish, stats=stats))
         return Completion(text.text, stats, tuple(self.ids), tuple(self.tally.lines))

@@ -43,12 +43,18 @@ def init_backend(verbose: bool = False) -> None:
         _backend_ready = True
 
 
-def load_model(path: object) -> llama_cpp.llama_model_p | None:
+def load_model(path: object, ints: dict[str, int] | None = None) -> llama_cpp.llama_model_p | None:
     """llama.cpp's default mmap load, without repacking: a repacked (extra buffer type) weight
     would no longer match the file layout that expert streaming and the demo builder rely on.
-    None when llama.cpp cannot load the file; the caller says why."""
+    `ints` override integer keys of the file's metadata (llama.cpp's kv_overrides, e.g.
+    `{"llama.expert_used_count": 6}`). None when llama.cpp cannot load the file; the caller says why."""
     mp = llama_cpp.llama_model_default_params()
     mp.use_extra_bufts = False
+    if ints:
+        table = (llama_cpp.llama_model_kv_override * (len(ints) + 1))()  # the last one's empty key ends it
+        for o, (key, value) in zip(table, ints.items()):
+            o.tag, o.key, o.value.val_i64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, key.encode(), value
+        mp.kv_overrides = table
     return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
 
 

@@ -79,6 +79,14 @@ def validation_error(exc: RequestValidationError) -> ServeError:
 # ---- request bodies --------------------------------------------------------------------------------
 
 
+class BmoeOptions(BaseModel):
+    """bmoe's extension of a request body, `"bmoe": {...}` (the openai client's `extra_body`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lossless: bool = False  # plain llama.cpp's output whatever lossy routing the server loaded with
+
+
 class _Body(BaseModel):
     """What /v1/completions and /v1/chat/completions share; unknown fields are ignored."""
 
@@ -93,6 +101,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = Field(None, max_length=4)
     stream: bool = False
     n: Literal[1] = 1
+    bmoe: BmoeOptions = BmoeOptions()
 
 
 class CompletionBody(_Body):

@@ -254,7 +254,7 @@ class PromptKV:
 
         self.engine = engine
         self.n_ubatch = llama_cpp.llama_n_ubatch(engine.ctx)
-        identity = model_identity(engine.files.paths, f"n_seq={engine.settings.parallel}")
+        identity = model_identity(engine.files.paths, f"n_seq={engine.settings.parallel} k={engine.fixed_k}")
         self.store = PromptCache(folder, limit_mb, identity, engine.notice)
 
     def prefill(self, seq: int, tokens: Sequence[int], prefix: int) -> tuple[int, int, float]:

@@ -12,6 +12,8 @@ NO_ID = -1
 DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache_hit_pct", "n_prompt",
              "n_past", "cache_resident_mib", "cache_budget_mib", "spec_recall_pct", "stall_s_tok",
              "mgmt_s_tok", "text")
+# bmoe's, after the contract's, in a session loaded with lossy routing (bmoe.lossy): what it did to this generation
+LOSSY_DONE_KEYS = ("lossy", "experts_per_token", "dropped_tok", "substituted_tok", "weight_changed_pct")
 CANCEL, CLOSE, PROFILE = "cancel", "close", "profile"
 
 
@@ -41,6 +43,7 @@ class Generate:
     n_predict: int
     think: bool
     clear_kv: bool
+    lossless: bool = False  # bmoe's: plain llama.cpp's output whatever lossy routing the session loaded with
 
 
 def _is_int(v: object) -> bool:
@@ -88,9 +91,9 @@ def parse_request(line: bytes | str, n_predict: int) -> Generate | str | None:
     if not _is_int(n) or n < 1:
         raise RequestError(rid, f"generate: field 'n_predict' must be an integer >= 1, got {safe(_short(n))}")
     flags = {}
-    for key in ("think", "clear_kv"):
-        v = obj.get(key, True)
+    for key, default in (("think", True), ("clear_kv", True), ("lossless", False)):
+        v = obj.get(key, default)
         if not isinstance(v, bool):
             raise RequestError(rid, f"generate: field '{key}' must be true or false, got {safe(_short(v))}")
         flags[key] = v
-    return Generate(rid, prompt, n, flags["think"], flags["clear_kv"])
+    return Generate(rid, prompt, n, flags["think"], flags["clear_kv"], flags["lossless"])

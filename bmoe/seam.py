@@ -55,6 +55,11 @@ _BIAS_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.bias$")
 _TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
 _WEIGHTS_NAME = re.compile(r"^ffn_moe_weights-(\d+)$")
 _LOGITS_NAME = re.compile(r"^ffn_moe_logits-(\d+)$")
+_NORM_NAME = re.compile(r"^ffn_moe_weights_(norm|softmax)-(\d+)$")
+# how a layer turns its gathered router weights into the experts' weights (build_moe_ffn): divided by
+# their sum (`ffn_moe_weights_norm-L`), a softmax over them (`ffn_moe_weights_softmax-L`: the weights
+# node then holds logits), or used as gathered
+NORM_SUM, NORM_SOFTMAX, NORM_NONE = "sum", "softmax", "none"
 
 libggml.ggml_op_name.argtypes = [ctypes.c_int]
 libggml.ggml_op_name.restype = ctypes.c_char_p
@@ -116,6 +121,28 @@ def routing_ids(addr: int) -> np.ndarray:
 def write_ids(addr: int, ids: np.ndarray) -> None:
     """Overwrite a `ffn_moe_topk-L` node's ids in place (same shape as `routing_ids` gave)."""
     _ids_view(tensor_at(addr))[...] = ids
+
+
+def _f32_block(t: GgmlTensor, rows: int, cols: int, what: str) -> np.ndarray:
+    if t.type != 0 or int(t.nb[0]) != 4 or int(t.nb[1]) != 4 * int(t.ne[0]) or int(t.ne[0]) * int(t.ne[1]) != cols \
+            or int(t.nb[2]) != 4 * cols or int(t.ne[2]) != rows:
+        raise RuntimeError(f"{what} is not a contiguous F32 [1, {cols}, {rows}] tensor")
+    return np.ctypeslib.as_array((ctypes.c_float * (rows * cols)).from_address(t.data)).reshape(rows, cols)
+
+
+def moe_weights(addr: int) -> np.ndarray:
+    """The [n_tokens, n_expert_used] F32 router weights of a `ffn_moe_weights-L` node, in place (writable):
+    what the layer's normalisation (`NORM_*`) reads once this node's ask=False call returns."""
+    t = tensor_at(addr)
+    return _f32_block(t, int(t.ne[2]), int(t.ne[1]), tensor_name(addr))
+
+
+def router_scores(addr: int) -> np.ndarray:
+    """The [n_tokens, n_expert] F32 router scores every expert got (probabilities, or logits where the
+    layer's normalisation is NORM_SOFTMAX) that a `ffn_moe_weights-L` node gathers from (its src[0]), in place."""
+    t = tensor_at(addr)
+    src = tensor_at(t.src[0])
+    return _f32_block(src, int(t.ne[2]), int(src.ne[0]) * int(src.ne[1]), f"the router scores of {tensor_name(addr)}")
 
 
 def f32_rows(addr: int, what: str = "") -> np.ndarray:
@@ -221,6 +248,7 @@ class Capture:
     down_inputs: dict[bytes, int] = field(default_factory=dict)  # node name -> layer
     weights_at: dict[int, int] = field(default_factory=dict)  # layer -> position of ffn_moe_weights-L
     ids_nodes: dict[int, int] = field(default_factory=dict)  # address of ffn_moe_topk-L (and its argsort) -> layer
+    norms: dict[int, str] = field(default_factory=dict)  # layer -> NORM_SUM or NORM_SOFTMAX (absent: NORM_NONE)
     seen: int = 0
     dry: bool = True  # stop the graph at its first computed node: the nodes are known, the compute not needed
 
@@ -234,6 +262,9 @@ class Capture:
             if t.op == GGML_OP_VIEW and t.src[0]:
                 self.ids_nodes[t.src[0]] = int(mt.group(1))
             return
+        mn = _NORM_NAME.match(name)
+        if mn:
+            self.norms[int(mn.group(2))] = NORM_SUM if mn.group(1) == "norm" else NORM_SOFTMAX
         srcs = [s for s in t.src if s]
         read = [self.ids_nodes[s] for s in srcs if s in self.ids_nodes]
         if t.op == GGML_OP_MUL_MAT_ID:
@@ -319,6 +350,8 @@ class Stops(Protocol):
 
     def skip_route(self, layer: int) -> bool: ...
 
+    def reroute(self, layer: int, ids: np.ndarray, node: int) -> None: ...
+
     def on_route(self, layer: int, ids: np.ndarray) -> None: ...
 
     def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray: ...
@@ -335,8 +368,10 @@ class EvalHook:
 
     In capture mode it records expert tensors; in stream mode (`stops` set) it asks for each MoE
     layer's `ffn_moe_weights-L` node (the router weights gathered with the real expert ids) and,
-    in its ask=False call, before any expert matmul reads the ids, calls `stops.on_route(layer,
-    ids)` and then overwrites the routed ids in place with `stops.slot_ids(layer, ids)`; a layer
+    in its ask=False call, before any expert matmul reads the ids, calls `stops.reroute(layer, ids,
+    node)` (lossy routing may change the ids and the weights at the node, bmoe.lossy), then
+    `stops.on_route(layer, ids)` and overwrites the routed ids in place with
+    `stops.slot_ids(layer, ids)`; a layer
     for which `stops.skip_route(layer)` is True runs without stopping (its tensors then read the
     experts by their own ids). With `stops.router_input` it also hands over each layer's router
     input; at a down-matmul input node of `stops.down_nodes` whose `down_pending(layer)` is true it
@@ -373,6 +408,7 @@ class EvalHook:
                 if layer is not None:
                     ids_node = tensor_at(t).src[1]  # ffn_moe_topk-L (Capture checked)
                     ids = routing_ids(ids_node)
+                    stops.reroute(layer, ids, t)
                     stops.on_route(layer, ids)
                     write_ids(ids_node, stops.slot_ids(layer, ids))
                 return True

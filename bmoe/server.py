@@ -19,6 +19,10 @@ Decisions:
   for the same prompt and settings). `top_k` and `think` (chat: False renders the conversation
   with `enable_thinking=False`) are extensions; `n` must be 1; the `model` field is not checked
   (one model is served; responses name it).
+- Lossy routing (`--experts-per-token`, `--drop-cold`, `--cache-routing`; docs/lossy.md) is a
+  load-time setting; a request asks for plain llama.cpp's output with `"bmoe": {"lossless": true}`
+  and gets it (never from KV a lossy request computed). The `bmoe` object is strict: a key it does
+  not know is a 400.
 - A chat whose messages extend an earlier request's conversation (its messages, the answer as
   it was returned, then more) reuses that KV sequence's prefix while the sequence still holds it
   (a free sequence is taken least recently used first); any other request starts from an empty KV.

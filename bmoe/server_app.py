@@ -194,9 +194,14 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     async def prepare(body: _Body, max_tokens: int | None, **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
         sampling = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        if body.bmoe.lossless:
+            try:
+                model.engine.check_lossless("restart bmoe-server without one of them for lossless requests")
+            except ConfigError as e:
+                raise ServeError(400, str(e), param="bmoe.lossless") from None
         try:
             return await asyncio.to_thread(model.prepare, **what, **sampling, max_tokens=max_tokens or n_predict,
-                                           stop=body.stop, fix=CONTEXT_FIX)
+                                           stop=body.stop, fix=CONTEXT_FIX, lossless=body.bmoe.lossless)
         except GrammarError as e:  # a schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:

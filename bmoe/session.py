@@ -15,8 +15,12 @@ Decisions where the contract is silent:
   context overflow, a second `generate` while one runs) gets one `BMOE_ERROR` with `fatal:false`
   and no `BMOE_BEGIN`; the session state is untouched. Its `id` is the request's own when the
   request carried an integer `id`, else -1. Fields are typed strictly (`id`/`n_predict` JSON
-  integers, not floats or booleans; `n_predict` >= 1; `think`/`clear_kv` booleans; null counts as
-  wrongly typed); unknown extra fields are ignored. Blank lines are ignored.
+  integers, not floats or booleans; `n_predict` >= 1; `think`/`clear_kv`/`lossless` booleans; null
+  counts as wrongly typed); unknown extra fields are ignored. Blank lines are ignored.
+- bmoe's additions: a session loaded with lossy routing (docs/lossy.md) answers a request with
+  `"lossless": true` with plain llama.cpp's output, and its `BMOE_DONE` lines carry, after the
+  contract's keys, what lossy routing did (`protocol.LOSSY_DONE_KEYS`); a lossless load's lines
+  are the contract's alone.
 - `cancel` with nothing in flight is ignored (a notice goes to stderr, nothing to stdout), so a
   cancel racing the end of its generation is harmless. A cancel reaching a `generate` that is
   queued but not yet started cancels it before prefill.
@@ -61,7 +65,7 @@ from bmoe import console, model_source, profile, telemetry
 from bmoe.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
 from bmoe.api import Chunk, Completion, Model
 from bmoe.coordinator import Engine
-from bmoe.protocol import CANCEL, CLOSE, DONE_KEYS, NO_ID, PROFILE, Generate, RequestError, safe, parse_request
+from bmoe.protocol import CANCEL, CLOSE, DONE_KEYS, LOSSY_DONE_KEYS, NO_ID, PROFILE, Generate, RequestError, safe, parse_request
 from bmoe.errors import BmoeError, ConfigError
 from bmoe.settings import Settings
 from bmoe.units import MiB
@@ -246,7 +250,8 @@ class Session:
         base = [] if req.clear_kv else self.model.messages
         try:
             job = self.model.prepare(messages=[*base, {"role": "user", "content": req.prompt}],
-                                     max_tokens=req.n_predict, think=req.think, fix=CONTEXT_FIX)
+                                     max_tokens=req.n_predict, think=req.think, fix=CONTEXT_FIX,
+                                     lossless=req.lossless)
         except ConfigError as e:
             self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
             return
@@ -283,7 +288,11 @@ class Session:
             "stall_s_tok": round(s.stall_s_per_token, 5), "mgmt_s_tok": round(s.mgmt_s_per_token, 5),
             "text": done.text,
         }
-        assert tuple(obj) == DONE_KEYS
+        if e.is_lossy:
+            obj.update(lossy=s.lossy, experts_per_token=s.experts_per_token, dropped_tok=round(s.dropped_per_token, 3),
+                       substituted_tok=round(s.substituted_per_token, 3),
+                       weight_changed_pct=round(s.weight_changed_pct, 3))
+        assert tuple(obj) == DONE_KEYS + (LOSSY_DONE_KEYS if e.is_lossy else ())
         return obj
 
 

@@ -100,7 +100,7 @@ class SessionClient:
 
     def generate(self, id: int, prompt: str, timeout: float | None = 300.0, **opts: Any) -> Iterator[Event]:
         """Send a generate request; iterate its events up to and including its DONE or ERROR
-        (or a fatal ERROR). Options: n_predict, think, clear_kv."""
+        (or a fatal ERROR). Options: n_predict, think, clear_kv, lossless."""
         self.send({"cmd": "generate", "id": id, "prompt": prompt, **opts})
         return self.events_until(id, timeout)
 

@@ -39,6 +39,11 @@ def _mib(text: str) -> float:
                   "must be a number of MiB, 0 or more")
 
 
+def _share(text: str) -> float:
+    """--drop-cold and --cache-routing: a fraction from 0 (off) up to, not including, 1."""
+    return number(text, float, "a number", lambda v: 0 <= v < 1, "must be a fraction from 0 (off) to below 1")
+
+
 def _policy(text: str) -> str:
     if text not in POLICIES:
         raise argparse.ArgumentTypeError(f"unknown cache policy {text!r}; choose one of {', '.join(POLICIES)}")
@@ -181,6 +186,35 @@ class SamplerSettings:
     seed: int = setting(0, "--seed", parse=int, help="sampling seed (default {default})")
 
 
+LOSSY = "CHANGES THE OUTPUT (lossy, off by default; its price: `bmoe-bench quality`): "
+
+
+@dataclass(frozen=True)
+class LossySettings:
+    """Opt-in routing changes that read fewer experts and change the output (bmoe.lossy); each is
+    exact when off. A request can still ask for lossless output (bmoe.api, bmoe-server)."""
+
+    experts_per_token: int = setting(
+        0, "--experts-per-token", parse=lambda t: number(t, int, "a whole number", lambda v: v >= 0, "must be 0 or more"),
+        metavar="K", ok=lambda v: v >= 0, rule="a number of experts, 0 (the model's own) or more",
+        help=LOSSY + "route each token to its K best experts of the model's top-k, their weights normalised as the "
+                     "model normalises its own (0 = the model's top-k; default {default})")
+    drop_cold: float = setting(
+        0.0, "--drop-cold", parse=_share, metavar="F", ok=lambda v: 0 <= v < 1, rule="a fraction from 0 to below 1",
+        help=LOSSY + "skip a routed expert that is not in the cache and carries less than F of the token's routing "
+                     "weight (never its best one): no read, its weight goes to the others as the model normalises "
+                     "(0 = off; default {default})")
+    cache_routing: float = setting(
+        0.0, "--cache-routing", parse=_share, metavar="D", ok=lambda v: 0 <= v < 1, rule="a fraction from 0 to below 1",
+        help=LOSSY + "when a routed expert is not in the cache, use the cached expert of the layer the router "
+                     "scores best among the others if its router probability is at least (1-D) times the missing "
+                     "one's (relative: D=0.2 takes one within 20%%; 0 = off; default {default})")
+
+    @property
+    def on(self) -> bool:
+        return bool(self.experts_per_token or self.drop_cold or self.cache_routing)
+
+
 @dataclass(frozen=True)
 class Settings:
     """A run: the model and every setting, top-level and in groups (the groups are code's; each
@@ -219,6 +253,7 @@ class Settings:
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    lossy: LossySettings = field(default_factory=LossySettings)
     route_trace: str | None = setting(
         None, "--route-trace", metavar="PATH",
         help="write each decode token's routed experts per layer (JSON lines) and the router inputs "
@@ -416,6 +451,14 @@ def validate(s: Settings, w: Words = FLAGS, given: frozenset[str] = frozenset())
                           f"give it a budget ({budget})")
     if s.hf and s.model:
         raise ConfigError(f"{w.name('model')} names a file and {w.name('hf')} a model on the hub; give one of them")
+    lo = s.lossy
+    cached = [w.name(k) for k, v in (("drop_cold", lo.drop_cold), ("cache_routing", lo.cache_routing)) if v]
+    if cached and not st.enabled:
+        raise ConfigError(f"{' and '.join(cached)} change routing by what the expert cache holds, and {no_stream} "
+                          f"has none; drop one of them")
+    if lo.cache_routing and c.mb == 0:
+        raise ConfigError(f"{w.name('cache_routing')} takes a cached expert instead of a missing one, and "
+                          f"{w.value('cache_mb', 0.0)} caches none; give it a budget or drop it")
     if s.route_trace and s.parallel > 1:
         raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
                           f"{w.value('parallel', s.parallel)} decodes several; drop one of them")

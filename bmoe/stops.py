@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from bmoe import seam
+from bmoe.lossy import DROPPED, Lossy
 from bmoe.route_trace import TraceWriter
 from bmoe.streamer import Streamer
 
@@ -18,23 +19,40 @@ from bmoe.streamer import Streamer
 class Stops:
     """The streaming run's answers at the graph's stops."""
 
-    def __init__(self, streamer: Streamer, down_nodes: dict[bytes, int], trace: TraceWriter | None) -> None:
+    def __init__(self, streamer: Streamer, down_nodes: dict[bytes, int], trace: TraceWriter | None,
+                 lossy: Lossy | None = None) -> None:
         self.st = streamer
         self.trace = trace
+        self.lossy = lossy
         self.down_nodes = down_nodes  # empty without --overlap: every read is awaited at the routing node
         self.router_input = streamer.gate_running or trace is not None
 
     def skip_route(self, layer: int) -> bool:
-        """A layer whose experts are all resident for good runs through (a trace sees every layer)."""
+        """A layer whose experts are all resident for good runs through (a trace sees every layer),
+        unless lossy routing changes every layer's routing in this decode."""
+        if self.lossy is not None and self.lossy.cuts and self.lossy.active:
+            self.st.unbind(layer)
+            return False
         return self.trace is None and self.st.skip(layer)
 
+    def reroute(self, layer: int, ids: np.ndarray, node: int) -> None:
+        """Lossy routing (bmoe.lossy), when the run has it, changes the ids and weights first."""
+        if self.lossy is not None:
+            self.lossy.reroute(layer, ids, node)
+
     def on_route(self, layer: int, ids: np.ndarray) -> None:
+        if self.lossy is not None:
+            ids = _read(ids)
         if self.trace is not None:
             self.trace.on_route(layer, ids, self.st.predicted_for(layer))
         self.st.on_route(layer, ids)
 
     def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
-        return self.st.slot_ids(layer, ids)
+        if self.lossy is None:
+            return self.st.slot_ids(layer, ids)
+        slots = self.st.slot_ids(layer, _read(ids))
+        slots[ids == DROPPED] = self.st.spare_slot(layer)
+        return slots
 
     def on_router_input(self, layer: int, node: int) -> None:
         """Hand a layer's router input to the trace and the spec-gate; no more stops there once
@@ -51,3 +69,10 @@ class Stops:
 
     def on_down(self, layer: int) -> None:
         self.st.on_down(layer)
+
+
+def _read(ids: np.ndarray) -> np.ndarray:
+    """The routed ids as experts to read: a dropped position as its row's best expert, which the row
+    reads anyway (its slot is the spare's: Stops.slot_ids)."""
+    dropped = ids == DROPPED
+    return np.where(dropped, ids[:, :1], ids) if dropped.any() else ids

@@ -65,10 +65,10 @@ class Streamer:
 
     def __init__(self, files: ModelFiles, regions: list[Region], tensors: list[seam.ExpertTensor], budget: int,
                  streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0,
-                 biases: list[seam.ExpertBias] = ()) -> None:
+                 biases: list[seam.ExpertBias] = (), spare: bool = False) -> None:
         self.files = files
         self.n_expert = max(r.n_expert for r in regions)
-        self.slab = Slab(layout(regions), streaming.shm_backend)
+        self.slab = Slab(layout(regions, spare), streaming.shm_backend)
         self.pool: LanePool | None = None
         try:  # a signal may land anywhere in here: what exists so far is released
             self.cache = ExpertCache(self.slab, regions, budget, policy)
@@ -276,6 +276,16 @@ class Streamer:
             self._bind(layer, None)
             del self.direct[layer]
         return False
+
+    def unbind(self, layer: int) -> None:
+        """The hook stops at a layer `skip` would let run through (lossy routing changes every layer):
+        it reads through the remapped ids again."""
+        if self.direct.pop(layer, None) is not None:
+            self._bind(layer, None)
+
+    def spare_slot(self, layer: int) -> int:
+        """The layer's pools' spare slot (laid out with `spare`): all zeros, never an expert's."""
+        return self.cache.regions[self.cache.by_layer[layer][0]].capacity - 1
 
     # ---- sending reads -------------------------------------------------------------------------
 

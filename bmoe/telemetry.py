@@ -18,10 +18,13 @@ from bmoe.units import MiB
 
 
 # cache_budget_mib is bmoe's trailing column after the contract's nine (the contract's CSV is
-# additive, read by column name): the budget in force that token, which an adaptive cache moves
+# additive, read by column name): the budget in force that token, which an adaptive cache moves.
 CSV_COLUMNS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "read_bytes", "cache_hit_pct",
                "stall_ms", "mgmt_ms", "cache_budget_mib")
-CSV_OPTIONAL = ("stall_ms", "mgmt_ms")
+# A run with lossy routing (bmoe.lossy) has three more: experts dropped and substituted that token
+# (over every layer), and the mean share of a layer's routing weight not computed as the router chose
+LOSSY_COLUMNS = ("dropped", "substituted", "weight_changed_pct")
+CSV_OPTIONAL = ("stall_ms", "mgmt_ms", "dropped", "substituted", "weight_changed_pct")
 ANSWER_BANNER = "=== answer ==="
 PERF_BANNER = "=== perf ==="
 
@@ -38,6 +41,9 @@ class TokenStat:
     lookups: int
     stall_ns: int = 0
     budget_bytes: int = 0  # the cache budget in force after this token
+    dropped: int = 0  # lossy routing (bmoe.lossy): experts dropped over the layers
+    substituted: int = 0
+    weight_changed_pct: float = 0.0  # mean over the layers of the routing weight's share changed
 
 
 @dataclass
@@ -56,6 +62,9 @@ class TokenLine:
     budget_bytes: int = 0
     hits: int = 0  # this token's cache lookups that found the expert resident
     lookups: int = 0
+    dropped: int = 0  # lossy routing's changes this token (TokenStat)
+    substituted: int = 0
+    weight_changed_pct: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -112,13 +121,17 @@ class RunTotals:
     stall_s: float
     read_bytes: int
     overlap: bool = False
+    dropped: int = 0
+    substituted: int = 0
+    weight_changed_pct: float = 0.0  # summed over the tokens (per_tok gives the mean)
 
     @classmethod
     def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> "RunTotals":
         ls = list(lines)
         return cls(len(ls), sum(t.wall_ms for t in ls) / 1e3, sum(t.io_ms for t in ls) / 1e3,
                    sum(t.mgmt_ms for t in ls) / 1e3, sum(t.stall_ms for t in ls) / 1e3,
-                   sum(t.read_bytes for t in ls), overlap)
+                   sum(t.read_bytes for t in ls), overlap, sum(t.dropped for t in ls),
+                   sum(t.substituted for t in ls), sum(t.weight_changed_pct for t in ls))
 
     @property
     def compute_s(self) -> float:
@@ -153,7 +166,8 @@ class Tally:
         line = TokenLine(step=len(self.lines) + 1, steps=self.steps, wall_ms=st.wall_ns / 1e6,
                          io_ms=st.io_ns / 1e6, mgmt_ms=st.mgmt_ns / 1e6, stall_ms=st.stall_ns / 1e6,
                          read_bytes=st.read_bytes, cache_hit_pct=self.hit_pct, overlap=self.overlap,
-                         budget_bytes=st.budget_bytes, hits=st.hits, lookups=st.lookups)
+                         budget_bytes=st.budget_bytes, hits=st.hits, lookups=st.lookups, dropped=st.dropped,
+                         substituted=st.substituted, weight_changed_pct=st.weight_changed_pct)
         self.lines.append(line)
         return line
 
@@ -194,13 +208,23 @@ def spec_gate_line(recall_pct: float, disabled_below: float | None) -> str:
     return line
 
 
-def csv_header() -> str:
-    return ",".join(CSV_COLUMNS)
+def lossy_line(t: RunTotals, k: int, top_k: int) -> str:
+    """bmoe's `moe-lossy:` summary line, after the contract's, in a run with lossy routing (bmoe.lossy):
+    the experts per token per layer, drops and substitutions per token, and the mean share of a
+    layer's routing weight not computed as the router chose."""
+    return (f"moe-lossy: {k} of {top_k} experts per token, {t.per_tok(t.dropped):.2f} dropped + "
+            f"{t.per_tok(t.substituted):.2f} substituted per token, "
+            f"{t.per_tok(t.weight_changed_pct):.2f}% of routing weight changed")
 
 
-def csv_row(t: TokenLine) -> str:
-    return (f"{t.step},{t.steps},{t.wall_ms:.3f},{t.io_ms:.3f},{t.compute_ms:.3f},{t.read_bytes},"
-            f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f},{t.budget_bytes / MiB:.1f}")
+def csv_header(lossy: bool = False) -> str:
+    return ",".join(CSV_COLUMNS + (LOSSY_COLUMNS if lossy else ()))
+
+
+def csv_row(t: TokenLine, lossy: bool = False) -> str:
+    row = (f"{t.step},{t.steps},{t.wall_ms:.3f},{t.io_ms:.3f},{t.compute_ms:.3f},{t.read_bytes},"
+           f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f},{t.budget_bytes / MiB:.1f}")
+    return row + (f",{t.dropped},{t.substituted},{t.weight_changed_pct:.3f}" if lossy else "")
 
 
 def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int, *, prefill_tokens: int, prefill_s: float,
@@ -232,6 +256,8 @@ SUMMARY_GRAMMAR = {
     "moe-prefetch": re.compile(rf"^moe-prefetch: {_NUM} MiB speculative, (\d+)/(\d+) experts useful \({_NUM}%\)$"),
     "moe-spec-gate": re.compile(rf"^moe-spec-gate: {_NUM}% router prediction recall"
                                 rf"(?: \(auto-disabled below {_NUM}%\))?$"),
+    "moe-lossy": re.compile(rf"^moe-lossy: (\d+) of (\d+) experts per token, {_NUM} dropped \+ {_NUM} substituted "
+                            rf"per token, {_NUM}% of routing weight changed$"),
 }
 SUMMARY_FIELDS = {
     "generation": ("tokens", "s_per_token", "tok_s"),
@@ -240,6 +266,7 @@ SUMMARY_FIELDS = {
     "moe-cache": ("hit_pct", "resident_mib"),
     "moe-prefetch": ("speculative_mib", "useful", "prefetched", "useful_pct"),
     "moe-spec-gate": ("recall_pct", "disabled_below_pct"),
+    "moe-lossy": ("experts_per_token", "top_k", "dropped_per_token", "substituted_per_token", "weight_changed_pct"),
 }
 
 

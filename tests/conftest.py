@@ -184,6 +184,8 @@ class SlabCheck:
             self.hook.stops.on_down, self.hook.stops.down_pending = on_down, down_pending
 
     def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
+        """Each expert's slot holds its file bytes; a position lossy routing dropped (expert -1,
+        bmoe.lossy.DROPPED) reads the pool's spare slot, which must hold only zeros."""
         from bmoe import seam
 
         c = self.st.cache
@@ -193,6 +195,11 @@ class SlabCheck:
                 continue
             t = seam.tensor_at(self.st.tensors[r.name].addr)
             for e, slot in self._slots.get(layer, {}).items():
+                if e < 0:
+                    self.checked += 1
+                    if slot != r.capacity - 1 or ctypes.string_at(t.data + slot * t.nb[2], r.expert_bytes).strip(b"\0"):
+                        self.bad.append(f"{r.name}: a dropped position reads slot {slot}, not the spare's zeros")
+                    continue
                 want = os.pread(self._fds[r.file_index], r.expert_bytes, r.file_offset + e * r.expert_bytes)
                 self.checked += 1
                 if not 0 <= slot < t.ne[2]:

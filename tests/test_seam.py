@@ -16,6 +16,7 @@ from bmoe.coordinator import ABORTED, Engine
 from bmoe.expert_cache import RESIDENT
 from bmoe.tools.synth import ARCHES
 from tests.conftest import SlabCheck, complete, settings_for, slice_bytes
+from tests.conftest import load as load_model
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp above the sea"
 
@@ -321,3 +322,97 @@ def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -
         assert x.shape == y.shape == (n_rows, n_embd) and x.dtype == y.dtype == np.float32
         want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + eps)
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-6)
+
+
+# ---- lossy routing's facts (bmoe.lossy): where the router weights may be changed --------------------
+
+NORMS = {"qwen3moe": seam.NORM_SUM, "llama": seam.NORM_SUM, "qwen2moe": seam.NORM_NONE, "olmoe": seam.NORM_NONE,
+         "gpt-oss": seam.NORM_SOFTMAX}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synth, arch: str) -> None:
+    """What bmoe.lossy relies on, node by node: `ffn_moe_weights-L` is a contiguous F32 [1, top_k, n]
+    tensor of the router's scores at the routed ids, best first (llama.cpp's top-k is a descending
+    argsort); its src[0] holds every expert's score (`router_scores`); and the layer's normalisation,
+    as the capture names it per architecture (a sum, a softmax, or none), computes from that node
+    (through reshapes), later in graph order, so a weight rewritten at its ask=False call is what
+    gets normalised."""
+    path = synth(arch=arch, layers=3, experts=8, top_k=2)
+    e = engine(path, "--cache-mb", 1000)
+    order: list[str] = []
+    addr: dict[str, int] = {}
+    got: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    topk = re.compile(r"ffn_moe_topk-(\d+)")
+
+    def reads(node: int, target: int, hops: int = 4) -> bool:
+        """`node` computes from `target` within a few nodes (reshapes, the softmax's own node)."""
+        return node == target or hops > 0 and any(reads(x, target, hops - 1) for x in seam.tensor_at(node).src if x)
+
+    def cb(t: int, ask: bool, u: int) -> bool:
+        name = seam.tensor_name(t)
+        tt = seam.tensor_at(t)
+        if ask and name.startswith("ffn_moe_weights"):
+            order.append(name)
+            addr[name] = t
+        if not ask and re.fullmatch(r"ffn_moe_weights-\d+", name):
+            layer = int(name.split("-")[1])
+            ids = seam.routing_ids(tt.src[1])
+            assert topk.fullmatch(seam.tensor_name(tt.src[1])), "the weights gather by the routed ids"
+            got[layer] = (ids, seam.moe_weights(t).copy(), seam.router_scores(t).copy())
+        return e.hook._callback(t, ask, u) or name.startswith("ffn_moe_weights")
+
+    try:
+        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
+        e._decode([(0, e.tokenize(PROMPT), 0)])
+    finally:
+        e.close()
+    cap_norms = {layer: NORMS[arch] for layer in range(3)} if NORMS[arch] != seam.NORM_NONE else {}
+    assert e.hook.capture is None
+    for layer in range(3):
+        ids, w, scores = got[layer]
+        assert scores.shape == (len(ids), 8) and w.shape == ids.shape == (len(ids), 2)
+        assert np.array_equal(w, np.take_along_axis(scores, ids.astype(np.int64), axis=1)), "the scores at the ids"
+        assert (np.diff(w, axis=1) <= 0).all(), "the routed ids come best first"
+        weights = f"ffn_moe_weights-{layer}"
+        norm = {seam.NORM_SUM: f"ffn_moe_weights_norm-{layer}", seam.NORM_SOFTMAX: f"ffn_moe_weights_softmax-{layer}"}
+        names = [n for n in order if n.endswith(f"-{layer}")]
+        if NORMS[arch] == seam.NORM_NONE:
+            assert names == [weights] * names.count(weights), f"{arch} weighs the experts as gathered: {names}"
+        else:
+            first = norm[NORMS[arch]] if NORMS[arch] == seam.NORM_SOFTMAX else f"ffn_moe_weights_sum-{layer}"
+            assert first in names and names.index(first) > names.index(weights), names
+            assert norm[NORMS[arch]] in names
+            assert reads(addr[first], addr[weights]) and reads(addr[norm[NORMS[arch]]], addr[weights]), \
+                f"the normalisation of layer {layer} does not compute from {weights}"
+    # the capture names the same normalisation (what bmoe.lossy is told at load)
+    e2 = engine(path, "--cache-mb", 1000, "--drop-cold", 0.1)
+    try:
+        assert e2.lossy is not None and e2.lossy.norms == cap_norms
+    finally:
+        e2.close()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_fewer_experts_by_the_hook_is_llama_cpps_own_expert_count(synth, arch: str) -> None:
+    """The pin of where bmoe.lossy changes the weights: routing a token to its K best experts by
+    rewriting the weights node (and the dropped positions to the spare zero slot) before the layer's
+    own normalisation computes, token for token, what llama.cpp computes with the model's
+    expert_used_count set to K at load (`--no-stream --experts-per-token K`), while streaming with
+    a cache that forces misses; and it is not the model's full top-k output."""
+    path = synth(arch=arch, layers=4, experts=8, top_k=2)
+    flags = ("-c", 256, "-t", 2)
+    with load_model(path, *flags, "--no-stream") as m:
+        full = complete(m, PROMPT, 32).ids
+    with load_model(path, *flags, "--no-stream", "--experts-per-token", 1) as m:
+        assert m.engine.fixed_k == 1 and m.engine.lossy is None
+        want = complete(m, PROMPT, 32).ids
+    with load_model(path, *flags, "--cache-mb", 0.5, "--force", "--experts-per-token", 1) as m:
+        check = SlabCheck(m.engine)
+        try:
+            got = complete(m, PROMPT, 32)
+        finally:
+            check.close()
+    assert got.ids == want and want != full
+    assert not check.bad and check.checked > 0, check.bad[:3]
+    assert got.stats.lossy and got.stats.experts_per_token == 1 and got.stats.weight_changed_pct > 0

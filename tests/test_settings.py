@@ -35,7 +35,8 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
               "--top-k", "7", "--top-p", "0.5", "--seed", "9", "--cache-policy", "lru", "--force", "--preload",
               "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
               "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
-              "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense"],
+              "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--experts-per-token", "3",
+              "--drop-cold", "0.1", "--cache-routing", "0.2"],
              ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"],
              ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv", "--prompt-cache-mb", "9"]]
     changed = set()

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from bmoe.argtypes import nonneg_int, positive_float, positive_int
-from bmoe.tools import bench_config, bench_numbers, bench_report, bench_run, bench_sys
+from bmoe.tools import bench_config, bench_numbers, bench_quality, bench_report, bench_run, bench_sys
 
 EXIT_ERROR = 1
 EXIT_SIGINT = 130
@@ -49,12 +49,14 @@ model file dropped from the page cache. The baseline configuration 'mmap' = '--n
 EXAMPLES = """\
 commands:
   run        benchmark bmoe-cli configurations against each other and plain llama.cpp
+  quality    what lossy settings cost on your model and text: KL, top-1 agreement, perplexity, speed
   routes     what a routing trace (bmoe-cli --route-trace) says: reuse, router recall, LRU curve
   policies   replay routing traces through every cache policy and Belady's bound
 
 examples:
   bmoe-bench run -m model.gguf -n 32 --config c0='--cache-mb 0' --config c1g='--cache-mb 1024'
   bmoe-bench run --help
+  bmoe-bench quality -m model.gguf --config k6='--experts-per-token 6' --config cold='--drop-cold 0.1'
   bmoe-cli -m model.gguf -n 150 --route-trace story.jsonl && bmoe-bench routes story.jsonl
   bmoe-bench policies story.jsonl code.jsonl --budgets 10,25,50,75
 """
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run bmoe-cli with each configuration, alternating round-robin, each run starting "
                     "with a cold page cache and optionally under a memory limit; write results.json, "
                     "report.md and a chart.")
+    bench_quality.add_parser(sub)
     rt = sub.add_parser("routes", help="previous-token reuse, next-layer router recall and the LRU hit-rate "
                                        "curve of a routing trace",
                         description="Read a trace written by bmoe-cli --route-trace and print previous-token "
@@ -225,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.command == "run":
             return cmd_run(a, argv)
+        if a.command == "quality":
+            return bench_quality.cmd_quality(a, argv)
         if a.command == "routes":
             return cmd_routes(a)
         if a.command == "policies":

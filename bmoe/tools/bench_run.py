@@ -138,6 +138,7 @@ class RunEnv:
     skip_tokens: int = 0
     drop_all_ok: bool | None = None
     unlimited: tuple[str, ...] = ()  # configurations run without the memory limit (--compute-ref)
+    entry: str = "bmoe.cli"  # the module each run starts (bmoe-bench quality's: bmoe.tools.bench_quality_run)
 
 
 def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
@@ -145,7 +146,7 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
     stem = f"{index:03d}-{cfg.name}-{phase}{rnd}"
     csv_path = env.runs_dir / f"{stem}.csv" if env.csv else None
     out_path, err_path = env.runs_dir / f"{stem}.out", env.runs_dir / f"{stem}.err"
-    cmd = [sys.executable, "-m", "bmoe.cli", "-m", str(env.model), *env.prompt_args,
+    cmd = [sys.executable, "-m", env.entry, "-m", str(env.model), *env.prompt_args,
            "-n", str(env.n_predict), *env.common, *cfg.flags]
     if csv_path:
         cmd += ["--csv", str(csv_path)]
