@@ -20,6 +20,7 @@ The edges (bmoe.cli, bmoe.session, bmoe.api, bmoe.scheduler) use only the Engine
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,7 +31,7 @@ import numpy as np
 from bmoe import seam
 from bmoe.budget import Adaptive, decide
 from bmoe.chat import Renderer
-from bmoe.dense import dense_ranges, pin
+from bmoe.dense import DenseReadAhead, advise_normal, dense_ranges, pin
 from bmoe.expert_cache import working_sets
 from bmoe.memory import MemoryProbe
 from bmoe.llama import TextStream, Vocab, init_backend, load_model, make_sampler, new_context
@@ -92,6 +93,7 @@ class Engine:
         self.model = self.ctx = None
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
+        self.dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
         self.cancel_requested = False
         t0 = time.perf_counter()
         self.files = open_model(settings.model)
@@ -127,7 +129,12 @@ class Engine:
         """llama.cpp's own load (model, then context), timed apart as `llama_load_s`, so that
         `load_s - llama_load_s` is what bmoe adds to a plain llama.cpp load."""
         t0 = time.perf_counter()
-        self.model = load_model(self.settings.model)
+        with seam.no_populate() if streaming else nullcontext("not streaming") as why:
+            if streaming and why is not None:
+                self.notice(f"loading the whole model file ({why})")
+            self.model = load_model(self.settings.model)
+        if why is None:  # llama.cpp mapped the file without reading it: the dense weights are read here
+            self.dense_ahead = DenseReadAhead(self.files).start()
         if not self.model:
             raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
         self.ctx = new_context(self.model, self.settings.n_ctx, self.settings.threads,
@@ -151,9 +158,12 @@ class Engine:
         tensors = list(cap.tensors.values())
         regions = regions_of(self.files, tensors)
         need = working_sets(regions, max(1, self.files.n_expert_used))
-        if s.pin_dense:  # before the expert tensors are rebound: their data pointers find the mapping
+        dense = dense_ranges(self.files, tensors)  # before the expert tensors are rebound: their data pointers find the mapping
+        self.memory.kept = 0 if s.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
+        if s.pin_dense:
+            self._dense_read(dense)
             t0 = time.perf_counter()
-            n = pin(dense_ranges(self.files, tensors))
+            n = pin(dense)
             self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
         # the lanes and pinned weights are there before the budget is decided: they are in the charge
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
@@ -175,6 +185,7 @@ class Engine:
             self._start_trace(Path(s.route_trace))
         else:
             self.hook.skip_route = st.skip
+        self._dense_read(dense)
         if s.cache.preload:
             if not st.holds_everything:
                 self.notice("--preload ignored: the cache budget does not hold every expert")
@@ -182,6 +193,13 @@ class Engine:
                 t0 = time.perf_counter()
                 n = st.preload()
                 self.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
+
+    def _dense_read(self, ranges: list[tuple[int, int]]) -> None:
+        """Wait for the dense read-ahead (once) and give those ranges normal read-around again."""
+        if self.dense_ahead is not None:
+            self.dense_ahead.join()
+            self.dense_ahead = None
+            advise_normal(ranges)
 
     def _capture(self, dry: bool) -> seam.Capture:
         """Visit the graph of a one-token decode; `dry` aborts it at the first computed node, so no
