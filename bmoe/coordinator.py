@@ -44,6 +44,8 @@ from bmoe.speculation import SpecGate
 from bmoe.streamer import Streamer, regions_of
 from bmoe.telemetry import TokenStat
 from bmoe.units import MiB
+from bmoe.usage_profile import default_dir
+from bmoe.warm_fill import WarmStart
 
 __all__ = ["Cancelled", "ConfigError", "Engine", "Result", "Sequence"]
 
@@ -94,6 +96,7 @@ class Engine:
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
         self.dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
+        self.warm: WarmStart | None = None  # the usage profile: a background fill now, saved at close
         self.cancel_requested = False
         t0 = time.perf_counter()
         self.files = open_model(settings.model)
@@ -193,6 +196,9 @@ class Engine:
                 t0 = time.perf_counter()
                 n = st.preload()
                 self.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
+        if s.cache.warm_start:
+            self.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), self.files, st,
+                                  self.notice)
 
     def _dense_read(self, ranges: list[tuple[int, int]]) -> None:
         """Wait for the dense read-ahead (once) and give those ranges normal read-around again."""
@@ -271,9 +277,12 @@ class Engine:
 
     def follow_memory(self) -> None:
         """Between generations: an adaptive budget follows the room as it does each token, so an
-        idle session or server gives memory back when another program needs it."""
+        idle session or server gives memory back when another program needs it; a warm start's
+        fill reads on."""
         if self.adaptive is not None and self.streamer is not None:
             self._adapt()
+        if self.warm is not None and self.streamer is not None:
+            self.warm.idle()
 
     def _adapt(self) -> None:
         """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
@@ -527,6 +536,8 @@ class Engine:
 
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
+        if self.warm is not None and self.streamer is not None:
+            self.warm.save()
         st, self.streamer = self.streamer, None
         self.hook.on_route = self.hook.on_router_input = self.hook.skip_route = None
         self.hook.down_pending = self.hook.on_down = None

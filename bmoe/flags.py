@@ -20,6 +20,7 @@ examples:
   bmoe-cli -m model.gguf -p "Hello" --no-stream     # plain llama.cpp, the reference output
   bmoe-cli -m model.gguf -p "Hello" --progress --csv run.csv --profile   # telemetry for apps and benchmarks
   bmoe-cli --session -m model.gguf --cache-mb 2000  # serve JSON-lines requests on stdin
+  bmoe-cli -m model.gguf -p "Hello" --usage-dir ~/bmoe-usage   # keep usage profiles (warm starts) there
 """
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -92,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache segment: POSIX shared memory (/dev/shm) or an anonymous memfd; auto picks "
                          f"memfd when /dev/shm is missing (default {StreamSettings.shm_backend})")
     ap.add_argument("--no-odirect", action="store_true", help="buffered reads + FADV_DONTNEED instead of O_DIRECT")
+    ap.add_argument("--usage-dir", metavar="DIR", default=CacheSettings.usage_dir,
+                    help="where each model's usage profile (how often each expert was routed) is kept: saved at "
+                         "exit, used at the next start to fill the cache in the background, most used first "
+                         "(default: $BMOE_USAGE_DIR, else $XDG_CACHE_HOME/bmoe/usage, i.e. ~/.cache/bmoe/usage)")
+    ap.add_argument("--no-warm-start", action="store_true",
+                    help="neither use nor save a usage profile: every start begins with an empty cache")
     ap.add_argument("--preload", action="store_true",
                     help="read every expert into the cache at start (when the budget holds them all)")
     ap.add_argument("--no-stream", action="store_true", help="plain llama.cpp (mmap), no expert streaming")
@@ -146,7 +153,8 @@ def settings_from_args(a: argparse.Namespace, model: str) -> Settings:
         model=model, n_ctx=a.ctx_size, threads=a.threads or 0, verbose=a.verbose, route_trace=a.route_trace,
         pin_dense=a.pin_dense, parallel=a.parallel,
         cache=CacheSettings(mb=a.cache_mb, floor_mb=a.cache_floor_mb, ceil_mb=a.cache_ceil_mb, force=a.force,
-                            policy=a.cache_policy, preload=a.preload, adapt=a.adapt),
+                            policy=a.cache_policy, preload=a.preload, adapt=a.adapt,
+                            warm_start=not a.no_warm_start, usage_dir=a.usage_dir),
         streaming=StreamSettings(enabled=not a.no_stream, io_threads=a.io_threads, odirect=not a.no_odirect,
                                  lane_timeout=a.lane_timeout, shm_backend=a.shm,
                                  overlap=StreamSettings.overlap if a.overlap is None else a.overlap),

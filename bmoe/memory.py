@@ -131,13 +131,13 @@ class MemoryProbe:
         return min(self.rooms(), key=lambda r: r.bytes)
 
     def _kept_text(self) -> str:
-        return f", less {self.kept / MiB:.0f} MiB of dense weights to keep" if self.kept else ""
+        return f" less the dense weights' {self.kept / MiB:.0f} MiB" if self.kept else ""
 
     def _cgroup_room(self, d: Path, limit: int, charge: int, page_cache: int) -> Room:
         net = max(0, charge - page_cache) + self.kept
         return Room(max(0, limit - net),
                     f"cgroup {self._label(d)} (limit {limit / MiB:.0f} MiB, charge {charge / MiB:.0f} MiB "
-                    f"of which {page_cache / MiB:.0f} MiB page cache{self._kept_text()})", limit)
+                    f"of which {page_cache / MiB:.0f} MiB page cache){self._kept_text()}", limit)
 
     def _label(self, d: Path) -> str:
         chain = self.v2 or self.v1

@@ -27,6 +27,8 @@ class CacheSettings:
     policy: str = DEFAULT_POLICY
     preload: bool = False  # read every expert at start when the budget holds them all
     adapt: bool = False  # a fixed `mb` also follows free memory (auto always does)
+    warm_start: bool = True  # fill from the model's usage profile at start, save it at exit (bmoe.warm_fill)
+    usage_dir: str | None = None  # where usage profiles live; None: bmoe.usage_profile.default_dir()
 
     FLOOR_MB = 1536.0
 
@@ -122,6 +124,9 @@ def validate(s: Settings) -> None:
     if c.adapt and (c.mb == 0 or not s.streaming.enabled):
         raise ConfigError("--adapt moves the expert cache's budget with free memory, and "
                           f"{'--cache-mb 0' if s.streaming.enabled else '--no-stream'} has no cache; drop one of them")
+    if c.usage_dir is not None and not c.warm_start:
+        raise ConfigError("--usage-dir names where usage profiles are kept, and --no-warm-start uses none; "
+                          "drop one of them")
     if s.reads_ahead and c.mb == 0:
         raise ConfigError(f"{_ahead_flags(s)} read experts ahead into the cache, and --cache-mb 0 has none; "
                           "give it a budget (--cache-mb N or auto)")

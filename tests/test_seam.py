@@ -310,6 +310,7 @@ def _read_bytes() -> int:
 def _drop_from_page_cache(path: object) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)  # a file just written: dirty pages are not dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

@@ -378,7 +378,8 @@ def test_every_setting_has_a_flag() -> None:
               "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
               "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
               "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--parallel", "2"],
-             ["--no-stream"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"]]
+             ["--no-stream"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"], ["--no-warm-start"],
+             ["--usage-dir", "u"]]
     changed = set()
     for argv in fixed:
         got = _leaves(settings_from_args(ap.parse_args(argv), "other.gguf"))
