@@ -14,7 +14,9 @@ by default) and with the model dropped from the page cache before every process:
    bench/prompts/prefill_400.txt) with `-n` tokens: time to first token (`load_s + prefill_s`, as
    bmoe-bench defines it, and from launch), decode tok/s and MiB read per decode token, and the peaks
    of the same memory figures while it ran (sampled every 0.1 s), the cgroup's peak and OOM kills;
-3. for models up to `--mmap-up-to-gb`, the same session with `--no-stream` (plain llama.cpp's mmap),
+3. with `--cache-mb auto`, a second session right after the first, the page cache left as that run
+   left it (a warm start): launch to READY and the auto budget it chose, against the cold one's;
+4. for models up to `--mmap-up-to-gb`, the same session with `--no-stream` (plain llama.cpp's mmap),
    for time to first token.
 
 Rounds (`--rounds`) alternate the models' runs where the models coexist (the demo); a synthetic model
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -232,6 +235,7 @@ def session(cg_parent, limit: int, model: Path, flags: list[str], prompt: str, n
         finally:
             rec["exit"] = s.close()
             rec["stderr_tail"] = s.stderr[-1500:]
+            rec["start_budget_mib"] = start_budget(s.stderr)
             rec["cgroup_peak"] = cg.peak_bytes()
             rec["oom_kills"] = cg.oom_kills()
     done = rec.get("done")
@@ -241,6 +245,28 @@ def session(cg_parent, limit: int, model: Path, flags: list[str], prompt: str, n
         rec["decode_tok_s"] = done["tok_s"]
         rec["mib_per_token"] = statistics.mean(read_mb) * 1e6 / MiB if read_mb else None
     return rec
+
+
+def start_budget(stderr: str) -> float | None:
+    """The budget `--cache-mb auto` chose at start, from its notice (MiB)."""
+    m = re.search(r"cache budget ([\d.]+) MiB \(auto", stderr)
+    return float(m.group(1)) if m else None
+
+
+def warm_ready(cg_parent, limit: int, model: Path, flags: list[str], tmp: Path) -> dict:
+    """A session started right after another, the model left in the page cache (charged to the cgroup
+    that read it, now gone): launch to READY and the auto budget, then close."""
+    from bmoe.session_client import SessionClient, SessionError
+
+    with Cgroup(cg_parent, f"bmoe-bench-scale-{os.getpid()}-warm", limit) as cg:
+        t0 = time.perf_counter()
+        try:
+            s = SessionClient(["-m", str(model), *flags], python=cg.python(tmp), cwd=str(REPO))
+        except SessionError as e:
+            return {"error": str(e)[-1500:]}
+        ready = time.perf_counter() - t0
+        s.close()
+        return {"ready_s": ready, "budget_mib": start_budget(s.stderr)}
 
 
 # ---- models ----------------------------------------------------------------------------------------
@@ -287,6 +313,9 @@ def measure(name: str, path: Path, a: argparse.Namespace, cg_parent, prompt: str
         b = rnd["bmoe"]
         b["usage_profile_bytes"] = sum(p.stat().st_size for p in usage.glob("*.json")) if usage.is_dir() else None
         shutil.rmtree(usage, ignore_errors=True)
+        if a.cache_mb == "auto":
+            say(f"{name} round {r + 1}: warm start (page cache left as the last run left it)")
+            rnd["warm"] = warm_ready(cg_parent, limit, path, flags + ["--no-warm-start"], tmp)
         say(f"  READY {b.get('ready_s', 0):.2f} s, TTFT {b.get('ttft_s') or 0:.2f} s, "
             f"{b.get('decode_tok_s') or 0:.2f} tok/s, {b.get('mib_per_token') or 0:.0f} MiB/token, "
             f"exit {b.get('exit')}, OOM {b.get('oom_kills')}" + (f", error {b['error'][:300]}" if b.get("error") else ""))
@@ -334,7 +363,9 @@ def summarize(m: dict) -> dict:
         "tok_s": _med([x.get("decode_tok_s") for x in b]),
         "mib_per_token": _med([x.get("mib_per_token") for x in b]),
         "hit_pct": _med([x.get("done", {}).get("cache_hit_pct") for x in b]),
-        "budget_mib": _med([x.get("done", {}).get("cache_budget_mib") for x in b]),
+        "budget_mib": _med([x.get("start_budget_mib") for x in b]),
+        "warm_budget_mib": _med([r.get("warm", {}).get("budget_mib") for r in rs]),
+        "warm_ready_s": _med([r.get("warm", {}).get("ready_s") for r in rs]),
         "cgroup_peak": max((x.get("cgroup_peak") or 0 for x in b), default=None),
         "oom_kills": sum(x.get("oom_kills") or 0 for x in b),
         "exits": [x.get("exit") for x in b],
@@ -368,14 +399,15 @@ def render(meta: dict, models: list[dict]) -> str:
           "READY = launch of `bmoe-cli --session` to `BMOE_READY` (Python start-up included); load_s = "
           "`BMOE_READY.load_s`; read at READY = bytes every process of the run had read by then.", "",
           "| model | GB | llama.cpp load s (bmoe) | MiB read | ≤ dense + 2 %? | llama.cpp load s (plain) | MiB read | "
-          "READY s | load_s | MiB read at READY | budget MiB |",
-          "|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|"]
+          "READY s | load_s | MiB read at READY | auto budget MiB, cold | warm | warm READY s |",
+          "|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s, m in zip(sums, models):
         bound = m["model"]["dense_bytes"] + 0.02 * m["model"]["bytes"]
         ok = "yes" if s["llama_load_map_read"] is not None and s["llama_load_map_read"] <= bound else "no"
         L.append(f"| {s['name']} | {s['gb']:.1f} | {_f(s['llama_load_map_s'])} | {_mib(s['llama_load_map_read'])} | {ok} | "
                  f"{_f(s['llama_load_plain_s'])} | {_mib(s['llama_load_plain_read'])} | {_f(s['ready_s'])} | "
-                 f"{_f(s['load_s'])} | {_mib(s['read_at_ready'])} | {_f(s['budget_mib'], '.0f')} |")
+                 f"{_f(s['load_s'])} | {_mib(s['read_at_ready'])} | {_f(s['budget_mib'], '.0f')} | "
+                 f"{_f(s['warm_budget_mib'], '.0f')} | {_f(s['warm_ready_s'])} |")
     L += ["", "## First token and decode", "",
           "TTFT = `load_s + prefill_s` (bmoe-bench's definition); from launch = launch to the first token's "
           "`BMOE_PROGRESS`. MiB/token = mean `read_mb` of the decode tokens.", "",
@@ -452,6 +484,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=float, nargs="*", default=[10, 20, 40], help="synthetic model sizes in GB")
     ap.add_argument("--no-demo", action="store_true", help="leave the 64-expert demo model out")
+    ap.add_argument("--demo", type=Path, default=DEMO,
+                    help="the 64-expert demo model's path; pass a copy no other process maps, or a 'cold' start "
+                         "finds the pages those processes keep mapped (POSIX_FADV_DONTNEED cannot drop them)")
     ap.add_argument("--models-dir", type=Path, default=Path("/work/scale-models"),
                     help="where synthetic models are built (each deleted after it is measured)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic models")
@@ -488,7 +523,7 @@ def main() -> int:
     models: list[dict] = []
     try:
         if not a.no_demo:
-            models.append(measure("demo64", DEMO, a, cg_parent, prompt, tmp))
+            models.append(measure("demo64", a.demo, a, cg_parent, prompt, tmp))
         a.models_dir.mkdir(parents=True, exist_ok=True)
         for gb in a.sizes:
             path = build(gb, a.models_dir)

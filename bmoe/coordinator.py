@@ -134,7 +134,7 @@ class Engine:
         t0 = time.perf_counter()
         with seam.no_populate() if streaming else nullcontext("not streaming") as why:
             if streaming and why is not None:
-                self.notice(f"loading the whole model file ({why})")
+                self.notice(f"loading the whole model file, as llama.cpp does ({why}): a slower start, the same output")
             self.model = load_model(self.settings.model)
         if why is None:  # llama.cpp mapped the file without reading it: the dense weights are read here
             self.dense_ahead = DenseReadAhead(self.files).start()

@@ -226,6 +226,23 @@ def test_no_warm_start_neither_reads_nor_writes_a_profile(model: Path, tmp_path)
     assert r.returncode == 2 and "--usage-dir names where usage profiles are kept, and --no-warm-start" in r.stderr
 
 
+def test_the_server_writes_the_profile_at_shutdown_and_fills_from_it_at_start(model: Path, tmp_path) -> None:
+    from tests.test_server import Server
+
+    flags = ["-m", str(model), "-t", "1", "--io-threads", "2", "--cache-mb", "1000", "--usage-dir", str(tmp_path)]
+    s = Server(*flags)
+    try:
+        s.client().completions.create(model="m", prompt=PROMPT, max_tokens=4)
+    finally:
+        assert s.stop() == 143
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    s = Server(*flags)
+    try:
+        assert "warm start: filling the cache in the background" in s.stderr
+    finally:
+        s.stop()
+
+
 def test_the_session_and_the_api_write_the_profile_at_exit(model: Path, tmp_path) -> None:
     import bmoe
     from bmoe.session_client import SessionClient
