@@ -429,7 +429,8 @@ def test_a_streaming_start_reads_the_dense_weights_and_no_expert(big_experts: Pa
 
 def test_an_unknown_registry_falls_back_to_reading_the_whole_file_with_one_notice(big_experts: Path,
                                                                                   monkeypatch) -> None:
-    """Output is the same either way, and the same as plain llama.cpp's."""
+    """Output is the same either way, streaming through a small cache or with every expert resident,
+    and the same as plain llama.cpp's."""
     plain = Engine(settings_for(big_experts, "-c", 256, "-t", 2, "--no-stream"))
     try:
         want = plain.generate(plain.prompt_tokens(PROMPT, chat=False), 12).ids
@@ -444,6 +445,12 @@ def test_an_unknown_registry_falls_back_to_reading_the_whole_file_with_one_notic
             got[mode] = e.generate(e.prompt_tokens(PROMPT, chat=False), 12).ids
         finally:
             e.close()
+        e, _, _ = _start(big_experts, "--cache-mb", 400, "--preload")
+        try:
+            assert e.streamer.holds_everything
+            got[mode + " resident"] = e.generate(e.prompt_tokens(PROMPT, chat=False), 12).ids
+        finally:
+            e.close()
         whole = [n for n in notes if "whole model file" in n]
         if mode == "fallback":
             assert whole == ["loading the whole model file, as llama.cpp does (the CPU backend registry has "
@@ -452,4 +459,4 @@ def test_an_unknown_registry_falls_back_to_reading_the_whole_file_with_one_notic
             assert not whole
     size = big_experts.stat().st_size
     assert reads["fallback"] >= 0.9 * size and reads["no_populate"] <= _dense_bytes(big_experts) + 0.02 * size, reads
-    assert got["no_populate"] == got["fallback"] == want
+    assert got == dict.fromkeys(("no_populate", "no_populate resident", "fallback", "fallback resident"), want)

@@ -15,7 +15,7 @@ from bmoe import usage_profile
 from bmoe.coordinator import Engine
 from bmoe.expert_cache import ABSENT, RESIDENT
 from bmoe.usage_profile import Usage
-from bmoe.warm_fill import WarmFill
+from bmoe.warm_fill import IDLE_DEPTH, WarmFill
 from tests.conftest import run_cli, settings_for
 
 PROMPT = "The miller's daughter carried the flour down to the river before the sun came up"
@@ -125,7 +125,7 @@ def test_the_fill_waits_behind_demand_and_can_be_stopped(model: Path, tmp_path) 
     try:
         fill, ra = e.warm.fill, e.streamer.ahead
         assert isinstance(fill, WarmFill) and len(fill.orders) > 2, "sent at start, before any request"
-        assert len(fill.orders) <= 16 * 2
+        assert len(fill.orders) <= IDLE_DEPTH * 2
         ra.begin_batch(1)  # a decode starts: queued fill orders beyond one per lane are cancelled
         _until(lambda: not (fill.orders & ra.cancelled), e)
         ra.pump()
