@@ -220,10 +220,12 @@ def session(cg_parent, limit: int, model: Path, flags: list[str], prompt: str, n
             t1 = time.perf_counter()
             first = None
             read_mb: list[float] = []
+            split: list[dict] = []
             for tag, ev in s.generate(1, prompt, timeout=3600, n_predict=n_predict):
                 if tag == "PROGRESS":
                     first = first or time.perf_counter()
                     read_mb.append(ev["read_mb"])
+                    split.append({k: ev[k] for k in ("wall_ms", "io_ms", "stall_ms", "compute_ms")})
                 elif tag == "ERROR":
                     rec["error"] = ev.get("msg")
                 elif tag == "DONE":
@@ -231,6 +233,7 @@ def session(cg_parent, limit: int, model: Path, flags: list[str], prompt: str, n
             rec["first_token_after_request_s"] = (first - t1) if first else None
             rec["peak"] = peaks.stop()
             rec["read_mb_per_token"] = read_mb
+            rec["token_split_ms"] = split
             rec["at_end"] = Snapshot(s.proc.pid, cg).as_dict()
         finally:
             rec["exit"] = s.close()
@@ -244,6 +247,8 @@ def session(cg_parent, limit: int, model: Path, flags: list[str], prompt: str, n
         rec["ttft_from_launch_s"] = rec["ready_s"] + rec["first_token_after_request_s"]
         rec["decode_tok_s"] = done["tok_s"]
         rec["mib_per_token"] = statistics.mean(read_mb) * 1e6 / MiB if read_mb else None
+        for k in ("wall_ms", "io_ms", "stall_ms", "compute_ms"):
+            rec[f"mean_{k}"] = statistics.mean(t[k] for t in split) if split else None
     return rec
 
 
@@ -363,6 +368,9 @@ def summarize(m: dict) -> dict:
         "tok_s": _med([x.get("decode_tok_s") for x in b]),
         "mib_per_token": _med([x.get("mib_per_token") for x in b]),
         "hit_pct": _med([x.get("done", {}).get("cache_hit_pct") for x in b]),
+        "stall_s": _med([(x.get("mean_stall_ms") or 0) / 1e3 for x in b if x.get("mean_stall_ms") is not None]),
+        "compute_s": _med([(x.get("mean_compute_ms") or 0) / 1e3 for x in b if x.get("mean_compute_ms") is not None]),
+        "lanes_io_s": _med([(x.get("mean_io_ms") or 0) / 1e3 for x in b if x.get("mean_io_ms") is not None]),
         "budget_mib": _med([x.get("start_budget_mib") for x in b]),
         "warm_budget_mib": _med([r.get("warm", {}).get("budget_mib") for r in rs]),
         "warm_ready_s": _med([r.get("warm", {}).get("ready_s") for r in rs]),
@@ -410,14 +418,17 @@ def render(meta: dict, models: list[dict]) -> str:
                  f"{_f(s['warm_budget_mib'], '.0f')} | {_f(s['warm_ready_s'])} |")
     L += ["", "## First token and decode", "",
           "TTFT = `load_s + prefill_s` (bmoe-bench's definition); from launch = launch to the first token's "
-          "`BMOE_PROGRESS`. MiB/token = mean `read_mb` of the decode tokens.", "",
+          "`BMOE_PROGRESS`. MiB/token = mean `read_mb` of the decode tokens; per decode token (means), the wall time "
+          "compute waited for reads (stall), the compute residual, and the lanes' summed busy time (I/O, "
+          "overlapping compute). Hit % −1: no cache (the budget went below one token's working set).", "",
           "| model | GB | TTFT s | from launch s | prefill s | mmap TTFT s | ÷ mmap | decode tok/s | MiB/token | "
-          "hit % | cgroup peak MiB | OOM kills | exit | usage profile KB |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+          "stall s/tok | compute s/tok | lanes I/O s/tok | hit % | cgroup peak MiB | OOM kills | exit | usage profile KB |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for s in sums:
         L.append(f"| {s['name']} | {s['gb']:.1f} | {_f(s['ttft_s'])} | {_f(s['ttft_from_launch_s'])} | "
                  f"{_f(s['prefill_s'])} | {_f(s['mmap_ttft_s'])} | {_f(s['ttft_vs_mmap'])} | {_f(s['tok_s'])} | "
-                 f"{_f(s['mib_per_token'], '.0f')} | {_f(s['hit_pct'], '.1f')} | {_mib(s['cgroup_peak'])} | "
+                 f"{_f(s['mib_per_token'], '.0f')} | {_f(s['stall_s'])} | {_f(s['compute_s'])} | {_f(s['lanes_io_s'])} | "
+                 f"{_f(s['hit_pct'], '.1f')} | {_mib(s['cgroup_peak'])} | "
                  f"{s['oom_kills']} | {s['exits']} | {_f((s['profile_bytes'] or 0) / 1024, '.0f')} |")
     L += ["", "## Memory", "",
           "Per process: peak RSS (anonymous + file; shared memory apart), MiB. shm = the bmoe segment's allocated "
@@ -470,10 +481,13 @@ def charts(out: Path, models: list[dict]) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     ax[0].plot(gb, [s["tok_s"] for s in sums], "o-")
     ax[0].set(xlabel="model GB", ylabel="tok/s", title="decode tok/s")
-    ax[1].plot([s["mib_per_token"] for s in sums], [1 / s["tok_s"] if s["tok_s"] else None for s in sums], "o-")
-    for s in sums:
-        ax[1].annotate(s["name"], (s["mib_per_token"] or 0, 1 / s["tok_s"] if s["tok_s"] else 0), fontsize=7)
+    pts = [(s["mib_per_token"], 1 / s["tok_s"], s["stall_s"], s["name"]) for s in sums if s["tok_s"] and s["mib_per_token"] is not None]
+    ax[1].plot([p[0] for p in pts], [p[1] for p in pts], "o", label="s/token")
+    ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "s", label="of it waiting for reads (stall)")
+    for x, y, _, name in pts:
+        ax[1].annotate(name, (x, y), fontsize=7)
     ax[1].set(xlabel="MiB read per token", ylabel="s/token", title="decode cost against bytes per token")
+    ax[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "decode.png", dpi=110)
     plt.close(fig)
