@@ -139,6 +139,10 @@ class Policy:
     def predict(self, keys: Iterable[Key]) -> None:
         """Policies that do not use predictions ignore them."""
 
+    def prior(self, frequencies: dict[tuple[int, int], float], tokens: int) -> None:
+        """Start from a past run's routing: each (layer, expert)'s share of its layer's routings, seen
+        over `tokens` tokens (bmoe.usage_profile). Policies that do not count uses ignore it."""
+
     def furthest_first(self, layer: int | None) -> Iterator[int]:
         """Layers by next use in the cycle, furthest first: `layer` itself (next token), then the ones behind it."""
         i = self.pos.get(layer, 0)  # None: nothing routed yet
@@ -247,6 +251,13 @@ class CycleLFU(Policy):
             self.unit = 2.0 ** (self.token * -math.log2(self.DECAY) - self.shift)
             if self.unit > 2.0 ** self.RESCALE:
                 self._rescale()
+
+    def prior(self, frequencies: dict[tuple[int, int], float], tokens: int) -> None:
+        """Each expert's decayed count as if it had been routed at that share over `tokens` tokens."""
+        seen = (1 - self.DECAY ** max(1, tokens)) / (1 - self.DECAY)
+        for ek, p in frequencies.items():
+            if ek not in self.count:
+                self.count[ek] = (p * seen * self.unit, -1)
 
     def _rescale(self) -> None:
         """Scale every weight by 2**-RESCALE: exact, so every order stays as it was."""
@@ -378,6 +389,12 @@ class NextUse(CycleLFU):
         super().begin(layer)
         if self.start is None:
             self.start = self.token - 1
+
+    def prior(self, frequencies: dict[tuple[int, int], float], tokens: int) -> None:
+        """The counts, and a token count that makes them frequencies over `tokens` tokens."""
+        super().prior(frequencies, tokens)
+        if self.start is None:
+            self.start = self.token - max(1, tokens)
 
     def frequency(self, layer: int, expert: int) -> float:
         """The expert's routing frequency per token (decayed count over decayed token count), clamped."""

@@ -23,6 +23,7 @@ product module reads another's private attributes).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -32,7 +33,7 @@ import numpy as np
 
 from bmoe import seam
 from bmoe.budget import Adaptive, decide
-from bmoe.dense import dense_ranges, pin
+from bmoe.dense import DenseReadAhead, advise_normal, dense_ranges, pin
 from bmoe.errors import Cancelled, ConfigError, ContextTooLong, ModelError
 from bmoe.expert_cache import working_sets
 from bmoe.memory import MemoryProbe
@@ -48,6 +49,8 @@ from bmoe.stops import Stops
 from bmoe.streamer import Streamer, regions_of
 from bmoe.telemetry import TokenStat
 from bmoe.units import MiB
+from bmoe.usage_profile import default_dir
+from bmoe.warm_fill import WarmStart
 
 if TYPE_CHECKING:
     from bmoe.grammar import Grammar
@@ -87,6 +90,8 @@ class Engine:
         self.adaptive: Adaptive | None = None
         self.lossy: Lossy | None = None  # lossy routing while streaming (the hook's)
         self.fixed_k = 0  # --no-stream --experts-per-token: llama.cpp's own expert count, set at load
+        self.dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
+        self.warm: WarmStart | None = None  # the usage profile: a background fill now, saved at close
         t0 = time.perf_counter()
         self.files = open_model(settings.model)
         init_backend(settings.verbose)
@@ -139,7 +144,12 @@ class Engine:
         `load_s - llama_load_s` is what bmoe adds to a plain llama.cpp load."""
         t0 = time.perf_counter()
         ints = {f"{self.files.arch}.expert_used_count": self.fixed_k} if self.fixed_k else None
-        self.model = load_model(self.settings.model, ints)
+        with seam.no_populate() if streaming else nullcontext("not streaming") as why:
+            if streaming and why is not None:
+                self.notice(f"loading the whole model file, as llama.cpp does ({why}): a slower start, the same output")
+            self.model = load_model(self.settings.model, ints)
+        if why is None:  # llama.cpp mapped the file without reading it: the dense weights are read here
+            self.dense_ahead = DenseReadAhead(self.files).start()
         if not self.model:
             raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
         self.ctx = new_context(self.model, self.settings.n_ctx, self.settings.threads,
@@ -163,9 +173,12 @@ class Engine:
         tensors = list(cap.tensors.values())
         regions = regions_of(self.files, tensors)
         need = working_sets(regions, max(1, self.files.n_expert_used))
-        if s.streaming.pin_dense:  # before the expert tensors are rebound: their data pointers find the mapping
+        dense = dense_ranges(self.files, tensors)  # before the expert tensors are rebound: their data pointers find the mapping
+        self.memory.kept = 0 if s.streaming.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
+        if s.streaming.pin_dense:
+            self._dense_read(dense)
             t0 = time.perf_counter()
-            n = pin(dense_ranges(self.files, tensors))
+            n = pin(dense)
             self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
         # the lanes and pinned weights are there before the budget is decided: they are in the charge
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
@@ -186,6 +199,7 @@ class Engine:
         if s.lossy.on:
             self.lossy = Lossy(s.lossy, self.files.n_expert_used, cap.norms, st.cache)
         self.hook.stops = Stops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace, self.lossy)
+        self._dense_read(dense)
         if s.streaming.preload:
             if not st.holds_everything:
                 self.notice("--preload ignored: the cache budget does not hold every expert")
@@ -193,6 +207,16 @@ class Engine:
                 t0 = time.perf_counter()
                 n = st.preload()
                 self.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
+        if s.cache.warm_start:
+            self.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), self.files, st,
+                                  self.notice)
+
+    def _dense_read(self, ranges: list[tuple[int, int]]) -> None:
+        """Wait for the dense read-ahead (once) and give those ranges normal read-around again."""
+        if self.dense_ahead is not None:
+            self.dense_ahead.join()
+            self.dense_ahead = None
+            advise_normal(ranges)
 
     def _capture(self, dry: bool) -> seam.Capture:
         """Visit the graph of a one-token decode; `dry` aborts it at the first computed node, so no
@@ -245,9 +269,12 @@ class Engine:
 
     def follow_memory(self) -> None:
         """Between generations: an adaptive budget follows the room as it does each token, so an
-        idle session or server gives memory back when another program needs it."""
+        idle session or server gives memory back when another program needs it; a warm start's
+        fill reads on."""
         if self.streamer is not None:
             self.streamer.follow()
+        if self.warm is not None and self.streamer is not None:
+            self.warm.idle()
 
     def _adapt(self) -> None:
         """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
@@ -515,6 +542,8 @@ class Engine:
 
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
+        if self.warm is not None and self.streamer is not None:
+            self.warm.save()
         st, self.streamer = self.streamer, None
         self.hook.stops = None
         try:

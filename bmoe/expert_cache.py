@@ -217,6 +217,8 @@ class ExpertCache:
         self.giving_back: list[tuple[int, int]] = []  # (group, index): free, pages to give back
         self.top = 0  # slab bytes handed out as slot indices so far
         self.on_assign: Callable[[int, int, int], None] | None = None  # (layer, expert, index): bias rows
+        self.routed = {layer: np.zeros(r.n_expert, dtype=np.int64) for layer, r in first.items()}  # the usage profile:
+        self.routings = dict.fromkeys(self.by_layer, 0)  # times each expert was routed, of its layer's routings
 
     @property
     def holds_everything(self) -> bool:
@@ -234,6 +236,9 @@ class ExpertCache:
     def reset_stats(self) -> None:
         """Start counting afresh (after a preload or a replay's prefill pass, which are not decode)."""
         self.stats = CacheStats()
+        for c in self.routed.values():
+            c[:] = 0
+        self.routings = dict.fromkeys(self.routings, 0)
 
     def layer_complete(self, layer: int) -> bool:
         """Every expert of the layer is resident and, with a budget that holds all, stays so."""
@@ -281,6 +286,8 @@ class ExpertCache:
         a miss but not returned: the caller waits for the read that is under way.
         """
         want = self.layer_slices(layer, experts)
+        self.routed[layer][experts] += 1
+        self.routings[layer] += 1
         self.pinned = set(want)
         self.expected[layer].clear()
         missing = []
@@ -298,6 +305,11 @@ class ExpertCache:
                     self.speculative.discard(key)  # demanded now: commit makes it hot
         self._reserve(missing)
         return missing
+
+    def fits(self, layer: int, expert: int) -> bool:
+        """The expert's absent slices fit the budget without evicting anything."""
+        need = sum(self.charge(ri, expert) for ri in self.by_layer[layer] if self.state[ri][expert] == ABSENT)
+        return self.used + need <= self.budget
 
     def admit_speculative(self, layer: int, experts: list[int]) -> list[Key]:
         """Reserve room for a predicted read of the experts' absent slices; returns what to read.

@@ -24,6 +24,7 @@ examples:
   bmoe-cli -m model.gguf -p "Hello" --no-stream     # plain llama.cpp, the reference output
   bmoe-cli -m model.gguf -p "Hello" --progress --csv run.csv --profile   # telemetry for apps and benchmarks
   bmoe-cli --session -m model.gguf --cache-mb 2000  # serve JSON-lines requests on stdin
+  bmoe-cli -m model.gguf -p "Hello" --usage-dir ~/bmoe-usage   # keep usage profiles (warm starts) there
 """
 
 DEFAULT_PROMPT = "Once upon a time"

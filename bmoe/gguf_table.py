@@ -6,11 +6,16 @@ thousands of strings included: seconds before the first token (2.7–8.6 s, medi
 keys and each tensor's name, type, shape and offset; arrays are skipped by their lengths, so
 reading the table costs tens of milliseconds (31–150 ms in the same runs, about 1 % of the
 reader's time; `python bench/load_time.py -m demo64.gguf --table`).
+
+The header is read with plain reads that grow until it fits (HEAD, then four times more), with
+the kernel's read-ahead off for that descriptor: read through a mapping, a fault pulled in the
+device's whole read-ahead window past the header (16 MiB of tensor data on a disk advertising
+8 MiB), bytes a streaming start never needs.
 """
 
 from __future__ import annotations
 
-import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +28,8 @@ DEFAULT_ALIGNMENT = 32
 # string, array, uint64, int64, float64)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+HEAD = 1 << 20  # bytes read first; a header that needs more is read again, four times larger
+MAX_HEAD = 256 << 20  # no real header comes near this (a 256k-token vocabulary is ~10 MB)
 
 
 class GGUFError(ValueError):
@@ -44,23 +51,35 @@ class GGUFTable:
     tensors: list[TensorInfo]
 
 
+class _NeedMore(Exception):
+    """The header runs past the bytes read so far (not yet past the end of the file)."""
+
+
 class _Cursor:
-    def __init__(self, buf: mmap.mmap, order: str) -> None:
-        self.buf, self.pos, self.order = buf, 0, order
+    def __init__(self, buf: bytes, order: str, size: int) -> None:
+        self.buf, self.pos, self.order, self.size = buf, 0, order, size
+
+    def _short(self, end: int, what: str) -> Exception:
+        """Reading up to `end` went past the bytes read: past the file's end (or MAX_HEAD) is an error."""
+        if end > self.size or len(self.buf) >= self.size:
+            return GGUFError(what)
+        if end > MAX_HEAD:
+            return GGUFError(f"the header would be larger than {MAX_HEAD >> 20} MiB (at byte {self.pos})")
+        return _NeedMore()
 
     def take(self, fmt: str) -> object:
         fmt = self.order + fmt
         try:
             (v,) = struct.unpack_from(fmt, self.buf, self.pos)
         except struct.error:
-            raise GGUFError(f"the header ends early (at byte {self.pos})") from None
+            raise self._short(self.pos + struct.calcsize(fmt), f"the header ends early (at byte {self.pos})") from None
         self.pos += struct.calcsize(fmt)
         return v
 
     def string(self) -> str:
         n = self.take("Q")
         if self.pos + n > len(self.buf):
-            raise GGUFError(f"a string of {n} bytes runs past the end of the file (at byte {self.pos})")
+            raise self._short(self.pos + n, f"a string of {n} bytes runs past the end of the file (at byte {self.pos})")
         s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
@@ -102,32 +121,42 @@ def _nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
 def read_table(path: Path) -> GGUFTable:
     """The scalar fields and tensor infos of one GGUF file (GGUFError if it cannot be read as one)."""
     with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        if buf[:4] != MAGIC:
-            raise GGUFError(f"bad magic {bytes(buf[:4])!r}")
-        version = struct.unpack_from("<I", buf, 4)[0]
-        order = "<" if version & 0xFFFF else ">"  # a big-endian file reads as a huge little-endian version
-        c = _Cursor(buf, order)
-        c.pos = 4
-        version = c.take("I")
-        if version < 2:
-            raise GGUFError(f"GGUF version {version} is too old (2 or later)")
-        n_tensors, n_kv = c.take("Q"), c.take("Q")
-        fields: dict[str, object] = {}
-        for _ in range(n_kv):
-            key = c.string()
-            v = c.value(c.take("I"))
-            if v is not None:
-                fields[key] = v
-        infos = []
-        for _ in range(n_tensors):
-            name = c.string()
-            shape = tuple(c.take("Q") for _ in range(c.take("I")))
-            ggml_type, rel = c.take("I"), c.take("Q")
-            infos.append((name, ggml_type, shape, rel))
-        align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
-        start = -(-c.pos // align) * align
-        return GGUFTable(fields, [TensorInfo(n, t, s, start + rel, _nbytes(t, s)) for n, t, s, rel in infos])
-    finally:
-        buf.close()
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        n = min(size, HEAD)
+        while True:
+            buf = os.pread(fd, n, 0)
+            try:
+                return _parse(buf, size)
+            except _NeedMore:
+                n = min(size, 4 * n)
+
+
+def _parse(buf: bytes, size: int) -> GGUFTable:
+    """The table from the first bytes of a file of `size` bytes; _NeedMore when they are not enough."""
+    if len(buf) < 8 or buf[:4] != MAGIC:
+        raise GGUFError(f"bad magic {bytes(buf[:4])!r}")
+    version = struct.unpack_from("<I", buf, 4)[0]
+    order = "<" if version & 0xFFFF else ">"  # a big-endian file reads as a huge little-endian version
+    c = _Cursor(buf, order, size)
+    c.pos = 4
+    version = c.take("I")
+    if version < 2:
+        raise GGUFError(f"GGUF version {version} is too old (2 or later)")
+    n_tensors, n_kv = c.take("Q"), c.take("Q")
+    fields: dict[str, object] = {}
+    for _ in range(n_kv):
+        key = c.string()
+        v = c.value(c.take("I"))
+        if v is not None:
+            fields[key] = v
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        shape = tuple(c.take("Q") for _ in range(c.take("I")))
+        ggml_type, rel = c.take("I"), c.take("Q")
+        infos.append((name, ggml_type, shape, rel))
+    align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+    start = -(-c.pos // align) * align
+    return GGUFTable(fields, [TensorInfo(n, t, s, start + rel, _nbytes(t, s)) for n, t, s, rel in infos])

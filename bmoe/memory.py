@@ -2,11 +2,20 @@
 
 A container's cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`, at this process's cgroup and
 every ancestor), the machine's `MemAvailable`, and `RLIMIT_AS`/`RLIMIT_DATA`. A cgroup's room is
-its limit minus its charge net of the page cache the kernel reclaims first (`inactive_file`):
-the charge already holds bmoe's own memory (coordinator and lanes, the dense weights it keeps
-mapped, the KV, the cache's resident pages), so that is counted, not assumed. Reading it is a few
-small files, cheap enough to do once per token; `MemoryProbe(proc, cgroup_root)` reads a
-fabricated tree in tests.
+its limit minus its charge net of the page cache (`active_file` + `inactive_file`): the charge
+already holds bmoe's own memory (coordinator and lanes, the KV, the cache's resident pages,
+which are shared memory, not file pages), so that is counted, not assumed.
+
+Page cache is counted as free in every room, and the page cache this process needs to keep (the
+dense weights llama.cpp reads through its mapping, `MemoryProbe.kept`) as in use: the room is
+then the same whether a start found the model cold (its pages charged here as it reads them,
+inactive at first, active after use) or warm (charged to whoever read them first), and whether
+the load read the whole file or not. Counting only `inactive_file` as reclaimable made a cold
+`auto` budget depend on how much of a just-read file the kernel had called active: 1031-1143 MiB
+cold against 1737 MiB warm on the 64-expert demo under 2500 MiB (issue 21).
+
+Reading it is a few small files, cheap enough to do once per token; `MemoryProbe(proc, cgroup_root)`
+reads a fabricated tree in tests.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ class Room:
     """Bytes still to be had under one limit, and what that limit is, for the user."""
 
     bytes: int
-    name: str  # e.g. "cgroup /docker/x (limit 2500 MiB, charge 900 MiB net of 200 MiB reclaimable)"
+    name: str  # e.g. "cgroup /docker/x (limit 2500 MiB, charge 900 MiB of which 200 MiB page cache)"
     cgroup_limit: int | None = None  # the limit itself, for a cgroup's room
 
 
@@ -68,6 +77,7 @@ class MemoryProbe:
 
     def __init__(self, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
         self.proc = proc
+        self.kept = 0  # page cache this process keeps using (unpinned dense weights): in use in every room
         self.v2: list[Path] = []  # this process's cgroup v2 directories, innermost first
         self.v1: list[Path] = []  # the same for the v1 memory hierarchy
         v1_mount, v2_mount = self._mounts(proc, cgroup_root)
@@ -112,7 +122,7 @@ class MemoryProbe:
         out += [r for r in (self._v1_room(d) for d in self.v1) if r is not None]
         avail = _kb(_read(self.proc / "meminfo")).get("MemAvailable")
         if avail is not None:
-            out.append(Room(avail, f"available {avail / MiB:.0f} MiB"))
+            out.append(Room(max(0, avail - self.kept), f"available {avail / MiB:.0f} MiB{self._kept_text()}"))
         out += self._rlimit_rooms()
         return out
 
@@ -120,11 +130,14 @@ class MemoryProbe:
         """The tightest limit (the one that decides)."""
         return min(self.rooms(), key=lambda r: r.bytes)
 
-    def _cgroup_room(self, d: Path, limit: int, charge: int, reclaimable: int) -> Room:
-        net = max(0, charge - reclaimable)
+    def _kept_text(self) -> str:
+        return f" less the dense weights' {self.kept / MiB:.0f} MiB" if self.kept else ""
+
+    def _cgroup_room(self, d: Path, limit: int, charge: int, page_cache: int) -> Room:
+        net = max(0, charge - page_cache) + self.kept
         return Room(max(0, limit - net),
                     f"cgroup {self._label(d)} (limit {limit / MiB:.0f} MiB, charge {charge / MiB:.0f} MiB "
-                    f"net of {reclaimable / MiB:.0f} MiB reclaimable)", limit)
+                    f"of which {page_cache / MiB:.0f} MiB page cache){self._kept_text()}", limit)
 
     def _label(self, d: Path) -> str:
         chain = self.v2 or self.v1
@@ -138,7 +151,7 @@ class MemoryProbe:
         if charge is None:
             return None
         stat = _keyed(_read(d / "memory.stat"))
-        return self._cgroup_room(d, int(raw), charge, stat.get("inactive_file", 0))
+        return self._cgroup_room(d, int(raw), charge, stat.get("inactive_file", 0) + stat.get("active_file", 0))
 
     def _v1_room(self, d: Path) -> Room | None:
         limit = _int(_read(d / "memory.limit_in_bytes"))
@@ -146,7 +159,8 @@ class MemoryProbe:
         if limit is None or charge is None or limit >= V1_UNLIMITED:
             return None
         stat = _keyed(_read(d / "memory.stat"))
-        return self._cgroup_room(d, limit, charge, stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+        return self._cgroup_room(d, limit, charge, sum(stat.get(f"total_{k}", stat.get(k, 0))
+                                                       for k in ("inactive_file", "active_file")))
 
     def _rlimit_rooms(self) -> list[Room]:
         status = _kb(_read(self.proc / "self" / "status"))

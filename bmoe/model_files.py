@@ -86,8 +86,12 @@ def check_gguf(path: Path) -> None:
     if not path.is_file():
         raise ModelError(f"model path {path} is not a file; pass the .gguf file itself")
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        fd = os.open(path, os.O_RDONLY)
+        try:  # four bytes, without the read-ahead a buffered read starts (and that reads on into the tensors)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            magic = os.pread(fd, 4, 0)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise ModelError(f"cannot read model file {path}: {e.strerror}; check its permissions") from e
     if magic != GGUF_MAGIC:

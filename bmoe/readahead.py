@@ -20,7 +20,7 @@ The cache admits these slices at the cold end and protects them until their laye
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -29,6 +29,21 @@ from bmoe.expert_cache import ABSENT, ExpertCache
 from bmoe.lanes import CANCELLED
 from bmoe.orders import Order, Orders
 from bmoe.speculation import SpecGate
+
+
+class BackgroundFill(Protocol):
+    """Reads that ride behind the reads ahead (bmoe.warm_fill.WarmFill): told when a decode starts
+    and settles, given the lanes after the wish list, and shown every answered order."""
+
+    def owns(self, oid: int) -> bool: ...
+
+    def busy(self) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def pump(self) -> None: ...
+
+    def on_done(self, oid: int, order: Order, nbytes: int) -> None: ...
 
 QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)
 WHOLE_LAYER = 7 / 8  # a batch routing this share of a layer's experts is taken to route all of the next
@@ -69,6 +84,7 @@ class ReadAhead:
         self.batch_left = 0  # tokens of the decode under way whose last layer has not routed yet
         self.ubatch = 0  # tokens the first layer routed in this ubatch
         self.last_routes_all = False  # the last layer routed every token of the last ubatch of several
+        self.warm: BackgroundFill | None = None  # a warm start's fill (bmoe.warm_fill), served after these reads
 
     @property
     def listening(self) -> bool:
@@ -99,6 +115,8 @@ class ReadAhead:
     def begin_batch(self, n_tokens: int) -> None:
         """A llama_decode of `n_tokens` starts: a prompt long enough to route nearly every expert
         reads its first layer whole now."""
+        if self.warm:
+            self.warm.busy()
         self.batch_left = n_tokens
         if self._routes_nearly_all(n_tokens):
             self._read_whole(self.layers[0])
@@ -156,8 +174,9 @@ class ReadAhead:
     def pump(self) -> None:
         """Queue wished-for reads in the lanes, one expert per order, up to QUEUE_PER_LANE per lane."""
         queued = [0] * self.orders.lanes
-        for _, order in self.orders.ahead():
-            queued[order.lane] += 1
+        for oid, order in self.orders.ahead():
+            if not (self.warm and self.warm.owns(oid)):
+                queued[order.lane] += 1
         while self.wishes and min(queued) < QUEUE_PER_LANE:
             layer, e = self.wishes.pop(0)
             keys = self.cache.admit_speculative(layer, [e])
@@ -165,6 +184,8 @@ class ReadAhead:
                 lane = queued.index(min(queued))
                 self.orders.send(lane, self.orders.reads_for(keys), ahead=[(layer, e)])
                 queued[lane] += 1
+        if self.warm:
+            self.warm.pump()
 
     def _read_whole(self, layer: int) -> None:
         """Every absent expert of the layer the cache makes room for, one order per expert, spread
@@ -183,7 +204,7 @@ class ReadAhead:
         except those for experts the layer routed to."""
         by_lane: dict[int, list[int]] = {}
         for oid, order in self.orders.ahead():
-            if oid in self.cancelled:
+            if oid in self.cancelled or (layer is not None and self.warm and self.warm.owns(oid)):
                 continue
             at, e = order.ahead[0]
             if layer is None or (at == layer and e not in routed):
@@ -219,6 +240,8 @@ class ReadAhead:
     def on_done(self, oid: int, order: Order, nbytes: int) -> None:
         """An order came back (read, or CANCELLED unread)."""
         self.cancelled.discard(oid)
+        if self.warm:
+            self.warm.on_done(oid, order, nbytes)
         used = oid in self.used_in_flight
         self.used_in_flight.discard(oid)
         if nbytes == CANCELLED:
@@ -236,7 +259,9 @@ class ReadAhead:
         return out
 
     def settle(self) -> None:
-        """Drop every wish and prediction and cancel what the lanes have not started."""
+        """Drop every wish and prediction and cancel what the lanes have not started (a warm fill pauses)."""
+        if self.warm:
+            self.warm.pause()
         self.wishes.clear()
         self.predictions.clear()
         self.guesses.clear()

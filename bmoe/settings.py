@@ -108,6 +108,14 @@ class CacheSettings:
         False, "--force",
         help="run with a cache budget below one token's working set (it thrashes: every token re-reads experts "
              "it just evicted)")
+    warm_start: bool = setting(
+        True, "--no-warm-start",
+        help="neither use nor save a usage profile: every start begins with an empty cache")
+    usage_dir: str | None = setting(
+        None, "--usage-dir", metavar="DIR",
+        help="where each model's usage profile (how often each expert was routed) is kept: saved at exit, used at "
+             "the next start to fill the cache in the background, most used first (default: $BMOE_USAGE_DIR, else "
+             "$XDG_CACHE_HOME/bmoe/usage, i.e. ~/.cache/bmoe/usage)")
 
     FLOOR_MB = 1536.0  # what `auto` leaves free when floor_mb is None
 
@@ -445,6 +453,9 @@ def validate(s: Settings, w: Words = FLAGS, given: frozenset[str] = frozenset())
     if c.adapt and (c.mb == 0 or not st.enabled):
         raise ConfigError(f"{w.name('adapt')} moves the expert cache's budget with free memory, and "
                           f"{w.value('cache_mb', 0.0) if st.enabled else no_stream} has no cache; drop one of them")
+    if c.usage_dir is not None and not c.warm_start:
+        raise ConfigError(f"{w.name('usage_dir')} names where usage profiles are kept, and {w.value('warm_start', False)} "
+                          "uses none; drop one of them")
     if ahead and c.mb == 0:
         budget = "--cache-mb N or auto" if w.flags else "cache_mb=N or 'auto'"
         raise ConfigError(f"{ahead} read experts ahead into the cache, and {w.value('cache_mb', 0.0)} has none; "

@@ -73,6 +73,13 @@ def synth(model_dir: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture(autouse=True)
+def own_usage_profiles(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no usage profile (bmoe.usage_profile) and keeps the ones it writes to
+    itself: a warm start from another test's run would change what a gate reads, and when."""
+    monkeypatch.setenv("BMOE_USAGE_DIR", str(tmp_path_factory.mktemp("usage-profiles")))
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_segments() -> None:
     """Every test must leave /dev/shm as it found it."""
     before = bmoe_segments()

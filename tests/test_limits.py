@@ -36,7 +36,7 @@ def tree(tmp: Path, files: dict[str, str]) -> tuple[Path, Path]:
 MEMINFO = "MemTotal:       24000000 kB\nMemAvailable:   20480000 kB\n"
 
 
-def test_cgroup_v2_the_tightest_ancestor_decides_net_of_reclaimable_cache(tmp_path) -> None:
+def test_cgroup_v2_the_tightest_ancestor_decides_net_of_page_cache(tmp_path) -> None:
     proc, cg = tree(tmp_path, {
         "proc/self/cgroup": "0::/outer/inner\n", "proc/meminfo": MEMINFO, "cg/cgroup.controllers": "cpu memory\n",
         "cg/outer/memory.max": f"{3000 * MiB}\n", "cg/outer/memory.current": f"{1000 * MiB}\n",
@@ -47,10 +47,28 @@ def test_cgroup_v2_the_tightest_ancestor_decides_net_of_reclaimable_cache(tmp_pa
     p = MemoryProbe(proc, cg)
     assert p.v2 and not p.v1
     least = p.least()
-    assert least.bytes == (3000 - (1000 - 400)) * MiB  # the limit minus the charge net of inactive file pages
+    assert least.bytes == (3000 - (1000 - 400 - 100)) * MiB  # the limit minus the charge net of file pages
     assert least.name.startswith("cgroup /outer ") and "limit 3000 MiB" in least.name
     assert least.cgroup_limit == 3000 * MiB
     assert [r.bytes for r in p.rooms() if r.name.startswith("available")] == [20480000 * 1024]
+
+
+def test_the_room_is_the_same_whether_the_dense_weights_were_read_here_or_elsewhere(tmp_path) -> None:
+    """A cold start reads the dense weights into this cgroup's page cache (inactive, then active once
+    used); a warm one finds them charged elsewhere. With their bytes kept as in use, every case
+    leaves the same room, in the cgroup and in MemAvailable (which counts page cache as free)."""
+    rooms = []
+    for name, current, stat in (("warm", 600, ""), ("cold", 900, f"inactive_file {300 * MiB}\n"),
+                                ("used", 900, f"active_file {300 * MiB}\n")):
+        proc, cg = tree(tmp_path / name, {
+            "proc/self/cgroup": "0::/\n", "proc/meminfo": MEMINFO, "cg/cgroup.controllers": "memory\n",
+            "cg/memory.max": f"{2500 * MiB}\n", "cg/memory.current": f"{current * MiB}\n", "cg/memory.stat": stat,
+        })
+        p = MemoryProbe(proc, cg)
+        p.kept = 300 * MiB
+        rooms.append({r.name.split()[0]: r.bytes for r in p.rooms()})
+        assert p.least().name.endswith(" less the dense weights' 300 MiB")
+    assert rooms[0] == rooms[1] == rooms[2] == {"cgroup": (2500 - 600 - 300) * MiB, "available": 20480000 * 1024 - 300 * MiB}
 
 
 def test_cgroup_v1_walks_up_and_ignores_unlimited_levels(tmp_path) -> None:

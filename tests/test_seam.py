@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import re
+from pathlib import Path
 
 import gguf
 import llama_cpp
@@ -15,7 +18,7 @@ from bmoe.api import Model
 from bmoe.coordinator import ABORTED, Engine
 from bmoe.expert_cache import RESIDENT
 from bmoe.tools.synth import ARCHES
-from tests.conftest import SlabCheck, complete, settings_for, slice_bytes
+from tests.conftest import SlabCheck, complete, generate, settings_for, slice_bytes
 from tests.conftest import load as load_model
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp above the sea"
@@ -166,9 +169,11 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -> None:
-    """Recompute top-k from the router's own logits node and compare with the strided read."""
+    """Recompute top-k from the router's own logits node and compare with the strided read. No cache:
+    with one, a prompt's whole-layer reads ahead may complete a layer before it routes, and a complete
+    layer is not stopped at (how soon depends on the machine's load)."""
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
-    e = engine(path, "--cache-mb", 1000)
+    e = engine(path, "--cache-mb", 0)
     seen: dict[int, np.ndarray] = {}
     logits: dict[int, np.ndarray] = {}
     strides: list[tuple[int, int]] = []
@@ -416,3 +421,167 @@ def test_fewer_experts_by_the_hook_is_llama_cpps_own_expert_count(synth, arch: s
     assert got.ids == want and want != full
     assert not check.bad and check.checked > 0, check.bad[:3]
     assert got.stats.lossy and got.stats.experts_per_token == 1 and got.stats.weight_changed_pct > 0
+
+
+# ---- the load that maps the file without reading it (seam.no_populate) ----------------------------
+
+
+def _gpa(reg: int, name: bytes) -> int | None:
+    return seam.libggml.ggml_backend_reg_get_proc_address(reg, name)
+
+
+def _read_bytes() -> int:
+    """Bytes this process has had read from storage (/proc/self/io)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _drop_from_page_cache(path: object) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # a file just written: dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _ggml_is_numa() -> int:
+    """Address of ggml-cpu's own `ggml_is_numa`, looked up by symbol in the library the registry lives in."""
+    lib = seam.library_of(seam.BackendReg.from_address(seam.cpu_registry()).iface.get_proc_address)
+    cpu = ctypes.CDLL(str(next(Path(llama_cpp.__file__).parent.glob(f"lib/{lib}"))))
+    return ctypes.cast(cpu.ggml_is_numa, ctypes.c_void_p).value
+
+
+def test_the_cpu_backend_registry_is_the_layout_bmoe_knows() -> None:
+    """`struct ggml_backend_reg` of the pinned ggml: int api_version (2), then the four function
+    pointers of ggml_backend_reg_i, then the context; its get_proc_address gives ggml_is_numa."""
+    reg = seam.cpu_registry()
+    assert seam.registry_problem(reg) is None
+    assert ctypes.sizeof(seam.BackendReg) == 48 and seam.BackendReg.iface.offset == 8
+    r = seam.BackendReg.from_address(reg)
+    assert r.api_version == seam.REGISTRY_API_VERSION == 2
+    assert seam.library_of(r.iface.get_proc_address).startswith("libggml-cpu")
+    assert _gpa(reg, seam.IS_NUMA) == _ggml_is_numa()
+    assert seam._IsNuma(_ggml_is_numa())() is False, "one NUMA node here: llama.cpp's load reads every byte"
+
+
+def test_no_populate_answers_true_inside_only_and_puts_the_registry_back() -> None:
+    reg = seam.cpu_registry()
+    iface = seam.BackendReg.from_address(reg).iface
+    before, real = iface.get_proc_address, _gpa(reg, seam.IS_NUMA)
+    other = _gpa(reg, b"ggml_backend_set_n_threads")
+    with pytest.raises(KeyboardInterrupt):
+        with seam.no_populate() as why:
+            assert why is None
+            inside = _gpa(reg, seam.IS_NUMA)
+            assert inside != real and seam._IsNuma(inside)() is True
+            assert _gpa(reg, b"ggml_backend_set_n_threads") == other, "every other name is forwarded"
+            assert _gpa(reg, b"no_such_function") is None
+            raise KeyboardInterrupt  # however the block ends, the registry is put back
+    assert iface.get_proc_address == before and _gpa(reg, seam.IS_NUMA) == real
+
+
+def test_no_populate_leaves_an_unknown_registry_alone(monkeypatch) -> None:
+    reg = seam.cpu_registry()
+    before = seam.BackendReg.from_address(reg).iface.get_proc_address
+    monkeypatch.setattr(seam, "REGISTRY_API_VERSION", 3)
+    with seam.no_populate() as why:
+        assert why == "the CPU backend registry has api_version 2, not 3"
+        assert seam.BackendReg.from_address(reg).iface.get_proc_address == before
+    assert seam.registry_problem(0) == "llama.cpp has no CPU backend registry"
+
+
+@pytest.fixture(scope="module")
+def big_experts(synth) -> Path:
+    """A model whose file is nearly all experts (about 200 MB, 4 MiB of dense weights)."""
+    return Path(synth(arch="qwen3moe", layers=4, experts=16, top_k=4, embd=256, size_gb=0.2))
+
+
+def test_a_load_under_no_populate_reads_the_header_only(big_experts: Path) -> None:
+    from bmoe.llama import init_backend, load_model
+
+    init_backend()
+    size = big_experts.stat().st_size
+    read = {}
+    for mode in ("no_populate", "plain"):
+        _drop_from_page_cache(big_experts)
+        r0 = _read_bytes()
+        with seam.no_populate() if mode == "no_populate" else contextlib.nullcontext():
+            model = load_model(big_experts)
+        read[mode] = _read_bytes() - r0
+        llama_cpp.llama_model_free(model)
+    assert read["no_populate"] <= 0.02 * size, read
+    assert read["plain"] >= 0.9 * size, read
+
+
+def _start(path: Path, *flags: object) -> tuple[Engine, int, list[str]]:
+    """An Engine started on a cold page cache: (engine, bytes this process read to start it, notices)."""
+    notes: list[str] = []
+    _drop_from_page_cache(path)
+    r0 = _read_bytes()
+    e = Engine(settings_for(path, "-c", 256, "-t", 2, *flags), notice=notes.append)
+    return e, _read_bytes() - r0, notes
+
+
+def _dense_bytes(path: Path) -> int:
+    from bmoe.dense import file_spans
+    from bmoe.model_files import open_model
+
+    return sum(n for _, _, n in file_spans(open_model(path)))
+
+
+def test_a_streaming_start_reads_the_dense_weights_and_no_expert(big_experts: Path) -> None:
+    """The whole start (table, llama.cpp's load, the dense read-ahead, capture, lanes) reads the
+    dense bytes plus at most 2 % of the file; afterwards the dense weights are in the page cache
+    (reading them again reads nothing from storage), and the registry is llama.cpp's again."""
+    from bmoe.dense import file_spans
+    from bmoe.model_files import open_model
+
+    reg = seam.cpu_registry()
+    before = seam.BackendReg.from_address(reg).iface.get_proc_address
+    size, dense = big_experts.stat().st_size, _dense_bytes(big_experts)
+    e, read, notes = _start(big_experts, "--cache-mb", 100)
+    try:
+        assert not any("whole model file" in n for n in notes), notes
+        assert read <= dense + 0.02 * size, (read, dense, size)
+        assert seam.BackendReg.from_address(reg).iface.get_proc_address == before
+        assert _gpa(reg, seam.IS_NUMA) == _ggml_is_numa()
+        r0 = _read_bytes()
+        with open(big_experts, "rb") as f:
+            for _, offset, length in file_spans(open_model(big_experts)):
+                f.seek(offset)
+                f.read(length)
+        assert _read_bytes() - r0 < 64 * 1024, "the dense weights were read ahead into the page cache"
+    finally:
+        e.close()
+
+
+def test_an_unknown_registry_falls_back_to_reading_the_whole_file_with_one_notice(big_experts: Path,
+                                                                                  monkeypatch) -> None:
+    """Output is the same either way, streaming through a small cache or with every expert resident,
+    and the same as plain llama.cpp's."""
+    want = generate(big_experts, PROMPT, 12, "-c", 256, "-t", 2, "--no-stream").ids
+    got, reads = {}, {}
+    for mode in ("no_populate", "fallback"):
+        if mode == "fallback":
+            monkeypatch.setattr(seam, "REGISTRY_API_VERSION", 7)
+        e, reads[mode], notes = _start(big_experts, "--cache-mb", 100)
+        try:
+            got[mode] = complete(Model(e), PROMPT, 12).ids
+        finally:
+            e.close()
+        e, _, _ = _start(big_experts, "--cache-mb", 400, "--preload")
+        try:
+            assert e.streamer.holds_everything
+            got[mode + " resident"] = complete(Model(e), PROMPT, 12).ids
+        finally:
+            e.close()
+        whole = [n for n in notes if "whole model file" in n]
+        if mode == "fallback":
+            assert whole == ["loading the whole model file, as llama.cpp does (the CPU backend registry has "
+                             "api_version 2, not 7): a slower start, the same output"]
+        else:
+            assert not whole
+    size = big_experts.stat().st_size
+    assert reads["fallback"] >= 0.9 * size and reads["no_populate"] <= _dense_bytes(big_experts) + 0.02 * size, reads
+    assert got == dict.fromkeys(("no_populate", "no_populate resident", "fallback", "fallback resident"), want)

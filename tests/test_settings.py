@@ -38,7 +38,7 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
               "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--experts-per-token", "3",
               "--drop-cold", "0.1", "--cache-routing", "0.2"],
              ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"],
-             ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv", "--prompt-cache-mb", "9"]]
+             ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv", "--prompt-cache-mb", "9"], ["--no-warm-start"], ["--usage-dir", "u"]]
     changed = set()
     for argv in fixed:
         got = _leaves(_settings(argv))

@@ -139,6 +139,7 @@ class RunEnv:
     drop_all_ok: bool | None = None
     unlimited: tuple[str, ...] = ()  # configurations run without the memory limit (--compute-ref)
     entry: str = "bmoe.cli"  # the module each run starts (bmoe-bench quality's: bmoe.tools.bench_quality_run)
+    no_warm_start: bool = False  # bmoe-cli has --no-warm-start: runs start cold unless a configuration says otherwise
 
 
 def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
@@ -150,6 +151,8 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
            "-n", str(env.n_predict), *env.common, *cfg.flags]
     if csv_path:
         cmd += ["--csv", str(csv_path)]
+    if env.no_warm_start and not {"--usage-dir", "--no-warm-start"} & set(env.common + cfg.flags):
+        cmd.append("--no-warm-start")  # an earlier run's usage profile would fill the cache: not a cold start
     rec: dict = {"index": index, "phase": phase, "round": rnd,
                  "repeat": rnd if phase == "measure" else None,
                  "config": cfg.name, "flags": cfg.flags, "cmd": cmd,
@@ -352,7 +355,7 @@ def prepare(a: argparse.Namespace, argv: list[str]) -> Bench:
     env = RunEnv(model=model, shards=shards, prompt_args=prompt_args, n_predict=a.n_predict,
                  common=a.common, csv=csv_ok, runs_dir=runs_dir, limit=limit, drop=a.drop_caches,
                  timeout=a.timeout, interval=a.sample_interval, skip_tokens=a.skip_tokens,
-                 unlimited=(a.compute_ref,) if a.compute_ref else ())
+                 unlimited=(a.compute_ref,) if a.compute_ref else (), no_warm_start="--no-warm-start" in helptext)
     return Bench(configs, schedule(configs, a.warmup, a.repeats), env, tensors, out, meta)
 
 

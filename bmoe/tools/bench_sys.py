@@ -195,6 +195,14 @@ class Cgroup:
         """`cmd`, started so that it joins this cgroup before it runs anything else."""
         return ["/bin/sh", "-c", _JOIN, "bmoe-bench-join", str(self.procs_file), *cmd]
 
+    def python(self, directory: Path) -> str:
+        """An executable in `directory` that joins this cgroup and then runs this Python: for drivers
+        that take an interpreter rather than a command line (bmoe.session_client.SessionClient)."""
+        path = directory / f"python-in-{self.path.name}"
+        path.write_text(f'#!/bin/sh\necho $$ > "{self.procs_file}" && exec "{sys.executable}" "$@"\n')
+        path.chmod(0o755)
+        return str(path)
+
     def pids(self) -> list[int]:
         try:
             return [int(x) for x in self.procs_file.read_text().split()]

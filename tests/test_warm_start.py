@@ -1,0 +1,267 @@
+"""Warm start from the last run: the usage profile written at exit, read at the next start, the
+background fill it drives, and every way a profile is refused (real Engine, real lanes, real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bmoe import usage_profile
+from bmoe.api import Model
+from bmoe.coordinator import Engine
+from bmoe.expert_cache import ABSENT, RESIDENT
+from bmoe.usage_profile import Usage
+from bmoe.warm_fill import IDLE_DEPTH, WarmFill
+from tests.conftest import complete, load, run_cli
+
+PROMPT = "The miller's daughter carried the flour down to the river before the sun came up"
+
+
+@pytest.fixture(scope="module")
+def model(synth) -> Path:
+    return Path(synth(arch="qwen3moe", layers=4, experts=16, top_k=2))
+
+
+def start(model: Path, usage: Path, *flags: object, notes: list[str] | None = None) -> Model:
+    return load(model, "-c", 256, "-t", 2, "--usage-dir", usage, *flags,
+                notice=(notes.append if notes is not None else lambda s: None))
+
+
+def run(m: Model, n: int = 12) -> list[int]:
+    """A completion through the one generation loop (the path users run): its token ids."""
+    return list(complete(m, PROMPT, n).ids)
+
+
+def fill_until_done(e: Engine, limit: int = 2000) -> None:
+    """The Engine's idle tick, as a session or server calls it between requests, until the fill ends."""
+    for _ in range(limit):
+        if e.warm.fill is None:
+            return
+        e.follow_memory()
+    raise AssertionError("the warm fill did not finish")
+
+
+def test_a_profile_round_trips_and_stays_small_for_a_large_model(tmp_path) -> None:
+    """48 layers x 128 experts (the 40 GB scale model's shape), counts as large as years of use."""
+    rng = np.random.default_rng(0)
+    counts = {layer: rng.integers(0, 10**9, 128) for layer in range(48)}
+    usage = Usage(counts, {layer: 10**9 for layer in range(48)})
+    ident = {"path": "/m.gguf", "sizes": [40 * 10**9], "mtimes": [1.5], "header_sha256": ["ab" * 32]}
+    path = tmp_path / "p.json"
+    usage_profile.save(path, ident, usage)
+    assert path.stat().st_size <= 1 << 20
+    back, why = usage_profile.load(path, ident, {layer: 128 for layer in range(48)})
+    assert why is None and back.routings == usage.routings
+    assert all((back.counts[layer] == counts[layer]).all() for layer in counts)
+    order = back.fill_order()
+    shares = [back.counts[layer][e] / back.routings[layer] for layer, e in order]
+    assert shares == sorted(shares, reverse=True), "most used first"
+
+
+def test_merging_keeps_half_the_old_counts() -> None:
+    old = Usage({0: np.array([8, 0, 4])}, {0: 10})
+    new = Usage({0: np.array([1, 3, 0])}, {0: 4})
+    m = new.merged(old)
+    assert m.counts[0].tolist() == [5, 3, 2] and m.routings == {0: 9}
+
+
+def test_a_run_writes_its_profile_and_the_next_start_fills_the_cache_from_it(model: Path, tmp_path) -> None:
+    usage = tmp_path / "usage"
+    plain = load(model, "-c", 256, "-t", 2, "--no-stream")
+    try:
+        want = run(plain)
+    finally:
+        plain.close()
+    m = start(model, usage, "--cache-mb", 1000)
+    e = m.engine
+    try:
+        assert e.warm.fill is None, "no profile yet"
+        assert run(m) == want
+        routed = {layer: c.copy() for layer, c in e.streamer.cache.routed.items()}
+    finally:
+        m.close()
+    (path,) = usage.glob("*.json")
+    saved = json.loads(path.read_text())
+    assert {int(k): v["counts"] for k, v in saved["layers"].items()} == {k: v.tolist() for k, v in routed.items()}
+    assert saved["model"]["sizes"] == [model.stat().st_size]
+
+    notes: list[str] = []
+    budget_mb = 6  # room for a few of the most used experts only: the fill must pick
+    m = start(model, usage, "--cache-mb", budget_mb, "--force", notes=notes)
+    e = m.engine
+    try:
+        assert any(n.startswith("warm start: filling the cache") for n in notes), notes
+        fill_until_done(e)
+        c = e.streamer.cache
+        resident = {(layer, x) for layer in c.by_layer for x in range(c.n_expert(layer))
+                    if all(c.state[ri][x] == RESIDENT for ri in c.by_layer[layer])}
+        assert resident and c.used <= c.budget, "it fills, and never past the budget"
+        order = usage_profile.load(path, usage_profile.identity(e.files),
+                                   {layer: c.n_expert(layer) for layer in c.by_layer})[0].fill_order()
+        assert resident == set(order[:len(resident)]), "the most used experts, in order"
+        assert any(n.startswith("warm start:") and "experts read in" in n for n in notes), notes
+        assert run(m) == want, "a warm start computes the same bytes"
+    finally:
+        m.close()
+
+
+def _until(cond, e: Engine, seconds: float = 30.0) -> None:
+    """Collect the lanes' answers (non-blocking ticks) until `cond()` holds."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        e.streamer.tick()
+
+
+def test_the_fill_waits_behind_demand_and_can_be_stopped(model: Path, tmp_path) -> None:
+    usage = tmp_path / "usage"
+    m = start(model, usage, "--cache-mb", 1000)
+    e = m.engine
+    try:
+        run(m)
+    finally:
+        m.close()
+    m = start(model, usage, "--cache-mb", 1000, "--io-threads", 2)
+    e = m.engine
+    try:
+        fill, ra = e.warm.fill, e.streamer.ahead
+        assert isinstance(fill, WarmFill) and len(fill.orders) > 2, "sent at start, before any request"
+        assert len(fill.orders) <= IDLE_DEPTH * 2
+        ra.begin_batch(1)  # a decode starts: queued fill orders beyond one per lane are cancelled
+        _until(lambda: not (fill.orders & ra.cancelled), e)
+        ra.pump()
+        lanes = [e.streamer.orders.inflight[o].lane for o in fill.orders]
+        assert len(lanes) == len(set(lanes)), "at most one fill order per lane while a decode runs"
+        assert fill.todo, "the cancelled ones came back to the list"
+        e.streamer.settle()  # the end of a generation: the fill pauses, nothing left in flight
+        assert not fill.orders and fill.todo
+        fill.stop()
+        assert not fill.todo and not fill.orders
+        e.follow_memory()
+        assert not fill.orders, "stopped: an idle tick sends nothing"
+    finally:
+        m.close()
+
+
+def test_the_fill_never_evicts(model: Path, tmp_path) -> None:
+    """A cache already full of what demand read: a fill sends nothing and evicts nothing."""
+    m = start(model, tmp_path / "usage", "--cache-mb", 6, "--force")
+    e = m.engine
+    try:
+        run(m)
+        c = e.streamer.cache
+        e.streamer.set_budget(c.used)  # full: what demand read fills the budget exactly
+        absent = [(layer, x) for layer in c.by_layer for x in range(c.n_expert(layer))
+                  if c.state[c.by_layer[layer][0]][x] == ABSENT]
+        evictions, resident = c.stats.evictions, c.used
+        assert absent and not c.fits(*absent[0])
+        fill = e.streamer.ahead.warm = WarmFill(e.streamer.ahead, absent)
+        fill.idle()
+        assert not fill.orders and not fill.todo and c.stats.evictions == evictions and c.used == resident
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("case", ["mtime", "header", "damaged", "garbage", "checksum", "layers"])
+def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(model: Path, tmp_path, case: str) -> None:
+    usage = tmp_path / "usage"
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(model.read_bytes())
+    m = start(copy, usage, "--cache-mb", 1000)
+    e = m.engine
+    try:
+        run(m, 4)
+    finally:
+        m.close()
+    (path,) = usage.glob("*.json")
+    st = copy.stat()
+    if case == "mtime":
+        os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    elif case == "header":  # same size and mtime, another first MiB (a byte of the first tensor's data)
+        at = min(e.files.extents.values(), key=lambda x: x.offset).offset + 8
+        with open(copy, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 1]))
+        os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif case == "damaged":
+        path.write_bytes(path.read_bytes()[:-40])
+    elif case == "garbage":
+        path.write_bytes(os.urandom(300))
+    elif case == "checksum":
+        doc = json.loads(path.read_text())
+        doc["layers"]["0"]["counts"][0] += 1
+        path.write_text(json.dumps(doc))
+    elif case == "layers":
+        doc = json.loads(path.read_text())
+        del doc["layers"]["1"]["counts"][0]
+        doc["checksum"] = usage_profile._checksum({k: v for k, v in doc.items() if k != "checksum"})
+        path.write_text(json.dumps(doc))
+    want = {"mtime": "it was written for another version of the model file (its mtime differs)",
+            "header": "it was written for another version of the model file (its header hash differs)",
+            "damaged": "it is damaged (JSONDecodeError", "garbage": "it is damaged (",
+            "checksum": "it is damaged (checksum mismatch)", "layers": "its layers do not match the model's"}[case]
+    notes: list[str] = []
+    m = start(copy, usage, "--cache-mb", 1000, notes=notes)
+    e = m.engine
+    try:
+        refused = [n for n in notes if n.startswith(f"ignoring the usage profile {path}: ")]
+        assert len(refused) == 1 and want in refused[0], notes
+        assert e.warm.fill is None and not any(n.startswith("warm start:") for n in notes)
+        run(m, 4)
+    finally:
+        m.close()
+    c = e.files
+    assert usage_profile.load(path, usage_profile.identity(c), {0: 16, 1: 16, 2: 16, 3: 16}) [1] is None, \
+        "rewritten at exit for the file as it is now"
+
+
+def test_no_warm_start_neither_reads_nor_writes_a_profile(model: Path, tmp_path) -> None:
+    usage = tmp_path / "usage"
+    m = load(model, "-c", 256, "-t", 2, "--no-warm-start", "--cache-mb", 1000)
+    e = m.engine
+    try:
+        assert e.warm is None
+        run(m, 4)
+    finally:
+        m.close()
+    assert not usage.exists()
+    r = run_cli("-m", str(model), "-p", "hi", "-n", "2", "--usage-dir", str(usage), "--no-warm-start")
+    assert r.returncode == 2 and "--usage-dir names where usage profiles are kept, and --no-warm-start" in r.stderr
+
+
+def test_the_server_writes_the_profile_at_shutdown_and_fills_from_it_at_start(model: Path, tmp_path) -> None:
+    from tests.test_server import Server
+
+    flags = ["-m", str(model), "-t", "1", "--io-threads", "2", "--cache-mb", "1000", "--usage-dir", str(tmp_path)]
+    s = Server(*flags)
+    try:
+        s.client().completions.create(model="m", prompt=PROMPT, max_tokens=4)
+    finally:
+        assert s.stop() == 143
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    s = Server(*flags)
+    try:
+        assert "warm start: filling the cache in the background" in s.stderr
+    finally:
+        s.stop()
+
+
+def test_the_session_and_the_api_write_the_profile_at_exit(model: Path, tmp_path) -> None:
+    import bmoe
+    from bmoe.session_client import SessionClient
+
+    with SessionClient(["-m", str(model), "-c", "256", "-t", "2", "--cache-mb", "1000",
+                        "--usage-dir", str(tmp_path / "s")]) as s:
+        s.ask(1, PROMPT, n_predict=4)
+    assert len(list((tmp_path / "s").glob("*.json"))) == 1
+    with bmoe.load(str(model), n_ctx=256, threads=2, cache_mb=1000, usage_dir=str(tmp_path / "a"),
+                   notice=lambda s: None) as m:
+        m.generate(PROMPT, max_tokens=4)
+    assert len(list((tmp_path / "a").glob("*.json"))) == 1
