@@ -35,9 +35,10 @@ import logging
 import queue
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from bmoe import model_source, telemetry
 from bmoe.errors import ConfigError, ContextTooLong

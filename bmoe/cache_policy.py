@@ -42,10 +42,9 @@ from __future__ import annotations
 
 import heapq
 import math
-
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Iterable, Iterator, Sequence
 
 Key = tuple[int, int, int]
 Entry = tuple[float, int, Key]  # (weight, tick of last use, key): a slice's rank in its layer
@@ -241,7 +240,8 @@ class CycleLFU(Policy):
         self.heap: dict[int, list[Entry]] = {layer: [] for layer in self.layers}
         self.held: list[Entry] = []  # live entries the last walk passed over (kept by the caller), off their heap
         self.tensors: dict[int, set[int]] = {layer: set() for layer in self.layers}  # region indices seen
-        self.stale: list[Key] = []  # slices whose use changed their expert's count since the last walk (its other slices may lag)
+        # slices whose use changed their expert's count since the last walk (its other slices may lag)
+        self.stale: list[Key] = []
         self.moved: set[int] = set()  # layers whose first candidate may have changed since the last walk
 
     def begin(self, layer: int) -> None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import llama_cpp
 
-from bmoe.llama import Vocab
 from bmoe.errors import ConfigError
+from bmoe.llama import Vocab
 
 
 class Renderer:

@@ -384,7 +384,8 @@ class OutputParser:
             at = self._after_calls(t, end, opener, final, s)
 
     def _harmony(self, t: str, final: bool, s: _Scan) -> None:
-        """Messages `[<|start|>assistant][ to=functions.X]<|channel|>CH[ to=functions.X][ <|constrain|>json]<|message|>BODY<|end|>`;
+        """Messages
+        `[<|start|>assistant][ to=functions.X]<|channel|>CH[ to=functions.X][ <|constrain|>json]<|message|>BODY<|end|>`;
         the first comes after the prompt's `<|start|>assistant`. A call's body ends the text (its
         end, `<|call|>`, ends the generation)."""
         i = 0

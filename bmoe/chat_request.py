@@ -10,8 +10,9 @@ GrammarError (a ConfigError) naming the field, which the server answers with a 4
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from bmoe.chat_output import Reading
 from bmoe.chat_syntax import HARMONY, check_tools, detect, tool_grammar, with_reasoning
@@ -61,7 +62,8 @@ def _call(c: Any, where: str) -> dict[str, Any]:
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
         raise GrammarError(f"{where}: {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
                            where)
-    return {"id": str(c.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
+    return {"id": str(c.get("id", "")), "type": "function",
+            "function": {"name": fn["name"], "arguments": fn["arguments"]}}
 
 
 @dataclass(frozen=True)

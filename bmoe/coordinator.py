@@ -23,10 +23,11 @@ product module reads another's private attributes).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
@@ -36,9 +37,9 @@ from bmoe.budget import Adaptive, decide
 from bmoe.dense import DenseReadAhead, advise_normal, dense_ranges, pin
 from bmoe.errors import Cancelled, ConfigError, ContextTooLong, ModelError
 from bmoe.expert_cache import working_sets
-from bmoe.memory import MemoryProbe
 from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
 from bmoe.lossy import Lossy
+from bmoe.memory import MemoryProbe
 from bmoe.model_files import open_model
 from bmoe.readahead import ReadsAhead
 from bmoe.route_trace import TraceWriter
@@ -77,7 +78,8 @@ class Sequence:
 class Engine:
     """A loaded model and context; streaming experts unless `settings.streaming.enabled` is off."""
 
-    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None, words: Words = FLAGS) -> None:
+    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None,
+                 words: Words = FLAGS) -> None:
         """Load `settings.model` as `settings` ask (validated by the edge: bmoe.flags, bmoe.settings.from_keywords);
         `notice` hears what the user should know, errors name settings in `words` (the edge's)."""
         self.settings = settings
@@ -173,7 +175,8 @@ class Engine:
         tensors = list(cap.tensors.values())
         regions = regions_of(self.files, tensors)
         need = working_sets(regions, max(1, self.files.n_expert_used))
-        dense = dense_ranges(self.files, tensors)  # before the expert tensors are rebound: their data pointers find the mapping
+        # before the expert tensors are rebound: their data pointers find the mapping
+        dense = dense_ranges(self.files, tensors)
         self.memory.kept = 0 if s.streaming.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
         if s.streaming.pin_dense:
             self._dense_read(dense)

@@ -13,7 +13,8 @@ request stops mid-prefill or mid-token; a batch step with one live member runs t
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from bmoe.errors import Cancelled
 from bmoe.generation import Completion, Generation

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -229,7 +230,7 @@ class Generation:
         slot.kv_tokens = slot.kv_tokens[:self.keep]
         if not reuse:
             slot.messages = []
-        slot.lossy = slot.lossy and self.keep > 0 or self.lossy
+        slot.lossy = (slot.lossy and self.keep > 0) or self.lossy
         if self.cancelled:
             raise Cancelled()
         if self.cache is not None and self.keep == 0:
@@ -284,7 +285,8 @@ class Generation:
         slot.kv_tokens = kv
         if finish != "cancelled" and self.req.messages is not None:
             r = self.req.reading
-            slot.messages = [*self.req.messages, r.turn(text.text) if r else {"role": "assistant", "content": text.text}]
+            slot.messages = [*self.req.messages,
+                             r.turn(text.text) if r else {"role": "assistant", "content": text.text}]
         self._check_kv()
         prefill_s = self.cached[1] + (self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0)
         stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep + self.cached[0],

@@ -8,7 +8,8 @@ import selectors
 import subprocess
 import sys
 import time
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import msgpack
 
@@ -32,7 +33,7 @@ def merge_keyed(items: list[tuple[ReadOrder, T]], max_len: int) -> list[tuple[Re
             if pfi == fi and off <= poff + plen and off - poff == slab_off - pslab \
                     and off + length - poff <= max_len:
                 out[-1] = ((pfi, poff, max(plen, off + length - poff), pslab, max(pneed, off + needed - poff)),
-                           keys + [key])
+                           [*keys, key])
                 continue
         out.append(((fi, off, length, slab_off, needed), [key]))
     return out

@@ -23,7 +23,6 @@ from bmoe.chat_output import Delta, Message
 from bmoe.errors import ConfigError
 from bmoe.scheduler import GenerationFailed, QueueFull, ShuttingDown
 
-
 # ---- errors ----------------------------------------------------------------------------------------
 
 

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, fields
 
 import psutil
-from bmoe.units import MiB
 
+from bmoe.units import MiB
 
 
 @dataclass

@@ -19,8 +19,9 @@ The cache admits these slices at the cold end and protects them until their laye
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 

@@ -21,8 +21,8 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.errors import ConfigError

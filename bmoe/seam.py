@@ -14,12 +14,13 @@ import ctypes
 import os
 import re
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
-import numpy as np
 import llama_cpp
+import numpy as np
 from llama_cpp._ggml import libggml
 
 GGML_MAX_DIMS = 4
@@ -324,7 +325,7 @@ class Capture:
                                         n_expert=int(bt.ne[1]), row_bytes=int(bt.nb[1]))
 
 
-_decoding: "EvalHook | None" = None
+_decoding: EvalHook | None = None
 
 
 def deliver(exc: BaseException) -> None:
@@ -442,7 +443,7 @@ class EvalHook:
         err, self.error = self.error, None
         return err
 
-    def __enter__(self) -> "EvalHook":
+    def __enter__(self) -> EvalHook:
         global _decoding
         _decoding = self
         return self

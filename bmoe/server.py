@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import os
 import socket
 import sys
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

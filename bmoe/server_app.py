@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
@@ -26,8 +27,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.errors import ConfigError, ContextTooLong
 from bmoe.grammar import GrammarError
-from bmoe.openai_wire import (ChatBody, CompletionBody, ServeError, Shape, _Body, http_error, serve_error,
-                              shutting_down, sse, validation_error)
+from bmoe.openai_wire import (
+    ChatBody,
+    CompletionBody,
+    ServeError,
+    Shape,
+    _Body,
+    http_error,
+    serve_error,
+    shutting_down,
+    sse,
+    validation_error,
+)
 from bmoe.scheduler import Event, Job, Position, QueueFull, Scheduler, ShuttingDown
 
 CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"

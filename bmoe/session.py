@@ -59,14 +59,26 @@ import os
 import queue
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bmoe import console, model_source, profile, telemetry
-from bmoe.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
 from bmoe.api import Chunk, Completion, Model
 from bmoe.coordinator import Engine
-from bmoe.protocol import CANCEL, CLOSE, DONE_KEYS, LOSSY_DONE_KEYS, NO_ID, PROFILE, Generate, RequestError, safe, parse_request
 from bmoe.errors import BmoeError, ConfigError
+from bmoe.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
+from bmoe.protocol import (
+    CANCEL,
+    CLOSE,
+    DONE_KEYS,
+    LOSSY_DONE_KEYS,
+    NO_ID,
+    PROFILE,
+    Generate,
+    RequestError,
+    parse_request,
+    safe,
+)
 from bmoe.settings import Settings
 from bmoe.units import MiB
 

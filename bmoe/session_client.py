@@ -8,7 +8,8 @@ import queue
 import subprocess
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from bmoe import telemetry
 
@@ -146,7 +147,7 @@ class SessionClient:
             except (OSError, ValueError):
                 pass
 
-    def __enter__(self) -> "SessionClient":
+    def __enter__(self) -> SessionClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,7 +16,7 @@ import select
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 

@@ -14,8 +14,8 @@ binding and the per-token counters; the lanes' busy time is bmoe.lane_stats'.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

@@ -12,10 +12,11 @@ import csv
 import io
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
-from bmoe.units import MiB
+from typing import Any
 
+from bmoe.units import MiB
 
 # cache_budget_mib is bmoe's trailing column after the contract's nine (the contract's CSV is
 # additive, read by column name): the budget in force that token, which an adaptive cache moves.
@@ -126,7 +127,7 @@ class RunTotals:
     weight_changed_pct: float = 0.0  # summed over the tokens (per_tok gives the mean)
 
     @classmethod
-    def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> "RunTotals":
+    def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> RunTotals:
         ls = list(lines)
         return cls(len(ls), sum(t.wall_ms for t in ls) / 1e3, sum(t.io_ms for t in ls) / 1e3,
                    sum(t.mgmt_ms for t in ls) / 1e3, sum(t.stall_ms for t in ls) / 1e3,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from bmoe.settings import StreamSettings
 

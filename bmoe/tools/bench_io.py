@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+
 from bmoe.units import MiB
 
 PAGE = 4096

@@ -8,7 +8,7 @@ module only does arithmetic on what it returns.
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 from bmoe import telemetry
 from bmoe.tools.bench_config import BASELINE_NAME, Config, io_threads_of, overlap_of
@@ -125,7 +125,8 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
         runs = [r for r in records if r["config"] == c.name and r["phase"] == "measure"]
         ok = [r for r in runs if r["ok"]]
         tps = [r["tok_s"] for r in ok]
-        s = {"config": c.name, "flags": c.flags, "checkout": str(c.checkout) if c.checkout else None, "runs": len(runs), "ok_runs": len(ok),
+        s = {"config": c.name, "flags": c.flags, "checkout": str(c.checkout) if c.checkout else None,
+             "runs": len(runs), "ok_runs": len(ok),
              "tok_s_median": _med(tps), "tok_s_min": min(tps) if tps else None,
              "tok_s_max": max(tps) if tps else None,
              "tok_s_q1": percentile(tps, 25) if len(tps) >= 4 else None,

@@ -11,9 +11,9 @@ KL(reference || this run) over the reference's tokens with log-probability above
 most likely token is the reference's, and the negative log-likelihood of the text's token.
 
 The first run with no complete reference is the reference (it must be lossless) and writes it
-(`Reference`): per scored token its log-probabilities and its most likely token. Every run writes `<csv>.quality.json` (per-token
-KL, agreement and NLL, the generations' token ids) and prints bmoe-cli's summary lines of the
-forced decode, which is what `bmoe-bench run` reads speed from.
+(`Reference`): per scored token its log-probabilities and its most likely token. Every run writes
+`<csv>.quality.json` (per-token KL, agreement and NLL, the generations' token ids) and prints
+bmoe-cli's summary lines of the forced decode, which is what `bmoe-bench run` reads speed from.
 """
 
 from __future__ import annotations

@@ -262,8 +262,8 @@ def _model(path: str) -> tuple[Path, list[Path]]:
     if not model.is_file():
         raise BenchError(f"model file {model} does not exist; check the -m path")
     try:
-        from bmoe.model_files import shard_paths
         from bmoe.errors import ModelError
+        from bmoe.model_files import shard_paths
 
         shards = shard_paths(model.resolve())
     except ModelError as e:

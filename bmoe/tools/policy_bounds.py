@@ -6,7 +6,7 @@ knows the future, so no run of bmoe-cli can use them.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from bmoe.cache_policy import Key, NextUse, Policy
 
@@ -104,5 +104,6 @@ class NextTokenOracle(NextUse):
 
     def victims(self, layer: int | None) -> Iterator[Key]:
         cur = self.pos.get(layer, 0)
-        keys = sorted(self.entry, key=lambda k: (self.pos[k[0]], self.entry[k][1]))  # by layer, least recently used first
+        # by layer, least recently used first
+        keys = sorted(self.entry, key=lambda k: (self.pos[k[0]], self.entry[k][1]))
         return iter(sorted(keys, key=lambda k: self._wait(k, cur), reverse=True))
