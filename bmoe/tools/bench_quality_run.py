@@ -152,12 +152,14 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         ref = Reference(ref_path, vocab, writing)
         if not writing and {k: ref.meta.get(k) for k in meta} != meta:
             raise ConfigError(f"{ref_path} was written for another model, text or --context; delete it")
-        kl, same, nll, lines = [], [], [], []
+        kl, same, nll = [], [], []
+        lines: list[telemetry.TokenLine] = []
         req = Request(tuple(tokens[:c]), n, model.sampler(temperature=0.0), forced=tuple(forced), logits=True)
 
         def on_chunk(ch: Chunk) -> None:
             if ch.token is None:
                 return
+            assert ch.logits is not None  # the request asks for them
             i = len(lines)
             lines.append(ch.token)
             lp = log_softmax(ch.logits)

@@ -306,6 +306,7 @@ class Balloon:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         t = threading.Timer(timeout, self.proc.kill)
         t.start()
+        assert self.proc.stdout is not None  # stdout=PIPE
         try:
             line = self.proc.stdout.readline().strip()
         finally:
@@ -317,6 +318,7 @@ class Balloon:
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            assert self.proc.stdin is not None  # stdin=PIPE
             try:
                 self.proc.stdin.close()
             except OSError:

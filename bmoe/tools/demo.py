@@ -180,7 +180,7 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
         "tokens": float(len(t.routes)),
         "reuse": route_stats.previous_token_reuse(t),
         "uniform_reuse": route_stats.uniform_reuse(t),
-        "next_layer_recall": route_stats.next_layer_recall(t, path),
+        "next_layer_recall": route_stats.next_layer_recall(t, Path(path)),
         "busiest_quarter": route_stats.busiest_quarter(t),
         "lru_hit_25": route_stats.replay(t, regions, 25)[0],
         "lru_hit_50": route_stats.replay(t, regions, 50)[0],

@@ -103,7 +103,7 @@ class NextTokenOracle(NextUse):
         return ((self.pos[key[0]] - cur) % n or n) + n / self.frequency(key[0], key[2])
 
     def victims(self, layer: int | None) -> Iterator[Key]:
-        cur = self.pos.get(layer, 0)
+        cur = self.pos.get(layer, 0) if layer is not None else 0
         # by layer, least recently used first
         keys = sorted(self.entry, key=lambda k: (self.pos[k[0]], self.entry[k][1]))
         return iter(sorted(keys, key=lambda k: self._wait(k, cur), reverse=True))

@@ -114,7 +114,8 @@ def simulate(paths: list[str], budgets: list[int], model: str | None = None,
         future = belady_future(t)
         name = Path(path).stem
         for pct in budgets:
-            makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, lambda p=p: p) for p in POLICIES]
+            # a built-in policy is given by its name (replay makes it), the oracles as objects
+            makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, partial(str, p)) for p in POLICIES]
             makers.append((NextTokenOracle.name,
                            partial(NextTokenOracle, t.layers, future, prefill_tokens=int(prefill))))
             makers.append((BELADY, partial(Belady, t.layers, future, prefill_tokens=int(prefill))))
