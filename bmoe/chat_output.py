@@ -320,7 +320,7 @@ class OutputParser:
             s.content += t[j:] if final else t[j:len(t) - _hold(t, opener, j)]
         return None
 
-    def _hermes(self, t: str, at: int, final: bool, s: _Scan) -> None:
+    def _hermes(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
         open_, close = "<tool_call>", "</tool_call>"
         while at is not None:
             i = at + len(open_)
@@ -364,7 +364,7 @@ class OutputParser:
                 call.done = False
             return
 
-    def _mistral_args(self, t: str, at: int, final: bool, s: _Scan) -> None:
+    def _mistral_args(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
         opener = "[TOOL_CALLS]"
         while at is not None:
             i = at + len(opener)

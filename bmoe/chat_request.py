@@ -106,9 +106,10 @@ class ChatFormat:
                                "tool_choice none to keep the tools without calls, or drop one", "response_format")
         shown = tuple(tools) if t is not None else None
         text = r.render(list(msgs), think, tools=list(shown) if shown else None)
-        think_open = bool(syntax.think) and text.rstrip().endswith(syntax.think[0])
+        think_open = bool(syntax.think and text.rstrip().endswith(syntax.think[0]))
         thinking = syntax.think is not None and (think or not r.reads_thinking)
         if calls:
+            assert t is not None  # calls come with tools
             g = tool_grammar(syntax, t, thinking, think_open)
         elif g is not None and response_format is not None and (thinking or think_open or syntax.name == HARMONY):
             g = with_reasoning(syntax, g, think_open)

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from bmoe.errors import ConfigError
 from bmoe.model_files import split_name
@@ -93,7 +94,7 @@ def pick(files: Iterable[str], ref: HubRef) -> list[str]:
     return chosen
 
 
-def _hub() -> object:
+def _hub() -> ModuleType:
     try:
         import huggingface_hub
     except ImportError:

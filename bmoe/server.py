@@ -196,6 +196,7 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
 
     def on_fatal(e: BaseException) -> None:
         fatal.append(e)
+        assert server is not None  # the scheduler starts after the server exists
         server.end()
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RELOAD_FIX, batching=opts.batching)

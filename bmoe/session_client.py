@@ -58,6 +58,7 @@ class SessionClient:
             raise
 
     def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
         for raw in self.proc.stdout:
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.lines.append(line)
@@ -69,6 +70,7 @@ class SessionClient:
         self._events.put(None)
 
     def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None  # stderr=PIPE
         for raw in self.proc.stderr:
             self._stderr.append(raw)
 
@@ -96,6 +98,7 @@ class SessionClient:
             data = obj.encode("utf-8", "surrogateescape") if isinstance(obj, str) else obj
             if not data.endswith(b"\n"):
                 data += b"\n"
+        assert self.proc.stdin is not None  # stdin=PIPE
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
 
@@ -122,6 +125,7 @@ class SessionClient:
         if self.proc.poll() is None:
             try:
                 self.send({"cmd": "close"})
+                assert self.proc.stdin is not None  # stdin=PIPE
                 self.proc.stdin.close()
             except (BrokenPipeError, OSError, ValueError):
                 pass
@@ -142,6 +146,7 @@ class SessionClient:
         for t in self._threads:
             t.join(10)
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            assert f is not None  # all three are pipes
             try:
                 f.close()
             except (OSError, ValueError):
