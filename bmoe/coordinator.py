@@ -23,7 +23,7 @@ product module reads another's private attributes).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +87,8 @@ class Engine:
         self.words = words
         self.streamer: Streamer | None = None
         self.trace: TraceWriter | None = None
-        self.model = self.ctx = None
+        self.model: llama_cpp.llama_model_p | None = None
+        self.ctx: llama_cpp.llama_context_p | None = None
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
         self.lossy: Lossy | None = None  # lossy routing while streaming (the hook's)
@@ -109,13 +110,14 @@ class Engine:
         try:
             self._check_lossy(moe, streaming)
             self._load(streaming)
-            self.vocab = Vocab(self.model)
+            assert self.model is not None  # _load raised otherwise
+            self.vocab: Vocab = Vocab(self.model)
             if streaming:
                 self._start_streaming()
         except BaseException:
             self.close()
             raise
-        self.load_s = time.perf_counter() - t0
+        self.load_s: float = time.perf_counter() - t0
 
     def __enter__(self) -> Engine:
         return self
@@ -158,7 +160,7 @@ class Engine:
                                self.hook.c_callback if streaming else None, n_seq=self.settings.parallel)
         self.llama_load_s = time.perf_counter() - t0
         llama_cpp.llama_set_abort_callback(self.ctx, self.hook.c_abort, None)
-        self.n_ctx = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
+        self.n_ctx: int = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
 
     def _start_streaming(self) -> None:
         """A warm-up graph, visited but not computed, finds the expert tensors; then they are
@@ -239,6 +241,7 @@ class Engine:
         `expert_bytes` is what holding every expert takes in the cache (its slots, page-rounded),
         so an auto budget with room to spare holds them all (and --preload can fill it)."""
         s, st = self.settings, self.streamer
+        assert st is not None  # sized while streaming starts
         decided = decide(s.cache, s.reads_ahead, expert_bytes, layer_need, token_need, self.memory.rooms(), self.words)
         if decided.notice:
             self.notice(decided.notice)
@@ -283,6 +286,7 @@ class Engine:
         """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
         memory limits leave (Adaptive)."""
         st = self.streamer
+        assert st is not None and self.adaptive is not None  # the Streamer watches only with an adaptive budget
         change = self.adaptive.step(st.budget, st.resident_bytes(), self.memory.least(), self.memory.pressure())
         if change is not None:
             old = st.budget
@@ -418,7 +422,7 @@ class Engine:
 
     def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
               fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None, *,
-              lossless: bool = False, forced: list[int] = (), keep_logits: bool = False) -> Sequence:
+              lossless: bool = False, forced: Iterable[int] = (), keep_logits: bool = False) -> Sequence:
         """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
         then decodes it. `lossless`: no lossy routing for this sequence. `forced`: the tokens its
         steps decode, in order, instead of sampled ones (teacher forcing). `keep_logits`: each
@@ -479,18 +483,22 @@ class Engine:
         if st:
             c = st.take_counters(step=True)
             counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
-            shares = [TokenStat(wall, *(x * (i + 1) // k - x * i // k for x in counts), st.budget) for i in range(k)]
+            shares = []
+            for i in range(k):  # token i's share of each count: the shares add up to the count
+                io, mgmt, read, hits, lookups, stall = (x * (i + 1) // k - x * i // k for x in counts)
+                shares.append(TokenStat(wall, io, mgmt, read, hits, lookups, stall, st.budget))
         else:
             shares = [TokenStat(wall, 0, 0, 0, 0, 0) for _ in range(k)]
         if self.lossy:
+            assert st is not None  # lossy routing runs only while streaming
             layers = len(st.layers)
             for stat, rc in zip(shares, self.lossy.take()):
                 stat.dropped, stat.substituted = rc.dropped, rc.substituted
                 stat.weight_changed_pct = 100.0 * rc.moved / layers
         if self.trace:
             self.trace.end_step(toks[id(going[0])])
-        stat = {id(s): st_ for s, st_ in zip(going, shares)}
-        return [(toks[id(s)], stat[id(s)]) if id(s) in toks else None for s in seqs]
+        by_id = {id(s): st_ for s, st_ in zip(going, shares)}
+        return [(toks[id(s)], by_id[id(s)]) if id(s) in toks else None for s in seqs]
 
     def _choose(self, s: Sequence, row: int) -> None:
         """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced

@@ -82,7 +82,7 @@ class Driver:
             if not going:
                 return ended
             try:
-                steps = self._decode(going, lambda: self.engine.step([g.seq for g in going]))
+                steps = self._decode(going, lambda: self.engine.step([g.begun for g in going]))
             except Cancelled as e:  # every one of them was cancelled mid-step
                 return ended + [(g, g.finish(e)) for g in going]
             for g, decoded in zip(going, steps):

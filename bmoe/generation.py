@@ -218,6 +218,12 @@ class Generation:
         self.logits: np.ndarray | None = None  # with req.logits: the distribution the next token comes from
         self.t0 = time.perf_counter()
 
+    @property
+    def begun(self) -> EngineSequence:
+        """The engine's sequence, once `begin` made it."""
+        assert self.seq is not None
+        return self.seq
+
     def begin(self) -> None:
         """Keep the prefix of the KV this request can reuse and prefill the rest."""
         from bmoe.chat import common_prefix
@@ -250,7 +256,7 @@ class Generation:
         self.ids.append(tok)
         line = self.tally.add(stat)
         new = self.text.push(self.utf8.push(self.engine.vocab.piece(tok, tok in self.req.specials)))
-        logits, self.logits = self.logits, self.seq.logits
+        logits, self.logits = self.logits, self.begun.logits
         if self.on_chunk:
             self.on_chunk(Chunk(new, line, logits=logits))
         if self.text.cut is not None:

@@ -17,7 +17,7 @@ import argparse
 import difflib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
-from typing import Any, get_type_hints
+from typing import Any, cast, get_type_hints
 
 from bmoe.argtypes import number, percent, positive_float, positive_int
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
@@ -280,7 +280,8 @@ class Settings:
 
 # ---- the schema ------------------------------------------------------------------------------------
 
-GROUPS = {f.name: f.default_factory for f in fields(Settings) if f.default_factory is not MISSING}
+# each group's default factory is its dataclass
+GROUPS = {f.name: cast(type, f.default_factory) for f in fields(Settings) if f.default_factory is not MISSING}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import csv
 import io
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,9 +324,10 @@ def parse_output(stdout: str) -> ParsedRun:
         elif line == PERF_BANNER and section == "answer":
             section = "perf"
         elif section == "answer":
+            assert answer_lines is not None  # set with the section
             answer_lines.append(line)
-        elif section == "perf" and parse_summary(line):
-            kind, fields = parse_summary(line)
+        elif section == "perf" and (parsed := parse_summary(line)):
+            kind, fields = parsed
             summary[kind] = fields
         else:
             stray.append(line)
@@ -348,7 +349,7 @@ def parse_run_summary(stdout: str, stderr: str = "") -> dict[str, dict[str, Any]
     return {**dict(p for p in notices if p), **summary}
 
 
-def _numbers(pairs: Iterable[tuple[Any, Any]]) -> dict[str, float]:
+def _numbers(pairs: Iterable[Sequence[Any]]) -> dict[str, float]:
     """The pairs whose value is a number: a run killed mid-line leaves a cut value behind."""
     out = {}
     for k, v in pairs:
