@@ -7,7 +7,7 @@
 # configuration's overlap limit, 1 / max(compute s/token, MiB per token ÷ O_DIRECT bandwidth).
 #
 # Run it on a quiet machine: about 25 runs of 30-120 s each. Knobs (environment variables):
-#   MODEL=path (default bench/models/demo64.gguf, built by bmoe-demo when missing)
+#   MODEL=path (default the demo model in the user cache, built by bmoe-demo when missing)
 #   LIMIT_MB=2700   memory limit (cgroup, else a balloon)      SMALL_MB=900 LARGE_MB=1800  budgets
 #   N=24 REPEATS=2 WARMUP=0 THREADS=1 LANES=3 (--io-threads)   EXTRA='...' more bmoe-bench flags
 #   OUT=dir (default bench/reports/<date>-levers)

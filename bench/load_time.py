@@ -7,8 +7,8 @@ unmeasured load of each to warm the page cache. The difference is bmoe's own loa
 `--table` times instead what reading the GGUF's tensor table costs: `gguf.GGUFReader` (which
 parses every key-value pair, the tokenizer's arrays included) against `bmoe.gguf_table`.
 
-    python bench/load_time.py -m bench/models/demo64.gguf --rounds 5
-    python bench/load_time.py -m bench/models/demo64.gguf --rounds 7 --table
+    python bench/load_time.py -m ~/.cache/bmoe/smollm2-135m-moe-e64-k8-r2.gguf --rounds 5
+    python bench/load_time.py -m ~/.cache/bmoe/smollm2-135m-moe-e64-k8-r2.gguf --rounds 7 --table
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ tok/s before, during and after the squeeze from the per-token CSV, each run's bu
 coordinator's major page faults per decode token (dense weights faulted back in), and the
 cgroup's OOM kills and peak.
 
-    python bench/memory_squeeze.py -m bench/models/demo64.gguf --runs 5 --out bench/reports/DATE-memory-limits/adversary
+    python bench/memory_squeeze.py -m ~/.cache/bmoe/smollm2-135m-moe-e64-k8-r2.gguf --runs 5 --out bench/reports/DATE-memory-limits/adversary
 
 bench/memory_limits.sh runs it for every case of the memory-limit report.
 """

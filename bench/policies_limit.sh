@@ -4,7 +4,7 @@
 # per token and tok/s of each policy. (The replay of recorded traces through every policy: traces.sh.)
 #
 # Run it on a quiet machine (each run reads GBs from flash; 30-60 s per run, 24 runs by default).
-#   MODEL=path (default bench/models/demo64.gguf, written by bmoe-demo when missing)
+#   MODEL=path (default the demo model in the user cache, written by bmoe-demo when missing)
 #   LIMIT_MB=2700   memory limit (cgroup, else a balloon), about half the model
 #   CACHE_MB="1290 2000"  cache budgets, each run by both policies: 25 % and 39 % of the 5164 MiB
 #                   of experts (the largest budget that leaves room under the limit)

@@ -141,7 +141,9 @@ class RunEnv:
     drop_all_ok: bool | None = None
     unlimited: tuple[str, ...] = ()  # configurations run without the memory limit (--compute-ref)
     entry: str = "bmoe.cli"  # the module each run starts (bmoe-bench quality's: bmoe.tools.bench_quality_run)
-    no_warm_start: bool = False  # bmoe-cli has --no-warm-start: runs start cold unless a configuration says otherwise
+    # the source trees (None: this one) whose bmoe-cli has --no-warm-start: their runs start cold
+    # unless a configuration says otherwise (trees from before it have no warm start to turn off)
+    warm_start_trees: frozenset[Path | None] = frozenset()
 
 
 def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
@@ -153,7 +155,7 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
            "-n", str(env.n_predict), *env.common, *cfg.flags]
     if csv_path:
         cmd += ["--csv", str(csv_path)]
-    if env.no_warm_start and not {"--usage-dir", "--no-warm-start"} & set(env.common + cfg.flags):
+    if cfg.checkout in env.warm_start_trees and not {"--usage-dir", "--no-warm-start"} & set(env.common + cfg.flags):
         cmd.append("--no-warm-start")  # an earlier run's usage profile would fill the cache: not a cold start
     rec: dict = {"index": index, "phase": phase, "round": rnd,
                  "repeat": rnd if phase == "measure" else None,
@@ -317,8 +319,13 @@ def prepare(a: argparse.Namespace, argv: list[str]) -> Bench:
     except (ValueError, OSError) as e:
         raise BenchError(f"cannot read {model} as GGUF ({e})") from None
 
-    helptext = subprocess.run([sys.executable, "-m", "bmoe.cli", "--help"], capture_output=True, text=True,
-                              timeout=120).stdout
+    def cli_help(tree: Path | None) -> str:
+        return subprocess.run([sys.executable, "-m", "bmoe.cli", "--help"], capture_output=True, text=True,
+                              timeout=120, cwd=tree).stdout
+
+    helptext = cli_help(None)
+    warm_start_trees = frozenset(t for t in {c.checkout for c in configs}
+                                 if "--no-warm-start" in (helptext if t is None else cli_help(t)))
     csv_ok = "--csv" in helptext
     if not csv_ok:
         notice("bmoe-cli has no --csv: s/token median and p95 fall back to each run's summary line"
@@ -358,7 +365,7 @@ def prepare(a: argparse.Namespace, argv: list[str]) -> Bench:
     env = RunEnv(model=model, shards=shards, prompt_args=prompt_args, n_predict=a.n_predict,
                  common=a.common, csv=csv_ok, runs_dir=runs_dir, limit=limit, drop=a.drop_caches,
                  timeout=a.timeout, interval=a.sample_interval, skip_tokens=a.skip_tokens,
-                 unlimited=(a.compute_ref,) if a.compute_ref else (), no_warm_start="--no-warm-start" in helptext)
+                 unlimited=(a.compute_ref,) if a.compute_ref else (), warm_start_trees=warm_start_trees)
     return Bench(configs, schedule(configs, a.warmup, a.repeats), env, tensors, out, meta)
 
 
