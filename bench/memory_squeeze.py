@@ -13,7 +13,7 @@ cgroup's OOM kills and peak.
     python bench/memory_squeeze.py -m ~/.cache/bmoe/smollm2-135m-moe-e64-k8-r2.gguf --runs 5 --out bench/reports/DATE-memory-limits/adversary
 
 bench/memory_limits.sh runs it for every case of the memory-limit report.
-"""
+"""  # noqa: E501 - the command above is kept on one line, to be copied whole
 
 from __future__ import annotations
 
