@@ -16,8 +16,9 @@ import argparse
 import statistics
 import sys
 
-import bmoe
 from serve_concurrency import PROMPTS  # the same eight prompts as the server bench (bench/ is on the path)
+
+import bmoe
 
 
 def rate(m: bmoe.Model, k: int, n: int) -> tuple[float, list[str]]:

@@ -95,7 +95,8 @@ def main() -> int:
                 rec = run(a, cg_parent, arm, a.out / "run.csv")
                 rec["round"] = r + 1
                 runs.append(rec)
-                print(f"first-token: round {r + 1} {arm}: TTFT {rec.get('ttft_s', 'failed')}", file=sys.stderr, flush=True)
+                print(f"first-token: round {r + 1} {arm}: TTFT {rec.get('ttft_s', 'failed')}",
+                      file=sys.stderr, flush=True)
     finally:
         remove_all_cgroups()
         (a.out / "run.csv").unlink(missing_ok=True)
@@ -110,7 +111,8 @@ def main() -> int:
          f"`--cache-mb {a.cache_mb:g} --io-threads {a.io_threads}`, each run in a fresh {a.mem_limit_mb} MiB cgroup "
          f"on a cold page cache; {a.rounds} rounds; 1-minute load average {load0:.1f} at start, "
          f"{os.getloadavg()[0]:.1f} at end.", "",
-         "| arm | runs | median TTFT s | ÷ mmap | prefill s | load s | llama.cpp load s |", "|---|---:|---:|---:|---:|---:|---:|"]
+         "| arm | runs | median TTFT s | ÷ mmap | prefill s | load s | llama.cpp load s |",
+         "|---|---:|---:|---:|---:|---:|---:|"]
     for arm, m in med.items():
         L.append(f"| {arm} | {sum(x['arm'] == arm for x in ok)} | {m['ttft_s']:.2f} | "
                  f"{m['ttft_s'] / med['mmap']['ttft_s']:.2f} | {m['prefill_s']:.2f} | {m['load_s']:.2f} | "

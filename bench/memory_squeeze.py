@@ -13,7 +13,7 @@ cgroup's OOM kills and peak.
     python bench/memory_squeeze.py -m ~/.cache/bmoe/smollm2-135m-moe-e64-k8-r2.gguf --runs 5 --out bench/reports/DATE-memory-limits/adversary
 
 bench/memory_limits.sh runs it for every case of the memory-limit report.
-"""
+"""  # noqa: E501 - the command above is kept on one line, to be copied whole
 
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ def one_run(h: bench_sys.CgroupHierarchy, a: argparse.Namespace, i: int, out: Pa
     return {
         "run": i, "exit": rc, "oom_kills": oom, "peak_mib": round((peak or 0) / MiB),
         "answer": telemetry.parse_output("".join(stdout)).answer, "tokens": len(rows),
-        "tok_s_before": tok_s(1, a.at), "tok_s_during": tok_s(a.at + 1, a.until), "tok_s_after": tok_s(a.until + 1, a.n),
+        "tok_s_before": tok_s(1, a.at), "tok_s_during": tok_s(a.at + 1, a.until),
+        "tok_s_after": tok_s(a.until + 1, a.n),
         "budget_start_mib": budgets[0] if budgets else None, "budget_min_mib": min(budgets) if budgets else None,
         "budget_end_mib": budgets[-1] if budgets else None,
         "budget_changes": [x[len("bmoe: "):] for x in err.splitlines() if "cache budget" in x],
@@ -120,8 +121,8 @@ def report(a: argparse.Namespace, runs: list[dict], plain: str) -> str:
                  f"a balloon takes {a.balloon_mb:g} MiB of locked memory in the same cgroup after token {a.at} and "
                  f"frees it after token {a.until}." if a.balloon_mb > 0 else "no balloon.") +
              " Cold page cache before each run.", "",
-             "| run | exit | OOM kills | text = --no-stream | tok/s before | during | after | budget start → min → end MiB "
-             "| major faults/token | cgroup peak MiB |",
+             "| run | exit | OOM kills | text = --no-stream | tok/s before | during | after "
+             "| budget start → min → end MiB | major faults/token | cgroup peak MiB |",
              "|---:|---:|---:|:---:|---:|---:|---:|---|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['run']} | {r['exit']} | {r['oom_kills']} | {'yes' if r['answer'] == plain else 'NO'} | "
@@ -147,7 +148,8 @@ def main() -> int:
     ap.add_argument("--at", type=int, default=10)
     ap.add_argument("--until", type=int, default=40)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--flags", default="-t 2 --io-threads 4", help="bmoe-cli flags for every run (default: %(default)s)")
+    ap.add_argument("--flags", default="-t 2 --io-threads 4",
+                    help="bmoe-cli flags for every run (default: %(default)s)")
     ap.add_argument("--ref-flags", default="-t 2", help="flags of the --no-stream reference (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/memory-squeeze"))
     a = ap.parse_args()
@@ -164,7 +166,8 @@ def main() -> int:
         say(f"run {i}/{a.runs}")
         runs.append(one_run(h, a, i, a.out))
         r = runs[-1]
-        say(f"run {i}: exit {r['exit']}, {r['oom_kills']} OOM kills, text {'same' if r['answer'] == plain else 'DIFFERENT'}, "
+        say(f"run {i}: exit {r['exit']}, {r['oom_kills']} OOM kills, "
+            f"text {'same' if r['answer'] == plain else 'DIFFERENT'}, "
             f"budget {r['budget_start_mib']} -> {r['budget_min_mib']} -> {r['budget_end_mib']} MiB")
     (a.out / "results.json").write_text(json.dumps({"argv": sys.argv, "runs": runs, "plain": plain}, indent=1))
     (a.out / "report.md").write_text(report(a, runs, plain))

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 

@@ -63,7 +63,8 @@ def main() -> int:
             runs.append(rec)
             print(f"resident-ab: round {r + 1} {arm}: {rec.get('tok_s', 'failed')} tok/s", file=sys.stderr, flush=True)
     (a.out / "results.json").write_text(json.dumps(runs, indent=1))
-    med = {arm: statistics.median([x["tok_s"] for x in runs if x["arm"] == arm and "tok_s" in x]) for arm in ("mapped", "read")}
+    med = {arm: statistics.median([x["tok_s"] for x in runs if x["arm"] == arm and "tok_s" in x])
+           for arm in ("mapped", "read")}
     same = len({x["text"] for x in runs}) == 1
     L = ["# Mapped (not read) start against llama.cpp's reading load: output and resident decode speed", "",
          f"`python bench/resident_speed_with_mapped_load.py {' '.join(sys.argv[1:])}`", "",

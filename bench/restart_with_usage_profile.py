@@ -122,7 +122,7 @@ def main() -> int:
             made = tmp / f"usage-{r}"
             shutil.rmtree(made, ignore_errors=True)
             say(f"round {r + 1}: warm (cold prompt, then the same prompt again)")
-            rec = run(a, cg_parent, tmp, "warm", common + ["--usage-dir", str(made)], 0)
+            rec = run(a, cg_parent, tmp, "warm", [*common, "--usage-dir", str(made)], 0)
             rec["round"] = r + 1
             records.append(rec)
             say(f"  hits cold {rec['first']['hit_pct']:.1f}%, warm {rec['second']['hit_pct']:.1f}%")
@@ -133,9 +133,9 @@ def main() -> int:
                         use = tmp / f"use-{r}"
                         shutil.rmtree(use, ignore_errors=True)
                         shutil.copytree(made, use)
-                        flags = common + ["--usage-dir", str(use)]
+                        flags = [*common, "--usage-dir", str(use)]
                     else:
-                        flags = common + ["--no-warm-start"]
+                        flags = [*common, "--no-warm-start"]
                     say(f"round {r + 1}: {arm}, wait {wait:g} s")
                     rec = run(a, cg_parent, tmp, arm, flags, wait)
                     rec.update(round=r + 1, wait=wait)
@@ -163,15 +163,20 @@ def render(a: argparse.Namespace, records: list[dict], load0: float, load1: floa
          f"`python bench/restart_with_usage_profile.py {' '.join(sys.argv[1:])}`", "",
          f"Model {a.model.name}; each session in a fresh {a.mem_limit_mb} MiB cgroup on a cold page cache, "
          f"`--cache-mb {a.cache_mb} -t {a.threads} --io-threads {a.io_threads}`, prompt {PROMPT!r}, "
-         f"{a.n_predict} tokens; {a.rounds} round(s); 1-minute load average {load0:.1f} at start, {load1:.1f} at end.", "",
-         "| arm | wait s | runs | hit % (first tokens) | ÷ warm run | prefill s | TTFT s | ÷ none | request → first token s |",
+         f"{a.n_predict} tokens; {a.rounds} round(s); 1-minute load average {load0:.1f} at start, "
+         f"{load1:.1f} at end.", "",
+         "| arm | wait s | runs | hit % (first tokens) | ÷ warm run | prefill s | TTFT s | ÷ none "
+         "| request → first token s |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     hw = _med([r["second"]["hit_pct"] for r in warm])
     L.append(f"| cold (first prompt of warm) | 0 | {len(warm)} | {_med([r['first']['hit_pct'] for r in warm]):.1f} | "
-             f"{_med([r['first']['hit_pct'] for r in warm]) / hw:.2f} | {_med([r['first']['prefill_s'] for r in warm]):.2f} | "
-             f"{_med([r['first']['ttft_s'] for r in warm]):.2f} | | {_med([r['first']['first_token_s'] for r in warm]):.2f} |")
+             f"{_med([r['first']['hit_pct'] for r in warm]) / hw:.2f} | "
+             f"{_med([r['first']['prefill_s'] for r in warm]):.2f} | "
+             f"{_med([r['first']['ttft_s'] for r in warm]):.2f} | | "
+             f"{_med([r['first']['first_token_s'] for r in warm]):.2f} |")
     L.append(f"| warm run (same prompt again) | | {len(warm)} | {hw:.1f} | 1.00 | "
-             f"{_med([r['second']['prefill_s'] for r in warm]):.2f} | | | {_med([r['second']['first_token_s'] for r in warm]):.2f} |")
+             f"{_med([r['second']['prefill_s'] for r in warm]):.2f} | | | "
+             f"{_med([r['second']['first_token_s'] for r in warm]):.2f} |")
     for wait in sorted({r["wait"] for r in records if "wait" in r}):
         none = [r for r in records if r["arm"] == "none" and r["wait"] == wait]
         tn = _med([r["first"]["ttft_s"] for r in none])
@@ -181,7 +186,8 @@ def render(a: argparse.Namespace, records: list[dict], load0: float, load1: floa
             L.append(f"| {arm} | {wait:g} | {len(rs)} | {h:.1f} | {h / hw:.2f} | "
                      f"{_med([r['first']['prefill_s'] for r in rs]):.2f} | {t:.2f} | {t / tn:.2f} | "
                      f"{_med([r['first']['first_token_s'] for r in rs]):.2f} |")
-    L += ["", "Every run in order:", "", "| round | arm | wait s | waited s | hit % | prefill s | TTFT s | exit | OOM |",
+    L += ["", "Every run in order:", "",
+          "| round | arm | wait s | waited s | hit % | prefill s | TTFT s | exit | OOM |",
           "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         for key in ("first", "second") if r["arm"] == "warm" else ("first",):

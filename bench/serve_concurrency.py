@@ -146,7 +146,7 @@ def concurrent(server: Server, clients: int, n: int) -> tuple[float, list[Answer
 
 def pct(values: list[float], q: float) -> float:
     v = sorted(values)
-    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
 
 
 def row(label: str, wall: float, answers: list[Answer], base_wall: float | None, alone: dict[int, str],
@@ -212,7 +212,8 @@ def main() -> int:
                     else:
                         wall, got = concurrent(server, c, a.tokens)
                     after = server.steps()
-                    pair[how] = wall, got, "/".join(f"{after.get(k, 0) - before.get(k, 0):.0f}" for k in ("batch", "turns"))
+                    pair[how] = wall, got, "/".join(f"{after.get(k, 0) - before.get(k, 0):.0f}"
+                                                    for k in ("batch", "turns"))
                 base = pair.get("alone", pair["together"])
                 alone = {x.prompt: x.text for x in base[1]}
                 if c > 1:

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bmoe.tools.bench_machine import machine_info  # noqa: E402
-from bmoe.tools.bench_sys import (Cgroup, drop_file_cache, find_cgroup, remove_all_cgroups)
+from bmoe.tools.bench_sys import Cgroup, drop_file_cache, find_cgroup, remove_all_cgroups  # noqa: E402
 from bmoe.units import MiB  # noqa: E402
 
 DEMO = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe" / "smollm2-135m-moe-e64-k8-r2.gguf"
@@ -313,16 +313,17 @@ def measure(name: str, path: Path, a: argparse.Namespace, cg_parent, prompt: str
             rnd["llama_load_plain"] = llama_load(cg_parent, limit, path, "plain")
         say(f"{name} round {r + 1}: bmoe session")
         usage = tmp / f"usage-{name}-{r}"  # empty: a cold start; the run's profile is written there at exit
-        rnd["bmoe"] = session(cg_parent, limit, path, flags + ["--usage-dir", str(usage)], prompt, a.n_predict, tmp)
+        rnd["bmoe"] = session(cg_parent, limit, path, [*flags, "--usage-dir", str(usage)], prompt, a.n_predict, tmp)
         b = rnd["bmoe"]
         b["usage_profile_bytes"] = sum(p.stat().st_size for p in usage.glob("*.json")) if usage.is_dir() else None
         shutil.rmtree(usage, ignore_errors=True)
         if a.cache_mb == "auto":
             say(f"{name} round {r + 1}: warm start (page cache left as the last run left it)")
-            rnd["warm"] = warm_ready(cg_parent, limit, path, flags + ["--no-warm-start"], tmp)
+            rnd["warm"] = warm_ready(cg_parent, limit, path, [*flags, "--no-warm-start"], tmp)
         say(f"  READY {b.get('ready_s', 0):.2f} s, TTFT {b.get('ttft_s') or 0:.2f} s, "
             f"{b.get('decode_tok_s') or 0:.2f} tok/s, {b.get('mib_per_token') or 0:.0f} MiB/token, "
-            f"exit {b.get('exit')}, OOM {b.get('oom_kills')}" + (f", error {b['error'][:300]}" if b.get("error") else ""))
+            f"exit {b.get('exit')}, OOM {b.get('oom_kills')}"
+            + (f", error {b['error'][:300]}" if b.get("error") else ""))
         if gb <= a.mmap_up_to_gb:
             say(f"{name} round {r + 1}: plain llama.cpp (mmap) session")
             rnd["mmap"] = session(cg_parent, limit, path, ["-t", str(a.threads), "-c", str(a.ctx), "--no-stream"],
@@ -360,7 +361,8 @@ def summarize(m: dict) -> dict:
         "llama_load_plain_read": _med([r.get("llama_load_plain", {}).get("read_bytes") for r in rs]),
         "ready_s": _med([x.get("ready_s") for x in b]),
         "load_s": _med([x.get("ready", {}).get("load_s") for x in b]),
-        "read_at_ready": _med([sum(p["read_bytes"] for p in x["at_ready"]["procs"].values()) for x in b if "at_ready" in x]),
+        "read_at_ready": _med([sum(p["read_bytes"] for p in x["at_ready"]["procs"].values())
+                               for x in b if "at_ready" in x]),
         "ttft_s": _med([x.get("ttft_s") for x in b]),
         "ttft_from_launch_s": _med([x.get("ttft_from_launch_s") for x in b]),
         "prefill_s": _med([x.get("done", {}).get("prefill_s") for x in b]),
@@ -389,7 +391,8 @@ def render(meta: dict, models: list[dict]) -> str:
          f"`{meta['command']}`", "",
          f"Machine: {meta['machine'].get('cpu', '?')}, {meta['machine'].get('cores', '?')} cores, "
          f"{meta['machine'].get('ram_mib', '?')} MiB, kernel {meta['machine'].get('kernel', '?')}; 1-minute load "
-         f"average {meta['load_start']:.1f} at start, {meta['load_end']:.1f} at end; bmoe {meta['machine'].get('bmoe_git', '?')}.",
+         f"average {meta['load_start']:.1f} at start, {meta['load_end']:.1f} at end; "
+         f"bmoe {meta['machine'].get('bmoe_git', '?')}.",
          f"Each run: a fresh cgroup of {meta['limit_mib']} MiB, the model dropped from the page cache first; "
          f"`bmoe-cli --session {' '.join(meta['flags'])}`; prompt {meta['prompt']} ({meta['prompt_words']} words), "
          f"{meta['n_predict']} tokens; medians of {meta['rounds']} round(s).", "",
@@ -411,7 +414,8 @@ def render(meta: dict, models: list[dict]) -> str:
     for s, m in zip(sums, models):
         bound = m["model"]["dense_bytes"] + 0.02 * m["model"]["bytes"]
         ok = "yes" if s["llama_load_map_read"] is not None and s["llama_load_map_read"] <= bound else "no"
-        L.append(f"| {s['name']} | {s['gb']:.1f} | {_f(s['llama_load_map_s'])} | {_mib(s['llama_load_map_read'])} | {ok} | "
+        L.append(f"| {s['name']} | {s['gb']:.1f} | {_f(s['llama_load_map_s'])} | "
+                 f"{_mib(s['llama_load_map_read'])} | {ok} | "
                  f"{_f(s['llama_load_plain_s'])} | {_mib(s['llama_load_plain_read'])} | {_f(s['ready_s'])} | "
                  f"{_f(s['load_s'])} | {_mib(s['read_at_ready'])} | {_f(s['budget_mib'], '.0f')} | "
                  f"{_f(s['warm_budget_mib'], '.0f')} | {_f(s['warm_ready_s'])} |")
@@ -421,12 +425,14 @@ def render(meta: dict, models: list[dict]) -> str:
           "compute waited for reads (stall), the compute residual, and the lanes' summed busy time (I/O, "
           "overlapping compute). Hit % −1: no cache (the budget went below one token's working set).", "",
           "| model | GB | TTFT s | from launch s | prefill s | mmap TTFT s | ÷ mmap | decode tok/s | MiB/token | "
-          "stall s/tok | compute s/tok | lanes I/O s/tok | hit % | cgroup peak MiB | OOM kills | exit | usage profile KB |",
+          "stall s/tok | compute s/tok | lanes I/O s/tok | hit % | cgroup peak MiB | OOM kills | exit "
+          "| usage profile KB |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for s in sums:
         L.append(f"| {s['name']} | {s['gb']:.1f} | {_f(s['ttft_s'])} | {_f(s['ttft_from_launch_s'])} | "
                  f"{_f(s['prefill_s'])} | {_f(s['mmap_ttft_s'])} | {_f(s['ttft_vs_mmap'])} | {_f(s['tok_s'])} | "
-                 f"{_f(s['mib_per_token'], '.0f')} | {_f(s['stall_s'])} | {_f(s['compute_s'])} | {_f(s['lanes_io_s'])} | "
+                 f"{_f(s['mib_per_token'], '.0f')} | {_f(s['stall_s'])} | {_f(s['compute_s'])} | "
+                 f"{_f(s['lanes_io_s'])} | "
                  f"{_f(s['hit_pct'], '.1f')} | {_mib(s['cgroup_peak'])} | "
                  f"{s['oom_kills']} | {s['exits']} | {_f((s['profile_bytes'] or 0) / 1024, '.0f')} |")
     L += ["", "## Memory", "",
@@ -439,7 +445,8 @@ def render(meta: dict, models: list[dict]) -> str:
     for m in models:
         b = m["rounds"][-1]["bmoe"]
         pk, rd = b.get("peak", {}), b.get("at_ready", {})
-        cells = [_mib((pk.get("procs", {}).get(role, {}).get("rss_anon", 0) + pk.get("procs", {}).get(role, {}).get("rss_file", 0))
+        cells = [_mib((pk.get("procs", {}).get(role, {}).get("rss_anon", 0)
+                       + pk.get("procs", {}).get(role, {}).get("rss_file", 0))
                       if role in pk.get("procs", {}) else None) for role in roles]
         L.append(f"| {m['name']} | " + " | ".join(cells) + f" | {_mib(rd.get('shm'))} | {_mib(pk.get('shm'))} | "
                  f"{_mib(rd.get('cgroup', {}).get('page_cache'))} | {_mib(pk.get('cgroup', {}).get('page_cache'))} | "
@@ -461,7 +468,8 @@ def charts(out: Path, models: list[dict]) -> None:
     sums = sorted((summarize(m) for m in models), key=lambda s: s["gb"])
     gb = [s["gb"] for s in sums]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("llama_load_map_s", "llama.cpp load (bmoe: mapped)"), ("llama_load_plain_s", "llama.cpp load (plain)"),
+    for key, label in (("llama_load_map_s", "llama.cpp load (bmoe: mapped)"),
+                       ("llama_load_plain_s", "llama.cpp load (plain)"),
                        ("ready_s", "launch → BMOE_READY")):
         ys = [s[key] for s in sums]
         if any(y is not None for y in ys):
@@ -480,7 +488,8 @@ def charts(out: Path, models: list[dict]) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     ax[0].plot(gb, [s["tok_s"] for s in sums], "o-")
     ax[0].set(xlabel="model GB", ylabel="tok/s", title="decode tok/s")
-    pts = [(s["mib_per_token"], 1 / s["tok_s"], s["stall_s"], s["name"]) for s in sums if s["tok_s"] and s["mib_per_token"] is not None]
+    pts = [(s["mib_per_token"], 1 / s["tok_s"], s["stall_s"], s["name"])
+           for s in sums if s["tok_s"] and s["mib_per_token"] is not None]
     ax[1].plot([p[0] for p in pts], [p[1] for p in pts], "o", label="s/token")
     ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "s", label="of it waiting for reads (stall)")
     for x, y, _, name in pts:

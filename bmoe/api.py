@@ -35,9 +35,10 @@ import logging
 import queue
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from bmoe import model_source, telemetry
 from bmoe.errors import ConfigError, ContextTooLong
@@ -257,7 +258,7 @@ class Model:
         forced = tuple(int(t) for t in forced)
         if forced:
             max_tokens = len(forced)
-        extra = dict(lossless=bool(lossless), forced=forced, logits=bool(logits))
+        extra: dict[str, Any] = dict(lossless=bool(lossless), forced=forced, logits=bool(logits))
         if messages is not None:
             parts = f.parts(messages, think, response_format=response_format, grammar=grammar, tools=tools,
                             tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)

@@ -7,7 +7,8 @@ use them without importing it.
 from __future__ import annotations
 
 import argparse
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T", int, float)
 

@@ -81,7 +81,8 @@ def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_nee
             raise ConfigError(f"{w.name('prefetch')} and {w.name('spec_gate')} read experts ahead into the cache, "
                               f"and {w.value('cache_mb', None)} found no room for one; free memory, lower "
                               f"{w.name('cache_floor_mb')}, or drop them")
-    what = w.value("cache_mb", cache.mb) if cache.mb is not None else f"{w.value('cache_mb', None)} ({budget / MiB:.1f})"
+    what = (w.value("cache_mb", cache.mb) if cache.mb is not None
+            else f"{w.value('cache_mb', None)} ({budget / MiB:.1f})")
     enough = w.value("cache_mb", float(mib_up(token_need)))
     if 0 < budget < layer_need:
         raise ConfigError(f"{what} is below one layer's working set ({layer_need / MiB:.1f} MiB), which even "

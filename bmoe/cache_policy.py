@@ -42,10 +42,9 @@ from __future__ import annotations
 
 import heapq
 import math
-
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Iterable, Iterator, Sequence
 
 Key = tuple[int, int, int]
 Entry = tuple[float, int, Key]  # (weight, tick of last use, key): a slice's rank in its layer
@@ -145,7 +144,7 @@ class Policy:
 
     def furthest_first(self, layer: int | None) -> Iterator[int]:
         """Layers by next use in the cycle, furthest first: `layer` itself (next token), then the ones behind it."""
-        i = self.pos.get(layer, 0)  # None: nothing routed yet
+        i = self.pos.get(layer, 0) if layer is not None else 0  # None: nothing routed yet
         n = len(self.layers)
         for k in range(n):
             yield self.layers[(i - k) % n]
@@ -241,7 +240,8 @@ class CycleLFU(Policy):
         self.heap: dict[int, list[Entry]] = {layer: [] for layer in self.layers}
         self.held: list[Entry] = []  # live entries the last walk passed over (kept by the caller), off their heap
         self.tensors: dict[int, set[int]] = {layer: set() for layer in self.layers}  # region indices seen
-        self.stale: list[Key] = []  # slices whose use changed their expert's count since the last walk (its other slices may lag)
+        # slices whose use changed their expert's count since the last walk (its other slices may lag)
+        self.stale: list[Key] = []
         self.moved: set[int] = set()  # layers whose first candidate may have changed since the last walk
 
     def begin(self, layer: int) -> None:
@@ -411,6 +411,7 @@ class NextUse(CycleLFU):
             return
         n = len(self.layers)
         p = self.pos[lay]
+        assert self.frame is not None  # _refresh set the frame before ranking
         f = min(1.0, max(1e-3, e[0] / self.unit / self.seen))
         wait = (p + n if p <= self.frame[1] else p) + n * (1 / f - 1)
         self.heads.push(lay, -wait, lay)
@@ -418,7 +419,7 @@ class NextUse(CycleLFU):
     def _refresh(self, layer: int | None) -> None:
         """Bring the heads up to the current token and layer."""
         self._settle()
-        cur = self.pos.get(layer, 0)  # None: nothing routed yet
+        cur = self.pos.get(layer, 0) if layer is not None else 0  # None: nothing routed yet
         if self.frame is None or self.frame[0] != self.token:
             tokens = max(1, self.token - (self.start or 0))
             self.seen = (1 - self.DECAY ** tokens) / (1 - self.DECAY)
@@ -436,6 +437,7 @@ class NextUse(CycleLFU):
         self._refresh(layer)
         while (lay := self.heads.top()) is not None:
             e = self._first(lay)
+            assert e is not None  # a layer is ranked only with a live first entry (_head)
             yield e[2]
             if self.entry.get(e[2]) is e:  # kept by the caller: off the heap for the rest of the walk
                 heapq.heappop(self.heap[lay])
@@ -471,8 +473,8 @@ class Quota(Cycle):
         self.heads.push(lay, -left if left else None, self.pos[lay])
 
     def victims(self, layer: int | None) -> Iterator[Key]:
-        for lay in self.moved:
-            self._rank(lay, len(self.by_layer[lay]))
+        for moved in self.moved:
+            self._rank(moved, len(self.by_layer[moved]))
         self.moved.clear()
         walks: dict[int, Iterator[Key]] = {}
         passed: dict[int, int] = {}  # a layer's slices passed over (kept) in this walk

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import llama_cpp
 
-from bmoe.llama import Vocab
 from bmoe.errors import ConfigError
+from bmoe.llama import Vocab
 
 
 class Renderer:
@@ -59,7 +60,7 @@ class Renderer:
             self._tools = "bmoe_probe_tool_7f3a" in text
         return self._tools
 
-    def _render_llama(self, messages: list[dict[str, str]]) -> str | None:
+    def _render_llama(self, messages: Sequence[Mapping[str, Any]]) -> str | None:
         """llama_chat_apply_template, add_ass=True (what one-shot --chat does); None if unsupported."""
         msgs = (llama_cpp.llama_chat_message * len(messages))()
         keep = []  # the encoded strings must outlive the call
@@ -82,8 +83,9 @@ class Renderer:
             return ""
         return (llama_cpp.llama_vocab_get_text(self.vocab.ptr, tok) or b"").decode(errors="replace")
 
-    def _render_jinja(self, messages: list[dict[str, str]], **kwargs: Any) -> str:
+    def _render_jinja(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         if self._jinja is None:
+            assert self.template is not None  # render() uses llama.cpp's own formatting without one
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
             bos = self._token_text(llama_cpp.llama_vocab_bos(self.vocab.ptr))

@@ -320,7 +320,7 @@ class OutputParser:
             s.content += t[j:] if final else t[j:len(t) - _hold(t, opener, j)]
         return None
 
-    def _hermes(self, t: str, at: int, final: bool, s: _Scan) -> None:
+    def _hermes(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
         open_, close = "<tool_call>", "</tool_call>"
         while at is not None:
             i = at + len(open_)
@@ -364,7 +364,7 @@ class OutputParser:
                 call.done = False
             return
 
-    def _mistral_args(self, t: str, at: int, final: bool, s: _Scan) -> None:
+    def _mistral_args(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
         opener = "[TOOL_CALLS]"
         while at is not None:
             i = at + len(opener)
@@ -384,7 +384,8 @@ class OutputParser:
             at = self._after_calls(t, end, opener, final, s)
 
     def _harmony(self, t: str, final: bool, s: _Scan) -> None:
-        """Messages `[<|start|>assistant][ to=functions.X]<|channel|>CH[ to=functions.X][ <|constrain|>json]<|message|>BODY<|end|>`;
+        """Messages
+        `[<|start|>assistant][ to=functions.X]<|channel|>CH[ to=functions.X][ <|constrain|>json]<|message|>BODY<|end|>`;
         the first comes after the prompt's `<|start|>assistant`. A call's body ends the text (its
         end, `<|call|>`, ends the generation)."""
         i = 0

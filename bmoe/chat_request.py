@@ -10,8 +10,9 @@ GrammarError (a ConfigError) naming the field, which the server answers with a 4
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from bmoe.chat_output import Reading
 from bmoe.chat_syntax import HARMONY, check_tools, detect, tool_grammar, with_reasoning
@@ -61,7 +62,8 @@ def _call(c: Any, where: str) -> dict[str, Any]:
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
         raise GrammarError(f"{where}: {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
                            where)
-    return {"id": str(c.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
+    return {"id": str(c.get("id", "")), "type": "function",
+            "function": {"name": fn["name"], "arguments": fn["arguments"]}}
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,10 @@ class ChatFormat:
                                "tool_choice none to keep the tools without calls, or drop one", "response_format")
         shown = tuple(tools) if t is not None else None
         text = r.render(list(msgs), think, tools=list(shown) if shown else None)
-        think_open = bool(syntax.think) and text.rstrip().endswith(syntax.think[0])
+        think_open = bool(syntax.think and text.rstrip().endswith(syntax.think[0]))
         thinking = syntax.think is not None and (think or not r.reads_thinking)
         if calls:
+            assert t is not None  # calls come with tools
             g = tool_grammar(syntax, t, thinking, think_open)
         elif g is not None and response_format is not None and (thinking or think_open or syntax.name == HARMONY):
             g = with_reasoning(syntax, g, think_open)

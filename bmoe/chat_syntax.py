@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import re
 import string
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from bmoe.grammar import Grammar, GrammarError, check_schema, literal, not_containing, schema_rules
 
@@ -188,7 +189,8 @@ def _reasoning_rule(syntax: Syntax, think_open: bool) -> tuple[str, str]:
     optional, or already open when the prompt ends inside one."""
     if syntax.name == HARMONY:
         body = f"({not_containing('<|end|>')})*"
-        return ('(analysis "<|start|>assistant")? ', f'analysis ::= "<|channel|>analysis<|message|>" {body} "<|end|>"\n')
+        return ('(analysis "<|start|>assistant")? ',
+                f'analysis ::= "<|channel|>analysis<|message|>" {body} "<|end|>"\n')
     if syntax.think is None:
         return "", ""
     open_, close = syntax.think

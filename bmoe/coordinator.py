@@ -23,10 +23,11 @@ product module reads another's private attributes).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
@@ -36,9 +37,9 @@ from bmoe.budget import Adaptive, decide
 from bmoe.dense import DenseReadAhead, advise_normal, dense_ranges, pin
 from bmoe.errors import Cancelled, ConfigError, ContextTooLong, ModelError
 from bmoe.expert_cache import working_sets
-from bmoe.memory import MemoryProbe
 from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
 from bmoe.lossy import Lossy
+from bmoe.memory import MemoryProbe
 from bmoe.model_files import open_model
 from bmoe.readahead import ReadsAhead
 from bmoe.route_trace import TraceWriter
@@ -77,7 +78,8 @@ class Sequence:
 class Engine:
     """A loaded model and context; streaming experts unless `settings.streaming.enabled` is off."""
 
-    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None, words: Words = FLAGS) -> None:
+    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None,
+                 words: Words = FLAGS) -> None:
         """Load `settings.model` as `settings` ask (validated by the edge: bmoe.flags, bmoe.settings.from_keywords);
         `notice` hears what the user should know, errors name settings in `words` (the edge's)."""
         self.settings = settings
@@ -85,7 +87,8 @@ class Engine:
         self.words = words
         self.streamer: Streamer | None = None
         self.trace: TraceWriter | None = None
-        self.model = self.ctx = None
+        self.model: llama_cpp.llama_model_p | None = None
+        self.ctx: llama_cpp.llama_context_p | None = None
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
         self.lossy: Lossy | None = None  # lossy routing while streaming (the hook's)
@@ -107,13 +110,14 @@ class Engine:
         try:
             self._check_lossy(moe, streaming)
             self._load(streaming)
-            self.vocab = Vocab(self.model)
+            assert self.model is not None  # _load raised otherwise
+            self.vocab: Vocab = Vocab(self.model)
             if streaming:
                 self._start_streaming()
         except BaseException:
             self.close()
             raise
-        self.load_s = time.perf_counter() - t0
+        self.load_s: float = time.perf_counter() - t0
 
     def __enter__(self) -> Engine:
         return self
@@ -156,7 +160,7 @@ class Engine:
                                self.hook.c_callback if streaming else None, n_seq=self.settings.parallel)
         self.llama_load_s = time.perf_counter() - t0
         llama_cpp.llama_set_abort_callback(self.ctx, self.hook.c_abort, None)
-        self.n_ctx = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
+        self.n_ctx: int = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
 
     def _start_streaming(self) -> None:
         """A warm-up graph, visited but not computed, finds the expert tensors; then they are
@@ -173,7 +177,8 @@ class Engine:
         tensors = list(cap.tensors.values())
         regions = regions_of(self.files, tensors)
         need = working_sets(regions, max(1, self.files.n_expert_used))
-        dense = dense_ranges(self.files, tensors)  # before the expert tensors are rebound: their data pointers find the mapping
+        # before the expert tensors are rebound: their data pointers find the mapping
+        dense = dense_ranges(self.files, tensors)
         self.memory.kept = 0 if s.streaming.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
         if s.streaming.pin_dense:
             self._dense_read(dense)
@@ -236,6 +241,7 @@ class Engine:
         `expert_bytes` is what holding every expert takes in the cache (its slots, page-rounded),
         so an auto budget with room to spare holds them all (and --preload can fill it)."""
         s, st = self.settings, self.streamer
+        assert st is not None  # sized while streaming starts
         decided = decide(s.cache, s.reads_ahead, expert_bytes, layer_need, token_need, self.memory.rooms(), self.words)
         if decided.notice:
             self.notice(decided.notice)
@@ -280,6 +286,7 @@ class Engine:
         """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
         memory limits leave (Adaptive)."""
         st = self.streamer
+        assert st is not None and self.adaptive is not None  # the Streamer watches only with an adaptive budget
         change = self.adaptive.step(st.budget, st.resident_bytes(), self.memory.least(), self.memory.pressure())
         if change is not None:
             old = st.budget
@@ -415,7 +422,7 @@ class Engine:
 
     def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
               fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None, *,
-              lossless: bool = False, forced: list[int] = (), keep_logits: bool = False) -> Sequence:
+              lossless: bool = False, forced: Iterable[int] = (), keep_logits: bool = False) -> Sequence:
         """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
         then decodes it. `lossless`: no lossy routing for this sequence. `forced`: the tokens its
         steps decode, in order, instead of sampled ones (teacher forcing). `keep_logits`: each
@@ -476,18 +483,22 @@ class Engine:
         if st:
             c = st.take_counters(step=True)
             counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
-            shares = [TokenStat(wall, *(x * (i + 1) // k - x * i // k for x in counts), st.budget) for i in range(k)]
+            shares = []
+            for i in range(k):  # token i's share of each count: the shares add up to the count
+                io, mgmt, read, hits, lookups, stall = (x * (i + 1) // k - x * i // k for x in counts)
+                shares.append(TokenStat(wall, io, mgmt, read, hits, lookups, stall, st.budget))
         else:
             shares = [TokenStat(wall, 0, 0, 0, 0, 0) for _ in range(k)]
         if self.lossy:
+            assert st is not None  # lossy routing runs only while streaming
             layers = len(st.layers)
             for stat, rc in zip(shares, self.lossy.take()):
                 stat.dropped, stat.substituted = rc.dropped, rc.substituted
                 stat.weight_changed_pct = 100.0 * rc.moved / layers
         if self.trace:
             self.trace.end_step(toks[id(going[0])])
-        stat = {id(s): st_ for s, st_ in zip(going, shares)}
-        return [(toks[id(s)], stat[id(s)]) if id(s) in toks else None for s in seqs]
+        by_id = {id(s): st_ for s, st_ in zip(going, shares)}
+        return [(toks[id(s)], by_id[id(s)]) if id(s) in toks else None for s in seqs]
 
     def _choose(self, s: Sequence, row: int) -> None:
         """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced

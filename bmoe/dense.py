@@ -59,7 +59,7 @@ class DenseReadAhead:
         self.error: OSError | None = None
         self._thread = threading.Thread(target=self._run, name="bmoe-dense-read-ahead", daemon=True)
 
-    def start(self) -> "DenseReadAhead":
+    def start(self) -> DenseReadAhead:
         self._thread.start()
         return self
 

@@ -13,7 +13,8 @@ request stops mid-prefill or mid-token; a batch step with one live member runs t
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from bmoe.errors import Cancelled
 from bmoe.generation import Completion, Generation
@@ -81,7 +82,7 @@ class Driver:
             if not going:
                 return ended
             try:
-                steps = self._decode(going, lambda: self.engine.step([g.seq for g in going]))
+                steps = self._decode(going, lambda: self.engine.step([g.begun for g in going]))
             except Cancelled as e:  # every one of them was cancelled mid-step
                 return ended + [(g, g.finish(e)) for g in going]
             for g, decoded in zip(going, steps):

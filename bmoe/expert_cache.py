@@ -121,11 +121,11 @@ def layout(regions: list[Region], spare: bool = False) -> int:
         sig = (regs[0].n_expert, *sorted((r.kind, r.expert_bytes) for r in regs))
         groups.setdefault(sig, []).append(layer)
     cursor = 0
-    for g, (sig, layers) in enumerate(groups.items()):
-        n_expert, kinds = sig[0], sig[1:]
+    for g, (group_sig, layers) in enumerate(groups.items()):
+        n_expert, kinds = group_sig[0], group_sig[1:]
         period = max(PAGE // gcd(size, PAGE) for _, size in kinds)
         capacity = len(layers) * period * -(-n_expert // period) + int(spare)
-        pools = {}
+        pools: dict[str, int] = {}
         for kind, size in kinds:
             pools[kind] = cursor
             cursor = _up(cursor + capacity * (size + 2 * PAGE) + PAGE)
@@ -188,8 +188,9 @@ class ExpertCache:
         first = {layer: regions[idxs[0]] for layer, idxs in self.by_layer.items()}
         self.group_of = {layer: r.group for layer, r in first.items()}
         self.period = {r.group: r.period for r in regions}
-        self.pools = {}  # group -> one region per kind (any layer's: the pool geometry is the kind's)
-        self.index_bytes = {}  # group -> what a full slot index holds: one slot in each kind's pool
+        # group -> one region per kind (any layer's: the pool geometry is the kind's)
+        self.pools: dict[int, list[Region]] = {}
+        self.index_bytes: dict[int, int] = {}  # group -> what a full slot index holds: one slot in each kind's pool
         for layer, idxs in self.by_layer.items():
             g = self.group_of[layer]
             if g not in self.pools:

@@ -9,7 +9,8 @@ unless it was given, so `settings_from` knows what the user set (validation can 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from bmoe.argtypes import positive_int
 from bmoe.errors import ConfigError

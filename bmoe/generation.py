@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -217,6 +218,12 @@ class Generation:
         self.logits: np.ndarray | None = None  # with req.logits: the distribution the next token comes from
         self.t0 = time.perf_counter()
 
+    @property
+    def begun(self) -> EngineSequence:
+        """The engine's sequence, once `begin` made it."""
+        assert self.seq is not None
+        return self.seq
+
     def begin(self) -> None:
         """Keep the prefix of the KV this request can reuse and prefill the rest."""
         from bmoe.chat import common_prefix
@@ -229,7 +236,7 @@ class Generation:
         slot.kv_tokens = slot.kv_tokens[:self.keep]
         if not reuse:
             slot.messages = []
-        slot.lossy = slot.lossy and self.keep > 0 or self.lossy
+        slot.lossy = (slot.lossy and self.keep > 0) or self.lossy
         if self.cancelled:
             raise Cancelled()
         if self.cache is not None and self.keep == 0:
@@ -249,7 +256,7 @@ class Generation:
         self.ids.append(tok)
         line = self.tally.add(stat)
         new = self.text.push(self.utf8.push(self.engine.vocab.piece(tok, tok in self.req.specials)))
-        logits, self.logits = self.logits, self.seq.logits
+        logits, self.logits = self.logits, self.begun.logits
         if self.on_chunk:
             self.on_chunk(Chunk(new, line, logits=logits))
         if self.text.cut is not None:
@@ -284,7 +291,8 @@ class Generation:
         slot.kv_tokens = kv
         if finish != "cancelled" and self.req.messages is not None:
             r = self.req.reading
-            slot.messages = [*self.req.messages, r.turn(text.text) if r else {"role": "assistant", "content": text.text}]
+            slot.messages = [*self.req.messages,
+                             r.turn(text.text) if r else {"role": "assistant", "content": text.text}]
         self._check_kv()
         prefill_s = self.cached[1] + (self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0)
         stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep + self.cached[0],

@@ -19,6 +19,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -30,6 +31,7 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 _STRING, _ARRAY = 8, 9
 HEAD = 1 << 20  # bytes read first; a header that needs more is read again, four times larger
 MAX_HEAD = 256 << 20  # no real header comes near this (a 256k-token vocabulary is ~10 MB)
+Scalar = int | float | str  # a metadata value this reader keeps (bool is an int)
 
 
 class GGUFError(ValueError):
@@ -47,7 +49,7 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class GGUFTable:
-    fields: dict[str, object]  # scalar and string values; arrays are left out
+    fields: dict[str, Scalar]  # scalar and string values; arrays are left out
     tensors: list[TensorInfo]
 
 
@@ -67,7 +69,8 @@ class _Cursor:
             return GGUFError(f"the header would be larger than {MAX_HEAD >> 20} MiB (at byte {self.pos})")
         return _NeedMore()
 
-    def take(self, fmt: str) -> object:
+    def take(self, fmt: str) -> Any:
+        """One value of struct format `fmt` (an int, float or bool, as struct unpacks it)."""
         fmt = self.order + fmt
         try:
             (v,) = struct.unpack_from(fmt, self.buf, self.pos)
@@ -88,7 +91,7 @@ class _Cursor:
         n = self.take("Q")  # (not `pos += take()`: that would add to the position before the take)
         self.pos += n
 
-    def value(self, vtype: int) -> object:
+    def value(self, vtype: int) -> Scalar | None:
         if vtype in _SCALAR:
             return self.take(_SCALAR[vtype])
         if vtype == _STRING:
@@ -145,7 +148,7 @@ def _parse(buf: bytes, size: int) -> GGUFTable:
     if version < 2:
         raise GGUFError(f"GGUF version {version} is too old (2 or later)")
     n_tensors, n_kv = c.take("Q"), c.take("Q")
-    fields: dict[str, object] = {}
+    fields: dict[str, Scalar] = {}
     for _ in range(n_kv):
         key = c.string()
         v = c.value(c.take("I"))

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from types import ModuleType
 
-from bmoe.model_files import split_name
 from bmoe.errors import ConfigError
+from bmoe.model_files import split_name
 
 DEFAULT_QUANT = "Q4_K_M"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -93,7 +94,7 @@ def pick(files: Iterable[str], ref: HubRef) -> list[str]:
     return chosen
 
 
-def _hub() -> object:
+def _hub() -> ModuleType:
     try:
         import huggingface_hub
     except ImportError:

@@ -8,12 +8,16 @@ import selectors
 import subprocess
 import sys
 import time
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, TypeVar
 
 import msgpack
 
 from bmoe.errors import LaneError
 from bmoe.workers.io_lane import CANCELLED
+
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
 
 __all__ = ["CANCELLED", "Lane", "LanePool", "ReadOrder", "merge_keyed", "spread"]
 
@@ -32,7 +36,7 @@ def merge_keyed(items: list[tuple[ReadOrder, T]], max_len: int) -> list[tuple[Re
             if pfi == fi and off <= poff + plen and off - poff == slab_off - pslab \
                     and off + length - poff <= max_len:
                 out[-1] = ((pfi, poff, max(plen, off + length - poff), pslab, max(pneed, off + needed - poff)),
-                           keys + [key])
+                           [*keys, key])
                 continue
         out.append(((fi, off, length, slab_off, needed), [key]))
     return out
@@ -87,6 +91,7 @@ class Lane:
         if not self.unsent:
             return False
         data, self.unsent = b"".join(self.unsent), []
+        assert self.proc.stdin is not None  # started with stdin=PIPE
         try:
             self.proc.stdin.write(data)
             self.proc.stdin.flush()
@@ -96,6 +101,12 @@ class Lane:
 
     def pending_bytes(self) -> int:
         return sum(r[2] for _, reads, _ in self.pending.values() for r in reads)
+
+    @property
+    def stdout(self) -> IO[bytes]:
+        """The pipe the lane answers on (its process is started with stdout=PIPE)."""
+        assert self.proc.stdout is not None
+        return self.proc.stdout
 
     def respawn(self) -> None:
         """Replace a dead or hung process and re-issue everything it had not finished."""
@@ -154,7 +165,7 @@ class LanePool:
         if not hello or hello[0] != "hello":
             raise LaneError(f"I/O lane {lane.index} did not start (exit code {lane.proc.poll()})")
         lane.odirect = bool(hello[3])
-        self.sel.register(lane.proc.stdout, selectors.EVENT_READ, lane)
+        self.sel.register(lane.stdout, selectors.EVENT_READ, lane)
 
     @property
     def odirect(self) -> bool:
@@ -167,7 +178,7 @@ class LanePool:
                 return msg
             if time.monotonic() > deadline:
                 return None
-            chunk = os.read(lane.proc.stdout.fileno(), 1 << 16)
+            chunk = os.read(lane.stdout.fileno(), 1 << 16)
             if not chunk:
                 return None
             lane.unpacker.feed(chunk)
@@ -246,11 +257,11 @@ class LanePool:
                             f"{self.restarts} times in this run; check the model file and the device "
                             "(dmesg), or lower --io-threads")
         print(f"bmoe: I/O lane {lane.index} (pid {lane.pid}) {why}; restarting it", file=sys.stderr)
-        self._forget(lane.proc.stdout)
+        self._forget(lane.stdout)
         lane.respawn()
         self._hello(lane)
 
-    def _forget(self, fileobj: object) -> None:
+    def _forget(self, fileobj: FileDescriptorLike) -> None:
         """Stop watching a lane's pipe (it may already be gone: EOF seen, or a send found it dead)."""
         try:
             self.sel.unregister(fileobj)
@@ -258,10 +269,10 @@ class LanePool:
             pass
 
     def _drain(self, lane: Lane) -> None:
-        chunk = os.read(lane.proc.stdout.fileno(), 1 << 16)
+        chunk = os.read(lane.stdout.fileno(), 1 << 16)
         if not chunk:
             lane.eof = True
-            self._forget(lane.proc.stdout)
+            self._forget(lane.stdout)
             return
         lane.unpacker.feed(chunk)
         for order_id, nbytes, busy_ns, err in lane.unpacker:

@@ -165,7 +165,8 @@ class MemoryProbe:
     def _rlimit_rooms(self) -> list[Room]:
         status = _kb(_read(self.proc / "self" / "status"))
         out = []
-        for res, key, name in ((resource.RLIMIT_AS, "VmSize", "RLIMIT_AS"), (resource.RLIMIT_DATA, "VmData", "RLIMIT_DATA")):
+        for res, key, name in ((resource.RLIMIT_AS, "VmSize", "RLIMIT_AS"),
+                               (resource.RLIMIT_DATA, "VmData", "RLIMIT_DATA")):
             soft, _ = resource.getrlimit(res)
             if soft != resource.RLIM_INFINITY and key in status:
                 used = status[key]

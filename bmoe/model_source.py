@@ -8,9 +8,9 @@ no-argument runs of each are the same run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from bmoe.errors import ConfigError
 from bmoe.settings import Settings

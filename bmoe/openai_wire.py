@@ -23,7 +23,6 @@ from bmoe.chat_output import Delta, Message
 from bmoe.errors import ConfigError
 from bmoe.scheduler import GenerationFailed, QueueFull, ShuttingDown
 
-
 # ---- errors ----------------------------------------------------------------------------------------
 
 
@@ -180,7 +179,13 @@ class Shape:
                 **extra}
 
     def token(self, c: Chunk) -> dict[str, Any]:
-        return self.chunk({"content": c.text} if self.chat else c.text, bmoe=telemetry.progress_fields(c.token))
+        return self.chunk({"content": c.text} if self.chat else c.text, **self._progress(c))
+
+    @staticmethod
+    def _progress(c: Chunk | None) -> dict[str, Any]:
+        """The `bmoe` field of a chunk that came with a token; none for the text held back to the end
+        (a possible stop string, a partial UTF-8 sequence), which comes without one."""
+        return {"bmoe": telemetry.progress_fields(c.token)} if c is not None and c.token is not None else {}
 
     def message(self, m: Message, s: GenerationStats, ahead: int) -> dict[str, Any]:
         """A whole chat answer read into reasoning, content and tool calls (bmoe.chat_output)."""
@@ -204,7 +209,7 @@ class Shape:
             delta["content"] = d.content
         if d.calls:
             delta["tool_calls"] = [x.openai() for x in d.calls]
-        return self.chunk(delta, **({"bmoe": telemetry.progress_fields(c.token)} if c is not None else {}))
+        return self.chunk(delta, **self._progress(c))
 
     def last(self, s: GenerationStats, ahead: int, called: bool = False) -> dict[str, Any]:
         """The last chunk; `called`: the answer made tool calls (finish_reason tool_calls)."""

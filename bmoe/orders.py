@@ -7,8 +7,8 @@ orders here, the one owner of that state; neither reaches into the other.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from bmoe.expert_cache import ExpertCache
 from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
@@ -52,7 +52,8 @@ class Orders:
         """The slices' reads, adjacent ones merged, each with the slices it fills."""
         return merge_keyed([(self.cache.read_order(k), k) for k in keys], MAX_MERGED_READ)
 
-    def send(self, lane: int, share: list[tuple[ReadOrder, list[Key]]], ahead: list[tuple[int, int]] | None = None) -> int:
+    def send(self, lane: int, share: list[tuple[ReadOrder, list[Key]]],
+             ahead: list[tuple[int, int]] | None = None) -> int:
         """One order to one lane; `ahead` names the experts it reads ahead of demand (speculative)."""
         oid = self.pool.send(lane, [r for r, _ in share], speculative=bool(ahead))
         keys = [k for _, ks in share for k in ks]

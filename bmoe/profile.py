@@ -7,11 +7,12 @@ for the run. Peak RSS comes from the kernel's high-water mark (VmHWM).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import psutil
-from bmoe.units import MiB
 
+from bmoe.units import MiB
 
 
 @dataclass
@@ -64,7 +65,7 @@ def collect(workers: list[tuple[str, int]]) -> list[ProcRow]:
 COLUMNS = [f.name for f in fields(ProcRow)]
 
 
-def table(rows: list[ProcRow], slab_resident: int, lanes: list[str] = ()) -> str:
+def table(rows: list[ProcRow], slab_resident: int, lanes: Sequence[str] = ()) -> str:
     """The rows, the slab's resident bytes, then `lanes` (Engine.lane_lines: busy time, queue depth)."""
     head = f"{'role':<12} {'pid':>7} {'user_s':>8} {'sys_s':>8} {'peak_rss_MiB':>13} {'shared_MiB':>11} " \
            f"{'read_MiB':>9} {'ctx_sw':>8}"

@@ -35,9 +35,10 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
@@ -107,7 +108,7 @@ class CorruptEntry(Exception):
     pass
 
 
-def _read_head(f: object, size: int) -> tuple[bytes, tuple[int, ...], int, bytes]:
+def _read_head(f: BinaryIO, size: int) -> tuple[bytes, tuple[int, ...], int, bytes]:
     """(identity, tokens, payload length, payload digest) of an open entry; CorruptEntry naming the flaw."""
     raw = f.read(_HEAD.size)
     if len(raw) < _HEAD.size:
@@ -265,6 +266,7 @@ class PromptKV:
         from bmoe.llama import seq_state, set_seq_state
 
         e, n, u = self.engine, len(tokens), self.n_ubatch
+        assert e.ctx is not None  # a loaded engine
         t0 = time.perf_counter()
         held = decoded = 0
         for entry in sorted(self.store.entries.values(), key=lambda x: -len(x.tokens)):

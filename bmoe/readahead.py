@@ -19,8 +19,9 @@ The cache admits these slices at the cold end and protects them until their laye
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -93,7 +94,10 @@ class ReadAhead:
 
     def handlers(self) -> dict[int, Callable[[], None]]:
         """File descriptors to watch beside the lanes' (LanePool.poll's `extra`)."""
-        return {self.gate.fd: self._on_predictions} if self.listening else {}
+        if not self.listening:
+            return {}
+        assert self.gate is not None  # listening
+        return {self.gate.fd: self._on_predictions}
 
     # ---- per layer -----------------------------------------------------------------------------
 
@@ -156,6 +160,7 @@ class ReadAhead:
     def on_router_input(self, layer: int, node: int) -> None:
         if not self.listening:
             return
+        assert self.gate is not None  # listening
         addr, n_embd, n_tokens = seam.last_router_input(node)
         if n_tokens == 1 and n_embd == self.gate.n_embd:  # decode: prefill routes nearly every expert anyway
             self.gate.send(layer, addr, self.route_seq)
@@ -199,7 +204,7 @@ class ReadAhead:
                 self.orders.send(lane, reads, [(layer, e)])
                 load[lane] += sum(r[2] for r, _ in reads)
 
-    def cancel(self, layer: int | None, routed: list[int] = ()) -> None:
+    def cancel(self, layer: int | None, routed: Collection[int] = ()) -> None:
         """Ask the lanes to drop the orders for `layer` (None: all layers) they have not started,
         except those for experts the layer routed to."""
         by_lane: dict[int, list[int]] = {}
@@ -213,6 +218,7 @@ class ReadAhead:
         self.orders.cancel(by_lane)
 
     def _on_predictions(self) -> None:
+        assert self.gate is not None  # a handler only while listening
         conf = self.gate.confidence
         for seq, layer, ids, probs in self.gate.receive():
             if self.routed_at.get(layer, 0) > seq:

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 
 
-
 @dataclass
 class TraceWriter:
     path: Path
@@ -41,13 +40,13 @@ class TraceWriter:
     def end_step(self, token: int) -> None:
         layers = self.header["layers"]
         step = {"step": len(self.steps) + 1, "token": token,
-                "routes": {str(l): self.routes.get(l, []) for l in layers}}
+                "routes": {str(layer): self.routes.get(layer, []) for layer in layers}}
         if self.predicted:
-            step["predicted"] = {str(l): ids for l, ids in self.predicted.items()}
+            step["predicted"] = {str(layer): ids for layer, ids in self.predicted.items()}
         self.steps.append(step)
         n_embd = self.header["n_embd"]
-        self.hidden_rows.append(np.stack([self.hidden.get(l, np.full(n_embd, np.nan, np.float32))
-                                          for l in layers]))
+        self.hidden_rows.append(np.stack([self.hidden.get(layer, np.full(n_embd, np.nan, np.float32))
+                                          for layer in layers]))
         self.routes, self.hidden, self.predicted = {}, {}, {}
 
     def write(self) -> None:
@@ -71,7 +70,7 @@ class Trace:
     hidden: np.ndarray | None
 
     @classmethod
-    def read(cls, path: str | Path) -> "Trace":
+    def read(cls, path: str | Path) -> Trace:
         path = Path(path)
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         if not lines or lines[0].get("kind") != "header":

@@ -10,6 +10,7 @@ The spec-gate worker and the offline recall in `bmoe-bench routes` use this same
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -87,7 +88,7 @@ class Predictor:
         self.routers = routers
         self.top_k = top_k
         layers = sorted(routers)
-        self.next_of = dict(zip(layers, layers[1:]))
+        self.next_of = dict(itertools.pairwise(layers))
         self.scale: dict[int, np.ndarray | None] = {}
         for layer, nxt in self.next_of.items():
             g0, g1 = routers[layer].norm, routers[nxt].norm

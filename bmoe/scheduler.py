@@ -21,8 +21,8 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.errors import ConfigError
@@ -64,6 +64,12 @@ class Job:
         self.req = req
         self.deliver = deliver
         self.gen: Generation | None = None
+
+    @property
+    def running(self) -> Generation:
+        """Its Generation, once it runs."""
+        assert self.gen is not None
+        return self.gen
 
 
 class Batching:
@@ -264,9 +270,9 @@ class Scheduler:
         """Prefill `job`; a request that cannot run hears why (ConfigError) and the rest go on."""
         try:
             self.model.engine.check_model_unchanged(self.reload_fix)
-            done = self.model.driver.begin(job.gen)
+            done = self.model.driver.begin(job.running)
         except ConfigError as e:  # checked at admission; the request's all the same
-            job.gen.slot.busy = False
+            job.running.slot.busy = False
             self._drop(job)
             job.deliver(e)
             return
@@ -279,10 +285,10 @@ class Scheduler:
         if mode == "turns":
             jobs = jobs[:1]
         t0 = time.perf_counter()
-        before = sum(len(j.gen.ids) for j in jobs)
-        ended = self.model.driver.step([j.gen for j in jobs])
+        before = sum(len(j.running.ids) for j in jobs)
+        ended = self.model.driver.step([j.running for j in jobs])
         if len(self.active) > 1:
-            self.batching.record(mode, sum(len(j.gen.ids) for j in jobs) - before, time.perf_counter() - t0)
+            self.batching.record(mode, sum(len(j.running.ids) for j in jobs) - before, time.perf_counter() - t0)
         of = {id(j.gen): j for j in jobs}
         for gen, done in ended:
             self._done(of[id(gen)], done)

@@ -14,12 +14,13 @@ import ctypes
 import os
 import re
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
-import numpy as np
 import llama_cpp
+import numpy as np
 from llama_cpp._ggml import libggml
 
 GGML_MAX_DIMS = 4
@@ -112,7 +113,8 @@ def _ids_view(t: GgmlTensor) -> np.ndarray:
     if n_tok == 0 or k == 0:
         return np.zeros((0, k), dtype=np.int32)
     span = row * (n_tok - 1) + k * 4
-    raw = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=np.uint8)
+    # (numpy's stubs do not know ctypes arrays export the buffer protocol)
+    raw = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=np.uint8)  # type: ignore[call-overload]
     return np.lib.stride_tricks.as_strided(raw.view(np.int32)[:1], shape=(n_tok, k), strides=(row, int(t.nb[0])))
 
 
@@ -155,7 +157,8 @@ def f32_rows(addr: int, what: str = "") -> np.ndarray:
     if t.type != 0 or int(t.nb[0]) != 4:  # GGML_TYPE_F32, contiguous rows
         raise RuntimeError(f"{what or tensor_name(addr)} is not an F32 row-major tensor")
     row = int(t.nb[1])
-    raw = np.frombuffer((ctypes.c_char * (row * (n_tok - 1) + n_embd * 4)).from_address(t.data), dtype=np.uint8)
+    buf = (ctypes.c_char * (row * (n_tok - 1) + n_embd * 4)).from_address(t.data)
+    raw = np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
     return np.lib.stride_tricks.as_strided(raw.view(np.float32)[:1], shape=(n_tok, n_embd),
                                            strides=(row, 4)).copy()
 
@@ -224,7 +227,9 @@ class ExpertBias:
     def rows(self) -> np.ndarray:
         """The file's rows, one per expert (read-only, no copy)."""
         buf = (ctypes.c_char * (self.n_expert * self.row_bytes)).from_address(self.data)
-        return np.frombuffer(buf, dtype=np.float32).reshape(self.n_expert, self.row_bytes // 4)
+        # a ctypes array is a buffer (numpy's stubs do not know it)
+        return np.frombuffer(buf, dtype=np.float32).reshape(self.n_expert,  # type: ignore[call-overload]
+                                                            self.row_bytes // 4)
 
     def rebind(self, data_addr: int, n_rows: int) -> None:
         """Point ggml_add_id at `n_rows` rows from data_addr (it reads row i at data + i * nb[1], i < ne[1])."""
@@ -315,7 +320,7 @@ class Capture:
         bname = tensor_name(b) if b else "?"
         m = _BIAS_NAME.match(bname)
         bt = tensor_at(b) if b else None
-        if not m or int(m.group(1)) != self.ids_nodes[t.src[2]] or bt.type != 0 or bt.view_src \
+        if not m or bt is None or int(m.group(1)) != self.ids_nodes[t.src[2]] or bt.type != 0 or bt.view_src \
                 or int(bt.ne[2]) != 1 or int(bt.nb[1]) != int(bt.ne[0]) * 4:
             self.bad.append(f"expert bias {bname} is not a contiguous F32 [n, n_expert] tensor of its layer")
             return
@@ -324,7 +329,7 @@ class Capture:
                                         n_expert=int(bt.ne[1]), row_bytes=int(bt.nb[1]))
 
 
-_decoding: "EvalHook | None" = None
+_decoding: EvalHook | None = None
 
 
 def deliver(exc: BaseException) -> None:
@@ -442,7 +447,7 @@ class EvalHook:
         err, self.error = self.error, None
         return err
 
-    def __enter__(self) -> "EvalHook":
+    def __enter__(self) -> EvalHook:
         global _decoding
         _decoding = self
         return self
@@ -572,7 +577,8 @@ def registry_problem(reg: int | None) -> str | None:
     r = BackendReg.from_address(reg)
     if r.api_version != REGISTRY_API_VERSION:
         return f"the CPU backend registry has api_version {r.api_version}, not {REGISTRY_API_VERSION}"
-    for name, _ in BackendRegI._fields_:
+    for entry in BackendRegI._fields_:
+        name = entry[0]
         lib = library_of(getattr(r.iface, name))
         if lib is None or "ggml-cpu" not in lib:
             return f"the CPU backend registry's {name} is not ggml-cpu code ({lib or 'no library'})"
@@ -601,6 +607,7 @@ def no_populate() -> Iterator[str | None]:
         if problem is not None:
             yield problem
             return
+        assert reg is not None  # registry_problem names a missing registry
         iface = BackendReg.from_address(reg).iface
         original = iface.get_proc_address
         forward = _GetProcAddress(original)

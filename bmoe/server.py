@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import os
 import socket
 import sys
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +196,7 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
 
     def on_fatal(e: BaseException) -> None:
         fatal.append(e)
+        assert server is not None  # the scheduler starts after the server exists
         server.end()
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RELOAD_FIX, batching=opts.batching)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HttpRequest
@@ -26,8 +27,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.errors import ConfigError, ContextTooLong
 from bmoe.grammar import GrammarError
-from bmoe.openai_wire import (ChatBody, CompletionBody, ServeError, Shape, _Body, http_error, serve_error,
-                              shutting_down, sse, validation_error)
+from bmoe.openai_wire import (
+    ChatBody,
+    CompletionBody,
+    ServeError,
+    Shape,
+    _Body,
+    http_error,
+    serve_error,
+    shutting_down,
+    sse,
+    validation_error,
+)
 from bmoe.scheduler import Event, Job, Position, QueueFull, Scheduler, ShuttingDown
 
 CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
@@ -60,7 +71,9 @@ class Metrics:
         steps = Gauge("bmoe_decode_steps", "decode steps with two or more generations running, by how they ran "
                       "(batch: together; turns: the oldest alone)", ["mode"], registry=r)
         for mode in sched.batching.steps:
-            steps.labels(mode).set_function(lambda m=mode: sched.batching.steps[m])
+            def count(m: str = mode) -> int:
+                return sched.batching.steps[m]
+            steps.labels(mode).set_function(count)
         e = model.engine
         Gauge("bmoe_cache_resident_bytes", "expert bytes resident in the cache", registry=r).set_function(
             e.resident_bytes)
@@ -193,7 +206,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
 
     async def prepare(body: _Body, max_tokens: int | None, **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
-        sampling = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        sampling: dict[str, Any] = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                        seed=body.seed)
         if body.bmoe.lossless:
             try:
                 model.engine.check_lossless("restart bmoe-server without one of them for lossless requests")
@@ -229,7 +243,11 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     async def answer(request: HttpRequest, body: _Body, req: Request, shape: Shape) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+
+        def deliver(item: Event) -> None:  # on the scheduler's thread
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        job = Job(req, deliver)
         try:
             ahead = sched.submit(job)
         except (QueueFull, ShuttingDown) as e:

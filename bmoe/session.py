@@ -59,14 +59,26 @@ import os
 import queue
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bmoe import console, model_source, profile, telemetry
-from bmoe.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
 from bmoe.api import Chunk, Completion, Model
 from bmoe.coordinator import Engine
-from bmoe.protocol import CANCEL, CLOSE, DONE_KEYS, LOSSY_DONE_KEYS, NO_ID, PROFILE, Generate, RequestError, safe, parse_request
 from bmoe.errors import BmoeError, ConfigError
+from bmoe.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
+from bmoe.protocol import (
+    CANCEL,
+    CLOSE,
+    DONE_KEYS,
+    LOSSY_DONE_KEYS,
+    NO_ID,
+    PROFILE,
+    Generate,
+    RequestError,
+    parse_request,
+    safe,
+)
 from bmoe.settings import Settings
 from bmoe.units import MiB
 
@@ -206,6 +218,7 @@ class Session:
                     self._cancel()
                 self.requests.put(CLOSE)
                 return CLOSE
+            assert isinstance(req, Generate)  # every other command is handled above
             if self.in_flight is not None:
                 self.out.error(req.id, f"generation {self.in_flight} is still running; wait for its "
                                        "BMOE_DONE or send {\"cmd\":\"cancel\"}")
@@ -237,6 +250,7 @@ class Session:
                 continue
             if req == CLOSE:
                 return
+            assert isinstance(req, Generate)  # the queue holds generations and CLOSE
             self.run(req)
 
     def _finish(self, tag: str, obj: dict[str, Any]) -> None:
@@ -324,7 +338,8 @@ def _fatal(out: Output, rid: int, exc: BaseException) -> int:
 def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
     """`bmoe-cli --session`: load once, then serve requests until close, EOF or a signal."""
     try:
-        sys.stdout.reconfigure(encoding="utf-8", errors="backslashreplace")
+        # typeshed's TextIO has no reconfigure; a replaced stdout may lack it (AttributeError)
+        sys.stdout.reconfigure(encoding="utf-8", errors="backslashreplace")  # type: ignore[union-attr]
     except (AttributeError, ValueError):
         pass
     out = Output(sys.stdout)

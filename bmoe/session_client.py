@@ -8,7 +8,8 @@ import queue
 import subprocess
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from bmoe import telemetry
 
@@ -57,6 +58,7 @@ class SessionClient:
             raise
 
     def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
         for raw in self.proc.stdout:
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.lines.append(line)
@@ -68,6 +70,7 @@ class SessionClient:
         self._events.put(None)
 
     def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None  # stderr=PIPE
         for raw in self.proc.stderr:
             self._stderr.append(raw)
 
@@ -95,6 +98,7 @@ class SessionClient:
             data = obj.encode("utf-8", "surrogateescape") if isinstance(obj, str) else obj
             if not data.endswith(b"\n"):
                 data += b"\n"
+        assert self.proc.stdin is not None  # stdin=PIPE
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
 
@@ -121,6 +125,7 @@ class SessionClient:
         if self.proc.poll() is None:
             try:
                 self.send({"cmd": "close"})
+                assert self.proc.stdin is not None  # stdin=PIPE
                 self.proc.stdin.close()
             except (BrokenPipeError, OSError, ValueError):
                 pass
@@ -141,12 +146,13 @@ class SessionClient:
         for t in self._threads:
             t.join(10)
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            assert f is not None  # all three are pipes
             try:
                 f.close()
             except (OSError, ValueError):
                 pass
 
-    def __enter__(self) -> "SessionClient":
+    def __enter__(self) -> SessionClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
-from typing import Any, Callable, Iterator, Mapping, get_type_hints
+from typing import Any, cast, get_type_hints
 
 from bmoe.argtypes import number, percent, positive_float, positive_int
 from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
@@ -129,12 +130,14 @@ class StreamSettings:
     """Where expert bytes come from and how the reads are waited for."""
 
     io_threads: int = setting(2, "--io-threads", parse=positive_int, ok=lambda v: v >= 1,
-                              rule="streaming needs at least one I/O lane", help="I/O lane processes (default {default})")
+                              rule="streaming needs at least one I/O lane",
+                              help="I/O lane processes (default {default})")
     lane_timeout: float = setting(
         30.0, "--lane-timeout", parse=positive_float, ok=lambda v: v > 0, rule="a number of seconds above 0",
         help="seconds an I/O lane may leave a read unanswered before it is replaced (default {default})")
     shm_backend: str = setting(
-        "auto", "--shm", keyword="shm", choices=("auto", "posix", "memfd"), ok=lambda v: v in ("auto", "posix", "memfd"),
+        "auto", "--shm", keyword="shm", choices=("auto", "posix", "memfd"),
+        ok=lambda v: v in ("auto", "posix", "memfd"),
         rule="choose auto, posix or memfd",
         help="cache segment: POSIX shared memory (/dev/shm) or an anonymous memfd; auto picks memfd when /dev/shm "
              "is missing (default {default})")
@@ -170,7 +173,8 @@ class SpecSettings:
         512, "--spec-warmup", parse=positive_int, metavar="N", ok=lambda v: v >= 1, rule="1 or more predictions",
         help="predictions scored before the recall governor may switch --spec-gate off (default {default})")
     recall_min: float = setting(
-        75.0, "--spec-recall-min", parse=percent, metavar="P", ok=lambda v: 0 <= v <= 100, rule="a percentage from 0 to 100",
+        75.0, "--spec-recall-min", parse=percent, metavar="P", ok=lambda v: 0 <= v <= 100,
+        rule="a percentage from 0 to 100",
         help="switch --spec-gate off for the run when its recall is below P%% after the warm-up; 0 = never "
              "(default {default})")
     precision: float = setting(  # see bench/reports/2026-11-29-issue5 and bmoe.speculation.Confidence
@@ -203,7 +207,8 @@ class LossySettings:
     exact when off. A request can still ask for lossless output (bmoe.api, bmoe-server)."""
 
     experts_per_token: int = setting(
-        0, "--experts-per-token", parse=lambda t: number(t, int, "a whole number", lambda v: v >= 0, "must be 0 or more"),
+        0, "--experts-per-token",
+        parse=lambda t: number(t, int, "a whole number", lambda v: v >= 0, "must be 0 or more"),
         metavar="K", ok=lambda v: v >= 0, rule="a number of experts, 0 (the model's own) or more",
         help=LOSSY + "route each token to its K best experts of the model's top-k, their weights normalised as the "
                      "model normalises its own (0 = the model's top-k; default {default})")
@@ -275,7 +280,8 @@ class Settings:
 
 # ---- the schema ------------------------------------------------------------------------------------
 
-GROUPS = {f.name: f.default_factory for f in fields(Settings) if f.default_factory is not MISSING}
+# each group's default factory is its dataclass
+GROUPS = {f.name: cast(type, f.default_factory) for f in fields(Settings) if f.default_factory is not MISSING}
 
 
 @dataclass(frozen=True)
@@ -454,7 +460,8 @@ def validate(s: Settings, w: Words = FLAGS, given: frozenset[str] = frozenset())
         raise ConfigError(f"{w.name('adapt')} moves the expert cache's budget with free memory, and "
                           f"{w.value('cache_mb', 0.0) if st.enabled else no_stream} has no cache; drop one of them")
     if c.usage_dir is not None and not c.warm_start:
-        raise ConfigError(f"{w.name('usage_dir')} names where usage profiles are kept, and {w.value('warm_start', False)} "
+        raise ConfigError(f"{w.name('usage_dir')} names where usage profiles are kept, and "
+                          f"{w.value('warm_start', False)} "
                           "uses none; drop one of them")
     if ahead and c.mb == 0:
         budget = "--cache-mb N or auto" if w.flags else "cache_mb=N or 'auto'"

@@ -33,7 +33,7 @@ def _pid_alive(pid: int) -> bool:
 
 def sweep_stale_segments() -> list[str]:
     """Remove segments whose owning process is dead (left by a SIGKILLed run)."""
-    removed = []
+    removed: list[str] = []
     if not SHM_DIR.is_dir():
         return removed
     for p in SHM_DIR.glob(f"{SHM_PREFIX}*"):

@@ -16,7 +16,7 @@ import select
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 
@@ -66,6 +66,7 @@ class SpecGate:
 
     @property
     def fd(self) -> int:
+        assert self.proc is not None and self.proc.stdout is not None  # read only while it runs (stdout=PIPE)
         return self.proc.stdout.fileno()
 
     def _hello(self, timeout: float) -> list | None:
@@ -92,6 +93,7 @@ class SpecGate:
             self._stop(f"spec-gate (pid {self.pid}) did not answer for {HANG_S:g} s; --spec-gate off for this run")
             return
         self._sent[self._seq] = now
+        assert self.proc is not None and self.proc.stdin is not None  # active: it runs (stdin=PIPE)
         try:
             self.proc.stdin.write(msgpack.packb([route_seq, layer, slot]))
             self.proc.stdin.flush()
@@ -104,6 +106,7 @@ class SpecGate:
             return []
         chunk = os.read(self.fd, 1 << 16)
         if not chunk:
+            assert self.proc is not None  # active: it runs
             self._stop(f"spec-gate (pid {self.pid}) exited with code {self.proc.wait()}; --spec-gate off for this run")
             return []
         self.unpacker.feed(chunk)
@@ -133,6 +136,7 @@ class SpecGate:
         p, self.proc = self.proc, None
         if p is None:
             return
+        assert p.stdin is not None and p.stdout is not None  # started with both pipes
         try:
             p.stdin.close()
         except OSError:

@@ -14,8 +14,8 @@ binding and the per-token counters; the lanes' busy time is bmoe.lane_stats'.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class Streamer:
 
     def __init__(self, files: ModelFiles, regions: list[Region], tensors: list[seam.ExpertTensor], budget: int,
                  streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0,
-                 biases: list[seam.ExpertBias] = (), spare: bool = False) -> None:
+                 biases: Sequence[seam.ExpertBias] = (), spare: bool = False) -> None:
         self.files = files
         self.n_expert = max(r.n_expert for r in regions)
         self.slab = Slab(layout(regions, spare), streaming.shm_backend)
@@ -158,8 +158,14 @@ class Streamer:
     def resident_bytes(self) -> int:
         return self.slab.resident_bytes()
 
+    @property
+    def lanes(self) -> LanePool:
+        """The I/O lanes (there from the end of __init__ until close)."""
+        assert self.pool is not None
+        return self.pool
+
     def worker_pids(self) -> list[tuple[str, int]]:
-        pids = [(f"io_lane {lane.index}", lane.pid) for lane in self.pool.lanes]
+        pids = [(f"io_lane {lane.index}", lane.pid) for lane in self.lanes.lanes]
         gate = self.ahead.gate
         if gate is not None and gate.proc is not None:
             pids.append(("spec_gate", gate.pid))
@@ -197,7 +203,7 @@ class Streamer:
     def begin_batch(self, n_tokens: int) -> None:
         """A llama_decode of n_tokens is about to run."""
         t0 = time.perf_counter_ns()
-        with self.pool.batched():
+        with self.lanes.batched():
             self.ahead.begin_batch(n_tokens)
         self.counters.mgmt_ns += time.perf_counter_ns() - t0
 
@@ -212,13 +218,13 @@ class Streamer:
             self.follow()  # a prefill fills the cache within one token: look before it takes more
         self.ahead.on_route(layer, ids, wanted)
         missing = self.cache.plan(layer, wanted)
-        self.pool.hold()
+        self.lanes.hold()
         try:
             now, later = self._send_demand(layer, wanted, missing)
             self.ahead.after_demand(layer, len(ids), wanted)
         finally:
             t1 = time.perf_counter_ns()
-            wrote = self.pool.flush()  # the reads start: the lanes woken may take this CPU first
+            wrote = self.lanes.flush()  # the reads start: the lanes woken may take this CPU first
             handed = time.perf_counter_ns() - t1 if wrote else 0
         self.lane_stats.sample_depth(len(self.orders.inflight))
         c = self.counters
@@ -306,7 +312,7 @@ class Streamer:
     def tick(self) -> None:
         """Collect what finished and keep idle lanes busy, without blocking."""
         if self.orders.inflight or self.ahead.listening:
-            self.pool.poll(0, self.ahead.handlers())
+            self.lanes.poll(0, self.ahead.handlers())
             self._collect()
             self.ahead.pump()
 
@@ -328,7 +334,7 @@ class Streamer:
                 r0 = time.perf_counter_ns()
                 self.cache.release_evicted()
                 spent += time.perf_counter_ns() - r0
-            self.pool.poll(0.5, self.ahead.handlers())
+            self.lanes.poll(0.5, self.ahead.handlers())
             self._collect()
             self.ahead.pump()
         spent += self.commit_ns - committed
@@ -337,7 +343,7 @@ class Streamer:
 
     def _collect(self) -> None:
         for oid in self.orders.done():
-            nbytes, busy = self.pool.take(oid)
+            nbytes, busy = self.lanes.take(oid)
             order = self.orders.pop(oid)
             self.ahead.on_done(oid, order, nbytes)
             if nbytes == CANCELLED:

@@ -12,10 +12,11 @@ import csv
 import io
 import json
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable
-from bmoe.units import MiB
+from typing import Any
 
+from bmoe.units import MiB
 
 # cache_budget_mib is bmoe's trailing column after the contract's nine (the contract's CSV is
 # additive, read by column name): the budget in force that token, which an adaptive cache moves.
@@ -126,7 +127,7 @@ class RunTotals:
     weight_changed_pct: float = 0.0  # summed over the tokens (per_tok gives the mean)
 
     @classmethod
-    def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> "RunTotals":
+    def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> RunTotals:
         ls = list(lines)
         return cls(len(ls), sum(t.wall_ms for t in ls) / 1e3, sum(t.io_ms for t in ls) / 1e3,
                    sum(t.mgmt_ms for t in ls) / 1e3, sum(t.stall_ms for t in ls) / 1e3,
@@ -323,9 +324,10 @@ def parse_output(stdout: str) -> ParsedRun:
         elif line == PERF_BANNER and section == "answer":
             section = "perf"
         elif section == "answer":
+            assert answer_lines is not None  # set with the section
             answer_lines.append(line)
-        elif section == "perf" and parse_summary(line):
-            kind, fields = parse_summary(line)
+        elif section == "perf" and (parsed := parse_summary(line)):
+            kind, fields = parsed
             summary[kind] = fields
         else:
             stray.append(line)
@@ -347,7 +349,7 @@ def parse_run_summary(stdout: str, stderr: str = "") -> dict[str, dict[str, Any]
     return {**dict(p for p in notices if p), **summary}
 
 
-def _numbers(pairs: Iterable[tuple[Any, Any]]) -> dict[str, float]:
+def _numbers(pairs: Iterable[Sequence[Any]]) -> dict[str, float]:
     """The pairs whose value is a number: a run killed mid-line leaves a cut value behind."""
     out = {}
     for k, v in pairs:

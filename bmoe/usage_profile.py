@@ -84,7 +84,7 @@ class Usage:
         return {(layer, int(e)): float(x) / self.routings[layer]
                 for layer, c in self.counts.items() if self.routings.get(layer) for e, x in enumerate(c) if x > 0}
 
-    def merged(self, older: "Usage | None") -> "Usage":
+    def merged(self, older: Usage | None) -> Usage:
         """This run's counts plus half of `older`'s (layers and experts that match)."""
         if older is None:
             return self

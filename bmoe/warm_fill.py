@@ -18,13 +18,14 @@ the front of the list. `stop` drops the rest.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from bmoe import usage_profile
+from bmoe.lanes import CANCELLED
 from bmoe.model_files import ModelFiles
 from bmoe.units import MiB
-from bmoe.lanes import CANCELLED
 
 if TYPE_CHECKING:
     from bmoe.orders import Order
@@ -132,7 +133,8 @@ class WarmStart:
         self.path = usage_profile.profile_path(directory, files)
         self.model = usage_profile.identity(files)
         cache = streamer.cache
-        self.before, why = usage_profile.load(self.path, self.model, {layer: cache.n_expert(layer) for layer in cache.by_layer})
+        self.before, why = usage_profile.load(self.path, self.model,
+                                              {layer: cache.n_expert(layer) for layer in cache.by_layer})
         if why:
             notice(why)
         self.fill: WarmFill | None = None

@@ -4,9 +4,9 @@ import ctypes
 import os
 import subprocess
 import sys
-from functools import lru_cache
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
-from typing import Callable
 
 import psutil
 import pytest
@@ -124,7 +124,7 @@ def generate(model: object, prompt: str, n: int, *cli_flags: object, chat: bool 
         return complete(m, prompt, n, chat)
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference(model: str, prompt: str, n: int, *cli_flags: object, chat: bool = False) -> Completion:
     """Plain llama.cpp's answer (`--no-stream`), once per test session: what every gate compares with."""
     return generate(model, prompt, n, "--no-stream", *cli_flags, chat=chat)

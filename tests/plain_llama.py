@@ -9,8 +9,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from bmoe.grammar import Grammar
 from bmoe.generation import TextStream
+from bmoe.grammar import Grammar
 from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
 from bmoe.settings import SamplerSettings
 

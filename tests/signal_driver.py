@@ -27,7 +27,6 @@ import psutil
 from bmoe import cli, seam, speculation, streamer
 
 
-
 def workers() -> list[int]:
     """Every child is a worker (one just started may not show its command line yet)."""
     return [c.pid for c in psutil.Process().children()]

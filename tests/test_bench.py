@@ -109,7 +109,7 @@ STDOUT = """ some generated words generation: 9 tokens, 9.9 s/token (0.1 tok/s)
 generation: 4 tokens, 0.0250 s/token (40.00 tok/s)
 moe-stream: read 8.00 MiB (2.00 MiB/token), decode 0.0250 s/token (compute 0.0100 + cache mgmt 0.0010 + flash I/O 0.0140 s/token, 142.9 MiB/s) stall_s/tok=0.0031
 moe-cache: 37.5% hit, resident 1.2 MiB
-"""
+"""  # noqa: E501 - the moe-stream line as bmoe-cli prints it, in one piece
 CSV = """step,steps,wall_ms,io_ms,compute_ms,read_bytes,cache_hit_pct,stall_ms,mgmt_ms
 1,4,10.0,1,1,100,0,0,0
 2,4,20.0,1,1,100,0,0,0
@@ -277,7 +277,7 @@ def test_real_run_under_cgroup_limit(tiny: Path, tmp_path: Path) -> None:
     p = subprocess.Popen(bench_cmd(tiny, tmp_path / "out", "--repeats", "2", "--mem-limit-mb", "2000",
                                    "--limit-method", "cgroup"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    out, err = p.communicate(timeout=LIMIT)
+    _out, err = p.communicate(timeout=LIMIT)
     assert p.returncode == 0, err
     doc = check_results(tmp_path / "out", limit=True)
     assert doc["memory_limit"]["method"] == f"cgroup-v{h.version}"
@@ -338,5 +338,6 @@ def test_help_has_examples_and_room_for_more_commands() -> None:
     r = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "run", "--help"], capture_output=True, text=True,
                        timeout=LIMIT)
     assert r.returncode == 0 and "examples:" in r.stdout and "--mem-limit-mb" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "--help"], capture_output=True, text=True, timeout=LIMIT)
+    r = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "--help"], capture_output=True, text=True,
+                       timeout=LIMIT)
     assert "run" in r.stdout and "routes" in r.stdout

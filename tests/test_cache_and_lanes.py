@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def test_pools_keep_in_page_offsets_and_never_share_a_page_between_slots() -> No
             for e in range(r.n_expert):
                 for index in range(e % r.period, r.capacity, r.period):
                     at = r.data_offset + index * r.slot_bytes
-                    fi, off, length, dest, needed = r.read_order(e, at)
+                    _fi, off, length, dest, needed = r.read_order(e, at)
                     fo = r.file_offset + e * r.expert_bytes
                     assert off % PAGE == dest % PAGE == length % PAGE == 0 and off + (at - dest) == fo
                     assert needed == at - dest + r.expert_bytes <= length
@@ -59,7 +60,7 @@ def test_pools_keep_in_page_offsets_and_never_share_a_page_between_slots() -> No
                         raise RuntimeError("in-page offset")
         for kind in {k for _, k, _, _ in spans}:
             pages = sorted({(i, p0, p1) for i, k, p0, p1 in spans if k == kind})
-            assert all(a[2] <= b[1] for a, b in zip(pages, pages[1:])), "two slots would share a page"
+            assert all(a[2] <= b[1] for a, b in itertools.pairwise(pages)), "two slots would share a page"
 
 
 @pytest.mark.parametrize("backend", ["posix", "memfd"])
@@ -115,8 +116,10 @@ def test_lru_evicts_oldest_keeps_pinned_and_reuses_slots_across_layers(backend: 
             cache.commit(missing)
             assert cache.used <= cache.budget
             for _, ri, e in cache.layer_slices(layer, [0, 1]):
-                assert cache.state[ri][e] == RESIDENT and _read(cache, slab, ri, e) == bytes([1 + e]) * regs[ri].expert_bytes
-            assert (cache.slot_ids(layer, np.array([[1, 0]])) == [[cache.index_of[(layer, 1)], cache.index_of[(layer, 0)]]]).all()
+                assert cache.state[ri][e] == RESIDENT
+                assert _read(cache, slab, ri, e) == bytes([1 + e]) * regs[ri].expert_bytes
+            want = [[cache.index_of[(layer, 1)], cache.index_of[(layer, 0)]]]
+            assert (cache.slot_ids(layer, np.array([[1, 0]])) == want).all()
         assert cache.stats.misses == 4 * 3 * 2 and cache.stats.evictions > 0
         # layer 0 was least recently used, so it went first; layers 2 and 3 took its slot indices
         assert all(cache.state[ri][e] != RESIDENT for _, ri, e in cache.layer_slices(0, [0, 1]))

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from bmoe.cache_policy import POLICIES, CycleLFU, Predictive, make_policy
-from bmoe.tools.policy_bounds import Belady
 from bmoe.expert_cache import RESIDENT, ExpertCache, Region, layout
 from bmoe.shm_cache import PAGE
+from bmoe.tools.policy_bounds import Belady
 from tests.conftest import run_cli
 
 N_EXPERT = 8
@@ -300,7 +300,8 @@ class Reference:
         if self.name == "predict":
             order = [k for lay in behind for k in self.in_layer(lay)]
             return [k for k in order if k not in self.predicted] + [k for k in order if k in self.predicted]
-        if self.name == "next-use":  # each layer's least frequent first, merged by expected wait, ties to the lower layer
+        # next-use: each layer's least frequent first, merged by expected wait, ties to the lower layer
+        if self.name == "next-use":
             runs = [[(-self.wait(k, cur), lay, k) for k in self.in_layer(lay)] for lay in self.layers]
             return [k for _, _, k in heapq.merge(*runs)]
         assert self.name == "quota"

@@ -193,7 +193,8 @@ def test_an_unconvertible_tool_schema_names_the_tool() -> None:
     assert e.value.param == "tools[0].function.parameters.properties.n.minimum"
     pattern = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "s": {"type": "string", "pattern": "[a-z]"}}}}}
-    with pytest.raises(GrammarError, match=r'tools.call-f: this schema cannot be turned into a grammar \(Pattern must start'):
+    with pytest.raises(GrammarError,
+                       match=r'tools.call-f: this schema cannot be turned into a grammar \(Pattern must start'):
         tool_grammar(HERMES2, check_tools([pattern], "required"))
 
 
@@ -204,7 +205,8 @@ def plain(synth) -> Plain:
     p.close()
 
 
-@pytest.mark.parametrize("syntax", [HERMES2, QWEN3, NEMO, MISTRAL_ARGS, GPT_OSS], ids=lambda s: f"{s.name}{'-args' if s.args_form else ''}{'-think' if s.think else ''}")
+@pytest.mark.parametrize("syntax", [HERMES2, QWEN3, NEMO, MISTRAL_ARGS, GPT_OSS],
+                         ids=lambda s: f"{s.name}{'-args' if s.args_form else ''}{'-think' if s.think else ''}")
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
 def test_a_forced_call_is_a_valid_call_even_from_a_random_model(plain: Plain, syntax: Syntax, choice: object) -> None:

@@ -11,6 +11,7 @@ minute here, most of it the calibration run, which is cached too) and reused aft
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 from pathlib import Path
 
@@ -19,9 +20,9 @@ import numpy as np
 import pytest
 
 from bmoe.api import Model
-from bmoe.tools import demo, demo_routers, demo_write
-from bmoe.model_files import open_model
 from bmoe.expert_cache import file_regions, working_sets
+from bmoe.model_files import open_model
+from bmoe.tools import demo, demo_routers, demo_write
 from bmoe.units import MiB
 from tests.conftest import complete, load, slice_bytes
 from tests.conftest import reference as plain
@@ -115,7 +116,7 @@ def test_neighbouring_experts_differ_by_at_least_the_gain() -> None:
     for layer, top_k in ((0, 2), (7, 8)):
         s = demo_routers.signature_scale(top_k)
         g = [demo_routers.signature_gain(layer, e, top_k) for e in range(64)]
-        assert all(abs(a - b) >= s - 1e-12 for a, b in zip(g, g[1:]))
+        assert all(abs(a - b) >= s - 1e-12 for a, b in itertools.pairwise(g))
         assert all(s / 2 <= abs(x - 1) <= s for x in g)
     assert demo_routers.signature_scale(2) < demo_routers.signature_scale(8) <= 0.3
 
@@ -179,7 +180,7 @@ def test_default_model_budget_is_a_quarter(model: Path, quarter_mb: float, monke
 
 
 def test_answers_like_smollm2(reference: dict[str, tuple[tuple[int, ...], str]]) -> None:
-    ids, text = reference[FACT]
+    _ids, text = reference[FACT]
     assert "Paris" in text, text
     story = reference[STORY][1]
     assert len(reference[STORY][0]) == N_STORY and "dragon" in story.lower(), story

@@ -114,7 +114,7 @@ def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
 
     first = write_model(tmp_path / "gap.gguf", layers=2, splits=2)
     (tmp_path / "gap-00002-of-00002.gguf").unlink()
-    with pytest.raises(ModelError, match="missing shard.*gap-00002-of-00002.gguf"):
+    with pytest.raises(ModelError, match=r"missing shard.*gap-00002-of-00002.gguf"):
         open_model(first)
 
 

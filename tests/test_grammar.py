@@ -11,8 +11,7 @@ import llama_cpp
 import pytest
 from pydantic import BaseModel, Field
 
-from bmoe.grammar import (Grammar, GrammarError, json_object_grammar, literal, response_format_grammar,
-                          schema_grammar)
+from bmoe.grammar import Grammar, GrammarError, json_object_grammar, literal, response_format_grammar, schema_grammar
 from bmoe.llama import grammar_sampler
 from tests.plain_llama import Plain
 
@@ -34,7 +33,8 @@ def plain(synth) -> Plain:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_every_sample_under_a_schema_grammar_validates(plain: Plain, seed: int) -> None:
-    g = response_format_grammar({"type": "json_schema", "json_schema": {"name": "trip", "schema": Trip.model_json_schema()}})
+    g = response_format_grammar({"type": "json_schema",
+                                 "json_schema": {"name": "trip", "schema": Trip.model_json_schema()}})
     text, ended = plain.generate("Plan a trip:", g, n=160, temp=1.0, seed=seed)
     assert ended, f"the grammar closes the document and then allows only the end: {text!r}"
     Trip.model_validate_json(text)  # raises when invalid
@@ -116,7 +116,7 @@ def test_text_response_format_has_no_grammar() -> None:
 
 
 def test_llama_cpp_refusing_a_grammar_is_a_grammar_error(plain: Plain) -> None:
-    with pytest.raises(GrammarError, match="llama.cpp rejected the grammar"):
+    with pytest.raises(GrammarError, match=r"llama.cpp rejected the grammar"):
         grammar_sampler(plain.vocab, Grammar("root ::= undefined-rule"))
 
 

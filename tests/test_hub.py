@@ -7,17 +7,17 @@ import fcntl
 import os
 import pty
 import struct
-import termios
 import subprocess
 import sys
+import termios
 import threading
 from pathlib import Path
 
 import pytest
 
 from bmoe import telemetry
-from bmoe.hub import HubRef, parse, pick
 from bmoe.errors import ConfigError
+from bmoe.hub import HubRef, parse, pick
 from tests.hub_server import LoopbackHub
 
 REPO = "bmoe/synth-GGUF"
@@ -116,7 +116,8 @@ def test_a_connection_that_keeps_dropping_fails_with_the_fix_and_caches_nothing(
     r = fetch(hub, tmp_path, f"{REPO}:Q8_0")
     assert r.returncode == 1
     err = r.stderr.strip().splitlines()[-1]
-    assert err.startswith("bmoe-cli: error: bmoe/synth-GGUF:Q8_0: the download failed") and "run the command again" in err
+    assert err.startswith("bmoe-cli: error: bmoe/synth-GGUF:Q8_0: the download failed")
+    assert "run the command again" in err
     assert not list((tmp_path / "hub").rglob("synth-Q8_0.gguf"))
 
 
@@ -196,7 +197,7 @@ def test_pick_finds_the_quant_as_a_whole_word(ref: str, want: list[str]) -> None
 def test_pick_refuses_a_partial_quant_name_and_a_split_model_without_a_shard() -> None:
     with pytest.raises(ConfigError, match="has no Q4_K model"):
         pick(LISTING, HubRef("o/r", "Q4_K"))
-    with pytest.raises(ConfigError, match="lacks BF16/Qwen3-30B-A3B-BF16-00002-of-00002.gguf"):
+    with pytest.raises(ConfigError, match=r"lacks BF16/Qwen3-30B-A3B-BF16-00002-of-00002.gguf"):
         pick([f for f in LISTING if not f.endswith("-00002-of-00002.gguf")], HubRef("o/r", "BF16"))
     assert pick(["only.gguf", "mmproj.gguf"], HubRef("o/r")) == ["only.gguf"]
 

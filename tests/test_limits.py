@@ -68,7 +68,8 @@ def test_the_room_is_the_same_whether_the_dense_weights_were_read_here_or_elsewh
         p.kept = 300 * MiB
         rooms.append({r.name.split()[0]: r.bytes for r in p.rooms()})
         assert p.least().name.endswith(" less the dense weights' 300 MiB")
-    assert rooms[0] == rooms[1] == rooms[2] == {"cgroup": (2500 - 600 - 300) * MiB, "available": 20480000 * 1024 - 300 * MiB}
+    assert rooms[0] == rooms[1] == rooms[2] == {"cgroup": (2500 - 600 - 300) * MiB,
+                                                "available": 20480000 * 1024 - 300 * MiB}
 
 
 def test_cgroup_v1_walks_up_and_ignores_unlimited_levels(tmp_path) -> None:

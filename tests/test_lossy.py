@@ -7,7 +7,6 @@ K by the hook against llama.cpp's own expert count is pinned per architecture in
 
 from __future__ import annotations
 
-
 import pytest
 
 from bmoe import telemetry

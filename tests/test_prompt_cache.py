@@ -114,7 +114,7 @@ def test_a_saved_prefix_put_back_gives_the_logits_of_prefilling_it(synth, tmp_pa
         mem = llama_cpp.llama_get_memory(p.ctx)
         k = len(toks) - 5
         decode(p, 0, toks[:k], 0)
-        cache, notes = store(tmp_path, identity=model_identity([Path(path)]))
+        cache, _notes = store(tmp_path, identity=model_identity([Path(path)]))
         cache.save(toks[:k], seq_state(p.ctx, 0))
         want = decode(p, 0, toks[k:], k)
         llama_cpp.llama_memory_clear(mem, True)

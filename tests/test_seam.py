@@ -276,15 +276,15 @@ def _fake_graph(extra: str | None = None, late_weights: bool = False):
         nodes = [probs, argsort, topk, up, weights, biased]
     if extra:
         nodes.append(node(extra, 0, argsort if "argsort" in extra else topk))
-    return nodes, nodes + [w, bias]
+    return nodes, [*nodes, w, bias]
 
 
 @pytest.mark.parametrize("case", ["ok", "late_weights", "reads_ids", "reads_argsort"])
 def test_capture_refuses_a_graph_the_remap_would_change(case: str) -> None:
     """Load-time checks of the remap's facts: the router weights gathered before any matmul reads
     the ids, and nothing else reading them (or the argsort they view)."""
-    nodes, _alive = _fake_graph(extra={"reads_ids": "ffn_moe_other-0", "reads_argsort": "ffn_moe_argsort_user-0"}.get(case),
-                        late_weights=case == "late_weights")
+    extra = {"reads_ids": "ffn_moe_other-0", "reads_argsort": "ffn_moe_argsort_user-0"}.get(case)
+    nodes, _alive = _fake_graph(extra=extra, late_weights=case == "late_weights")
     cap = seam.Capture()
     for n in nodes:
         cap.visit(ctypes.addressof(n))
@@ -308,7 +308,8 @@ def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -
     n_embd = int(reader.get_field("llama.embedding_length").parts[-1][0])
     eps = float(reader.get_field("llama.attention.layer_norm_rms_epsilon").parts[-1][0])
     got: dict[tuple[str, int], list[np.ndarray]] = {}
-    tap = seam.NodeTap(("ffn_inp", "ffn_norm"), lambda name, layer, rows: got.setdefault((name, layer), []).append(rows))
+    tap = seam.NodeTap(("ffn_inp", "ffn_norm"),
+                       lambda name, layer, rows: got.setdefault((name, layer), []).append(rows))
     init_backend()
     model = load_model(path)
     ctx = new_context(model, 256, 2, tap.c_callback)
@@ -352,7 +353,7 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
 
     def reads(node: int, target: int, hops: int = 4) -> bool:
         """`node` computes from `target` within a few nodes (reshapes, the softmax's own node)."""
-        return node == target or hops > 0 and any(reads(x, target, hops - 1) for x in seam.tensor_at(node).src if x)
+        return node == target or (hops > 0 and any(reads(x, target, hops - 1) for x in seam.tensor_at(node).src if x))
 
     def cb(t: int, ask: bool, u: int) -> bool:
         name = seam.tensor_name(t)

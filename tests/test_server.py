@@ -221,7 +221,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Ser
             error_of(h.post(url + "/chat/completions", json=body), 400)
         err = error_of(h.post(url + "/completions", json={"prompt": "word " * 5000, "max_tokens": 4}), 400)
         assert err["code"] == "context_length_exceeded" and "exceeds the context of 4096 tokens" in err["message"]
-        err = error_of(h.post(url + "/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}), 400)
+        err = error_of(h.post(url + "/completions", content=b'{"prompt": "x",',
+                              headers={"content-type": "application/json"}), 400)
         assert err["code"] == "invalid_json"
         rng = random.Random(15)
         malformed = [b for b in (_malformed(rng) for _ in range(200)) if not _runs(b)][:100]
@@ -259,7 +260,8 @@ def test_the_api_key_guards_every_route_but_health(server: Server) -> None:
 
 def test_a_network_address_needs_a_key_or_insecure(model: str) -> None:
     r = subprocess.run([sys.executable, "-m", "bmoe.server", "-m", model, "--host", "0.0.0.0"], capture_output=True,
-                       text=True, cwd=REPO, timeout=60, env={k: v for k, v in os.environ.items() if k != "BMOE_API_KEY"})
+                       text=True, cwd=REPO, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "BMOE_API_KEY"})
     assert r.returncode == 2 and "--host 0.0.0.0 lets other machines reach the model" in r.stderr
     assert "--insecure" in r.stderr and "Traceback" not in r.stderr
 

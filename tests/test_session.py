@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -108,7 +109,7 @@ def test_chat_turns_prefill_only_their_suffix(model: str) -> None:
         got = chat(s, TURNS, 12)
         assert s.close() == 0
     assert not s.stray and "KV holds" not in s.stderr
-    for prev, cur in zip(got, got[1:]):
+    for prev, cur in itertools.pairwise(got):
         kept = cur["n_past"] - cur["n_prompt"] - cur["tokens"]
         # the previous turn's whole KV (prompt + answer) is reused; only the new turn is prefilled
         assert kept == prev["n_past"], (prev, cur)
@@ -161,8 +162,8 @@ def plain_chat(model: str, turns: list[str], n: int) -> list[dict]:
 
 
 class LocalSession:
-    """bmoe.session.Session over a real Engine (as a bmoe.api.Model) in this process, for a test that must act at a known
-    point inside a generation: requests go through a pipe to the session's own reader thread,
+    """bmoe.session.Session over a real Engine (as a bmoe.api.Model) in this process, for a test that must act at
+    a known point inside a generation: requests go through a pipe to the session's own reader thread,
     generations run on a thread of their own, protocol lines come back through a queue."""
 
     def __init__(self, model: str, *flags: str) -> None:
@@ -259,7 +260,7 @@ def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
         done = check_turn(s.events_until(2), 2, 8, cancelled=True)
         armed.clear()
         assert done["tokens"] == 0 and done["n_prompt"] > 512 and done["n_past"] == first["n_past"]
-        (n0, kv0), (n1, kv1) = ubatches
+        (n0, kv0), (_n1, kv1) = ubatches
         assert n0 == 512 and kv0 > first["n_past"] and kv1 >= first["n_past"] + 512, ubatches
         # the rollback had work to do: the aborted prefill left the first ubatch in the KV
         assert kept[-1][1] == first["n_past"] and kept[-1][0] >= first["n_past"] + 512, kept
@@ -535,7 +536,7 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
     with start(model, *ALL_CACHED, "-c", "512") as s:
         for i in range(0, len(lines), 50):
             s.send(b"\n".join(lines[i:i + 50]) + b"\n")
-        evs, done = s.ask(424242, TURNS[0], n_predict=4)
+        evs, _done = s.ask(424242, TURNS[0], n_predict=4)
         check_turn([e for e in evs if e[0] != "ERROR"], 424242, 4)
         errors = [ev for tag, ev in evs if tag == "ERROR"]
         assert len(errors) == want_errors
@@ -543,7 +544,8 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
         assert s.proc.poll() is None
         assert s.close() == 0
     assert not s.stray
-    assert all(telemetry.parse_tagged(line) and telemetry.parse_tagged(line)[0] in spec_lines.TAGGED for line in s.lines)
+    assert all(telemetry.parse_tagged(line) and telemetry.parse_tagged(line)[0] in spec_lines.TAGGED
+               for line in s.lines)
 
 
 # ---- the demo model (realistic routing) ----------------------------------------------------------

@@ -38,7 +38,9 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
               "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--experts-per-token", "3",
               "--drop-cold", "0.1", "--cache-routing", "0.2"],
              ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"],
-             ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv", "--prompt-cache-mb", "9"], ["--no-warm-start"], ["--usage-dir", "u"]]
+             ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv",
+              "--prompt-cache-mb", "9"],
+             ["--no-warm-start"], ["--usage-dir", "u"]]
     changed = set()
     for argv in fixed:
         got = _leaves(_settings(argv))
@@ -54,13 +56,14 @@ def test_keywords_are_the_flags_words_and_errors_speak_them() -> None:
     assert from_keywords("m.gguf", cache_mb=500).cache.mb == 500.0 == from_keywords("m.gguf", cache_mb="500").cache.mb
     with pytest.raises(TypeError, match=r"unknown setting 'streaming_io_threads'; did you mean io_threads\?"):
         from_keywords("m.gguf", streaming_io_threads=1)
-    with pytest.raises(TypeError, match="unknown setting 'model'.*the settings are: hf, threads, n_ctx"):
+    with pytest.raises(TypeError, match=r"unknown setting 'model'.*the settings are: hf, threads, n_ctx"):
         from_keywords("m.gguf", model="x")
     with pytest.raises(TypeError, match=r"io_threads=2.5: expected int, not float"):
         from_keywords("m.gguf", io_threads=2.5)
     with pytest.raises(ConfigError, match=r"^cache_mb=-1: a budget is 0 \(no cache\)"):
         from_keywords("m.gguf", cache_mb=-1)
-    with pytest.raises(ConfigError, match=r"^cache_floor_mb size cache_mb='auto', and cache_mb=500 is fixed; drop cache_floor_mb or use cache_mb='auto'$"):
+    with pytest.raises(ConfigError, match=r"^cache_floor_mb size cache_mb='auto', and cache_mb=500 is fixed; "
+                                          r"drop cache_floor_mb or use cache_mb='auto'$"):
         from_keywords("m.gguf", cache_mb=500, cache_floor_mb=100)
     with pytest.raises(ConfigError, match=r"^overlap=True streams experts; drop it or drop stream=False$"):
         from_keywords("m.gguf", overlap=True, stream=False)

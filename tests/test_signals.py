@@ -79,7 +79,7 @@ def test_signal_while_a_session_is_idle(model: str, sig: str, code: int) -> None
     s = SessionClient(["-m", model, "-t", "1", "--io-threads", "2", "--cache-mb", "2", "--spec-gate",
                        "--spec-recall-min", "0"], cwd=str(REPO))
     try:
-        evs, (tag, done) = s.ask(1, "hello there", n_predict=4)
+        _evs, (tag, _done) = s.ask(1, "hello there", n_predict=4)
         assert tag == "DONE"
         kids = [c for c in psutil.Process(s.proc.pid).children()
                 if any(w in " ".join(c.cmdline()) for w in WORKERS)]

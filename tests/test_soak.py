@@ -16,12 +16,12 @@ import time
 import psutil
 import pytest
 
+from bmoe.expert_cache import file_regions, working_sets
 from bmoe.model_files import open_model
 from bmoe.session_client import SessionClient
-from bmoe.expert_cache import file_regions, working_sets
 from bmoe.shm_cache import SHM_DIR
-from tests.conftest import REPO, bmoe_segments
 from bmoe.units import MiB
+from tests.conftest import REPO, bmoe_segments
 
 REQUESTS, WARMUP = 200, 30
 WORDS = ("river stone king winter market lantern harbour garden letter bridge forest candle engine "

@@ -100,7 +100,7 @@ def demo_model() -> str:
 @pytest.mark.parametrize("overlap,prefetch,spec_gate", MODES, ids=MODE_IDS)
 def test_demo_gate(demo_model: str, overlap: bool, prefetch: int, spec_gate: bool) -> None:
     # half the experts: still evicting and re-reading every token, at half the reads of a quarter
-    res, e, _ = _gate(demo_model, open_model(demo_model).expert_bytes / 2 / MiB, overlap, prefetch, spec_gate,
+    _res, e, _ = _gate(demo_model, open_model(demo_model).expert_bytes / 2 / MiB, overlap, prefetch, spec_gate,
                       chat=True, n=16)
     if spec_gate:  # real routing: the predictor must do far better than chance (2 of 8 = 25 %)
         assert e.gate.recall_pct > 50
@@ -131,7 +131,7 @@ def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> N
     low, high = c.band(1 / 64), c.band(4 / 64)
     assert c.band(1e-12) == 0 and c.band(1.0) == c.BANDS - 1 and low < high
     assert not c.worth(low) and not c.worth(high), "nothing is read before there is evidence"
-    for i in range(c.MIN_SAMPLES - 1):
+    for _ in range(c.MIN_SAMPLES - 1):
         c.score(high, True)
     assert not c.worth(high), "too few outcomes yet"
     c.score(high, True)
@@ -269,13 +269,13 @@ def test_session_done_reports_recall_and_stall(small_moe) -> None:
 
     path = str(small_moe)
     flags = ["-m", path, "-t", "1", "--cache-mb", "1", "--overlap", "--prefetch", "1"]
-    with SessionClient(flags + ["--spec-gate", "--spec-recall-min", "0"]) as s:
+    with SessionClient([*flags, "--spec-gate", "--spec-recall-min", "0"]) as s:
         done = list(s.generate(1, PROMPT, n_predict=16))[-1]
         again = list(s.generate(2, PROMPT, n_predict=16, clear_kv=True))[-1]
         assert s.close() == 0
     assert done[0] == "DONE" and 0 < done[1]["spec_recall_pct"] <= 100 and done[1]["stall_s_tok"] > 0
     assert again[0] == "DONE" and again[1]["text"] == done[1]["text"], "the warm cache changes no byte"
-    with SessionClient(flags + ["--no-spec-gate"]) as s:
+    with SessionClient([*flags, "--no-spec-gate"]) as s:
         plain = list(s.generate(1, PROMPT, n_predict=16))[-1]
         assert s.close() == 0
     assert plain[1]["spec_recall_pct"] == -1 and plain[1]["text"] == done[1]["text"]

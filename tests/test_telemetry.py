@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -67,7 +68,7 @@ def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) ->
             assert obj["read_mb"] == 0
     # text is the full text so far; the answer banner repeats the final text
     assert progress[-1]["text"] == run.answer
-    assert all(b["text"].startswith(a["text"]) for a, b in zip(progress, progress[1:]))
+    assert all(b["text"].startswith(a["text"]) for a, b in itertools.pairwise(progress))
     # banners, then the summary lines
     lines = stdout.splitlines()
     assert lines.index(spec_lines.ANSWER_BANNER) < lines.index(spec_lines.PERF_BANNER)

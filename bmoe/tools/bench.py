@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     po = sub.add_parser("policies", epilog=POLICIES_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="replay routing traces through every cache policy and Belady's bound",
                         description="Replay traces written by bmoe-cli --route-trace through LRU, Belady's MIN, "
-                                    "a next-token oracle and every candidate cache policy; print hit rate and MiB read per token "
-                                    "for each policy and budget, and the distance to LRU and to Belady.")
+                                    "a next-token oracle and every candidate cache policy; print hit rate and "
+                                    "MiB read per token for each policy and budget, and the distance to LRU and "
+                                    "to Belady.")
     po.add_argument("traces", nargs="+", metavar="TRACE", help="trace files from bmoe-cli --route-trace")
     po.add_argument("--budgets", type=_budget_list, default=[10, 25, 50, 75], metavar="LIST",
                     help="cache budgets as %% of all expert bytes (default 10,25,50,75)")
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run configuration NAME's bmoe-cli from the source tree DIR (another git worktree), so a "
                         "code change is measured against the code before it in one benchmark, round-robin")
     r.add_argument("--no-baseline", action="store_true",
-                   help=f"leave out the built-in baseline {bench_config.BASELINE_NAME}='{shlex.join(bench_config.BASELINE_FLAGS)}'")
+                   help=f"leave out the built-in baseline "
+                        f"{bench_config.BASELINE_NAME}='{shlex.join(bench_config.BASELINE_FLAGS)}'")
     r.add_argument("--common", type=bench_config.parse_common, default=[], metavar="'FLAGS'",
                    help="bmoe-cli flags for every configuration, baseline included (e.g. '-t 2 -c 512')")
     r.add_argument("--repeats", type=positive_int, default=3, help="measured rounds (default 3)")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from bmoe.settings import StreamSettings
 
@@ -81,7 +82,7 @@ def parse_common(text: str) -> list[str]:
     return argv
 
 
-def _flag(flags: list[str], name: str, **kw: object) -> object:
+def _flag(flags: list[str], name: str, **kw: Any) -> Any:
     """The value bmoe-cli would take for one flag among these (its default when absent or unparsable)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(name, dest="value", **kw)
@@ -104,7 +105,7 @@ def io_threads_of(flags: list[str]) -> int:
 
 def schedule(configs: list[Config], warmup: int, repeats: int) -> list[tuple[str, int, Config]]:
     """(phase, round, config) in run order: rounds of every configuration, round-robin."""
-    out = []
+    out: list[tuple[str, int, Config]] = []
     for phase, rounds in (("warmup", warmup), ("measure", repeats)):
         for r in range(rounds):
             out.extend((phase, r, c) for c in configs)

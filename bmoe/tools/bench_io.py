@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+
 from bmoe.units import MiB
 
 PAGE = 4096
@@ -137,10 +138,10 @@ def measure(paths: list[Path], tensors: list[ExpertTensor], total_mb: float, thr
 
     ts = [threading.Thread(target=work, args=(k,), name=f"bmoe-bench-bw{k}") for k in range(threads)]
     t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
     dt = time.perf_counter() - t0
     for fd, _ in fds:
         os.close(fd)

@@ -8,7 +8,8 @@ module only does arithmetic on what it returns.
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from bmoe import telemetry
 from bmoe.tools.bench_config import BASELINE_NAME, Config, io_threads_of, overlap_of
@@ -120,12 +121,13 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
               compute_ref: str | None = None, common: Sequence[str] = ()) -> list[dict]:
     """Per-configuration medians; with `compute_ref` (a run with every expert resident) also each
     streaming configuration's overlap limit, 1 / max(compute s/token, MiB per token ÷ bandwidth)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for c in configs:
         runs = [r for r in records if r["config"] == c.name and r["phase"] == "measure"]
         ok = [r for r in runs if r["ok"]]
         tps = [r["tok_s"] for r in ok]
-        s = {"config": c.name, "flags": c.flags, "checkout": str(c.checkout) if c.checkout else None, "runs": len(runs), "ok_runs": len(ok),
+        s: dict[str, Any] = {"config": c.name, "flags": c.flags, "checkout": str(c.checkout) if c.checkout else None,
+             "runs": len(runs), "ok_runs": len(ok),
              "tok_s_median": _med(tps), "tok_s_min": min(tps) if tps else None,
              "tok_s_max": max(tps) if tps else None,
              "tok_s_q1": percentile(tps, 25) if len(tps) >= 4 else None,

@@ -180,8 +180,8 @@ def score(configs: list[Config], records: list[dict], runs_dir: Path, speed: lis
     base = next((s for s in speed if s["config"] == REFERENCE), None)
     out = []
     for c, sp in zip(configs, speed):
-        qs = [runs[r["index"]] for r in records if r["config"] == c.name and r["phase"] == "measure"
-              and runs.get(r["index"]) is not None]
+        qs = [q for r in records if r["config"] == c.name and r["phase"] == "measure"
+              and (q := runs.get(r["index"])) is not None]
         compared = [q for q in qs if not q["reference"]]
         per = [scores_of(q) for q in compared]
         row = dict(sp, scored_runs=len(per))

@@ -11,9 +11,9 @@ KL(reference || this run) over the reference's tokens with log-probability above
 most likely token is the reference's, and the negative log-likelihood of the text's token.
 
 The first run with no complete reference is the reference (it must be lossless) and writes it
-(`Reference`): per scored token its log-probabilities and its most likely token. Every run writes `<csv>.quality.json` (per-token
-KL, agreement and NLL, the generations' token ids) and prints bmoe-cli's summary lines of the
-forced decode, which is what `bmoe-bench run` reads speed from.
+(`Reference`): per scored token its log-probabilities and its most likely token. Every run writes
+`<csv>.quality.json` (per-token KL, agreement and NLL, the generations' token ids) and prints
+bmoe-cli's summary lines of the forced decode, which is what `bmoe-bench run` reads speed from.
 """
 
 from __future__ import annotations
@@ -152,12 +152,14 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         ref = Reference(ref_path, vocab, writing)
         if not writing and {k: ref.meta.get(k) for k in meta} != meta:
             raise ConfigError(f"{ref_path} was written for another model, text or --context; delete it")
-        kl, same, nll, lines = [], [], [], []
+        kl, same, nll = [], [], []
+        lines: list[telemetry.TokenLine] = []
         req = Request(tuple(tokens[:c]), n, model.sampler(temperature=0.0), forced=tuple(forced), logits=True)
 
         def on_chunk(ch: Chunk) -> None:
             if ch.token is None:
                 return
+            assert ch.logits is not None  # the request asks for them
             i = len(lines)
             lines.append(ch.token)
             lp = log_softmax(ch.logits)

@@ -74,6 +74,7 @@ class Limit:
         if self.method == "balloon":
             return (f"{self.mb:g} MiB via a balloon process holding touched anonymous memory so that about "
                     f"{self.mb:g} MiB stay available on the whole machine (sized again before each run)")
+        assert self.hierarchy is not None  # a cgroup method comes with its hierarchy
         return (f"{self.mb:g} MiB via {self.method}: a fresh cgroup per run under "
                 f"{self.hierarchy.parent} (memory limit = {self.bytes} bytes, swap not allowed), the "
                 "run's process joins it before exec; peak = the cgroup's own peak usage counter")
@@ -98,6 +99,7 @@ def setup_limit(a: argparse.Namespace) -> Limit:
             except bench_sys.LimitError as e:
                 why = str(e)
         if why is None:
+            assert h is not None  # why names a missing hierarchy
             lim.method, lim.hierarchy = f"cgroup-v{h.version}", h
             return lim
         if a.limit_method == "cgroup":
@@ -177,6 +179,7 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
     t0 = time.monotonic()
     try:
         if limit.method in ("cgroup-v1", "cgroup-v2"):
+            assert limit.hierarchy is not None  # a cgroup method comes with its hierarchy
             cgroup = bench_sys.Cgroup(limit.hierarchy, f"{bench_sys.CGROUP_PREFIX}{os.getpid()}-{index}",
                                       limit.bytes)
             argv = cgroup.wrap(cmd)
@@ -264,8 +267,8 @@ def _model(path: str) -> tuple[Path, list[Path]]:
     if not model.is_file():
         raise BenchError(f"model file {model} does not exist; check the -m path")
     try:
-        from bmoe.model_files import shard_paths
         from bmoe.errors import ModelError
+        from bmoe.model_files import shard_paths
 
         shards = shard_paths(model.resolve())
     except ModelError as e:

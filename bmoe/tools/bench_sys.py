@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
 from bmoe.units import MiB
 
 SHM_DIR = Path("/dev/shm")
@@ -224,7 +225,7 @@ class Cgroup:
             return
         _remove_cgroup(self.path, grace)
 
-    def __enter__(self) -> "Cgroup":
+    def __enter__(self) -> Cgroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -297,7 +298,7 @@ class Balloon:
     """A helper process holding `nbytes` of touched anonymous memory (mlocked when allowed); `cgroup`
     puts it in that cgroup, beside the run it competes with."""
 
-    def __init__(self, nbytes: int, timeout: float = 300.0, cgroup: "Cgroup | None" = None) -> None:
+    def __init__(self, nbytes: int, timeout: float = 300.0, cgroup: Cgroup | None = None) -> None:
         self.nbytes = nbytes
         self.locked = False
         cmd = [sys.executable, "-m", "bmoe.tools.bench_sys", "balloon", str(nbytes)]
@@ -305,6 +306,7 @@ class Balloon:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         t = threading.Timer(timeout, self.proc.kill)
         t.start()
+        assert self.proc.stdout is not None  # stdout=PIPE
         try:
             line = self.proc.stdout.readline().strip()
         finally:
@@ -316,6 +318,7 @@ class Balloon:
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            assert self.proc.stdin is not None  # stdin=PIPE
             try:
                 self.proc.stdin.close()
             except OSError:
@@ -326,7 +329,7 @@ class Balloon:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "Balloon":
+    def __enter__(self) -> Balloon:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -417,7 +420,7 @@ class TreeSampler:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def start(self) -> "TreeSampler":
+    def start(self) -> TreeSampler:
         self._thread = threading.Thread(target=self._loop, name="bmoe-bench-sampler", daemon=True)
         self._thread.start()
         return self

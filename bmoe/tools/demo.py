@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bmoe.errors import ModelError
 from bmoe.tools import demo_source
@@ -126,8 +126,8 @@ def default_model(progress: Progress = None) -> tuple[Path, float]:
     just past a quarter; the budget is the larger of the two, so the demo is not refused as a
     cache that only thrashes.
     """
-    from bmoe.model_files import open_model
     from bmoe.expert_cache import file_regions, working_sets
+    from bmoe.model_files import open_model
 
     path = build_demo(DEMO_EXPERTS, DEMO_TOP_K, progress=progress)
     files = open_model(path)
@@ -158,9 +158,9 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
       below that set and LRU, cycling through the layers, thrashes there (35 % instead of 51 %
       on the 8-expert demo; 50 % gives 76 % either way).
     """
+    from bmoe.expert_cache import file_regions
     from bmoe.model_files import open_model
     from bmoe.route_trace import Trace
-    from bmoe.expert_cache import file_regions
     from bmoe.tools import route_stats
 
     say = progress or _quiet
@@ -180,7 +180,7 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
         "tokens": float(len(t.routes)),
         "reuse": route_stats.previous_token_reuse(t),
         "uniform_reuse": route_stats.uniform_reuse(t),
-        "next_layer_recall": route_stats.next_layer_recall(t, path),
+        "next_layer_recall": route_stats.next_layer_recall(t, Path(path)),
         "busiest_quarter": route_stats.busiest_quarter(t),
         "lru_hit_25": route_stats.replay(t, regions, 25)[0],
         "lru_hit_50": route_stats.replay(t, regions, 50)[0],

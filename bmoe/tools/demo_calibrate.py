@@ -3,8 +3,8 @@
 The router input of the MoE graph is the RMS-normed FFN input, the graph node `ffn_norm-L`
 (src/models/llama.cpp), which is what `ffn_gate_inp` multiplies. The dense model computes the
 same node, so its states over `bmoe.tools.calibration_text`, copied by `bmoe.seam.NodeTap`, are
-what the routers are fitted to. The states do not depend on the expert count: they are kept in the cache dir and shared by
-every demo size.
+what the routers are fitted to. The states do not depend on the expert count: they are kept in the
+cache dir and shared by every demo size.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -52,8 +52,8 @@ def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[n
     import llama_cpp
 
     from bmoe import seam
-    from bmoe.tools.calibration_text import DIALOGUES, PASSAGES
     from bmoe.llama import Vocab, init_backend, load_model, new_context
+    from bmoe.tools.calibration_text import DIALOGUES, PASSAGES
 
     init_backend()
     model = load_model(src)

@@ -51,9 +51,9 @@ def spherical_kmeans(x: np.ndarray, k: int, seed: int, iters: int = KMEANS_ITERS
         new = sim.argmax(axis=1)
         best = sim[np.arange(n), new]
         counts = np.bincount(new, minlength=k)
-        for j in np.flatnonzero(counts == 0):
+        for idle in np.flatnonzero(counts == 0):
             worst = int(best.argmin())
-            new[worst] = j
+            new[worst] = idle
             best[worst] = np.inf
         if assign is not None and np.array_equal(new, assign):
             break

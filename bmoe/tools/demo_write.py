@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO
 
 import gguf
 import numpy as np
@@ -55,23 +57,36 @@ class _ExpertStream:
         self.nbytes = nbytes
         self._n, self._piece, self._tick = n_expert, piece, tick
 
-    def tofile(self, f: object) -> None:
+    def tofile(self, f: BinaryIO) -> None:
         for e in range(self._n):
             data = self._piece(e)
             data.tofile(f)
             self._tick(data.nbytes)
 
 
+def _same(x: np.ndarray, expert: int) -> np.ndarray:
+    """Expert `expert`'s gate or up projection: the dense one, whatever the expert."""
+    return x
+
+
 def _expert_tensor_bytes(n_embd: int, n_ff: int) -> int:
     return n_embd * n_ff // Q8_BLOCK * Q8_BYTES
+
+
+def _int_field(reader: gguf.GGUFReader, key: str) -> int:
+    """The integer metadata value `key` (ValueError naming the key when the file lacks it)."""
+    field = reader.get_field(key)
+    if field is None:
+        raise ValueError(f"the source model has no {key} field")
+    return int(field.contents())
 
 
 def experts_for_size(size_gb: float, src: Path) -> int:
     """Experts per layer that make the demo file built from `src` about `size_gb` GB (1 GB = 1e9 bytes)."""
     r = gguf.GGUFReader(src)
-    n_layer = int(r.get_field(f"{ARCH}.block_count").contents())
-    n_embd = int(r.get_field(f"{ARCH}.embedding_length").contents())
-    n_ff = int(r.get_field(f"{ARCH}.feed_forward_length").contents())
+    n_layer = _int_field(r, f"{ARCH}.block_count")
+    n_embd = _int_field(r, f"{ARCH}.embedding_length")
+    n_ff = _int_field(r, f"{ARCH}.feed_forward_length")
     dense = sum(int(t.n_bytes) for t in r.tensors if t.name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"))
     rest = os.path.getsize(src) - dense
     per_expert = 3 * n_layer * _expert_tensor_bytes(n_embd, n_ff) + n_layer * n_embd * 4
@@ -112,14 +127,14 @@ def write(src: Path, out: Path, experts: int, top_k: int, routers: list[np.ndarr
           say: Callable[[str], None]) -> None:
     """Write the MoE file made from `src` and one router per layer to `out`, reporting progress to `say`."""
     reader = gguf.GGUFReader(src)
-    n_embd = int(reader.get_field(f"{ARCH}.embedding_length").contents())
-    n_ff = int(reader.get_field(f"{ARCH}.feed_forward_length").contents())
+    n_embd = _int_field(reader, f"{ARCH}.embedding_length")
+    n_ff = _int_field(reader, f"{ARCH}.feed_forward_length")
     by_name = {t.name: t for t in reader.tensors}
     per = _expert_tensor_bytes(n_embd, n_ff)
 
     w = gguf.GGUFWriter(out, ARCH)
     _copy_fields(reader, w, experts, top_k)
-    plan: list[tuple[str, object]] = []  # (kind, payload) in file order
+    plan: list[tuple[str, gguf.ReaderTensor | int]] = []  # ("copy", tensor) or ("layer", index) in file order
     seen: set[int] = set()
     total = 0
     for t in reader.tensors:
@@ -160,8 +175,8 @@ def write(src: Path, out: Path, experts: int, top_k: int, routers: list[np.ndarr
         w.close()
 
 
-def _write_data(w: gguf.GGUFWriter, reader: gguf.GGUFReader, plan: list[tuple[str, object]],
-                by_name: dict[str, object], routers: list[np.ndarray], experts: int, top_k: int,
+def _write_data(w: gguf.GGUFWriter, reader: gguf.GGUFReader, plan: list[tuple[str, gguf.ReaderTensor | int]],
+                by_name: dict[str, gguf.ReaderTensor], routers: list[np.ndarray], experts: int, top_k: int,
                 per: int, tick: Callable[[int], None]) -> None:
     """Header, then every tensor in plan order; each layer's FFN is quantized once and its
     expert copies written one at a time."""
@@ -170,10 +185,12 @@ def _write_data(w: gguf.GGUFWriter, reader: gguf.GGUFReader, plan: list[tuple[st
     w.write_ti_data_to_file()
     for kind, item in plan:
         if kind == "copy":
+            assert isinstance(item, gguf.ReaderTensor)
             w.write_tensor_data(item.data, tensor_endianess=reader.endianess)
             tick(int(item.n_bytes))
             continue
         layer = item
+        assert isinstance(layer, int)
         q = {}
         for name in ("gate", "up", "down"):
             t = by_name[f"blk.{layer}.ffn_{name}.weight"]
@@ -181,7 +198,8 @@ def _write_data(w: gguf.GGUFWriter, reader: gguf.GGUFReader, plan: list[tuple[st
         w.write_tensor_data(routers[layer])
         tick(routers[layer].nbytes)
         gate, up, down = q["gate"], q["up"], q["down"]
-        w.write_tensor_data(_ExpertStream(experts * per, experts, lambda e, x=gate: x, tick))
-        w.write_tensor_data(_ExpertStream(experts * per, experts, lambda e, x=up: x, tick))
-        w.write_tensor_data(_ExpertStream(experts * per, experts,
-                                          lambda e, x=down, L=layer: sign_down(x, L, e, top_k), tick))
+        # an _ExpertStream is an array to write_tensor_data, which reads only its nbytes and calls its tofile
+        w.write_tensor_data(_ExpertStream(experts * per, experts, partial(_same, gate), tick))  # type: ignore[arg-type]
+        w.write_tensor_data(_ExpertStream(experts * per, experts, partial(_same, up), tick))  # type: ignore[arg-type]
+        w.write_tensor_data(_ExpertStream(experts * per, experts,  # type: ignore[arg-type]
+                                          partial(sign_down, down, layer, top_k=top_k), tick))

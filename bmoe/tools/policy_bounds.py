@@ -6,7 +6,7 @@ knows the future, so no run of bmoe-cli can use them.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from bmoe.cache_policy import Key, NextUse, Policy
 
@@ -103,6 +103,7 @@ class NextTokenOracle(NextUse):
         return ((self.pos[key[0]] - cur) % n or n) + n / self.frequency(key[0], key[2])
 
     def victims(self, layer: int | None) -> Iterator[Key]:
-        cur = self.pos.get(layer, 0)
-        keys = sorted(self.entry, key=lambda k: (self.pos[k[0]], self.entry[k][1]))  # by layer, least recently used first
+        cur = self.pos.get(layer, 0) if layer is not None else 0
+        # by layer, least recently used first
+        keys = sorted(self.entry, key=lambda k: (self.pos[k[0]], self.entry[k][1]))
         return iter(sorted(keys, key=lambda k: self._wait(k, cur), reverse=True))

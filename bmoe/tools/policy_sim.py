@@ -15,19 +15,20 @@ told, before each layer's routing, what a prefetcher could know at that moment:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from bmoe import routers
 from bmoe.cache_policy import POLICIES, Policy
+from bmoe.expert_cache import file_regions
 from bmoe.model_files import open_model
 from bmoe.route_trace import Trace
-from bmoe.tools.route_stats import replay
-from bmoe.expert_cache import file_regions
 from bmoe.tools.policy_bounds import Belady, NextTokenOracle
+from bmoe.tools.route_stats import replay
 
 PREDICT_AHEAD = 2
 BELADY = "belady"
@@ -113,10 +114,11 @@ def simulate(paths: list[str], budgets: list[int], model: str | None = None,
         future = belady_future(t)
         name = Path(path).stem
         for pct in budgets:
-            makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, lambda p=p: p) for p in POLICIES]
+            # a built-in policy is given by its name (replay makes it), the oracles as objects
+            makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, partial(str, p)) for p in POLICIES]
             makers.append((NextTokenOracle.name,
-                           lambda: NextTokenOracle(t.layers, future, prefill_tokens=int(prefill))))
-            makers.append((BELADY, lambda: Belady(t.layers, future, prefill_tokens=int(prefill))))
+                           partial(NextTokenOracle, t.layers, future, prefill_tokens=int(prefill))))
+            makers.append((BELADY, partial(Belady, t.layers, future, prefill_tokens=int(prefill))))
             for pname, make in makers:
                 progress(f"{name}: {pname} at {pct}% ...")
                 t0 = time.perf_counter()

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from bmoe.cache_policy import Policy
+from bmoe.expert_cache import ExpertCache, Region, file_regions
 from bmoe.model_files import open_model
 from bmoe.route_trace import Trace
-from bmoe.expert_cache import ExpertCache, Region, file_regions
 from bmoe.units import MiB
 
 BUDGETS_PCT = (10, 25, 50, 75)

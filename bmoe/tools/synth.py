@@ -213,7 +213,7 @@ def _tensors(s: _Shape) -> list[_Tensor]:
 
         def t(name: str, shape: tuple[int, ...], qtype: str = "f32", fill: str = "normal",
               std: float = 0.0) -> None:
-            out.append(_Tensor(p + name, shape, qtype, fill, std))
+            out.append(_Tensor(p + name, shape, qtype, fill, std))  # noqa: B023 - called only in this iteration
 
         t("attn_norm.weight", (e,), fill="ones")
         t("attn_q.weight", (q_dim, e), "f16", std=e**-0.5)
@@ -331,7 +331,7 @@ def _tensor_data(t: _Tensor, rng: np.random.Generator, token_embd: np.ndarray | 
         # Only whole words and the end tokens get an output row, so generated text reads as
         # words; prompts can still use every piece and the byte fallback.
         keep = np.zeros(t.shape[0], bool)
-        keep[_VOCAB.word_ids + [_EOS, _IM_END]] = True
+        keep[[*_VOCAB.word_ids, _EOS, _IM_END]] = True
         data[~keep] = 0.0
         # End tokens stay possible but rare, so a test's 32-token generation is not cut short.
         data[[_EOS, _IM_END]] *= 0.25

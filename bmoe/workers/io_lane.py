@@ -96,7 +96,7 @@ def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
     out.write(msgpack.packb(["hello", index, os.getpid(), all(r.odirect for r in readers)]))
     out.flush()
     unpacker = msgpack.Unpacker()
-    fd = sys.stdin.buffer.raw.fileno()
+    fd = sys.stdin.buffer.raw.fileno()  # type: ignore[union-attr]  # typeshed: BinaryIO; it is a BufferedReader
     demand: collections.deque = collections.deque()
     spec: collections.OrderedDict = collections.OrderedDict()
     while True:
