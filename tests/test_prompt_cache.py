@@ -206,7 +206,7 @@ def test_llama_cpp_computes_a_usable_cut_exactly_and_another_not(pinned: Plain, 
 # ---- at work: bmoe.load(prompt_cache=...), bmoe-server --prompt-cache ---------------------------------
 
 SYSTEM = " ".join(f"Rule {i}: answer the keeper of the light in plain words and name the stairs." for i in range(25))
-RUN = dict(n_ctx=2048, threads=2, io_threads=2, cache_mb=4)
+RUN = dict(n_ctx=2048, threads=2, io_threads=2, cache_mb=4, warm_start=False)  # no warm-start notice or fill
 
 
 def ask(question: str) -> list[dict]:
