@@ -134,29 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-p", "--prompt", help="prompt text (default: bmoe-cli's)")
     src.add_argument("-f", "--file", help="read the prompt from this file")
     r.add_argument("-n", "--n-predict", type=positive_int, default=32, help="tokens per run (default 32)")
-    r.add_argument("--config", action="append", type=bench_config.parse_config, default=[], metavar="NAME='FLAGS'",
-                   help="a configuration: a name and the bmoe-cli flags it runs with; repeat for more")
-    r.add_argument("--checkout", action="append", type=bench_config.parse_checkout, default=[], metavar="NAME=DIR",
-                   help="run configuration NAME's bmoe-cli from the source tree DIR (another git worktree), so a "
-                        "code change is measured against the code before it in one benchmark, round-robin")
+    bench_config.add_plan_options(r, warmup=1, everyone="baseline")
     r.add_argument("--no-baseline", action="store_true",
                    help=f"leave out the built-in baseline "
                         f"{bench_config.BASELINE_NAME}='{shlex.join(bench_config.BASELINE_FLAGS)}'")
-    r.add_argument("--common", type=bench_config.parse_common, default=[], metavar="'FLAGS'",
-                   help="bmoe-cli flags for every configuration, baseline included (e.g. '-t 2 -c 512')")
-    r.add_argument("--repeats", type=positive_int, default=3, help="measured rounds (default 3)")
-    r.add_argument("--warmup", type=nonneg_int, default=1, help="warm-up rounds, not counted (default 1)")
-    r.add_argument("--mem-limit-mb", type=positive_float, default=None, metavar="M",
-                   help="run each bmoe-cli process tree with only M MiB of memory (cgroup, else a balloon)")
-    r.add_argument("--limit-method", choices=("auto", "cgroup", "balloon"), default="auto",
-                   help="how --mem-limit-mb is applied: auto (default) = cgroup, falling back to a balloon")
-    r.add_argument("--cgroup-parent", default=None, metavar="PATH",
-                   help="cgroup (relative to the memory controller's root) under which per-run cgroups "
-                        "are made; default: the cgroup bmoe-bench runs in, so the runs stay inside any "
-                        "limit and accounting that applies to it ('/' = the top level)")
-    r.add_argument("--drop-caches", choices=("all", "file", "none"), default="all",
-                   help="before each run: 'all' (default) = drop the model file from the page cache and "
-                        "echo 1 > /proc/sys/vm/drop_caches when writable; 'file' = the model file only")
     r.add_argument("--bw-mb", type=positive_float, default=256.0,
                    help="MiB read per O_DIRECT bandwidth measurement (default 256)")
     r.add_argument("--bw-threads", type=_thread_list, default=[1, 2, 4], metavar="LIST",
@@ -169,12 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--skip-tokens", type=nonneg_int, default=0, metavar="K",
                    help="leave each run's first K tokens out of the per-token s/token median/p95 (cache "
                         "fill); needs bmoe-cli --csv (default 0)")
-    r.add_argument("--timeout", type=float, default=0.0, metavar="S",
-                   help="kill a run after S seconds (default: no limit)")
-    r.add_argument("--sample-interval", type=positive_float, default=0.1, metavar="S",
-                   help="memory sampling interval in seconds (default 0.1)")
-    r.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (default bench/reports/<date-time>)")
     return ap
 
 

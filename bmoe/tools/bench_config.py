@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bmoe.argtypes import nonneg_int, positive_float, positive_int
 from bmoe.settings import StreamSettings
 
 BASELINE_NAME = "mmap"
@@ -110,3 +111,36 @@ def schedule(configs: list[Config], warmup: int, repeats: int) -> list[tuple[str
         for r in range(rounds):
             out.extend((phase, r, c) for c in configs)
     return out
+
+
+def add_plan_options(p: argparse.ArgumentParser, *, warmup: int, everyone: str) -> argparse.ArgumentParser:
+    """The options every round-robin benchmark takes (`bmoe-bench run`, `bmoe-bench quality`): its
+    configurations and where they run from, the rounds, the memory limit, the page cache, the
+    sampling and the output. `everyone` names who --common applies to."""
+    p.add_argument("--config", action="append", type=parse_config, default=[], metavar="NAME='FLAGS'",
+                   help="a configuration: a name and the bmoe-cli flags it adds to --common; repeat for more")
+    p.add_argument("--checkout", action="append", type=parse_checkout, default=[], metavar="NAME=DIR",
+                   help="run configuration NAME's bmoe-cli from the source tree DIR (another git worktree), so a "
+                        "code change is measured against the code before it in one benchmark, round-robin")
+    p.add_argument("--common", type=parse_common, default=[], metavar="'FLAGS'",
+                   help=f"bmoe-cli flags for every configuration, {everyone} included (e.g. '-t 2 -c 512')")
+    p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds (default 3)")
+    p.add_argument("--warmup", type=nonneg_int, default=warmup, help=f"warm-up rounds, not counted (default {warmup})")
+    p.add_argument("--mem-limit-mb", type=positive_float, default=None, metavar="M",
+                   help="run each bmoe-cli process tree with only M MiB of memory (cgroup, else a balloon)")
+    p.add_argument("--limit-method", choices=("auto", "cgroup", "balloon"), default="auto",
+                   help="how --mem-limit-mb is applied: auto (default) = cgroup, falling back to a balloon")
+    p.add_argument("--cgroup-parent", default=None, metavar="PATH",
+                   help="cgroup (relative to the memory controller's root) under which per-run cgroups "
+                        "are made; default: the cgroup bmoe-bench runs in, so the runs stay inside any "
+                        "limit and accounting that applies to it ('/' = the top level)")
+    p.add_argument("--drop-caches", choices=("all", "file", "none"), default="all",
+                   help="before each run: 'all' (default) = drop the model file from the page cache and "
+                        "echo 1 > /proc/sys/vm/drop_caches when writable; 'file' = the model file only")
+    p.add_argument("--timeout", type=float, default=0.0, metavar="S",
+                   help="kill a run after S seconds (default: no limit)")
+    p.add_argument("--sample-interval", type=positive_float, default=0.1, metavar="S",
+                   help="memory sampling interval in seconds (default 0.1)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default bench/reports/<date-time>)")
+    return p

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.argtypes import nonneg_int, positive_float, positive_int
+from bmoe.argtypes import nonneg_int, positive_int
 from bmoe.tools import bench_config, bench_numbers, bench_report, bench_run
 from bmoe.tools.bench_config import Config
 from bmoe.tools.quality_text import PROMPTS, TEXT
@@ -73,26 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="tokens scored, one decode step each (default 512)")
     q.add_argument("--gen-tokens", type=nonneg_int, default=48,
                    help="tokens of each greedy generation from the built-in prompts (default 48; 0 = none)")
-    q.add_argument("--config", action="append", type=bench_config.parse_config, default=[], metavar="NAME='FLAGS'",
-                   help="a configuration: a name and the bmoe-cli flags it adds to --common; repeat for more")
-    q.add_argument("--checkout", action="append", type=bench_config.parse_checkout, default=[], metavar="NAME=DIR",
-                   help="run configuration NAME from the source tree DIR (as bmoe-bench run)")
-    q.add_argument("--common", type=bench_config.parse_common, default=[], metavar="'FLAGS'",
-                   help="bmoe-cli flags for every configuration, the reference included (e.g. '--cache-mb 1300 -t 2')")
-    q.add_argument("--repeats", type=positive_int, default=3, help="measured rounds (default 3)")
-    q.add_argument("--warmup", type=nonneg_int, default=0, help="warm-up rounds, not counted (default 0)")
-    q.add_argument("--mem-limit-mb", type=positive_float, default=None, metavar="M",
-                   help="run each process tree with only M MiB of memory (cgroup, else a balloon)")
-    q.add_argument("--limit-method", choices=("auto", "cgroup", "balloon"), default="auto",
-                   help="how --mem-limit-mb is applied (default auto: cgroup, else a balloon)")
-    q.add_argument("--cgroup-parent", default=None, metavar="PATH",
-                   help="cgroup under which per-run cgroups are made (default: bmoe-bench's own)")
-    q.add_argument("--drop-caches", choices=("all", "file", "none"), default="all",
-                   help="page cache before each run: all (default), file (the model only) or none")
-    q.add_argument("--timeout", type=float, default=0.0, metavar="S", help="kill a run after S seconds (default: none)")
-    q.add_argument("--sample-interval", type=positive_float, default=0.1, metavar="S",
-                   help="memory sampling interval in seconds (default 0.1)")
-    q.add_argument("--out", default=None, metavar="DIR", help="output directory (default bench/reports/<date-time>)")
+    bench_config.add_plan_options(q, warmup=0, everyone="the reference")
     return q
 
 
@@ -277,13 +258,9 @@ def render(meta: dict, records: list[dict], rows: list[dict], chart: str | None)
 
 def write_chart(path: Path, rows: list[dict]) -> str | None:
     """tok/s (median, min–max) against mean KL, one labelled point per configuration; None when written."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "chart skipped: matplotlib is not installed (pip install 'bmoe[bench]')"
+    plt = bench_report.pyplot()
+    if plt is None:
+        return bench_report.NO_MATPLOTLIB
     pts = [r for r in rows if r["tok_s_median"] is not None and (r["kl_mean"] is not None or r["config"] == REFERENCE)]
     if not pts:
         return "chart skipped: no scored runs"

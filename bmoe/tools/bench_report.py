@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 RESULTS = "results.json"
 REPORT = "report.md"
@@ -180,15 +181,27 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
     return "\n".join(L)
 
 
-def write_chart(path: Path, summary: list[dict]) -> str | None:
-    """A bar chart of median tok/s (min–max whiskers); returns a notice when skipped."""
+NO_MATPLOTLIB = "chart skipped: matplotlib is not installed (pip install 'bmoe[bench]')"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is not installed
+    (charts are optional: the bench extra brings it)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "chart skipped: matplotlib is not installed (pip install 'bmoe[bench]')"
+        return None
+    return plt
+
+
+def write_chart(path: Path, summary: list[dict]) -> str | None:
+    """A bar chart of median tok/s (min–max whiskers); returns a notice when skipped."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     rows = [s for s in summary if s["tok_s_median"] is not None]
     if not rows:
         return "chart skipped: no successful runs"
