@@ -336,6 +336,7 @@ def prepare(a: argparse.Namespace, argv: list[str]) -> Bench:
 
     started = _dt.datetime.now()
     out = Path(a.out) if a.out else Path("bench/reports") / started.strftime("%Y-%m-%d-%H%M%S")
+    out = out.absolute()  # a --checkout run starts in its own tree: every path it is given must hold there
     runs_dir = out / "runs"
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
