@@ -22,6 +22,9 @@ from tests.test_server import KEY, Server, auth
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 DEMO16 = Path.home() / ".cache" / "bmoe" / "smollm2-135m-moe-e16-k4-r2.gguf"
 FLAGS = ["-t", "2", "--io-threads", "2", "-c", "4096"]
+# tokens for a forced tool call: the first call takes ~40; a small model then goes on adding calls
+# until max_tokens, and a call it cuts off is left out, so more only costs time
+MAX_CALLS = 120
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -83,7 +86,7 @@ def test_required_tool_call_streamed_and_not_then_the_tools_answer(served) -> No
     c = server.client()
     # one call: a small model, free to add calls, may go on adding them up to max_tokens
     r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                  parallel_tool_calls=False, max_tokens=240, extra_body=extra)
+                                  parallel_tool_calls=False, max_tokens=MAX_CALLS, extra_body=extra)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     calls = choice.message.tool_calls
@@ -101,7 +104,7 @@ def test_required_tool_call_streamed_and_not_then_the_tools_answer(served) -> No
         "the call sent back continues the conversation: its KV is reused"
 
     stream = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=240, stream=True, extra_body=extra)
+                                       parallel_tool_calls=False, max_tokens=MAX_CALLS, stream=True, extra_body=extra)
     got: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -120,7 +123,7 @@ def test_required_tool_call_streamed_and_not_then_the_tools_answer(served) -> No
 def test_parallel_calls_are_each_complete(served) -> None:
     server, extra = served
     r = server.client().chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME],
-                                                tool_choice="required", max_tokens=240, extra_body=extra)
+                                                tool_choice="required", max_tokens=MAX_CALLS, extra_body=extra)
     calls = r.choices[0].message.tool_calls
     assert calls, r.choices[0]
     for tc in calls:  # a call cut off by max_tokens is left out (its text stays content)
@@ -130,7 +133,7 @@ def test_parallel_calls_are_each_complete(served) -> None:
 def test_a_named_tool_is_the_one_called(served) -> None:
     server, extra = served
     r = server.client().chat.completions.create(
-        model="x", messages=ASK, tools=[WEATHER, TIME], max_tokens=240, extra_body=extra,
+        model="x", messages=ASK, tools=[WEATHER, TIME], max_tokens=MAX_CALLS, extra_body=extra,
         tool_choice={"type": "function", "function": {"name": "get_time"}})
     calls = r.choices[0].message.tool_calls
     assert [tc.function.name for tc in calls] == ["get_time"] * len(calls)
