@@ -118,11 +118,19 @@ class Lane:
             self.send(order_id, reads, speculative)
 
     def stop(self, timeout: float = 2.0) -> None:
+        self.hang_up()
+        self.reap(timeout)
+
+    def hang_up(self) -> None:
+        """Close the order pipe: the lane finishes its reads and exits."""
         try:
             if self.proc.stdin:
                 self.proc.stdin.close()
         except OSError:
             pass
+
+    def reap(self, timeout: float = 2.0) -> None:
+        """Wait for the exit `hang_up` asked for; kill a lane that does not go within `timeout`."""
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -280,6 +288,9 @@ class LanePool:
             self.done[order_id] = (nbytes, busy_ns, err)
 
     def close(self) -> None:
+        """Hang up on every lane first, then reap them: they exit together, not one after another."""
         for lane in self.lanes:
-            lane.stop()
+            lane.hang_up()
+        for lane in self.lanes:
+            lane.reap()
         self.sel.close()
