@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from bmoe.gguf_table import read_table
 from bmoe.tools.demo_routers import signature_gain
 
 ARCH = "llama"
@@ -82,12 +83,20 @@ def _int_field(reader: gguf.GGUFReader, key: str) -> int:
 
 
 def experts_for_size(size_gb: float, src: Path) -> int:
-    """Experts per layer that make the demo file built from `src` about `size_gb` GB (1 GB = 1e9 bytes)."""
-    r = gguf.GGUFReader(src)
-    n_layer = _int_field(r, f"{ARCH}.block_count")
-    n_embd = _int_field(r, f"{ARCH}.embedding_length")
-    n_ff = _int_field(r, f"{ARCH}.feed_forward_length")
-    dense = sum(int(t.n_bytes) for t in r.tensors if t.name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"))
+    """Experts per layer that make the demo file built from `src` about `size_gb` GB (1 GB = 1e9 bytes).
+
+    Reads the header only (bmoe.gguf_table): gguf's reader also parses the 49k-entry tokenizer
+    arrays, 3 s for three numbers and a sum."""
+    table = read_table(src)
+
+    def field(key: str) -> int:
+        value = table.fields.get(key)
+        if not isinstance(value, int):
+            raise ValueError(f"the source model has no {key} field")
+        return value
+
+    n_layer, n_embd, n_ff = (field(f"{ARCH}.{k}") for k in ("block_count", "embedding_length", "feed_forward_length"))
+    dense = sum(t.nbytes for t in table.tensors if t.name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"))
     rest = os.path.getsize(src) - dense
     per_expert = 3 * n_layer * _expert_tensor_bytes(n_embd, n_ff) + n_layer * n_embd * 4
     n = round((size_gb * GB - rest) / per_expert)
