@@ -289,3 +289,25 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
     assert set(ahead) == {0, 1, 2, 3} if arch == "gpt-oss" else {0, 1, 2}
     assert max(ahead_at) < 8, "the prompt's last ubatch was through: nothing is to be read whole"
     assert res.ids == ref.ids and res.text == ref.text
+
+
+def test_the_slab_check_finds_one_wrong_byte_in_a_resident_expert(small_moe) -> None:
+    """SlabCheck (tests/conftest.py) backs the gates that use it: one flipped byte in an expert the
+    cache holds must be reported when that expert is next routed (the budget holds every expert, so
+    nothing re-reads and repairs it)."""
+    from tests.conftest import SlabCheck, slice_bytes
+
+    path = str(small_moe)
+    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / MiB + 8, "--io-threads", 2) as m:
+        check = SlabCheck(m.engine)
+        try:
+            complete(m, PROMPT, 4)
+            assert check.checked > 0 and not check.bad, check.bad[:3]
+            st = m.engine.streamer
+            ri = next(i for i in st.cache.by_layer[0] if st.cache.regions[i].kind == "ffn_up_exps")
+            expert = min(check._slots[0])
+            slice_bytes(st, ri, expert)[100] ^= 0x5A
+            complete(m, PROMPT, 1)
+        finally:
+            check.close()
+    assert any(b.startswith(f"{st.cache.regions[ri].name} expert {expert} ") for b in check.bad), check.bad[:3]
