@@ -129,6 +129,17 @@ def test_workers_import_only_what_moves_bytes_or_predicts() -> None:
         assert not _reach(worker) & {"bmoe.coordinator", "bmoe.streamer", "bmoe.expert_cache", "bmoe.cli"}, worker
 
 
+def test_a_lane_process_starts_without_numpy_or_the_engine() -> None:
+    """A lane runs as `python -m bmoe.workers.io_lane`, which imports the bmoe package first: the
+    package's API loads on first use, so every lane (4 per start, more on a respawn) skips numpy,
+    llama.cpp and the engine; `bmoe.load` and `from bmoe import Model` still work."""
+    code = ("import sys, bmoe.workers.io_lane; print(sorted(m for m in ('numpy', 'llama_cpp', 'bmoe.api') "
+            "if m in sys.modules)); import bmoe; from bmoe import Model; print(bmoe.load.__module__, Model.__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["[]", "bmoe.api Model"]
+
+
 @pytest.mark.parametrize("module", ["bmoe", "bmoe.api", "bmoe.session_client", "bmoe.protocol", "bmoe.telemetry",
                                     "bmoe.settings", "bmoe.flags", "bmoe.tools.bench"])
 def test_light_modules_do_not_load_llama_cpp(module: str) -> None:
