@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import selectors
 import subprocess
 import sys
@@ -174,6 +175,9 @@ class LanePool:
             raise LaneError(f"I/O lane {lane.index} did not start (exit code {lane.proc.poll()})")
         lane.odirect = bool(hello[3])
         self.sel.register(lane.stdout, selectors.EVENT_READ, lane)
+        # a replacement is sent its re-issued orders before its hello is read: a quick lane's
+        # answers can arrive in the same read as the hello, and no select would report them again
+        self._take_answers(lane)
 
     @property
     def odirect(self) -> bool:
@@ -184,7 +188,8 @@ class LanePool:
         while True:
             for msg in lane.unpacker:
                 return msg
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left < 0 or not select.select([lane.stdout], [], [], left)[0]:
                 return None
             chunk = os.read(lane.stdout.fileno(), 1 << 16)
             if not chunk:
@@ -283,6 +288,10 @@ class LanePool:
             self._forget(lane.stdout)
             return
         lane.unpacker.feed(chunk)
+        self._take_answers(lane)
+
+    def _take_answers(self, lane: Lane) -> None:
+        """Every completion the lane's unpacker holds, into `done`."""
         for order_id, nbytes, busy_ns, err in lane.unpacker:
             lane.pending.pop(order_id, None)
             self.done[order_id] = (nbytes, busy_ns, err)

@@ -145,6 +145,51 @@ def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders
         slab.close()
 
 
+def test_answers_that_come_with_a_replacements_hello_are_taken(tmp_path) -> None:
+    """A replaced lane is sent its re-issued orders before its hello is read; a quick lane answers
+    them before the coordinator reads at all, so the hello and the answers come in one read. Those
+    answers must be taken then: no select reports them again, and the run stalled until
+    --lane-timeout (30 s) took the healthy lane for hung (5 of 150 runs of the test above)."""
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    import msgpack
+
+    from bmoe.lanes import LanePool
+    from bmoe.shm_cache import Slab
+
+    data = os.urandom(2 * 4096)
+    f = tmp_path / "f.bin"
+    f.write_bytes(data)
+    slab = Slab(2 * 4096)
+    pool = LanePool(1, slab.name, [str(f)], odirect=False)
+    try:
+        lane = pool.lanes[0]
+        lane.proc.send_signal(signal.SIGSTOP)  # the order stays unanswered until the lane is replaced
+        order = pool.send(0, [(0, 4096, 4096, 4096, 4096)])
+        os.kill(lane.pid, signal.SIGKILL)
+        hello = pool._hello
+
+        def hello_once_the_answer_is_there(new: object) -> None:
+            """Read nothing until the replacement has written its hello and its answer."""
+            fd = new.stdout.fileno()
+            said = len(msgpack.packb(["hello", 0, new.pid, False]))
+            while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] <= said:
+                select.select([fd], [], [])
+                time.sleep(0.001)  # data is there, but maybe only the hello yet
+            hello(new)
+
+        pool._hello = hello_once_the_answer_is_there
+        pool.poll(600)  # sees the old lane's end, replaces it, re-issues the order
+        assert pool.restarts == 1 and order in pool.done, "the answer read with the hello was dropped"
+        assert pool.take(order)[0] == 4096 and slab.mm[4096:] == data[4096:]
+    finally:
+        pool.close()
+        slab.close()
+
+
 def test_a_layers_orders_reach_each_lane_in_one_write(model: str, plain: tuple[int, ...]) -> None:
     """Under overlap a layer sends gate/up and down orders (and reads ahead) to each lane; they are
     held and written once per lane, since every write wakes a lane that takes the CPU."""
