@@ -107,12 +107,11 @@ def test_lanes_failing_again_and_again_end_the_run_clearly(model: str) -> None:
         run_with(model, injure)
 
 
-def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders(tmp_path) -> None:
-    """Real lane process, real slab: orders sent while the lane is stopped are served demand first,
-    then speculative in order; the cancelled speculative ones are never read."""
+@pytest.fixture
+def one_lane(tmp_path):
+    """A real lane process over a real slab of 16 pages and a file of 16 random pages: (pool, slab, data)."""
     from bmoe.lanes import LanePool
     from bmoe.shm_cache import Slab
-    from bmoe.workers.io_lane import CANCELLED
 
     data = os.urandom(16 * 4096)
     f = tmp_path / "f.bin"
@@ -120,36 +119,46 @@ def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders
     slab = Slab(16 * 4096)
     pool = LanePool(1, slab.name, [str(f)], odirect=False)
     try:
-        lane = pool.lanes[0]
-        lane.proc.send_signal(signal.SIGSTOP)
-        page = lambda i: [(0, i * 4096, 4096, i * 4096, 4096)]  # noqa: E731
-        spec = [pool.send(0, page(i), speculative=True) for i in range(5)]
-        demand = pool.send(0, page(8))
-        lane.cancel([spec[2], spec[3]])
-        lane.proc.send_signal(signal.SIGCONT)
-        order: list[int] = []
-        deadline = time.monotonic() + 600
-        while len(order) < 6 and time.monotonic() < deadline:
-            pool.poll(0.5)
-            for oid in list(pool.done):
-                order.append(oid)
-                nbytes, _ = pool.take(oid)
-                assert (nbytes == CANCELLED) == (oid in (spec[2], spec[3]))
-        assert order == [spec[2], spec[3], demand, spec[0], spec[1], spec[4]]
-        for i in (0, 1, 4, 8):
-            assert slab.mm[i * 4096:(i + 1) * 4096] == data[i * 4096:(i + 1) * 4096]
-        for i in (2, 3):
-            assert slab.mm[i * 4096:(i + 1) * 4096] == bytes(4096), "a cancelled order read nothing"
+        yield pool, slab, data
     finally:
         pool.close()
         slab.close()
 
 
-def test_answers_that_come_with_a_replacements_hello_are_taken(tmp_path) -> None:
+def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders(one_lane) -> None:
+    """Real lane process, real slab: orders sent while the lane is stopped are served demand first,
+    then speculative in order; the cancelled speculative ones are never read."""
+    from bmoe.workers.io_lane import CANCELLED
+
+    pool, slab, data = one_lane
+    lane = pool.lanes[0]
+    lane.proc.send_signal(signal.SIGSTOP)
+    page = lambda i: [(0, i * 4096, 4096, i * 4096, 4096)]  # noqa: E731
+    spec = [pool.send(0, page(i), speculative=True) for i in range(5)]
+    demand = pool.send(0, page(8))
+    lane.cancel([spec[2], spec[3]])
+    lane.proc.send_signal(signal.SIGCONT)
+    order: list[int] = []
+    deadline = time.monotonic() + 600
+    while len(order) < 6 and time.monotonic() < deadline:
+        pool.poll(0.5)
+        for oid in list(pool.done):
+            order.append(oid)
+            nbytes, _ = pool.take(oid)
+            assert (nbytes == CANCELLED) == (oid in (spec[2], spec[3]))
+    assert order == [spec[2], spec[3], demand, spec[0], spec[1], spec[4]]
+    for i in (0, 1, 4, 8):
+        assert slab.mm[i * 4096:(i + 1) * 4096] == data[i * 4096:(i + 1) * 4096]
+    for i in (2, 3):
+        assert slab.mm[i * 4096:(i + 1) * 4096] == bytes(4096), "a cancelled order read nothing"
+
+
+def test_answers_that_come_with_a_replacements_hello_are_taken(one_lane) -> None:
     """A replaced lane is sent its re-issued orders before its hello is read; a quick lane answers
     them before the coordinator reads at all, so the hello and the answers come in one read. Those
     answers must be taken then: no select reports them again, and the run stalled until
-    --lane-timeout (30 s) took the healthy lane for hung (5 of 150 runs of the test above)."""
+    --lane-timeout (30 s) took the healthy lane for hung (5 of 150 runs of
+    test_lanes_failing_again_and_again_end_the_run_clearly)."""
     import fcntl
     import select
     import struct
@@ -157,37 +166,26 @@ def test_answers_that_come_with_a_replacements_hello_are_taken(tmp_path) -> None
 
     import msgpack
 
-    from bmoe.lanes import LanePool
-    from bmoe.shm_cache import Slab
+    pool, slab, data = one_lane
+    lane = pool.lanes[0]
+    lane.proc.send_signal(signal.SIGSTOP)  # the order stays unanswered until the lane is replaced
+    order = pool.send(0, [(0, 4096, 4096, 4096, 4096)])
+    os.kill(lane.pid, signal.SIGKILL)
+    hello = pool._hello
 
-    data = os.urandom(2 * 4096)
-    f = tmp_path / "f.bin"
-    f.write_bytes(data)
-    slab = Slab(2 * 4096)
-    pool = LanePool(1, slab.name, [str(f)], odirect=False)
-    try:
-        lane = pool.lanes[0]
-        lane.proc.send_signal(signal.SIGSTOP)  # the order stays unanswered until the lane is replaced
-        order = pool.send(0, [(0, 4096, 4096, 4096, 4096)])
-        os.kill(lane.pid, signal.SIGKILL)
-        hello = pool._hello
+    def hello_once_the_answer_is_there(new: object) -> None:
+        """Read nothing until the replacement has written its hello and its answer."""
+        fd = new.stdout.fileno()
+        said = len(msgpack.packb(["hello", 0, new.pid, False]))
+        while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] <= said:
+            select.select([fd], [], [])
+            time.sleep(0.001)  # data is there, but maybe only the hello yet
+        hello(new)
 
-        def hello_once_the_answer_is_there(new: object) -> None:
-            """Read nothing until the replacement has written its hello and its answer."""
-            fd = new.stdout.fileno()
-            said = len(msgpack.packb(["hello", 0, new.pid, False]))
-            while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] <= said:
-                select.select([fd], [], [])
-                time.sleep(0.001)  # data is there, but maybe only the hello yet
-            hello(new)
-
-        pool._hello = hello_once_the_answer_is_there
-        pool.poll(600)  # sees the old lane's end, replaces it, re-issues the order
-        assert pool.restarts == 1 and order in pool.done, "the answer read with the hello was dropped"
-        assert pool.take(order)[0] == 4096 and slab.mm[4096:] == data[4096:]
-    finally:
-        pool.close()
-        slab.close()
+    pool._hello = hello_once_the_answer_is_there
+    pool.poll(600)  # sees the old lane's end, replaces it, re-issues the order
+    assert pool.restarts == 1 and order in pool.done, "the answer read with the hello was dropped"
+    assert pool.take(order)[0] == 4096 and slab.mm[4096:8192] == data[4096:8192]
 
 
 def test_a_layers_orders_reach_each_lane_in_one_write(model: str, plain: tuple[int, ...]) -> None:
