@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 from bmoe import model_source, telemetry
 from bmoe.errors import ConfigError, ContextTooLong
 from bmoe.generation import Chunk, Completion, Generation, GenerationStats, Message, Request, Slot, StopText
+from bmoe.grammar_check import GrammarCheck
+from bmoe.request_limits import check_stops
 from bmoe.settings import KEYWORDS, N_PREDICT, SamplerSettings, from_keywords
 from bmoe.settings import names as setting_names
 from bmoe.units import MiB
@@ -75,6 +77,11 @@ def load(path: str | Path | None = None, *, notice: Callable[[str], None] = log.
 
     s = model_source.resolve(from_keywords("" if path is None else str(path), **settings), notice)
     return Model(Engine(s, notice=notice, words=KEYWORDS))
+
+
+def _close(engine: Engine, grammars: GrammarCheck) -> None:
+    grammars.close()
+    engine.close()
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,8 @@ class Model:
         self._live: list[Generation] = []  # made and not finished: what `cancel` reaches
         self._generations = self._tokens = self._read_bytes = 0
         self._last: GenerationStats | None = None
-        self._finalizer = weakref.finalize(self, engine.close)
+        self.grammars = GrammarCheck(str(engine.settings.model))  # its process starts with the first grammar
+        self._finalizer = weakref.finalize(self, _close, engine, self.grammars)
 
     @property
     def messages(self) -> list[Message]:
@@ -248,9 +256,7 @@ class Model:
             raise TypeError("give a prompt or messages, not both or neither")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens {max_tokens!r}: it is a whole number of tokens, 1 or more")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(s, str) for s in stops):
-            raise ConfigError("stop is a string or a list of strings")
+        stops = check_stops(stop)
         sampler = self.sampler(temperature, top_p, top_k, seed)
         e, f = self.engine, self.chat_format
         if lossless:
@@ -292,7 +298,7 @@ class Model:
         if self._chat_format is None:
             from bmoe.chat_request import ChatFormat
 
-            self._chat_format = ChatFormat(self.renderer, self.engine.vocab)
+            self._chat_format = ChatFormat(self.renderer, self.engine.vocab, self.grammars)
         return self._chat_format
 
     def generation(self, req: Request, on_chunk: Callable[[Chunk], None] | None = None,

@@ -21,6 +21,7 @@ from bmoe.grammar import Grammar, GrammarError, response_format_grammar
 
 if TYPE_CHECKING:
     from bmoe.chat import Renderer
+    from bmoe.grammar_check import GrammarCheck
     from bmoe.llama import Vocab
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -81,9 +82,10 @@ class ChatParts:
 class ChatFormat:
     """One model's chat template, the syntax it uses, and its markers' token ids."""
 
-    def __init__(self, renderer: Renderer, vocab: Vocab) -> None:
+    def __init__(self, renderer: Renderer, vocab: Vocab, grammars: GrammarCheck) -> None:
         self.renderer = renderer
         self.vocab = vocab
+        self.grammars = grammars
         self.syntax = detect((renderer.template or b"").decode(errors="replace"))
         ids = [vocab.tokenize(m, add_special=False) for m in self.syntax.markers]
         self.markers = frozenset(t[0] for t in ids if len(t) == 1)
@@ -131,12 +133,9 @@ class ChatFormat:
         return g
 
     def verify(self, g: Grammar) -> None:
-        """GrammarError when llama.cpp would not take `g` (before the request queues)."""
-        import llama_cpp
-
-        from bmoe.llama import grammar_sampler
-
-        llama_cpp.llama_sampler_free(grammar_sampler(self.vocab, g))
+        """GrammarError when llama.cpp would not take `g`, or `g` could harm the process that parses it
+        (bmoe.grammar_check), before the request queues."""
+        self.grammars.check(g)
 
     def stable_prefix(self, messages: Sequence[Mapping[str, Any]], think: bool, tools: Any,
                       tokens: Sequence[int], tokenize: Any) -> int:

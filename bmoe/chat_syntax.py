@@ -215,9 +215,9 @@ def tool_grammar(syntax: Syntax, tools: Tools, thinking: bool = False, think_ope
     if not tools.forced:
         triggers = {HERMES: (r"<tool_call>",), MISTRAL: (r"\[TOOL_CALLS\]",),
                     HARMONY: (r"<\|channel\|>commentary to=functions\.",)}[syntax.name]
-        return Grammar(f"{text}\nroot ::= {calls}\n", triggers=triggers)
+        return Grammar(f"{text}\nroot ::= {calls}\n", triggers=triggers, where="tools")
     prefix, extra = _reasoning_rule(syntax, think_open) if (thinking or think_open) else ("", "")
-    return Grammar(f"{text}\n{extra}root ::= {prefix}{calls}\n")
+    return Grammar(f"{text}\n{extra}root ::= {prefix}{calls}\n", where="tools")
 
 
 def with_reasoning(syntax: Syntax, g: Grammar, think_open: bool) -> Grammar:
@@ -228,4 +228,4 @@ def with_reasoning(syntax: Syntax, g: Grammar, think_open: bool) -> Grammar:
     if syntax.name == HARMONY:
         prefix += '"<|channel|>final<|message|>" '
     body = re.sub(r"^root ::=", "answer ::=", g.text, flags=re.M)
-    return Grammar(f"{body}\n{extra}root ::= {prefix}answer\n")
+    return Grammar(f"{body}\n{extra}root ::= {prefix}answer\n", where=g.where)

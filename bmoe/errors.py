@@ -15,6 +15,14 @@ class ConfigError(BmoeError, ValueError):
     """A setting or request that cannot work (alone, or with this model); the message names the fix."""
 
 
+class FieldError(ConfigError):
+    """One field of a request that cannot work; `param` names it (the server's 400 says which)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ContextTooLong(ConfigError):
     """The prompt plus the tokens to generate do not fit the context (an OpenAI client's
     `context_length_exceeded`)."""

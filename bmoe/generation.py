@@ -111,6 +111,37 @@ class _Stopped(Exception):
     """A stop string appeared: the generation ends here."""
 
 
+class _StopMatcher:
+    """One stop string, matched a character at a time (Knuth-Morris-Pratt): `state` is the length
+    of the longest start of the string the text so far ends with. Each character costs amortised
+    O(1), so a long stop string cannot make a token's text expensive to check."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.back = [0] * len(stop)  # back[i]: the longest proper start of stop[:i+1] that also ends it
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.back[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.back[i] = k
+        self.state = 0
+
+    def feed(self, ch: str) -> bool:
+        """Take the next character; True when the stop string ends with it."""
+        k, stop = self.state, self.stop
+        while k and ch != stop[k]:
+            k = self.back[k - 1]
+        if ch == stop[k]:
+            k += 1
+        if k == len(stop):
+            self.state = self.back[k - 1]
+            return True
+        self.state = k
+        return False
+
+
 class StopText:
     """The answer's text with the first stop string and what follows cut off.
 
@@ -118,7 +149,7 @@ class StopText:
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
+        self.stops = [_StopMatcher(s) for s in stops if s]
         self.raw = ""  # every piece so far
         self.sent = 0  # characters of `raw` handed out
         self.cut: int | None = None  # where the first stop string begins, once one appeared
@@ -131,14 +162,20 @@ class StopText:
         """Add a piece; returns the text that can be handed out now."""
         if self.cut is not None:
             return ""
+        start = len(self.raw)
         self.raw += piece
-        # a stop string cannot begin in text handed out: its start would have been held back
-        hits = [i for s in self.stops if (i := self.raw.find(s, self.sent)) >= 0]
-        if hits:
-            self.cut = min(hits)
+        # a stop string cannot begin in text handed out: its start would have been held back; of the
+        # stop strings that appear in this piece, the one that begins first cuts
+        for m in self.stops:
+            for i, ch in enumerate(piece):
+                if m.feed(ch):
+                    begins = start + i + 1 - len(m.stop)
+                    self.cut = begins if self.cut is None else min(self.cut, begins)
+                    break
+        if self.cut is not None:
             end = self.cut
         else:
-            hold = max((k for s in self.stops for k in range(1, len(s)) if self.raw.endswith(s[:k])), default=0)
+            hold = max((m.state for m in self.stops), default=0)
             end = max(self.sent, len(self.raw) - hold)
         out, self.sent = self.raw[self.sent:end], end
         return out

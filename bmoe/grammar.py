@@ -24,7 +24,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bmoe.errors import ConfigError
+from bmoe.errors import FieldError
+from bmoe.request_limits import (
+    GRAMMAR_BYTES_MAX,
+    GRAMMAR_NESTING_MAX,
+    REPEAT_MAX,
+    REPEAT_TOTAL_MAX,
+    SCHEMA_DEPTH_MAX,
+    SCHEMA_NODES_MAX,
+)
 
 # keywords the converter would silently skip: refusing them keeps "valid under the grammar" = "valid under the schema"
 UNSUPPORTED = frozenset({
@@ -39,12 +47,8 @@ _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _STRICT_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
 
 
-class GrammarError(ConfigError):
+class GrammarError(FieldError):
     """A schema or grammar that cannot be enforced; the message names the part and the fix."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Grammar:
     text: str
     root: str = "root"
     triggers: tuple[str, ...] = ()
+    where: str = "grammar"  # the part of the request it comes from, for errors
 
     @property
     def lazy(self) -> bool:
@@ -68,25 +73,107 @@ def _converter() -> Any:
     return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength")  # each is written out that many times in the grammar
+_QUANTIFIER = re.compile(r"(?<!\\)\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")  # {m}, {m,}, {m,n} in a regex or GBNF
+
+
+def _too_many(here: str, count: object, what: str = "") -> GrammarError:
+    """`here` is the field (the error's param); `what` the part of its text."""
+    return GrammarError(f"{here}{what}: {count} is more than the {REPEAT_MAX} repetitions a grammar can hold "
+                        "(llama.cpp's bound); lower it, or check the length after the answer", here)
+
+
+def _quantified(text: str, here: str) -> int:
+    """The repetitions the {m,n} quantifiers of a regex or GBNF ask for together; GrammarError for one too large."""
+    total = 0
+    for m in _QUANTIFIER.finditer(text):
+        count = max(int(n) for n in m.groups() if n) if any(m.groups()) else 0
+        if count > REPEAT_MAX:
+            raise _too_many(here, count, f" {m.group(0)}")
+        total += count
+    return total
+
+
 def check_schema(schema: Any, where: str = "schema") -> None:
-    """GrammarError naming the first part of `schema` a grammar cannot enforce."""
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, Mapping):
-        raise GrammarError(f"{where}: a JSON schema is an object (or true/false), not {type(schema).__name__}", where)
-    for key, value in schema.items():
-        here = f"{where}.{key}"
-        if key in UNSUPPORTED:
-            raise GrammarError(f"{here}: '{key}' is not supported by the JSON-schema grammar (it could not be "
-                               "enforced while sampling); remove it from the schema and check it after", here)
-        if key in ("properties", "$defs", "definitions") and isinstance(value, Mapping):
-            for name, sub in value.items():
-                check_schema(sub, f"{here}.{name}")
-        elif key in ("items", "additionalProperties") and isinstance(value, (Mapping, bool)):
-            check_schema(value, here)
-        elif key in ("anyOf", "oneOf", "allOf", "prefixItems", "items") and isinstance(value, list):
-            for i, sub in enumerate(value):
-                check_schema(sub, f"{here}[{i}]")
+    """GrammarError naming the first part of `schema` a grammar cannot enforce, or that would make a
+    grammar larger than llama.cpp can safely hold (bmoe.request_limits). Walks without recursion,
+    so a schema nested however deep gets its error, not a RecursionError."""
+    todo: list[tuple[Any, str, int]] = [(schema, where, 0)]
+    nodes = repeats = 0
+    while todo:
+        node, here, depth = todo.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, Mapping):
+            raise GrammarError(f"{here}: a JSON schema is an object (or true/false), not {type(node).__name__}", here)
+        nodes += 1
+        if depth > SCHEMA_DEPTH_MAX or nodes > SCHEMA_NODES_MAX:
+            what = (f"nests deeper than {SCHEMA_DEPTH_MAX} levels" if depth > SCHEMA_DEPTH_MAX
+                    else f"has more than {SCHEMA_NODES_MAX} sub-schemas")
+            raise GrammarError(f"{here}: the schema {what}, more than a grammar may hold; simplify it", here)
+        subs: list[tuple[Any, str]] = []
+        for key, value in node.items():
+            at = f"{here}.{key}"
+            if key in UNSUPPORTED:
+                raise GrammarError(f"{at}: '{key}' is not supported by the JSON-schema grammar (it could not be "
+                                   "enforced while sampling); remove it from the schema and check it after", at)
+            if key in _COUNTS:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise GrammarError(f"{at}: a whole number, 0 or more (not {value!r})", at)
+                if value > REPEAT_MAX:
+                    raise _too_many(at, value)
+                repeats += value
+            elif key == "pattern" and isinstance(value, str):
+                repeats += _quantified(value, at)
+            elif key in ("properties", "$defs", "definitions") and isinstance(value, Mapping):
+                subs += [(sub, f"{at}.{name}") for name, sub in value.items()]
+            elif key in ("items", "additionalProperties") and isinstance(value, (Mapping, bool)):
+                subs.append((value, at))
+            elif key in ("anyOf", "oneOf", "allOf", "prefixItems", "items") and isinstance(value, list):
+                subs += [(sub, f"{at}[{i}]") for i, sub in enumerate(value)]
+        if repeats > REPEAT_TOTAL_MAX:
+            raise GrammarError(f"{here}: the schema's repetitions (minItems, maxItems, minLength, maxLength, "
+                               f"pattern counts) add up to more than the {REPEAT_TOTAL_MAX} a grammar may hold; "
+                               "lower them", here)
+        todo += [(sub, at, depth + 1) for sub, at in reversed(subs)]
+
+
+def check_gbnf(g: Grammar) -> None:
+    """GrammarError when GBNF text is larger than llama.cpp's parser can safely take: too long, groups
+    nested too deep (its recursive-descent parse would overflow the stack) or a {m,n} past llama.cpp's
+    repetition bound. Reads the text only; llama.cpp's own parse comes after (bmoe.grammar_check)."""
+    size = len(g.text.encode())
+    if size > GRAMMAR_BYTES_MAX:
+        raise GrammarError(f"{g.where}: the grammar is {size} bytes, more than the {GRAMMAR_BYTES_MAX} a grammar may "
+                           "hold; simplify it", g.where)
+    depth = deepest = 0
+    i, text = 0, g.text
+    outside: list[str] = []  # the text outside literals, character classes and comments
+    while i < len(text):
+        c = text[i]
+        if c in "\"[":
+            close = '"' if c == '"' else "]"
+            j = i + 1
+            while j < len(text) and text[j] != close:
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            outside.append(" ")
+            continue
+        if c == "#":
+            j = text.find("\n", i)
+            i = len(text) if j < 0 else j
+            continue
+        if c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        outside.append(c)
+        i += 1
+    if deepest > GRAMMAR_NESTING_MAX:
+        raise GrammarError(f"{g.where}: the grammar nests {deepest} groups deep, more than the {GRAMMAR_NESTING_MAX} "
+                           "llama.cpp's parser can safely take; simplify it", g.where)
+    _quantified("".join(outside), g.where)
 
 
 def _visit(conv: Any, schema: Any, where: str, name: str = "") -> str:
@@ -114,7 +201,7 @@ def schema_grammar(schema: Any, where: str = "schema") -> Grammar:
         raise GrammarError(f"{where}: false accepts no document; give a schema", where)
     conv = _converter()
     _visit(conv, schema, where)
-    return Grammar(_text(conv))
+    return Grammar(_text(conv), where=where)
 
 
 def json_object_grammar() -> Grammar:

@@ -58,6 +58,13 @@ def load_model(path: object, ints: dict[str, int] | None = None) -> llama_cpp.ll
     return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
 
 
+def load_vocab(path: object) -> llama_cpp.llama_model_p | None:
+    """The file's vocabulary alone (no weights are read): what parsing a grammar needs."""
+    mp = llama_cpp.llama_model_default_params()
+    mp.vocab_only = True
+    return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+
+
 def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, eval_cb: object = None,
                 n_ubatch: int | None = None, n_seq: int = 1) -> llama_cpp.llama_context_p:
     """The one way bmoe makes a llama.cpp context: a batch as large as the context (a prompt is one
@@ -99,6 +106,10 @@ def grammar_sampler(vocab: Vocab, g: Grammar) -> llama_cpp.llama_sampler_p:
         why = "; ".join(_errors) or "see --verbose"
         raise GrammarError(f"llama.cpp rejected the grammar ({why}); fix the grammar")
     return smpl
+
+
+def free_sampler(smpl: llama_cpp.llama_sampler_p) -> None:
+    llama_cpp.llama_sampler_free(smpl)
 
 
 def make_sampler(s: SamplerSettings, vocab: Vocab | None = None, grammar: Grammar | None = None

@@ -21,6 +21,7 @@ from bmoe import telemetry
 from bmoe.api import Chunk, GenerationStats
 from bmoe.chat_output import Delta, Message
 from bmoe.errors import ConfigError
+from bmoe.request_limits import STOPS_MAX
 from bmoe.scheduler import GenerationFailed, QueueFull, ShuttingDown
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ class _Body(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, max_length=4)
+    stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)
     stream: bool = False
     n: Literal[1] = 1
     bmoe: BmoeOptions = BmoeOptions()

@@ -25,8 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
-from bmoe.errors import ConfigError, ContextTooLong
-from bmoe.grammar import GrammarError
+from bmoe.errors import ConfigError, ContextTooLong, FieldError
 from bmoe.openai_wire import (
     ChatBody,
     CompletionBody,
@@ -216,7 +215,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
         try:
             return await asyncio.to_thread(model.prepare, **what, **sampling, max_tokens=max_tokens or n_predict,
                                            stop=body.stop, fix=CONTEXT_FIX, lossless=body.bmoe.lossless)
-        except GrammarError as e:  # a schema, tools or grammar that cannot be held to: the field is named
+        except FieldError as e:  # a stop, schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:
             too_long = isinstance(e, ContextTooLong)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 import bmoe
 from bmoe.api import Chunk, Model, StopText
-from bmoe.errors import ConfigError, ModelError
+from bmoe.errors import ConfigError, FieldError, ModelError
 from tests.conftest import bmoe_segments, run_cli
 
 PROMPT = "Once upon a time there was a king"
@@ -108,6 +109,36 @@ def test_stop_text(pieces: list[str], stops: list[str], out: list[str], flushed:
     assert st.flush() == flushed and st.text == text == "".join(out) + flushed
 
 
+def _stop_oracle(stops: list[str], pieces: list[str]) -> tuple[list[str], str]:
+    """StopText's answer by brute force: after each piece, the earliest place any stop string
+    begins in all the text so far, else everything but the longest end that starts a stop string."""
+    raw, sent, out = "", 0, []
+    stops = [s for s in stops if s]
+    for p in pieces:
+        raw += p
+        hits = [i for s in stops if (i := raw.find(s)) >= 0]
+        if hits:
+            out.append(raw[sent:min(hits)])
+            return out + [""] * (len(pieces) - len(out)), raw[:min(hits)]
+        hold = max((k for s in stops for k in range(1, len(s)) if raw.endswith(s[:k])), default=0)
+        end = max(sent, len(raw) - hold)
+        out.append(raw[sent:end])
+        sent = end
+    return out, raw
+
+
+def test_stop_text_agrees_with_brute_force() -> None:
+    rng = random.Random(5)
+    for _ in range(20_000):
+        letters = rng.choice(["ab", "abc"])
+        stops = ["".join(rng.choices(letters, k=rng.randint(0, 6))) for _ in range(rng.randint(0, 4))]
+        pieces = ["".join(rng.choices(letters, k=rng.randint(0, 4))) for _ in range(rng.randint(0, 10))]
+        st = StopText(stops)
+        got = [st.push(p) for p in pieces]
+        st.flush()
+        assert (got, st.text) == _stop_oracle(stops, pieces), (stops, pieces)
+
+
 def test_cancel_from_another_thread_rolls_the_kv_back(model: Model) -> None:
     want = model.generate(PROMPT, max_tokens=8)
     answer = model.chat(CHAT, max_tokens=8)
@@ -149,6 +180,38 @@ def test_bad_input_is_a_config_error_and_the_model_keeps_serving(model: Model) -
     with pytest.raises(ConfigError, match="exceeds the context of 2048 tokens"):
         model.generate("word " * 3000)
     assert model.generate(PROMPT, max_tokens=4) == want
+
+
+def test_hostile_schemas_grammars_and_stops_are_refused_and_the_model_keeps_serving(path: str) -> None:
+    """What crashed or stalled the server (issue 32) reaches bmoe.load's Model the same way: each is a
+    FieldError naming the field and the bound; the grammar checker process goes with the Model."""
+    strings = {"type": "array", "items": {"type": "string"}}
+    with bmoe.load(path, cache_mb=1, **FAST) as m:
+        want = m.generate(PROMPT, max_tokens=4)
+        cases = [
+            (dict(messages=CHAT, response_format={"type": "json_schema", "json_schema": {
+                "name": "n", "schema": {**strings, "maxItems": 100000}}}),
+             "response_format.json_schema.schema.maxItems", "100000 is more than the 1000"),
+            (dict(prompt=PROMPT, response_format={"type": "json_object", "schema": {"type": "string",
+                                                                                   "minLength": 10**7}}),
+             "response_format.schema.minLength", "10000000 is more than the 1000"),
+            (dict(prompt=PROMPT, grammar="root ::= " + "(" * 50_000 + '"a"' + ")" * 50_000), "grammar",
+             "nests 50000 groups deep"),
+            (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"s": {"type": "string", "pattern": "^a{0,99999}$"}}}}}]),
+             "tools[0].function.parameters.properties.s.pattern", "99999 is more than the 1000"),
+            (dict(prompt=PROMPT, stop=["x" * 1_000_000]), "stop[0]", "1000000 characters, more than the 1024"),
+            (dict(prompt=PROMPT, stop=["a", "b", "c", "d", "e"]), "stop", "5 stop strings, more than the 4"),
+        ]
+        for kw, param, words in cases:
+            with pytest.raises(FieldError) as e:
+                m.generate(**kw) if "prompt" in kw else m.chat(**kw)
+            assert e.value.param == param and words in str(e.value), (param, str(e.value))
+        assert m.generate(PROMPT, max_tokens=4, response_format={"type": "json_object"}).startswith("{")
+        checker = m.grammars.proc
+        assert checker is not None and checker.poll() is None
+        assert m.generate(PROMPT, max_tokens=4) == want
+    assert checker.poll() is not None, "closing the Model ends the grammar checker"
 
 
 def test_sampling_options_per_call(model: Model) -> None:

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import ctypes
 import json
+from pathlib import Path
 from typing import Annotated, Literal
 
 import llama_cpp
 import pytest
 from pydantic import BaseModel, Field
 
+from bmoe import grammar as grammar_module
 from bmoe.grammar import Grammar, GrammarError, json_object_grammar, literal, response_format_grammar, schema_grammar
+from bmoe.grammar_check import GrammarCheck
 from bmoe.llama import grammar_sampler
+from bmoe.request_limits import REPEAT_MAX
 from tests.plain_llama import Plain
 
 
@@ -131,3 +135,118 @@ def test_a_lazy_grammar_is_free_until_its_trigger(plain: Plain) -> None:
 
 def test_literal_escapes_what_gbnf_needs() -> None:
     assert literal('a"b\\c\nd') == r'"a\"b\\c\nd"'
+
+
+# ---- what a grammar may hold (bmoe.request_limits) and the checker process (bmoe.grammar_check) ---------
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+# each was sent as a request and crashed or stalled the server before these bounds (issue 32)
+@pytest.mark.parametrize("schema, where, words", [
+    ({"type": "array", "items": {"type": "string"}, "maxItems": 100000}, "schema.maxItems",
+     "100000 is more than the 1000"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 1001}, "schema.minItems", "1001 is more than the 1000"),
+    ({"type": "string", "maxLength": 10_000_000}, "schema.maxLength", "10000000 is more than the 1000"),
+    ({"type": "string", "minLength": 5000}, "schema.minLength", "5000 is more than the 1000"),
+    ({"type": "string", "pattern": "^a{0,100000}$"}, "schema.pattern {0,100000}", "100000 is more than the 1000"),
+    ({"type": "string", "pattern": "^(ab){3000}$"}, "schema.pattern {3000}", "3000 is more than the 1000"),
+    ({"type": "object", "properties": {"a": {"type": "array", "maxItems": -1}}}, "schema.properties.a.maxItems",
+     "a whole number, 0 or more"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 1000} for i in range(21)}},
+     "schema.properties.p20", "add up to more than the 20000"),
+    (_nested(100), "schema" + ".items" * 65, "nests deeper than 64 levels"),
+    ({"anyOf": [{"type": "string"}] * 10_001}, "schema.anyOf[9999]", "more than 10000 sub-schemas"),
+    ({"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(12_000)}, "$ref": "#/$defs/d0"},
+     "schema.$defs.d9999", "more than 10000 sub-schemas"),
+])
+def test_a_schema_past_a_bound_is_refused_before_the_converter(schema: dict, where: str, words: str) -> None:
+    with pytest.raises(GrammarError) as e:
+        schema_grammar(schema)
+    assert str(e.value).startswith(f"{where}: ") and words in str(e.value), str(e.value)
+    assert e.value.param == where.split(" ")[0]  # the field; the message also names the part of its text
+
+
+def test_a_schema_at_the_bounds_makes_a_grammar_the_checker_passes(checker: GrammarCheck) -> None:
+    g = schema_grammar({"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000},
+        "name": {"type": "string", "minLength": 1000, "maxLength": 1000},
+        "code": {"type": "string", "pattern": "^[A-Z]{1000}$"}}})
+    checker.check(g)
+
+
+def test_one_repetition_more_than_the_bound_is_more_than_llama_cpp_takes(checker: GrammarCheck,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """REPEAT_MAX is llama.cpp's own limit on the converter's nested optional groups, not a guess."""
+    monkeypatch.setattr(grammar_module, "REPEAT_MAX", 10**9)
+    checker.check(schema_grammar({"type": "array", "items": {"type": "string"}, "maxItems": REPEAT_MAX}))
+    with pytest.raises(GrammarError, match=r"llama.cpp rejected the grammar"):
+        checker.check(schema_grammar({"type": "array", "items": {"type": "string"}, "maxItems": REPEAT_MAX + 1}))
+
+
+@pytest.mark.parametrize("text, words", [
+    ('root ::= "a"{0,100000}', "grammar {0,100000}: 100000 is more than the 1000"),
+    ('root ::= [a-z]{5000}', "grammar {5000}: 5000 is more than the 1000"),
+    ("root ::= " + "(" * 5000 + '"a"' + ")" * 5000, "nests 5000 groups deep, more than the 1100"),
+    ("root ::= " + '"ab" ' * 300_000, "bytes, more than the 1048576"),
+])
+def test_gbnf_past_a_bound_is_refused_before_llama_cpp(checker: GrammarCheck, text: str, words: str) -> None:
+    with pytest.raises(GrammarError) as e:
+        checker.check(Grammar(text))
+    assert str(e.value).startswith("grammar") and e.value.param == "grammar" and words in str(e.value), str(e.value)
+    assert checker.proc is None, "refused by reading the text: no process was asked"
+
+
+def test_braces_and_parentheses_inside_literals_and_classes_are_text(checker: GrammarCheck) -> None:
+    checker.check(Grammar('root ::= "{0,100000}" [(]{2} "((((" # a comment (((( {9999}\n'))
+
+
+@pytest.fixture
+def checker(plain_path: Path) -> GrammarCheck:
+    c = GrammarCheck(str(plain_path))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def plain_path(synth) -> Path:
+    return synth(arch="qwen3moe", layers=2, experts=4, top_k=2)
+
+
+def test_a_grammar_that_crashes_llama_cpp_takes_down_only_the_checker(checker: GrammarCheck,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the nesting bound lifted, 200000 nested groups overflow llama.cpp's recursive parser's
+    stack: the checker process dies of it, the caller gets an error, and the next grammar is
+    checked by a new process."""
+    checker.check(Grammar('root ::= "a"'))
+    first = checker.proc
+    assert first is not None
+    monkeypatch.setattr(grammar_module, "GRAMMAR_NESTING_MAX", 10**9)
+    with pytest.raises(GrammarError, match=r"^grammar: llama.cpp's grammar parser crashed on this grammar \(signal "):
+        checker.check(Grammar("root ::= " + "(" * 200_000 + '"a"' + ")" * 200_000))
+    assert first.poll() is not None and checker.proc is None
+    checker.check(Grammar('root ::= "b"'))
+    assert checker.proc is not None and checker.proc.pid != first.pid
+
+
+def test_a_grammar_llama_cpp_refuses_names_its_complaint(checker: GrammarCheck) -> None:
+    with pytest.raises(GrammarError, match=r"^grammar: llama.cpp rejected the grammar \(.*Undefined rule"):
+        checker.check(Grammar("root ::= undefined-rule"))
+    checker.check(Grammar('root ::= "ok"'))  # the same process goes on
+
+
+def test_a_parse_past_the_deadline_is_refused_and_the_checker_replaced(plain_path: Path) -> None:
+    c = GrammarCheck(str(plain_path), deadline_s=0)
+    try:
+        with pytest.raises(GrammarError, match=r"took longer than 0 s to parse the grammar"):
+            c.check(Grammar('root ::= "a"'))
+        assert c.proc is None
+        c.deadline_s = 60
+        c.check(Grammar('root ::= "a"'))
+    finally:
+        c.close()
+    assert c.proc is None

@@ -246,6 +246,51 @@ def _runs(body: bytes) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
 
 
+def _schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+
+
+STRINGS = {"type": "array", "items": {"type": "string"}}
+# (endpoint, body, the param the 400 names, words of its message): each crashed or stalled the
+# server before bmoe.request_limits (issue 32)
+HOSTILE = [
+    ("chat", _schema({**STRINGS, "maxItems": 100000}), "response_format.json_schema.schema.maxItems",
+     "100000 is more than the 1000 repetitions"),
+    ("chat", _schema({**STRINGS, "minItems": 100000}), "response_format.json_schema.schema.minItems", "100000"),
+    ("chat", _schema({"type": "string", "maxLength": 10_000_000}), "response_format.json_schema.schema.maxLength",
+     "10000000 is more than the 1000"),
+    ("completions", _schema({"type": "string", "minLength": 50_000}), "response_format.json_schema.schema.minLength",
+     "50000 is more than the 1000"),
+    ("completions", _schema({"type": "string", "pattern": "^x{1,1000000}$"}),
+     "response_format.json_schema.schema.pattern", "pattern {1,1000000}: 1000000 is more than the 1000"),
+    ("chat", {"grammar": 'root ::= "a"{0,100000}'}, "grammar", "grammar {0,100000}: 100000 is more than the 1000"),
+    ("completions", {"grammar": "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000}, "grammar",
+     "nests 100000 groups deep"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"xs": {**STRINGS, "maxItems": 100000}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters.properties.xs.maxItems", "100000 is more than the 1000"),
+    ("completions", {"stop": ["x" * 1_000_000]}, "stop[0]", "1000000 characters, more than the 1024"),
+]
+
+
+def test_hostile_grammars_and_stops_get_400s_while_another_stream_goes_on(server: Server) -> None:
+    """Each request of HOSTILE gets its 400 naming the bound while another client's stream runs,
+    which goes on generating; the server answers the next request as before."""
+    want = completion(server)
+    base = {"chat": {"messages": [{"role": "user", "content": "Hi"}]}, "completions": {"prompt": PROMPT}}
+    with httpx.Client(headers=auth(), timeout=120) as other, httpx.Client(headers=auth(), timeout=120) as h:
+        with _stream(other, server, LONG) as running:
+            tokens = running.iter_lines()
+            _first_token(tokens)
+            for endpoint, body, param, words in HOSTILE:
+                url = f"{server.url}/v1/{'chat/completions' if endpoint == 'chat' else endpoint}"
+                err = error_of(h.post(url, json={**base[endpoint], "max_tokens": 4, **body}), 400)
+                assert err["param"] == param and words in err["message"], (param, err)
+            _first_token(tokens)  # the stream beside them goes on
+    assert completion(server) == want
+    assert server.proc.poll() is None
+
+
 def test_the_api_key_guards_every_route_but_health(server: Server) -> None:
     url = server.url
     for path in ("/v1/models", "/metrics"):

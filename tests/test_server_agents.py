@@ -223,7 +223,8 @@ def no_tools(synth) -> Server:
      "response_format.json_schema.schema.properties.n.minimum", "'minimum' is not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "mystery"}}}},
      "response_format.json_schema.schema", "Unrecognized schema"),
-    ({"grammar": "root ::= missing"}, None, "llama.cpp rejected the grammar"),
+    ({"grammar": "root ::= missing"}, "grammar",
+     "llama.cpp rejected the grammar (Undefined rule identifier 'missing')"),
 ])
 def test_bad_requests_get_openai_400s(no_tools: Server, body: dict, param: str | None, words: str) -> None:
     r = httpx.post(no_tools.url + "/v1/chat/completions", headers=auth(), timeout=60,

@@ -1,0 +1,126 @@
+"""Every grammar is parsed by llama.cpp in a throwaway process before the engine sees it.
+
+llama.cpp's grammar parser is native code that crashes the process, rather than raising, on
+inputs nobody bounded (bmoe.request_limits bounds the ones we know of). So the first time a
+grammar is seen it goes to a checker process (bmoe.workers.grammar_check) that builds the same
+sampler generation will build: if that process dies or takes longer than `deadline_s`, the request
+gets a GrammarError naming its grammar and the server keeps serving; the checker is started again
+for the next one. Grammars that passed are remembered (a tool list or a schema comes back with
+every request of an agent), so a grammar costs one round trip to the checker once.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+
+from bmoe.grammar import Grammar, GrammarError, check_gbnf
+
+CHECK_S = 10.0  # one grammar's parse; a longer one is refused as too complex
+START_S = 120.0  # the checker's start (Python, llama.cpp, the vocabulary) on a loaded machine
+REMEMBERED = 256  # grammars that passed, most recent kept
+
+
+class GrammarCheck:
+    """The checker process for one model file, started on first use; thread-safe."""
+
+    def __init__(self, model_path: str, deadline_s: float = CHECK_S) -> None:
+        self.cmd = [sys.executable, "-m", "bmoe.workers.grammar_check", model_path]
+        self.deadline_s = deadline_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.unpacker = msgpack.Unpacker()
+        self.passed: collections.OrderedDict[tuple[str, str, tuple[str, ...]], None] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def check(self, g: Grammar) -> None:
+        """GrammarError when `g` is too large (bmoe.grammar.check_gbnf), when llama.cpp refuses it,
+        or when parsing it crashed or outlasted the deadline."""
+        check_gbnf(g)
+        key = (g.text, g.root, g.triggers)
+        with self.lock:
+            if key in self.passed:
+                self.passed.move_to_end(key)
+                return
+            ok, why = self._ask(g)
+            if not ok:
+                raise GrammarError(f"{g.where}: {why}", g.where)
+            self.passed[key] = None
+            if len(self.passed) > REMEMBERED:
+                self.passed.popitem(last=False)
+
+    def _ask(self, g: Grammar) -> tuple[bool, str]:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(msgpack.packb([g.text, g.root, list(g.triggers)]))
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: the read below finds out how
+        answer = self._read(self.deadline_s)
+        if answer is None:
+            self._stop(kill=True)
+            return False, f"llama.cpp took longer than {self.deadline_s:g} s to parse the grammar; simplify it"
+        if answer is EOFError:
+            code = self._stop()
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            return False, f"llama.cpp's grammar parser crashed on this grammar ({how}); simplify it"
+        ok, why = answer
+        return bool(ok), (why.removeprefix("grammar: ") if not ok else "")
+
+    def _start(self) -> None:
+        self._stop()
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.unpacker = msgpack.Unpacker()
+        hello = self._read(START_S)
+        if not isinstance(hello, list) or hello[:2] != ["hello", True]:
+            self._stop()
+            why = hello[2] if isinstance(hello, list) else "it did not start"
+            raise GrammarError(f"grammar: the grammar checker could not start ({why}); see --verbose", "grammar")
+
+    def _read(self, timeout: float) -> Any:
+        """The checker's next answer; None when it did not come in time, EOFError when it died."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd, end = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while True:
+            for msg in self.unpacker:
+                return msg
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return EOFError
+            self.unpacker.feed(chunk)
+
+    def _stop(self, kill: bool = False) -> int:
+        """End the process (EOF, then a kill if it hangs; at once with `kill`); its exit code."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return 0
+        if kill:
+            proc.kill()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except BrokenPipeError:
+                    pass
+        try:
+            return proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            return proc.wait()
+
+    def close(self) -> None:
+        with self.lock:
+            self._stop()
