@@ -63,7 +63,10 @@ def main() -> int:
 
     def stream() -> None:
         with httpx.Client(timeout=600) as h, h.stream("POST", url + "/v1/completions", json={
-                "prompt": "Once upon a time there was a king", "max_tokens": 3000, "stream": True}) as r:
+                "prompt": "Once upon a time there was a king", "max_tokens": 1500, "stream": True}) as r:
+            if r.status_code != 200:
+                note(f"the stream was refused: {r.status_code} {r.read().decode()}")
+                flowing.set()
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     arrivals.append(time.monotonic())
@@ -75,6 +78,8 @@ def main() -> int:
     t = threading.Thread(target=stream, daemon=True)
     t.start()
     flowing.wait(600)
+    if not arrivals:
+        raise SystemExit("the stream beside the hostile requests never started")
     base = {"chat": {"messages": [{"role": "user", "content": "Hi"}]},
             "completions": {"prompt": "Once upon a time"}}
     rows = []
