@@ -57,7 +57,7 @@ fi
 read -r SIZE_MIB EXPERT_MIB OTHER_MIB LAYER_MIB < <("$PY" - "$MODEL" <<'PY'
 import sys, gguf
 from bmoe.tools import bench_io
-from bmoe.model_files import shard_paths
+from bmoe.base.model_files import shard_paths
 from pathlib import Path
 paths = shard_paths(Path(sys.argv[1]))
 ts = bench_io.expert_tensors(paths)

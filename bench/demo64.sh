@@ -4,7 +4,7 @@
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
 if [[ -z ${MODEL:-} ]]; then
-  MODEL=$("$PY" -c 'from bmoe.tools.demo import default_path; print(default_path(64, 8))')
-  [[ -f $MODEL ]] || "$PY" -m bmoe.tools.demo --experts 64 --top-k 8
+  MODEL=$("$PY" -c 'from bmoe.demo.build import default_path; print(default_path(64, 8))')
+  [[ -f $MODEL ]] || "$PY" -m bmoe.demo.build --experts 64 --top-k 8
 fi
 [[ -f $MODEL ]] || { echo "bench: no model at $MODEL; set MODEL=path to a GGUF file" >&2; exit 1; }

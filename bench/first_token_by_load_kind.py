@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bmoe.base.units import MiB  # noqa: E402
 from bmoe.tools.bench_sys import Cgroup, drop_file_cache, find_cgroup, remove_all_cgroups  # noqa: E402
-from bmoe.units import MiB  # noqa: E402
 
 DEMO = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe" / "smollm2-135m-moe-e64-k8-r2.gguf"
 FORCE_READ = "import bmoe.seam as s, sys; s.REGISTRY_API_VERSION = -1; from bmoe.cli import main; sys.exit(main())"

@@ -5,7 +5,7 @@
 capture, GGUF table, slab, window, lanes, cache sizing), alternating, --rounds times, after one
 unmeasured load of each to warm the page cache. The difference is bmoe's own load work.
 `--table` times instead what reading the GGUF's tensor table costs: `gguf.GGUFReader` (which
-parses every key-value pair, the tokenizer's arrays included) against `bmoe.gguf_table`.
+parses every key-value pair, the tokenizer's arrays included) against `bmoe.base.gguf_table`.
 
     python bench/load_time.py -m ~/.cache/bmoe/smollm2-135m-moe-e64-k8-r2.gguf --rounds 5
     python bench/load_time.py -m ~/.cache/bmoe/smollm2-135m-moe-e64-k8-r2.gguf --rounds 7 --table
@@ -47,12 +47,12 @@ def main() -> int:
 
 
 def table(path: Path, rounds: int) -> int:
-    """gguf.GGUFReader against bmoe.gguf_table.read_table, alternating, warm page cache."""
+    """gguf.GGUFReader against bmoe.base.gguf_table.read_table, alternating, warm page cache."""
     import gguf
 
-    from bmoe.gguf_table import read_table
+    from bmoe.base.gguf_table import read_table
 
-    readers = {"gguf.GGUFReader": gguf.GGUFReader, "bmoe.gguf_table.read_table": read_table}
+    readers = {"gguf.GGUFReader": gguf.GGUFReader, "bmoe.base.gguf_table.read_table": read_table}
     times: dict[str, list[float]] = {k: [] for k in readers}
     for rnd in range(rounds + 1):
         for name, read in readers.items():

@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from bmoe import telemetry
+from bmoe.base import telemetry
+from bmoe.base.units import MiB
 from bmoe.tools import bench_sys
-from bmoe.units import MiB
 
 PROMPT = "Write a story about a dragon who learns to bake bread."
 

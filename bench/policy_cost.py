@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from bmoe import cache_policy
-from bmoe.expert_cache import ExpertCache, Region, file_regions, layout
-from bmoe.model_files import open_model
-from bmoe.route_trace import Trace
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.replay.policies import temporal_hints
+from bmoe.replay.stats import replay
 from bmoe.shm_cache import PAGE
-from bmoe.tools.policy_sim import temporal_hints
-from bmoe.tools.route_stats import replay
-from bmoe.units import MiB
+from bmoe.streaming import cache_policy
+from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions, layout
+from bmoe.streaming.route_trace import Trace
 
 TRACES = Path(__file__).parent / "reports/2026-11-29-issue8/traces"
 Call = tuple[Any, ...]
@@ -109,8 +109,8 @@ def run(log: list[Call], policy: Any) -> float:
 
 
 def load_policies(tree: str) -> ModuleType:
-    """bmoe/cache_policy.py of another source tree, as a module of its own."""
-    spec = importlib.util.spec_from_file_location("cache_policy_against", Path(tree) / "bmoe/cache_policy.py")
+    """bmoe/streaming/cache_policy.py of another source tree, as a module of its own."""
+    spec = importlib.util.spec_from_file_location("cache_policy_against", Path(tree) / "bmoe/streaming/cache_policy.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

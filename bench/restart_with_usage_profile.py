@@ -33,9 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bmoe.session_client import SessionClient  # noqa: E402
+from bmoe.base.units import MiB  # noqa: E402
+from bmoe.edges.session_client import SessionClient  # noqa: E402
 from bmoe.tools.bench_sys import Cgroup, drop_file_cache, find_cgroup, remove_all_cgroups  # noqa: E402
-from bmoe.units import MiB  # noqa: E402
 
 DEMO = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe" / "smollm2-135m-moe-e64-k8-r2.gguf"
 PROMPT = "Write a story about a dragon who learns to bake bread."

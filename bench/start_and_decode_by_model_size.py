@@ -46,9 +46,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bmoe.base.units import MiB  # noqa: E402
 from bmoe.tools.bench_machine import machine_info  # noqa: E402
 from bmoe.tools.bench_sys import Cgroup, drop_file_cache, find_cgroup, remove_all_cgroups  # noqa: E402
-from bmoe.units import MiB  # noqa: E402
 
 DEMO = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe" / "smollm2-135m-moe-e64-k8-r2.gguf"
 SHAPE = dict(arch="qwen3moe", layers=48, experts=128, top_k=8, embd=896)  # 250 MiB of dense weights
@@ -68,7 +68,7 @@ def probe_load(model: str, mode: str) -> dict:
     import llama_cpp
 
     from bmoe import seam
-    from bmoe.llama import init_backend, load_model
+    from bmoe.seam.llama import init_backend, load_model
 
     def read_bytes() -> int:
         with open("/proc/self/io") as f:
@@ -201,7 +201,7 @@ class Peaks:
 def session(cg_parent, limit: int, model: Path, flags: list[str], prompt: str, n_predict: int,
             tmp: Path) -> dict:
     """Launch `bmoe-cli --session` in a fresh cgroup on a cold page cache; READY, one generation, close."""
-    from bmoe.session_client import SessionClient, SessionError
+    from bmoe.edges.session_client import SessionClient, SessionError
 
     drop_file_cache([model])
     rec: dict = {"flags": flags}
@@ -260,7 +260,7 @@ def start_budget(stderr: str) -> float | None:
 def warm_ready(cg_parent, limit: int, model: Path, flags: list[str], tmp: Path) -> dict:
     """A session started right after another, the model left in the page cache (charged to the cgroup
     that read it, now gone): launch to READY and the auto budget, then close."""
-    from bmoe.session_client import SessionClient, SessionError
+    from bmoe.edges.session_client import SessionClient, SessionError
 
     with Cgroup(cg_parent, f"bmoe-bench-scale-{os.getpid()}-warm", limit) as cg:
         t0 = time.perf_counter()
@@ -276,8 +276,8 @@ def warm_ready(cg_parent, limit: int, model: Path, flags: list[str], tmp: Path) 
 # ---- models ----------------------------------------------------------------------------------------
 
 def model_facts(path: Path) -> dict:
-    from bmoe.dense import file_spans
-    from bmoe.model_files import open_model
+    from bmoe.base.model_files import open_model
+    from bmoe.memory.dense import file_spans
 
     f = open_model(path)
     return {"path": str(path), "bytes": sum(f.sizes), "dense_bytes": sum(n for _, _, n in file_spans(f)),

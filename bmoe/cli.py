@@ -2,7 +2,7 @@
 
 One-shot: load, answer one prompt through `bmoe.api.Model.run` (the generation path of the
 session and the server too), print the contract's summary lines, exit. `--session`:
-bmoe.session. The flags live in bmoe.flags.
+bmoe.edges.session. The flags live in bmoe.edges.flags.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from bmoe import console, exits, flags, model_source, profile, telemetry
-from bmoe.api import Chunk, GenerationStats, Model
-from bmoe.coordinator import Engine
-from bmoe.errors import BmoeError, ConfigError
-from bmoe.units import MiB
+from bmoe.api import Chunk, EngineStats, GenerationStats, open_model
+from bmoe.base import BmoeError, ConfigError, MiB, Settings, telemetry
+from bmoe.edges import console, exits, flags, profile
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 
@@ -34,21 +32,21 @@ def read_prompt(a: argparse.Namespace) -> str:
                           "save it as UTF-8") from None
 
 
-def summary(engine: Engine, lines: list[telemetry.TokenLine], stats: GenerationStats) -> list[str]:
-    """The contract's end-of-run lines, in order."""
-    totals = telemetry.RunTotals.of(lines, overlap=engine.streaming and engine.settings.streaming.overlap)
+def summary(e: EngineStats, settings: Settings, lines: list[telemetry.TokenLine], stats: GenerationStats
+            ) -> list[str]:
+    """The contract's end-of-run lines, in order, from the engine's stats after the run."""
+    totals = telemetry.RunTotals.of(lines, overlap=e.streaming and settings.streaming.overlap)
     out = [telemetry.generation_line(totals)]
-    if engine.streaming:
+    if e.streaming:
         out.append(telemetry.stream_line(totals))
     if stats.cache_hit_pct >= 0:
-        out.append(telemetry.cache_line(stats.cache_hit_pct, engine.resident_bytes()))
-    if engine.streaming and engine.settings.speculation.prefetch:
+        out.append(telemetry.cache_line(stats.cache_hit_pct, e.resident_bytes))
+    if e.streaming and settings.speculation.prefetch:
         out.append(prefetch_line(stats))
-    gate = engine.spec_gate_recall()
-    if gate is not None:
-        out.append(telemetry.spec_gate_line(*gate))
+    if e.spec_gate is not None:
+        out.append(telemetry.spec_gate_line(*e.spec_gate))
     if stats.lossy:
-        out.append(telemetry.lossy_line(totals, stats.experts_per_token, engine.top_k))
+        out.append(telemetry.lossy_line(totals, stats.experts_per_token, e.top_k))
     return out
 
 
@@ -59,10 +57,9 @@ def prefetch_line(stats: GenerationStats) -> str:
 def run(a: argparse.Namespace, settings: flags.Settings) -> int:
     """One prompt through `Model.run`, the generation path the session and the server use too."""
     prompt = read_prompt(a)
-    settings = model_source.resolve(settings, console.notice)
     csv_file = open(a.csv, "w", buffering=1) if a.csv else None
-    model = Model(Engine(settings, notice=console.notice))
-    engine = model.engine
+    model = open_model(settings, console.notice)
+    lossy = model.stats.engine.lossy
     try:
         req = model.prepare(messages=[{"role": "user", "content": prompt}] if a.chat else None,
                             prompt=None if a.chat else prompt, max_tokens=a.n_predict,
@@ -71,7 +68,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         lines: list[telemetry.TokenLine] = []
         text = ""
         if csv_file:
-            csv_file.write(telemetry.csv_header(engine.is_lossy) + "\n")
+            csv_file.write(telemetry.csv_header(lossy) + "\n")
 
         def on_chunk(chunk: Chunk) -> None:
             nonlocal text
@@ -81,29 +78,30 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
                 if a.progress:
                     out.write("".join(x + "\n" for x in telemetry.token_lines(chunk.token, text)))
                 if csv_file:
-                    csv_file.write(telemetry.csv_row(chunk.token, engine.is_lossy) + "\n")
+                    csv_file.write(telemetry.csv_row(chunk.token, lossy) + "\n")
             if not a.progress:
                 out.write(chunk.text)
             out.flush()
 
         done = model.run(req, on_chunk)
-        engine.check_model_unchanged("the answer above may not be the model's; run again")
+        model.check_unchanged("the answer above may not be the model's; run again")
+        e = model.stats.engine
         out.write(f"{telemetry.ANSWER_BANNER}\n{done.text}\n{telemetry.PERF_BANNER}\n" if a.progress else "\n")
-        for line in summary(engine, lines, done.stats):
+        for line in summary(e, settings, lines, done.stats):
             out.write(line + "\n")
         out.flush()
-        if engine.spec_gate_recall() is not None and not settings.speculation.prefetch:
+        if e.spec_gate is not None and not settings.speculation.prefetch:
             console.notice(prefetch_line(done.stats))  # the contract's moe-prefetch line is --prefetch's
         if csv_file:
-            totals = telemetry.RunTotals.of(lines, overlap=engine.streaming and settings.streaming.overlap)
+            totals = telemetry.RunTotals.of(lines, overlap=e.streaming and settings.streaming.overlap)
             csv_file.write(telemetry.csv_summary(
-                totals, done.stats.cache_hit_pct, engine.budget, prefill_tokens=done.stats.prefill_tokens,
-                prefill_s=done.stats.prefill_s, load_s=engine.load_s, llama_load_s=engine.llama_load_s) + "\n")
+                totals, done.stats.cache_hit_pct, e.budget_bytes, prefill_tokens=done.stats.prefill_tokens,
+                prefill_s=done.stats.prefill_s, load_s=e.load_s, llama_load_s=e.llama_load_s) + "\n")
         if a.profile:
-            rows = profile.collect(engine.worker_pids())
-            print(profile.table(rows, engine.resident_bytes(), engine.lane_lines()), file=sys.stderr)
+            rows = profile.collect(list(e.workers))
+            print(profile.table(rows, e.resident_bytes, list(e.lanes)), file=sys.stderr)
             if a.csv:
-                Path(a.csv + ".procs.csv").write_text(profile.csv_text(rows, engine.resident_bytes()))
+                Path(a.csv + ".procs.csv").write_text(profile.csv_text(rows, e.resident_bytes))
     finally:
         model.close()
         if csv_file:
@@ -119,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = flags.settings_from(ap, a)
     exits.install_signal_handlers()
     if a.session:
-        from bmoe import session
+        from bmoe.edges import session
 
         return session.serve(a, settings)
     try:

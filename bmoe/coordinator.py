@@ -2,11 +2,11 @@
 
 `Engine` is the composition root. It loads the model with llama.cpp's own mmap load, finds the
 expert tensors in one warm-up graph, visited but not computed (bmoe.seam), sizes the cache
-(bmoe.budget), builds the Streamer (slab, slot pools, cache and I/O lanes: bmoe.streamer) and the spec-gate
-(bmoe.speculation), hooks them into llama.cpp's eval callback and runs prefill and decode:
-`begin` prefills one KV sequence, `step` decodes one token for each of several sequences in one
-llama.cpp batch (`--parallel`), `end` frees one. Requests reach these only through the one
-generation loop, bmoe.driver.
+(bmoe.memory.budget), builds the Streamer (slab, slot pools, cache and I/O lanes:
+bmoe.streaming.streamer) and the spec-gate (bmoe.streaming.speculation), hooks them into llama.cpp's
+eval callback and runs prefill and decode: `begin` prefills one KV sequence, `step` decodes one
+token for each of several sequences in one llama.cpp batch (`--parallel`), `end` frees one. Requests
+reach these only through the one generation loop, bmoe.engine.driver.
 
 Per MoE layer and step, llama.cpp computes up to the router weights `ffn_moe_weights-L`; the
 hook hands the routed ids (every token's in the batch) to the Streamer, which sends the missing
@@ -15,7 +15,7 @@ slice serially, or with `overlap` the gate/up slices there and the down slices a
 matmul's input node, while reads ahead (prefetch, spec-gate) fill idle lanes. Output is computed
 from exactly the bytes plain llama.cpp would use.
 
-The edges (bmoe.cli, bmoe.session, bmoe.api, bmoe.driver, bmoe.scheduler, bmoe.server_app) use only
+The edges (bmoe.cli, bmoe.edges.session, bmoe.api, bmoe.engine.driver, bmoe.server.scheduler, bmoe.server.app) use only
 the Engine's public methods and properties, never its parts (tests/test_layout.py checks that no
 product module reads another's private attributes).
 """
@@ -29,36 +29,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import llama_cpp
 import numpy as np
 
 from bmoe import seam
-from bmoe.budget import Adaptive, decide
-from bmoe.dense import DenseReadAhead, advise_normal, dense_ranges, pin
-from bmoe.errors import Cancelled, ConfigError, ContextTooLong, ModelError
-from bmoe.expert_cache import working_sets
-from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
-from bmoe.lossy import Lossy
-from bmoe.memory import MemoryProbe
-from bmoe.model_files import open_model
-from bmoe.readahead import ReadsAhead
-from bmoe.route_trace import TraceWriter
-from bmoe.settings import FLAGS, SamplerSettings, Settings, Words
+from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong, ModelError
+from bmoe.base.model_files import open_model
+from bmoe.base.settings import FLAGS, SamplerSettings, Settings, Words
+from bmoe.base.telemetry import TokenStat
+from bmoe.base.units import MiB
+from bmoe.engine.graph_stops import StreamingStops
+from bmoe.memory.budget import Adaptive, decide
+from bmoe.memory.dense import DenseReadAhead, advise_normal, dense_ranges, pin
+from bmoe.memory.probe import MemoryProbe
+from bmoe.seam import llama
+from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, new_context
 from bmoe.shm_cache import sweep_stale_segments
-from bmoe.speculation import SpecGate
-from bmoe.stops import Stops
-from bmoe.streamer import Streamer, regions_of
-from bmoe.telemetry import TokenStat
-from bmoe.units import MiB
-from bmoe.usage_profile import default_dir
-from bmoe.warm_fill import WarmStart
+from bmoe.streaming.expert_cache import working_sets
+from bmoe.streaming.lossy import Lossy
+from bmoe.streaming.readahead import ReadsAhead
+from bmoe.streaming.route_trace import TraceWriter
+from bmoe.streaming.speculation import SpecGate
+from bmoe.streaming.streamer import Streamer, regions_of
+from bmoe.streaming.usage_profile import default_dir
+from bmoe.streaming.warm_fill import WarmStart
 
 if TYPE_CHECKING:
-    from bmoe.grammar import Grammar
+    from bmoe.chat.grammar import Grammar
 
-__all__ = ["Engine", "Sequence"]
-
-ABORTED = 2  # llama_decode: the abort callback stopped the graph
+__all__ = ["Engine", "EngineStats", "Sequence"]
 
 
 @dataclass
@@ -66,13 +64,33 @@ class Sequence:
     """One generation's state in the engine (Engine.begin/step/end): its KV sequence and sampler."""
 
     seq: int
-    sampler: llama_cpp.llama_sampler_p | None
+    sampler: llama.Sampler | None
     next: int = -1  # the token sampled from its last logits, decoded at its next step
     prefill_s: float = 0.0
-    lossless: bool = False  # no lossy routing for this sequence's tokens (bmoe.lossy)
+    lossless: bool = False  # no lossy routing for this sequence's tokens (bmoe.streaming.lossy)
     forced: list[int] = field(default_factory=list)  # tokens decoded next instead of sampled (teacher forcing)
     keep_logits: bool = False
     logits: np.ndarray | None = None  # with keep_logits: the distribution `next` was chosen from
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The load and the cache now (Engine.stats): every figure an edge prints about them."""
+
+    arch: str
+    n_ctx: int
+    load_s: float
+    llama_load_s: float  # of load_s, llama.cpp's own load (model, then context)
+    streaming: bool
+    lossy: bool  # generations change routing unless they ask for lossless (bmoe.streaming.lossy)
+    top_k: int  # experts the model's router picks per token and layer
+    experts_per_token: int  # experts a lossy generation's tokens use per layer
+    budget_bytes: int  # the expert cache's budget now (0 without streaming or without a cache)
+    resident_bytes: int  # expert bytes in memory now
+    holds_every_expert: bool  # plain llama.cpp's mapping, or a cache budget that holds them all
+    spec_gate: tuple[float, float | None] | None  # (recall %, the floor that switched it off) of the spec-gate
+    lanes: tuple[str, ...]  # the lanes' busy time and queue depth so far (--profile)
+    workers: tuple[tuple[str, int], ...]  # (role, pid) of every worker process
 
 
 class Engine:
@@ -80,15 +98,16 @@ class Engine:
 
     def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None,
                  words: Words = FLAGS) -> None:
-        """Load `settings.model` as `settings` ask (validated by the edge: bmoe.flags, bmoe.settings.from_keywords);
-        `notice` hears what the user should know, errors name settings in `words` (the edge's)."""
+        """Load `settings.model` as `settings` ask (validated by the edge: bmoe.edges.flags,
+        bmoe.base.settings.from_keywords); `notice` hears what the user should know, errors name
+        settings in `words` (the edge's)."""
         self.settings = settings
         self.notice = notice
         self.words = words
         self.streamer: Streamer | None = None
         self.trace: TraceWriter | None = None
-        self.model: llama_cpp.llama_model_p | None = None
-        self.ctx: llama_cpp.llama_context_p | None = None
+        self.model: llama.Model | None = None
+        self.ctx: llama.Context | None = None
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
         self.lossy: Lossy | None = None  # lossy routing while streaming (the hook's)
@@ -118,6 +137,17 @@ class Engine:
             self.close()
             raise
         self.load_s: float = time.perf_counter() - t0
+
+    @property
+    def context(self) -> llama.Context:
+        """llama.cpp's context, while the engine is loaded."""
+        assert self.ctx is not None, "the engine is closed"
+        return self.ctx
+
+    @property
+    def llama_model(self) -> llama.Model:
+        assert self.model is not None, "the engine is closed"
+        return self.model
 
     def __enter__(self) -> Engine:
         return self
@@ -159,8 +189,8 @@ class Engine:
         self.ctx = new_context(self.model, self.settings.n_ctx, self.settings.threads,
                                self.hook.c_callback if streaming else None, n_seq=self.settings.parallel)
         self.llama_load_s = time.perf_counter() - t0
-        llama_cpp.llama_set_abort_callback(self.ctx, self.hook.c_abort, None)
-        self.n_ctx: int = min(llama_cpp.llama_n_ctx(self.ctx), self.settings.n_ctx)
+        llama.set_abort(self.ctx, self.hook.c_abort)
+        self.n_ctx: int = min(llama.context_size(self.ctx), self.settings.n_ctx)
 
     def _start_streaming(self) -> None:
         """A warm-up graph, visited but not computed, finds the expert tensors; then they are
@@ -190,7 +220,7 @@ class Engine:
                                       s.speculation.prefetch, list(cap.biases.values()), spare=s.lossy.on)
         self._size_cache(st.full_bytes, max(need.values()), sum(need.values()))
         if s.speculation.gate:
-            gate = SpecGate(self.files, st.layers, llama_cpp.llama_model_n_embd(self.model), s.speculation,
+            gate = SpecGate(self.files, st.layers, llama.n_embd(self.llama_model), s.speculation,
                             s.streaming.shm_backend, self.notice)
             if gate.active:
                 st.attach_gate(gate)
@@ -200,10 +230,10 @@ class Engine:
             self.trace = TraceWriter(Path(s.route_trace), {
                 "model": str(Path(s.model).resolve()), "arch": self.files.arch, "n_expert": self.files.n_expert,
                 "top_k": self.files.n_expert_used, "layers": st.layers,
-                "n_embd": llama_cpp.llama_model_n_embd(self.model)})
+                "n_embd": llama.n_embd(self.llama_model)})
         if s.lossy.on:
             self.lossy = Lossy(s.lossy, self.files.n_expert_used, cap.norms, st.cache)
-        self.hook.stops = Stops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace, self.lossy)
+        self.hook.stops = StreamingStops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace, self.lossy)
         self._dense_read(dense)
         if s.streaming.preload:
             if not st.holds_everything:
@@ -259,11 +289,6 @@ class Engine:
         return self.streamer is not None
 
     @property
-    def budget(self) -> int:
-        """The expert cache's budget in bytes now (0 without streaming or without a cache)."""
-        return self.streamer.budget if self.streamer else 0
-
-    @property
     def holds_every_expert(self) -> bool:
         """Every expert is in memory for good: plain llama.cpp's mapping, or a cache budget that holds them all."""
         return self.streamer is None or self.streamer.holds_everything
@@ -271,7 +296,7 @@ class Engine:
     @property
     def cache_active(self) -> bool:
         """A cache is in use now (an adaptive budget may take it to 0 and back)."""
-        return self.streamer is not None and self.budget > 0
+        return self.streamer is not None and self.streamer.budget > 0
 
     def follow_memory(self) -> None:
         """Between generations: an adaptive budget follows the room as it does each token, so an
@@ -293,26 +318,21 @@ class Engine:
             st.set_budget(change[0])
             self.notice(f"cache budget {old / MiB:.0f} -> {change[0] / MiB:.0f} MiB: {change[1]}")
 
-    def resident_bytes(self) -> int:
-        return self.streamer.resident_bytes() if self.streamer else 0
-
-    def worker_pids(self) -> list[tuple[str, int]]:
-        """(role, pid) of every worker process, for the per-process profile."""
-        return self.streamer.worker_pids() if self.streamer else []
-
-    def lane_lines(self) -> list[str]:
-        """The lanes' busy time and queue depth so far, for the --profile table (none without streaming)."""
-        return self.streamer.lane_load().lines() if self.streamer else []
-
-    def spec_gate_recall(self) -> tuple[float, float | None] | None:
-        """(recall %, the floor that switched it off or None) of this run's spec-gate; None without one."""
-        return self.streamer.gate_recall() if self.streamer else None
+    def stats(self) -> EngineStats:
+        """What the engine is and holds now, in one object: what every edge prints about the load."""
+        st = self.streamer
+        return EngineStats(
+            arch=self.arch, n_ctx=self.n_ctx, load_s=self.load_s, llama_load_s=self.llama_load_s,
+            streaming=st is not None, lossy=self.is_lossy, top_k=self.top_k, experts_per_token=self.experts_per_token,
+            budget_bytes=st.budget if st else 0, resident_bytes=st.resident_bytes() if st else 0,
+            holds_every_expert=self.holds_every_expert, spec_gate=st.gate_recall() if st else None,
+            lanes=tuple(st.lane_load().lines()) if st else (), workers=tuple(st.worker_pids()) if st else ())
 
     def chat_template(self) -> bytes | None:
         """The chat template: --chat-template-file's, else the one stored in the GGUF, if any."""
         if self.settings.chat_template_file:
             return Path(self.settings.chat_template_file).read_bytes()
-        return llama_cpp.llama_model_chat_template(self.model, None) or None
+        return llama.chat_template(self.llama_model)
 
     @property
     def arch(self) -> str:
@@ -358,19 +378,15 @@ class Engine:
             raise ContextTooLong(f"the prompt ({n_tokens} tokens) plus {n_predict} tokens to generate exceeds "
                                  f"the context of {self.n_ctx} tokens; {fix}", n_tokens + n_predict, self.n_ctx)
 
-    # ---- KV and cancel (a Slot's tokens are the KV sequence's: bmoe.generation) ----------------
+    # ---- KV and cancel (a Slot's tokens are the KV sequence's: bmoe.engine.generation) ----------------
 
     def clear_kv(self, seq: int = -1) -> None:
         """Empty sequence `seq`'s KV (-1: every sequence's)."""
-        mem = llama_cpp.llama_get_memory(self.ctx)
-        if seq < 0:
-            llama_cpp.llama_memory_clear(mem, True)
-        else:
-            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+        llama.kv_clear(self.context, seq)
 
     def kv_len(self, seq: int = 0) -> int:
         """Tokens in sequence `seq`'s KV: the next position to decode there."""
-        return llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(self.ctx), seq) + 1
+        return llama.kv_len(self.context, seq)
 
     def kv_keep(self, n: int, seq: int = 0) -> int:
         """Keep the first `n` positions of sequence `seq` and drop the rest; returns how many were kept.
@@ -378,8 +394,7 @@ class Engine:
         A memory that cannot drop a partial sequence (e.g. sliding-window or recurrent) is
         cleared instead, and 0 is returned: the caller then re-prefills everything.
         """
-        mem = llama_cpp.llama_get_memory(self.ctx)
-        if n <= 0 or not llama_cpp.llama_memory_seq_rm(mem, seq, n, -1):
+        if n <= 0 or not llama.kv_cut(self.context, seq, n):
             self.clear_kv(seq)
             return 0
         return n
@@ -390,7 +405,7 @@ class Engine:
         Like a signal (seam.deliver), the Cancelled is parked on the hook: the eval and abort
         callbacks stop the running graph and `_decode` raises it. An error already parked (a lane
         failure, a signal) is left in place, so it is not mistaken for a cancel. Only the
-        generation driver (bmoe.driver) calls it, when every generation in the decode is cancelled.
+        generation driver (bmoe.engine.driver) calls it, when every generation in the decode is cancelled.
         """
         if self.hook.error is None:
             self.hook.error = Cancelled()
@@ -404,7 +419,7 @@ class Engine:
 
     def prefill(self, seq: int, tokens: list[int]) -> float:
         """Decode `tokens` after what sequence `seq`'s KV holds, sampling nothing (a prompt decoded in
-        parts: bmoe.prompt_cache); the seconds it took. Cancelled when interrupted. No lossy routing:
+        parts: bmoe.engine.prompt_cache); the seconds it took. Cancelled when interrupted. No lossy routing:
         the KV kept from it serves lossless and lossy requests alike."""
         st = self.streamer
         t0 = time.perf_counter()
@@ -436,8 +451,8 @@ class Engine:
         if lossless:
             self.check_lossless("load it without one of them for lossless requests")
         st = self.streamer
-        s = Sequence(seq, make_sampler(sampler, self.vocab, grammar), lossless=lossless, forced=list(forced),
-                     keep_logits=keep_logits)
+        s = Sequence(seq, make_sampler(sampler, self.vocab, grammar.gbnf if grammar else None), lossless=lossless,
+                     forced=list(forced), keep_logits=keep_logits)
         try:
             t0 = time.perf_counter()
             if self.lossy:
@@ -504,15 +519,18 @@ class Engine:
         """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced
         token, else its sampler's choice (kept with the distribution when asked)."""
         if s.keep_logits:
-            n = llama_cpp.llama_vocab_n_tokens(self.vocab.ptr)
-            s.logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, row), shape=(n,)).copy()
-        s.next = s.forced.pop(0) if s.forced else llama_cpp.llama_sampler_sample(s.sampler, self.ctx, row)
+            s.logits = llama.logits(self.context, self.vocab, row)
+        if s.forced:
+            s.next = s.forced.pop(0)
+        else:
+            assert s.sampler is not None, "a Sequence is sampled only between begin and end"
+            s.next = llama.sample(s.sampler, self.context, row)
 
     def end(self, s: Sequence) -> ReadsAhead:
         """Free a Sequence's sampler and settle the reads it left; returns what its reads ahead did."""
         if s.sampler is None:
             return ReadsAhead()
-        llama_cpp.llama_sampler_free(s.sampler)
+        llama.free_sampler(s.sampler)
         s.sampler = None
         ahead = ReadsAhead()
         if self.streamer:
@@ -525,29 +543,15 @@ class Engine:
 
     def _decode(self, parts: list[tuple[int, list[int], int]], aborts: bool = False) -> list[int]:
         """One llama_decode of (sequence, tokens, first position) parts; logits for each part's last
-        token, whose batch rows are returned. With `aborts`, the hook's abort (code 2) is expected."""
-        n = sum(len(toks) for _, toks, _ in parts)
-        batch = llama_cpp.llama_batch_init(n, 0, 1)
-        rows, i = [], 0
-        try:
-            for seq, toks, pos in parts:
-                for j, tok in enumerate(toks):
-                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + j, 1
-                    batch.seq_id[i][0] = seq
-                    batch.logits[i] = j == len(toks) - 1
-                    i += 1
-                rows.append(i - 1)
-            batch.n_tokens = n
-            if self.streamer is not None:
-                self.streamer.begin_batch(n)
-            with self.hook:
-                rc = llama_cpp.llama_decode(self.ctx, batch)
-        finally:
-            llama_cpp.llama_batch_free(batch)
+        token, whose batch rows are returned. With `aborts`, the hook's abort is expected."""
+        if self.streamer is not None:
+            self.streamer.begin_batch(sum(len(toks) for _, toks, _ in parts))
+        with self.hook:
+            rc, rows = llama.decode(self.context, parts)
         err = self.hook.take_error()
         if err is not None:
             raise err
-        if rc != 0 and not (aborts and rc == ABORTED):
+        if rc != 0 and not (aborts and rc == llama.ABORTED):
             raise RuntimeError(f"llama_decode failed with code {rc}")
         return rows
 
@@ -559,10 +563,10 @@ class Engine:
         self.hook.stops = None
         try:
             if self.ctx:
-                llama_cpp.llama_free(self.ctx)
+                llama.free_context(self.ctx)
                 self.ctx = None
             if self.model:
-                llama_cpp.llama_model_free(self.model)
+                llama.free_model(self.model)
                 self.model = None
         finally:
             if st:

@@ -2,7 +2,7 @@
 
 The slab is one shared segment (POSIX shm, or a memfd where /dev/shm is missing) that the I/O
 lanes write expert slices into, a slot each. The coordinator maps it once; llama.cpp's expert
-tensors point into that mapping (pools of slots, see bmoe.expert_cache), so filling or reusing a
+tensors point into that mapping (pools of slots, see bmoe.streaming.expert_cache), so filling or reusing a
 slot changes no mapping. Which slot holds which expert, and what the budget allows, is the
 cache's business; this module only makes the OS objects and gives pages back.
 """

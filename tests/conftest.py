@@ -13,9 +13,9 @@ import numpy as np
 import psutil
 import pytest
 
-from bmoe import flags
 from bmoe.api import Chunk, Completion, Model
-from bmoe.settings import Settings
+from bmoe.base.settings import Settings
+from bmoe.edges import flags
 from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def synth(model_dir: Path) -> Callable[..., Path]:
 
 @pytest.fixture(autouse=True)
 def own_usage_profiles(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts with no usage profile (bmoe.usage_profile) and keeps the ones it writes to
+    """Each test starts with no usage profile (bmoe.streaming.usage_profile) and keeps the ones it writes to
     itself: a warm start from another test's run would change what a gate reads, and when."""
     monkeypatch.setenv("BMOE_USAGE_DIR", str(tmp_path_factory.mktemp("usage-profiles")))
 
@@ -106,7 +106,7 @@ def load(model: object, *cli_flags: object, notice: Callable[[str], None] = lamb
 
 def complete(model: Model, prompt: str, n: int, chat: bool = False,
              on_chunk: Callable[[Chunk], None] | None = None) -> Completion:
-    """One answer of `n` tokens at most, through Model.run and bmoe.driver: the path users run."""
+    """One answer of `n` tokens at most, through Model.run and bmoe.engine.driver: the path users run."""
     req = (model.prepare(messages=[{"role": "user", "content": prompt}], max_tokens=n) if chat
            else model.prepare(prompt=prompt, max_tokens=n))
     return model.run(req, on_chunk)
@@ -204,8 +204,8 @@ class SlabCheck:
 
     def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
         """Each expert's slot holds its file bytes; a position lossy routing dropped (expert -1,
-        bmoe.lossy.DROPPED) reads the pool's spare slot, which must hold only zeros."""
-        from bmoe import seam
+        bmoe.streaming.lossy.DROPPED) reads the pool's spare slot, which must hold only zeros."""
+        from bmoe.seam import graph as seam
 
         c = self.st.cache
         for ri in c.by_layer[layer]:
@@ -239,6 +239,6 @@ def demo_default() -> tuple[Path, float]:
     the 16-expert demo, built with the real builder into the user cache when missing (3-6 minutes
     on 2 cores the first time: 206 s at load 5, 321 s at load 7.5), so those paths run in every CI
     run."""
-    from bmoe.tools import demo
+    from bmoe.demo import build as demo
 
     return demo.default_model(progress=lambda msg: print(f"demo: {msg}", file=sys.stderr, flush=True))

@@ -1,6 +1,6 @@
 """A Hugging Face hub on the loopback interface, for huggingface_hub's real client (HF_ENDPOINT).
 
-It answers what `bmoe.hub` uses: a model's info (`/api/models/ORG/REPO[/revision/REV]`), its file
+It answers what `bmoe.api.hub` uses: a model's info (`/api/models/ORG/REPO[/revision/REV]`), its file
 tree, and files under `/ORG/REPO/resolve/REV/PATH` (HEAD and GET, with Range). It records every
 request; it can require a token for a repository and cut a file's first GETs short (the client
 sees the connection drop mid-file). Nothing here reaches past 127.0.0.1.

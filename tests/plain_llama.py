@@ -1,4 +1,4 @@
-"""llama.cpp alone (no expert streaming) through bmoe.llama's wrappers: one model, one context, a
+"""llama.cpp alone (no expert streaming) through bmoe.seam.llama's wrappers: one model, one context, a
 prompt decoded and tokens sampled with bmoe's sampler chain. For tests of what the sampler allows
 (grammars), where the streaming engine would only add time."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import llama_cpp
 
-from bmoe.generation import TextStream
-from bmoe.grammar import Grammar
-from bmoe.llama import Vocab, init_backend, load_model, make_sampler, new_context
-from bmoe.settings import SamplerSettings
+from bmoe.base.settings import SamplerSettings
+from bmoe.chat.grammar import Grammar
+from bmoe.engine.generation import TextStream
+from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, new_context
 
 
 class Plain:
@@ -57,11 +57,11 @@ class Plain:
         """Whether `grammar` lets the model write `text` (as this vocab tokenizes it) and then end.
         Each token is offered to the grammar alone before it is accepted: accepting one it rejects
         would abort the process."""
-        from bmoe.llama import grammar_sampler
+        from bmoe.seam.llama import grammar_sampler
 
         toks = self.spell(text)
         eog = llama_cpp.llama_vocab_eos(self.vocab.ptr)
-        smpl = grammar_sampler(self.vocab, grammar)
+        smpl = grammar_sampler(self.vocab, grammar.gbnf)
         try:
             for tok in [*toks, eog]:
                 data = (llama_cpp.llama_token_data * 1)()
@@ -82,7 +82,7 @@ class Plain:
         it ended with an end-of-generation token rather than at `n` tokens. `endless`: the end of
         generation is never sampled (what a grammar allows after a complete document shows)."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
-        chain = make_sampler(SamplerSettings(temp=temp, seed=seed), self.vocab, grammar)
+        chain = make_sampler(SamplerSettings(temp=temp, seed=seed), self.vocab, grammar.gbnf if grammar else None)
         if endless:
             eogs = [t for t in range(llama_cpp.llama_vocab_n_tokens(self.vocab.ptr)) if self.vocab.is_eog(t)]
             bias = (llama_cpp.llama_logit_bias * len(eogs))()

@@ -24,7 +24,9 @@ import sys
 import llama_cpp
 import psutil
 
-from bmoe import cli, seam, speculation, streamer
+from bmoe import cli
+from bmoe.seam import graph as seam
+from bmoe.streaming import speculation, streamer
 
 
 def workers() -> list[int]:

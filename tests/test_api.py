@@ -11,7 +11,7 @@ import pytest
 
 import bmoe
 from bmoe.api import Chunk, Model, StopText
-from bmoe.errors import ConfigError, FieldError, ModelError
+from bmoe.base.errors import ConfigError, FieldError, ModelError
 from tests.conftest import bmoe_segments, run_cli
 
 PROMPT = "Once upon a time there was a king"
@@ -40,7 +40,7 @@ def plain(path: str) -> Model:
 def cli_answer(path: str, prompt: str, n: int, *args: str) -> str:
     r = run_cli("-m", path, "-p", prompt, "-n", str(n), "-t", "1", "--progress", *args)
     assert r.returncode == 0, r.stderr
-    from bmoe import telemetry
+    from bmoe.base import telemetry
 
     return telemetry.parse_output(r.stdout).answer
 
@@ -234,7 +234,7 @@ def test_load_refuses_contradictory_settings_and_leaves_nothing(path: str) -> No
 def test_close_stops_the_workers_and_frees_shared_memory(path: str) -> None:
     before = bmoe_segments()
     with bmoe.load(path, cache_mb=1, **FAST) as m:
-        workers = [psutil.Process(pid) for _, pid in m.engine.worker_pids()]
+        workers = [psutil.Process(pid) for _, pid in m.stats.engine.workers]
         assert len(workers) == 2 and bmoe_segments() - before
         m.chat(CHAT, max_tokens=4)
     assert bmoe_segments() == before

@@ -10,9 +10,9 @@ import pytest
 
 import bmoe
 from bmoe.api import Chunk, Model
-from bmoe.model_files import open_model
-from bmoe.scheduler import Batching, Job, Position, QueueFull, Scheduler
-from bmoe.units import MiB
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.server.scheduler import Batching, Job, Position, QueueFull, Scheduler
 from tests.conftest import SlabCheck
 from tests.test_server import FLAGS, KEY, Server, auth, metric
 

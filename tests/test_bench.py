@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bmoe import telemetry
+from bmoe.base import telemetry
 from bmoe.tools import bench, bench_config, bench_io, bench_numbers, bench_sys
 
 REPO = Path(__file__).resolve().parent.parent

@@ -58,7 +58,7 @@ def test_load_time_table_mode_runs(small_moe: Path) -> None:
     r = _run(sys.executable, BENCH / "load_time.py", "-m", small_moe, "--rounds", "1", "--table")
     assert r.returncode == 0, r.stderr
     assert re.search(r"^gguf\.GGUFReader: median [\d.]+ ms", r.stdout, re.M), r.stdout
-    assert re.search(r"^bmoe\.gguf_table\.read_table: median [\d.]+ ms", r.stdout, re.M), r.stdout
+    assert re.search(r"^bmoe\.base\.gguf_table\.read_table: median [\d.]+ ms", r.stdout, re.M), r.stdout
 
 
 def test_policy_cost_replays_a_synthetic_layout() -> None:

@@ -11,9 +11,9 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from bmoe.expert_cache import RESIDENT, ExpertCache, Region, layout
-from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
 from bmoe.shm_cache import PAGE, Slab, sweep_stale_segments
+from bmoe.streaming.expert_cache import RESIDENT, ExpertCache, Region, layout
+from bmoe.streaming.lanes import LanePool, ReadOrder, merge_keyed, spread
 from tests.conftest import bmoe_segments
 
 

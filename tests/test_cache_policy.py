@@ -12,10 +12,10 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from bmoe.cache_policy import POLICIES, CycleLFU, Predictive, make_policy
-from bmoe.expert_cache import RESIDENT, ExpertCache, Region, layout
+from bmoe.replay.bounds import Belady
 from bmoe.shm_cache import PAGE
-from bmoe.tools.policy_bounds import Belady
+from bmoe.streaming.cache_policy import POLICIES, CycleLFU, Predictive, make_policy
+from bmoe.streaming.expert_cache import RESIDENT, ExpertCache, Region, layout
 from tests.conftest import run_cli
 
 N_EXPERT = 8
@@ -230,7 +230,7 @@ def test_next_use_is_not_locked_by_a_prefill_that_read_every_expert() -> None:
 class Reference:
     """Every policy as it was before its order was kept incrementally (issue 13), written plainly:
     each walk rebuilds its whole order from one global LRU list and (count, token) pairs. The
-    classes in bmoe.cache_policy must give the same victims in the same order."""
+    classes in bmoe.streaming.cache_policy must give the same victims in the same order."""
 
     DECAY = 0.98
 
@@ -429,3 +429,11 @@ def test_rescaled_counts_keep_the_order(monkeypatch) -> None:
     for _ in range(100):
         p.begin(0)
     assert p.shift > 0 and 1.0 < p.unit <= 2.0
+
+
+def test_the_settings_name_every_policy_there_is() -> None:
+    """`--cache-policy` is declared in bmoe.base.settings (its names, its default) without importing
+    the policies (the base layer imports nothing above it); this holds the two together."""
+    from bmoe.base import settings
+
+    assert tuple(POLICIES) == settings.POLICIES and settings.DEFAULT_POLICY in POLICIES

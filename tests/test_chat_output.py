@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from bmoe.chat_output import Message, OutputParser, value_end
-from bmoe.chat_syntax import HARMONY, HERMES, MISTRAL, PLAIN, Syntax, check_tools, detect, tool_grammar, with_reasoning
-from bmoe.grammar import GrammarError, schema_grammar
+from bmoe.chat.grammar import GrammarError, schema_grammar
+from bmoe.chat.output import OutputParser, Reply, value_end
+from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, PLAIN, Syntax, check_tools, detect, tool_grammar, with_reasoning
 from tests.plain_llama import Plain
 
 QWEN3 = Syntax(HERMES, ("<think>", "</think>"))
@@ -71,7 +71,7 @@ CASES = [
 ]
 
 
-def run(syntax: Syntax, tools: bool, think_open: bool, pieces: list[str]) -> tuple[dict, Message]:
+def run(syntax: Syntax, tools: bool, think_open: bool, pieces: list[str]) -> tuple[dict, Reply]:
     """Feed `pieces`; the deltas joined (as a stream's client joins them) and the whole message."""
     p = OutputParser(syntax, tools, think_open)
     joined: dict = {"reasoning": "", "content": "", "calls": {}}

@@ -1,4 +1,4 @@
-"""Tools and tool turns rendered through a model's own chat template (bmoe.chat.Renderer), on the
+"""Tools and tool turns rendered through a model's own chat template (bmoe.chat.template.Renderer), on the
 real templates of Qwen3, gpt-oss and Mistral Nemo (tests/data/templates)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bmoe.chat import Renderer
-from bmoe.chat_syntax import HARMONY, HERMES, MISTRAL, PLAIN, detect
-from bmoe.llama import Vocab, init_backend, load_model
+from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, PLAIN, detect
+from bmoe.chat.template import Renderer
+from bmoe.seam.llama import Vocab, init_backend, load_model
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -114,6 +114,6 @@ def test_bmoe_synth_stores_another_models_template(tmp_path: Path) -> None:
 
 def test_a_special_token_is_written_out_only_when_asked(vocab) -> None:
     """What lets a syntax's markers (gpt-oss's <|channel|>, Mistral's [TOOL_CALLS]) reach the parser:
-    Generation writes the Request's `specials` with their text (bmoe.chat_request.ChatFormat.markers)."""
+    Generation writes the Request's `specials` with their text (bmoe.chat.request.ChatFormat.markers)."""
     (tok,) = vocab.tokenize("<|im_start|>", add_special=False)
     assert vocab.piece(tok, special=True) == b"<|im_start|>" and vocab.piece(tok) == b""

@@ -71,7 +71,7 @@ def test_chat_uses_the_models_template(model: str) -> None:
 
 
 def test_dense_model_runs_plain_with_a_notice() -> None:
-    from bmoe.tools import demo
+    from bmoe.demo import build as demo
 
     dense = demo.source_model()
     r = run_cli("-m", str(dense), "-p", "The capital of France is", "-n", "4")
@@ -169,8 +169,9 @@ def test_auto_budget_is_capped_by_the_ceiling(model: str, force: bool) -> None:
 
 
 def test_model_file_changed_during_a_run_is_an_error(model: str, tmp_path, monkeypatch, capsys) -> None:
-    from bmoe import cli, exits
+    from bmoe import cli
     from bmoe.coordinator import Engine
+    from bmoe.edges import exits
 
     copy = tmp_path / "m.gguf"
     copy.write_bytes(open(model, "rb").read())

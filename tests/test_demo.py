@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 from bmoe.api import Model
-from bmoe.expert_cache import file_regions, working_sets
-from bmoe.model_files import open_model
-from bmoe.tools import demo, demo_routers, demo_write
-from bmoe.units import MiB
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.demo import build as demo
+from bmoe.demo import routers as demo_routers
+from bmoe.demo import write as demo_write
+from bmoe.streaming.expert_cache import file_regions, working_sets
 from tests.conftest import complete, load, slice_bytes
 from tests.conftest import reference as plain
 

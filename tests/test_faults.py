@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
+from bmoe.base.errors import LaneError
 from bmoe.coordinator import Engine
-from bmoe.errors import LaneError
 from tests.conftest import complete, load, per_token, reference
 
 PROMPT = "On the far side of the lake there was a workshop where clocks were repaired by hand"
@@ -110,8 +110,8 @@ def test_lanes_failing_again_and_again_end_the_run_clearly(model: str) -> None:
 @pytest.fixture
 def one_lane(tmp_path):
     """A real lane process over a real slab of 16 pages and a file of 16 random pages: (pool, slab, data)."""
-    from bmoe.lanes import LanePool
     from bmoe.shm_cache import Slab
+    from bmoe.streaming.lanes import LanePool
 
     data = os.urandom(16 * 4096)
     f = tmp_path / "f.bin"

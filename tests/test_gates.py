@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bmoe.api import Completion
-from bmoe.model_files import open_model
-from bmoe.speculation import SpecGate
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.streaming.speculation import SpecGate
 from bmoe.tools.synth import ARCHES
-from bmoe.units import MiB
 from tests import spec_lines
 from tests.conftest import complete, load, run_cli
 from tests.conftest import reference as plain
@@ -27,7 +27,7 @@ FLAGS = ("-c", 256, "-t", 2)
 
 
 def generate(path: str, *flags: object) -> tuple[Completion, SpecGate | None]:
-    """One greedy answer with these bmoe-cli flags through the one generation loop (bmoe.driver);
+    """One greedy answer with these bmoe-cli flags through the one generation loop (bmoe.engine.driver);
     with it the run's spec-gate (closed), for its counters."""
     with load(path, *FLAGS, *flags) as m:
         gate = m.engine.streamer.ahead.gate if m.engine.streamer else None
@@ -44,7 +44,7 @@ def reference(path: str) -> Completion:
 @pytest.mark.parametrize("arch", ARCHES)
 def test_the_reference_is_what_llama_cpp_pythons_own_loop_generates(synth, monkeypatch, arch: str) -> None:
     """Every gate compares with `reference`, which runs through bmoe's one generation loop
-    (bmoe.driver) like the streamed runs do; so that a bug in that loop cannot hide in both sides,
+    (bmoe.engine.driver) like the streamed runs do; so that a bug in that loop cannot hide in both sides,
     the reference itself must equal llama-cpp-python's own generation loop (`Llama.generate`,
     greedy) on the same file with the same context: no repacked weights (as bmoe loads them),
     flash attention as llama.cpp's default chooses it on this CPU, one ubatch for the prompt."""
@@ -109,7 +109,7 @@ def test_split_model_streams_from_every_shard(tmp_path) -> None:
 
 
 def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
-    from bmoe.errors import ModelError
+    from bmoe.base.errors import ModelError
     from bmoe.tools.synth import write_model
 
     first = write_model(tmp_path / "gap.gguf", layers=2, splits=2)
@@ -133,7 +133,7 @@ def test_memfd_segment_streams_identically(small_moe) -> None:
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) -> None:
     """A policy changes which bytes stay resident, never which bytes are computed."""
-    from bmoe.cache_policy import POLICIES
+    from bmoe.streaming.cache_policy import POLICIES
 
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path)
@@ -154,7 +154,7 @@ def test_every_cache_policy_with_speculative_reads_streams_identically(synth, ar
 
     The spec-gate trusts every prediction from the start (--spec-precision 0, --spec-recall-min 0),
     and one run per policy has no --prefetch: what it reads ahead came from the gate's predictions."""
-    from bmoe.cache_policy import POLICIES
+    from bmoe.streaming.cache_policy import POLICIES
 
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path)

@@ -1,4 +1,4 @@
-"""bmoe.gguf_table reads the same table as gguf's own reader, on every kind of file we stream."""
+"""bmoe.base.gguf_table reads the same table as gguf's own reader, on every kind of file we stream."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from bmoe.errors import ModelError
-from bmoe.gguf_table import GGUFError, read_table
-from bmoe.model_files import open_model
-from bmoe.tools import demo
+from bmoe.base.errors import ModelError
+from bmoe.base.gguf_table import GGUFError, read_table
+from bmoe.base.model_files import open_model
+from bmoe.demo import build as demo
 from bmoe.tools.synth import ARCHES
 
 

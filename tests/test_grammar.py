@@ -12,11 +12,18 @@ import llama_cpp
 import pytest
 from pydantic import BaseModel, Field
 
-from bmoe import grammar as grammar_module
-from bmoe.grammar import Grammar, GrammarError, json_object_grammar, literal, response_format_grammar, schema_grammar
-from bmoe.grammar_check import GrammarCheck
-from bmoe.llama import grammar_sampler
-from bmoe.request_limits import REPEAT_MAX
+from bmoe.chat import grammar as grammar_module
+from bmoe.chat.grammar import (
+    Grammar,
+    GrammarError,
+    json_object_grammar,
+    literal,
+    response_format_grammar,
+    schema_grammar,
+)
+from bmoe.chat.grammar_check import GrammarCheck
+from bmoe.chat.limits import REPEAT_MAX
+from bmoe.seam.llama import grammar_sampler
 from tests.plain_llama import Plain
 
 
@@ -62,7 +69,7 @@ def test_json_object_gives_an_object(plain: Plain) -> None:
 def test_a_json_string_never_holds_a_raw_control_character(plain: Plain) -> None:
     """The converter's own `char` rule allows a raw newline in a string (invalid JSON); ours does not."""
     g = schema_grammar({"type": "string"})
-    smpl = grammar_sampler(plain.vocab, g)
+    smpl = grammar_sampler(plain.vocab, g.gbnf)
     try:
         n_vocab = llama_cpp.llama_vocab_n_tokens(plain.vocab.ptr)
         by_piece = {plain.piece(t): t for t in range(n_vocab)}
@@ -121,7 +128,7 @@ def test_text_response_format_has_no_grammar() -> None:
 
 def test_llama_cpp_refusing_a_grammar_is_a_grammar_error(plain: Plain) -> None:
     with pytest.raises(GrammarError, match=r"llama.cpp rejected the grammar"):
-        grammar_sampler(plain.vocab, Grammar("root ::= undefined-rule"))
+        grammar_sampler(plain.vocab, Grammar("root ::= undefined-rule").gbnf)
 
 
 def test_a_lazy_grammar_is_free_until_its_trigger(plain: Plain) -> None:
@@ -137,7 +144,7 @@ def test_literal_escapes_what_gbnf_needs() -> None:
     assert literal('a"b\\c\nd') == r'"a\"b\\c\nd"'
 
 
-# ---- what a grammar may hold (bmoe.request_limits) and the checker process (bmoe.grammar_check) ---------
+# ---- what a grammar may hold (bmoe.chat.limits) and the checker process (bmoe.chat.grammar_check) ---------
 
 def _nested(depth: int) -> dict:
     schema: dict = {"type": "string"}

@@ -15,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from bmoe import telemetry
-from bmoe.errors import ConfigError
-from bmoe.hub import HubRef, parse, pick
+from bmoe.api.hub import HubRef, parse, pick
+from bmoe.base import telemetry
+from bmoe.base.errors import ConfigError
 from tests.hub_server import LoopbackHub
 
 REPO = "bmoe/synth-GGUF"
 FETCH = """
 import sys
-from bmoe import console, hub
-from bmoe.errors import ConfigError
+from bmoe.edges import console
+from bmoe.api import hub
+from bmoe.base.errors import ConfigError
 try:
     print(hub.fetch(hub.parse(sys.argv[1]), console.notice))
 except ConfigError as e:

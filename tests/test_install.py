@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from bmoe.errors import ModelError
-from bmoe.tools import demo_source
+from bmoe.base.errors import ModelError
+from bmoe.demo import source as demo_source
 from tests.conftest import REPO
 
 

@@ -15,8 +15,8 @@ import gguf
 import llama_cpp
 import pytest
 
-from bmoe.model_files import open_model
-from bmoe.units import MiB
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
 from tests.conftest import run_cli
 
 PROMPT = "The ferry crossed the bay twice a day, and the captain knew every rock beneath the water"

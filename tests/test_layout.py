@@ -1,53 +1,22 @@
-"""The layout's rules, checked on the source: imports point one way, tools stay beside the product,
-and the light modules stay light (no llama.cpp until a model loads)."""
+"""The layout's rules, checked on the source (docs/architecture.md; `python -m tests.import_layers`
+prints where the code stands): imports point down the layers, edges see only package surfaces,
+only the seam touches llama.cpp, and the light modules stay light (no llama.cpp until a model loads)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "bmoe"
+from tests import import_layers as layers
 
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {_module_name(p): p for p in PKG.rglob("*.py")}
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
-def _imports(path: Path, typing_too: bool = False) -> set[str]:
-    """bmoe modules a file imports, at the top or inside functions; `if TYPE_CHECKING:` blocks aside
-    unless `typing_too`."""
-    out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node) and not typing_too:
-            return
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name in MODULES)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bmoe":
-            for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                out.add(sub if sub in MODULES else node.module)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    return {m for m in out if m in MODULES}
-
-
-GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
-TYPED_GRAPH = {name: _imports(path, typing_too=True) - {name} for name, path in MODULES.items()}
+PKG = layers.PKG
+MODULES = layers.MODULES
+GRAPH = layers.graph(typing_too=False)
+TYPED_GRAPH = layers.graph()
 
 
 def _reach(start: str, graph: dict[str, set[str]] = GRAPH) -> set[str]:
@@ -62,22 +31,76 @@ def _reach(start: str, graph: dict[str, set[str]] = GRAPH) -> set[str]:
 
 def test_the_import_graph_is_read_from_the_source() -> None:
     """The checks below see real edges (a walker that found none would pass them all)."""
-    assert {"bmoe.streamer", "bmoe.settings", "bmoe.seam"} <= GRAPH["bmoe.coordinator"]
-    assert "bmoe.session" in GRAPH["bmoe.cli"]  # a lazy import inside main() counts too
-    assert "bmoe.streamer" not in GRAPH["bmoe.readahead"], "TYPE_CHECKING imports are not edges"
+    assert {"bmoe.streaming.streamer", "bmoe.base.settings", "bmoe.seam"} <= GRAPH["bmoe.coordinator"]
+    assert "bmoe.edges.session" in GRAPH["bmoe.cli"]  # a lazy import inside main() counts too
+    assert "bmoe.streaming.streamer" not in GRAPH["bmoe.streaming.readahead"], "TYPE_CHECKING imports are not edges"
+    assert "bmoe.chat.grammar" in TYPED_GRAPH["bmoe.coordinator"] - GRAPH["bmoe.coordinator"]
+
+
+def test_every_module_has_a_layer() -> None:
+    assert all(layers.owner(m) for m in MODULES), [m for m in MODULES if not layers.owner(m)]
 
 
 @pytest.mark.parametrize("graph", ["runtime", "typing"])
 def test_no_import_cycles(graph: str) -> None:
     """No module imports itself through others, also not through imports made only for type checking
     (a cycle hidden behind TYPE_CHECKING is still two modules that know each other's insides)."""
-    g = GRAPH if graph == "runtime" else TYPED_GRAPH
-    cycles = sorted(name for name in g if name in _reach(name, g))
-    assert not cycles, f"modules that import themselves through others: {cycles}"
+    assert not layers.cycles(GRAPH if graph == "runtime" else TYPED_GRAPH)
 
 
-def test_the_api_imports_no_command_line_module() -> None:
-    assert not GRAPH["bmoe.api"] & {"bmoe.flags", "bmoe.console", "bmoe.cli", "bmoe.session", "bmoe.server"}
+def test_no_import_climbs_against_the_layers() -> None:
+    """edges → api → demo → replay → engine → chat → memory → streaming → seam → base: a module
+    imports its own layer or one below (type-checking imports included)."""
+    assert not layers.climbs(TYPED_GRAPH)
+
+
+def test_the_check_sees_a_climb() -> None:
+    """The climb check itself: an import from the base up into the engine is one."""
+    assert layers.climbs({"bmoe.base.units": {"bmoe.coordinator"}, "bmoe.coordinator": set()}) == \
+        [("bmoe.base.units", "bmoe.coordinator")]
+
+
+def test_no_private_import_across_modules() -> None:
+    assert not layers.private_imports()
+
+
+def test_edges_import_only_package_surfaces() -> None:
+    """bmoe-cli, the session, the server and the bench tools take what they use from a package's
+    __init__ (its surface), never from a module inside it."""
+    assert not layers.inner_imports_by_edges()
+
+
+def test_only_the_seam_touches_llama_cpp() -> None:
+    """`grep -rln llama_cpp bmoe` finds the seam package alone: llama.cpp is reached through it."""
+    outside = sorted(str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py")
+                     if "llama_cpp" in p.read_text() and not p.is_relative_to(PKG / "seam"))
+    assert not outside
+
+
+def test_the_seam_imports_nothing_above_the_base() -> None:
+    for name, deps in TYPED_GRAPH.items():
+        if layers.owner(name) == layers.SEAM:
+            assert all(layers.owner(d) in (layers.SEAM, "bmoe.base") for d in deps), (name, deps)
+
+
+def test_only_the_api_door_makes_an_engine() -> None:
+    """Every edge gets its Model from bmoe.api.open_model, the one place that writes `Engine(`."""
+    makers = sorted(name for name, path in MODULES.items() if re.search(r"\bEngine\(", path.read_text()))
+    assert makers == ["bmoe.api.model"]
+
+
+def test_edges_read_the_load_through_the_model_and_its_stats() -> None:
+    """No edge reaches a Model's `.engine` (nor, through it, the Streamer): what edges print comes
+    from `Model.stats.engine` (an EngineStats), what they ask from Model's methods."""
+    bad = []
+    for name, path in MODULES.items():
+        if layers.layer_of(name) != 0:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "engine" and not (
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "stats"):
+                bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, bad
 
 
 def _product_modules() -> dict[str, ast.Module]:
@@ -98,7 +121,7 @@ def test_no_product_module_reads_another_objects_private_attributes() -> None:
 
 
 def test_no_error_is_told_apart_by_its_words_or_class_name() -> None:
-    """Errors are matched by type (bmoe.errors), never by `"..." in str(e)` or `type(e).__name__ ==`."""
+    """Errors are matched by type (bmoe.base.errors), never by `"..." in str(e)` or `type(e).__name__ ==`."""
     bad = []
     for name, tree in _product_modules().items():
         for handler in (n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler) and n.name):
@@ -112,21 +135,10 @@ def test_no_error_is_told_apart_by_its_words_or_class_name() -> None:
     assert not bad, bad
 
 
-def test_the_coordinator_never_imports_the_tools() -> None:
-    assert not [m for m in _reach("bmoe.coordinator") if m.startswith("bmoe.tools")]
-
-
-def test_only_the_model_source_reaches_into_the_tools_for_the_demo_model() -> None:
-    """A no-argument run uses the demo model, which bmoe.model_source builds on first use; no other
-    product module imports a tool."""
-    into_tools = {name: sorted(m for m in deps if m.startswith("bmoe.tools"))
-                  for name, deps in GRAPH.items() if not name.startswith("bmoe.tools")}
-    assert {name: deps for name, deps in into_tools.items() if deps} == {"bmoe.model_source": ["bmoe.tools.demo"]}
-
-
 def test_workers_import_only_what_moves_bytes_or_predicts() -> None:
     for worker in ("bmoe.workers.io_lane", "bmoe.workers.spec_gate"):
-        assert not _reach(worker) & {"bmoe.coordinator", "bmoe.streamer", "bmoe.expert_cache", "bmoe.cli"}, worker
+        assert not _reach(worker) & {"bmoe.coordinator", "bmoe.streaming.streamer", "bmoe.streaming.expert_cache",
+                                     "bmoe.cli"}, worker
 
 
 def test_a_lane_process_starts_without_numpy_or_the_engine() -> None:
@@ -137,11 +149,12 @@ def test_a_lane_process_starts_without_numpy_or_the_engine() -> None:
             "if m in sys.modules)); import bmoe; from bmoe import Model; print(bmoe.load.__module__, Model.__name__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[:2] == ["[]", "bmoe.api Model"]
+    assert r.stdout.split("\n")[:2] == ["[]", "bmoe.api.model Model"]
 
 
-@pytest.mark.parametrize("module", ["bmoe", "bmoe.api", "bmoe.session_client", "bmoe.protocol", "bmoe.telemetry",
-                                    "bmoe.settings", "bmoe.flags", "bmoe.tools.bench"])
+@pytest.mark.parametrize("module", ["bmoe", "bmoe.api", "bmoe.edges.session_client", "bmoe.edges.protocol",
+                                    "bmoe.base.telemetry",
+                                    "bmoe.base.settings", "bmoe.edges.flags", "bmoe.tools.bench"])
 def test_light_modules_do_not_load_llama_cpp(module: str) -> None:
     code = f"import sys, {module}; print('llama_cpp' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
@@ -150,20 +163,21 @@ def test_light_modules_do_not_load_llama_cpp(module: str) -> None:
 
 
 def _schema() -> tuple:
-    from bmoe.settings import SCHEMA
+    from bmoe.base.settings import SCHEMA
 
     return SCHEMA
 
 
 @pytest.mark.parametrize("entry", _schema(), ids=lambda e: e.name)
 def test_every_setting_is_a_flag_of_both_commands_and_a_keyword_of_load(entry) -> None:
-    """The three edges come from one declaration in bmoe/settings.py: nothing to forget when a
+    """The three edges come from one declaration in bmoe/base/settings.py: nothing to forget when a
     setting is added (its flag in bmoe-cli --help and bmoe-server --help, its bmoe.load keyword)."""
     import inspect
 
     import bmoe
-    from bmoe import flags, server
-    from bmoe.settings import from_keywords, names
+    from bmoe import server
+    from bmoe.base.settings import from_keywords, names
+    from bmoe.edges import flags
 
     for help_text in (flags.build_parser().format_help(), server.build_parser().format_help()):
         words = help_text.replace(",", " ").split()

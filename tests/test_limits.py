@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from bmoe import coordinator
-from bmoe.budget import Adaptive
+from bmoe.base.units import MiB
 from bmoe.coordinator import Engine
-from bmoe.memory import V1_UNLIMITED, MemoryProbe, Room
+from bmoe.memory.budget import Adaptive
+from bmoe.memory.probe import V1_UNLIMITED, MemoryProbe, Room
 from bmoe.tools import bench_sys
-from bmoe.units import MiB
 from tests.conftest import REPO, complete, load, per_token, reference, run_cli, settings_for
 
 PROMPT = "The harbour master counted the boats that came in before the storm reached the coast"
@@ -128,7 +128,7 @@ def test_pressure_reads_psi_and_is_none_without_it(tmp_path) -> None:
 
 def test_rlimit_as_is_a_limit_too() -> None:
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY)); "
-            "from bmoe.memory import MemoryProbe; "
+            "from bmoe.memory.probe import MemoryProbe; "
             "print([r.name.split()[0] for r in MemoryProbe().rooms()])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
@@ -184,7 +184,7 @@ def test_an_auto_budget_with_room_to_spare_holds_every_expert_and_preloads(model
     notes: list[str] = []
     with Engine(settings_for(model, "--preload", "-t", 1, "--io-threads", 2), notice=notes.append) as e:
         assert e.streamer.holds_everything, notes  # capped at the experts' slots, not their raw bytes
-        assert e.budget == e.streamer.full_bytes and e.resident_bytes() > 0
+        assert e.stats().budget_bytes == e.streamer.full_bytes and e.stats().resident_bytes > 0
     assert not any("--preload ignored" in n for n in notes) and any(n.startswith("preloaded ") for n in notes)
 
 
@@ -211,18 +211,18 @@ def test_the_cache_shrinks_and_grows_back_with_the_limit_and_the_output_stays_ex
 
         def squeeze(i: int) -> None:
             nonlocal other
-            resident.append(e.resident_bytes())
+            resident.append(e.stats().resident_bytes)
             if i == 8:  # another process takes all but 99 MiB of the limit: 1 MiB under the floor
-                other = limit - 99 * MiB - e.resident_bytes()
+                other = limit - 99 * MiB - e.stats().resident_bytes
             if i == 20:
                 other = 100 * MiB
-            usage.write_text(f"{other + e.resident_bytes()}\n")
+            usage.write_text(f"{other + e.stats().resident_bytes}\n")
 
         res = complete(m, PROMPT, 40, on_chunk=per_token(squeeze))
         # idle between requests, the budget still follows the limit
         usage.write_text(f"{limit - 50 * MiB}\n")
         e.follow_memory()
-        idle_budget = e.budget
+        idle_budget = e.stats().budget_bytes
     finally:
         m.close()
     assert res.ids == ref

@@ -1,4 +1,4 @@
-"""Lossy routing (bmoe.lossy): off is today's output, a skipped or substituted expert is never read nor
+"""Lossy routing (bmoe.streaming.lossy): off is today's output, a skipped or substituted expert is never read nor
 computed from a stale slot, a request can ask for lossless output and gets it, and each lossy run
 says so (summary line, CSV columns, BMOE_DONE, the API's stats, the server's `bmoe` field).
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from bmoe import telemetry
-from bmoe.errors import ConfigError
-from bmoe.model_files import open_model
-from bmoe.session_client import SessionClient
-from bmoe.units import MiB
+from bmoe.base import telemetry
+from bmoe.base.errors import ConfigError
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.edges.session_client import SessionClient
 from tests import spec_lines
 from tests.conftest import SlabCheck, complete, load, run_cli
 from tests.conftest import reference as plain

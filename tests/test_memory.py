@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bmoe.expert_cache import working_sets
-from bmoe.units import MiB
+from bmoe.base.units import MiB
+from bmoe.streaming.expert_cache import working_sets
 from tests.conftest import complete, load, per_token
 
 PROMPT = "Describe how a river carves a canyon over many thousands of years of slow and patient work"
@@ -17,10 +17,10 @@ def test_resident_bytes_never_exceed_budget_plus_one_layer(synth) -> None:
     with load(path, "-c", 512, "--cache-mb", budget_mb, "--io-threads", 2) as m:
         e = m.engine
         resident: list[int] = []
-        complete(m, PROMPT, 64, on_chunk=per_token(lambda i: resident.append(e.resident_bytes())))
+        complete(m, PROMPT, 64, on_chunk=per_token(lambda i: resident.append(e.stats().resident_bytes)))
         one_layer = max(working_sets(e.streamer.cache.regions, 2).values())
-        assert expert_bytes >= 4 * e.budget
+        assert expert_bytes >= 4 * e.stats().budget_bytes
         assert len(resident) >= 64
-        assert max(resident) <= e.budget + one_layer, (max(resident), e.budget, one_layer)
-        assert max(resident) > e.budget // 2, "the cache should actually fill up"
+        assert max(resident) <= e.stats().budget_bytes + one_layer, (max(resident), e.stats().budget_bytes, one_layer)
+        assert max(resident) > e.stats().budget_bytes // 2, "the cache should actually fill up"
         assert e.streamer.cache.stats.evictions > 0

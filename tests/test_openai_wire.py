@@ -1,11 +1,11 @@
-"""The OpenAI objects bmoe-server streams (bmoe.openai_wire), for chunks the server sees."""
+"""The OpenAI objects bmoe-server streams (bmoe.server.wire), for chunks the server sees."""
 
 from __future__ import annotations
 
-from bmoe.chat_output import Delta
-from bmoe.generation import Chunk
-from bmoe.openai_wire import Shape
-from bmoe.telemetry import TokenLine
+from bmoe.base.telemetry import TokenLine
+from bmoe.chat.output import Delta
+from bmoe.engine.generation import Chunk
+from bmoe.server.wire import Shape
 
 
 def test_text_held_back_to_the_end_streams_without_token_telemetry() -> None:

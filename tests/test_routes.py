@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from bmoe import routers
-from bmoe.route_trace import Trace
-from bmoe.tools import route_stats
+from bmoe.replay import stats as route_stats
+from bmoe.streaming import routers
+from bmoe.streaming.route_trace import Trace
 from tests.conftest import run_cli
 
 PROMPT = "The engineers tested the bridge with heavy trucks and measured how far the deck would bend"

@@ -13,10 +13,11 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from bmoe import seam
 from bmoe.api import Model
-from bmoe.coordinator import ABORTED, Engine
-from bmoe.expert_cache import RESIDENT
+from bmoe.coordinator import Engine
+from bmoe.seam import graph as seam
+from bmoe.seam.llama import ABORTED
+from bmoe.streaming.expert_cache import RESIDENT
 from bmoe.tools.synth import ARCHES
 from tests.conftest import SlabCheck, complete, generate, settings_for, slice_bytes
 from tests.conftest import load as load_model
@@ -224,7 +225,7 @@ def _swap_callback(e: Engine, cb) -> None:
     """Re-create the context with another eval callback (test-only instrumentation)."""
     import llama_cpp
 
-    from bmoe.llama import new_context
+    from bmoe.seam.llama import new_context
 
     llama_cpp.llama_free(e.ctx)
     e._test_cb = cb
@@ -301,7 +302,7 @@ def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -
     """`NodeTap` (what the demo's calibration reads the router input with) gets `ffn_inp-L` and
     `ffn_norm-L` of every layer once per decode as [n_tokens, n_embd] F32 rows, and the norm's rows
     are the RMS norm of the input's (the synthetic norm weights are ones): names, layout, values."""
-    from bmoe.llama import Vocab, init_backend, load_model, new_context
+    from bmoe.seam.llama import Vocab, init_backend, load_model, new_context
 
     path = synth(arch="llama", layers=4, experts=8, top_k=2)
     reader = gguf.GGUFReader(path)
@@ -330,7 +331,7 @@ def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-6)
 
 
-# ---- lossy routing's facts (bmoe.lossy): where the router weights may be changed --------------------
+# ---- lossy routing's facts (bmoe.streaming.lossy): where the router weights may be changed --------------------
 
 NORMS = {"qwen3moe": seam.NORM_SUM, "llama": seam.NORM_SUM, "qwen2moe": seam.NORM_NONE, "olmoe": seam.NORM_NONE,
          "gpt-oss": seam.NORM_SOFTMAX}
@@ -338,7 +339,7 @@ NORMS = {"qwen3moe": seam.NORM_SUM, "llama": seam.NORM_SUM, "qwen2moe": seam.NOR
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synth, arch: str) -> None:
-    """What bmoe.lossy relies on, node by node: `ffn_moe_weights-L` is a contiguous F32 [1, top_k, n]
+    """What bmoe.streaming.lossy relies on, node by node: `ffn_moe_weights-L` is a contiguous F32 [1, top_k, n]
     tensor of the router's scores at the routed ids, best first (llama.cpp's top-k is a descending
     argsort); its src[0] holds every expert's score (`router_scores`); and the layer's normalisation,
     as the capture names it per architecture (a sum, a softmax, or none), computes from that node
@@ -391,7 +392,7 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
             assert norm[NORMS[arch]] in names
             assert reads(addr[first], addr[weights]) and reads(addr[norm[NORMS[arch]]], addr[weights]), \
                 f"the normalisation of layer {layer} does not compute from {weights}"
-    # the capture names the same normalisation (what bmoe.lossy is told at load)
+    # the capture names the same normalisation (what bmoe.streaming.lossy is told at load)
     e2 = engine(path, "--cache-mb", 1000, "--drop-cold", 0.1)
     try:
         assert e2.lossy is not None and e2.lossy.norms == cap_norms
@@ -401,7 +402,7 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_fewer_experts_by_the_hook_is_llama_cpps_own_expert_count(synth, arch: str) -> None:
-    """The pin of where bmoe.lossy changes the weights: routing a token to its K best experts by
+    """The pin of where bmoe.streaming.lossy changes the weights: routing a token to its K best experts by
     rewriting the weights node (and the dropped positions to the spare zero slot) before the layer's
     own normalisation computes, token for token, what llama.cpp computes with the model's
     expert_used_count set to K at load (`--no-stream --experts-per-token K`), while streaming with
@@ -499,7 +500,7 @@ def big_experts(synth) -> Path:
 
 
 def test_a_load_under_no_populate_reads_the_header_only(big_experts: Path) -> None:
-    from bmoe.llama import init_backend, load_model
+    from bmoe.seam.llama import init_backend, load_model
 
     init_backend()
     size = big_experts.stat().st_size
@@ -525,8 +526,8 @@ def _start(path: Path, *flags: object) -> tuple[Engine, int, list[str]]:
 
 
 def _dense_bytes(path: Path) -> int:
-    from bmoe.dense import file_spans
-    from bmoe.model_files import open_model
+    from bmoe.base.model_files import open_model
+    from bmoe.memory.dense import file_spans
 
     return sum(n for _, _, n in file_spans(open_model(path)))
 
@@ -535,8 +536,8 @@ def test_a_streaming_start_reads_the_dense_weights_and_no_expert(big_experts: Pa
     """The whole start (table, llama.cpp's load, the dense read-ahead, capture, lanes) reads the
     dense bytes plus at most 2 % of the file; afterwards the dense weights are in the page cache
     (reading them again reads nothing from storage), and the registry is llama.cpp's again."""
-    from bmoe.dense import file_spans
-    from bmoe.model_files import open_model
+    from bmoe.base.model_files import open_model
+    from bmoe.memory.dense import file_spans
 
     reg = seam.cpu_registry()
     before = seam.BackendReg.from_address(reg).iface.get_proc_address

@@ -20,7 +20,7 @@ import openai
 import psutil
 import pytest
 
-from bmoe import telemetry
+from bmoe.base import telemetry
 from tests import spec_lines
 from tests.conftest import REPO, bmoe_segments, run_cli
 
@@ -252,7 +252,7 @@ def _schema(schema: dict) -> dict:
 
 STRINGS = {"type": "array", "items": {"type": "string"}}
 # (endpoint, body, the param the 400 names, words of its message): each crashed or stalled the
-# server before bmoe.request_limits (issue 32)
+# server before bmoe.chat.limits (issue 32)
 HOSTILE = [
     ("chat", _schema({**STRINGS, "maxItems": 100000}), "response_format.json_schema.schema.maxItems",
      "100000 is more than the 1000 repetitions"),

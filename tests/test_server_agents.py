@@ -247,7 +247,7 @@ def test_an_unknown_tool_in_tool_choice_is_a_400(thinker: Server) -> None:
 
 def test_the_python_api_takes_response_format_and_tools(qwen3_synth, synth) -> None:
     import bmoe
-    from bmoe.errors import ConfigError
+    from bmoe.base.errors import ConfigError
 
     with bmoe.load(qwen3_synth, cache_mb=1, threads=2, io_threads=2) as m:
         text = m.chat([{"role": "user", "content": "Plan a trip."}], think=False, max_tokens=240,

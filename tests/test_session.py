@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from bmoe import telemetry
-from bmoe.session_client import SessionClient
+from bmoe.base import telemetry
+from bmoe.edges.session_client import SessionClient
 from tests import spec_lines
 from tests.conftest import REPO, bmoe_segments, run_cli, still_running
 
@@ -162,14 +162,14 @@ def plain_chat(model: str, turns: list[str], n: int) -> list[dict]:
 
 
 class LocalSession:
-    """bmoe.session.Session over a real Engine (as a bmoe.api.Model) in this process, for a test that must act at
+    """bmoe.edges.session.Session over a real Engine (as a bmoe.api.Model) in this process, for a test that must act at
     a known point inside a generation: requests go through a pipe to the session's own reader thread,
     generations run on a thread of their own, protocol lines come back through a queue."""
 
     def __init__(self, model: str, *flags: str) -> None:
         from bmoe.api import Model
         from bmoe.coordinator import Engine
-        from bmoe.session import Output, Session
+        from bmoe.edges.session import Output, Session
         from tests.conftest import settings_for
 
         self.notices: list[str] = []
@@ -417,7 +417,7 @@ QWEN_LIKE = (
 def test_rendering_the_conversation(model: str) -> None:
     """The model's own template renders the conversation (one-shot --chat renders its one turn with
     the same Renderer); think:false reaches templates that read it."""
-    from bmoe.chat import Renderer
+    from bmoe.chat.template import Renderer
     from bmoe.coordinator import Engine
     from tests.conftest import settings_for
 
@@ -554,9 +554,9 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
 def test_demo_model_session() -> None:
     """The session on a real-routing model: the small demo model the suite builds anyway (8 experts,
     top-2, as tests/test_demo.py and tests/test_speculation.py use), with a budget holding every expert."""
-    from bmoe.model_files import open_model
-    from bmoe.tools import demo
-    from bmoe.units import MiB
+    from bmoe.base.model_files import open_model
+    from bmoe.base.units import MiB
+    from bmoe.demo import build as demo
 
     path = demo.build_demo(8, 2)
     every = open_model(path).expert_bytes * 1.05 / MiB  # every expert, page rounding included

@@ -1,4 +1,4 @@
-"""The settings schema: each setting declared once (bmoe.settings), and every edge generated from it:
+"""The settings schema: each setting declared once (bmoe.base.settings), and every edge generated from it:
 bmoe-cli's and bmoe-server's flags, bmoe.load's keywords, and validation worded for each."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from bmoe import flags
-from bmoe.errors import ConfigError
-from bmoe.settings import SamplerSettings, Settings, from_keywords
+from bmoe.base.errors import ConfigError
+from bmoe.base.settings import SamplerSettings, Settings, from_keywords
+from bmoe.edges import flags
 from tests.conftest import run_cli
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bmoe import telemetry
-from bmoe.session_client import SessionClient
+from bmoe.base import telemetry
+from bmoe.edges.session_client import SessionClient
 from tests.conftest import REPO, bmoe_segments, still_running
 
 PROMPT = "The lighthouse keeper wrote in his log every night about the ships and the weather " * 12

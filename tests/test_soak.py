@@ -16,11 +16,11 @@ import time
 import psutil
 import pytest
 
-from bmoe.expert_cache import file_regions, working_sets
-from bmoe.model_files import open_model
-from bmoe.session_client import SessionClient
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.edges.session_client import SessionClient
 from bmoe.shm_cache import SHM_DIR
-from bmoe.units import MiB
+from bmoe.streaming.expert_cache import file_regions, working_sets
 from tests.conftest import REPO, bmoe_segments
 
 REQUESTS, WARMUP = 200, 30

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from bmoe import speculation, telemetry
 from bmoe.api import Completion, Model
-from bmoe.model_files import open_model
-from bmoe.tools import demo
-from bmoe.units import MiB
+from bmoe.base import telemetry
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.demo import build as demo
+from bmoe.streaming import speculation
 from tests import spec_lines
 from tests.conftest import SlabCheck, complete, load, per_token, run_cli, slice_bytes
 from tests.conftest import reference as plain
@@ -265,7 +266,7 @@ def test_bad_lever_flags_exit_2(small_moe, flags: list[str], msg: str) -> None:
 
 
 def test_session_done_reports_recall_and_stall(small_moe) -> None:
-    from bmoe.session_client import SessionClient
+    from bmoe.edges.session_client import SessionClient
 
     path = str(small_moe)
     flags = ["-m", path, "-t", "1", "--cache-mb", "1", "--overlap", "--prefetch", "1"]

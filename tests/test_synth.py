@@ -11,7 +11,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from bmoe.llama import new_context
+from bmoe.seam.llama import new_context
 from bmoe.tools import synth
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away into the dark forest."

@@ -11,8 +11,8 @@ import llama_cpp
 import psutil
 import pytest
 
-from bmoe import telemetry
-from bmoe.session_client import SessionClient
+from bmoe.base import telemetry
+from bmoe.edges.session_client import SessionClient
 from tests import spec_lines
 from tests.conftest import complete, load, per_token, run_cli
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bmoe import usage_profile
 from bmoe.api import Model
 from bmoe.coordinator import Engine
-from bmoe.expert_cache import ABSENT, RESIDENT
-from bmoe.usage_profile import Usage
-from bmoe.warm_fill import IDLE_DEPTH, WarmFill
+from bmoe.streaming import usage_profile
+from bmoe.streaming.expert_cache import ABSENT, RESIDENT
+from bmoe.streaming.usage_profile import Usage
+from bmoe.streaming.warm_fill import IDLE_DEPTH, WarmFill
 from tests.conftest import complete, load, run_cli
 
 PROMPT = "The miller's daughter carried the flour down to the river before the sun came up"
@@ -255,7 +255,7 @@ def test_the_server_writes_the_profile_at_shutdown_and_fills_from_it_at_start(mo
 
 def test_the_session_and_the_api_write_the_profile_at_exit(model: Path, tmp_path) -> None:
     import bmoe
-    from bmoe.session_client import SessionClient
+    from bmoe.edges.session_client import SessionClient
 
     with SessionClient(["-m", str(model), "-c", "256", "-t", "2", "--cache-mb", "1000",
                         "--usage-dir", str(tmp_path / "s")]) as s:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from bmoe.errors import ConfigError
-from bmoe.model_files import split_name
+from bmoe.base.errors import ConfigError
+from bmoe.base.model_files import split_name
 
 DEFAULT_QUANT = "Q4_K_M"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -14,13 +14,13 @@
 
 Settings are keywords named after their `bmoe-cli` flags (`--cache-mb` is `cache_mb=500`,
 `--io-threads` is `io_threads=4`, `--no-stream` is `stream=False`, `-c` is `n_ctx=4096`), declared
-once in bmoe.settings, so the API, `bmoe-cli` and `bmoe-server` reach the same run; a value may
+once in bmoe.base.settings, so the API, `bmoe-cli` and `bmoe-server` reach the same run; a value may
 also be given as its flag's text (`cache_mb="auto"`). `setting_names()` lists them. Errors name
 the keywords; notices go to the `bmoe` logger.
 
-Every generation is a bmoe.generation.Generation: `Model.run` drives one on the first KV sequence
+Every generation is a bmoe.engine.generation.Generation: `Model.run` drives one on the first KV sequence
 (the CLI and the session use it), `Model.batch` several in one llama.cpp batch per step (load with
-`parallel=N`), bmoe.scheduler the server's. Each tracks exactly which tokens its KV sequence
+`parallel=N`), bmoe.server.scheduler the server's. Each tracks exactly which tokens its KV sequence
 holds. A chat whose messages extend the sequence's conversation (that conversation and its
 answer, then more) prefills only what the KV does not hold yet, as the session does with
 `clear_kv:false`; anything else starts from an empty KV, so `generate` gives what `bmoe-cli` gives
@@ -40,25 +40,26 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bmoe import model_source, telemetry
-from bmoe.errors import ConfigError, ContextTooLong
-from bmoe.generation import Chunk, Completion, Generation, GenerationStats, Message, Request, Slot, StopText
-from bmoe.grammar_check import GrammarCheck
-from bmoe.request_limits import check_stops
-from bmoe.settings import KEYWORDS, N_PREDICT, SamplerSettings, from_keywords
-from bmoe.settings import names as setting_names
-from bmoe.units import MiB
+from bmoe.api import source as model_source
+from bmoe.base import telemetry
+from bmoe.base.errors import ConfigError, ContextTooLong
+from bmoe.base.settings import FLAGS, KEYWORDS, N_PREDICT, SamplerSettings, Settings, Words, from_keywords
+from bmoe.base.settings import names as setting_names
+from bmoe.base.units import MiB
+from bmoe.chat.grammar_check import GrammarCheck
+from bmoe.chat.limits import check_stops
+from bmoe.engine.generation import Chunk, Completion, Generation, GenerationStats, Request, Slot, StopText, Turn
 
 if TYPE_CHECKING:
-    from bmoe.chat import Renderer
-    from bmoe.chat_output import Message as ChatMessage
-    from bmoe.chat_request import ChatFormat
-    from bmoe.coordinator import Engine
-    from bmoe.prompt_cache import PromptKV
-    from bmoe.readahead import ReadsAhead
+    from bmoe.chat.output import Reply
+    from bmoe.chat.request import ChatFormat
+    from bmoe.chat.template import Renderer
+    from bmoe.coordinator import Engine, EngineStats
+    from bmoe.engine.prompt_cache import PromptKV
+    from bmoe.streaming.readahead import ReadsAhead
 
 __all__ = ["Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request",
-           "StopText", "load", "setting_names"]
+           "StopText", "load", "open_model", "setting_names"]
 
 log = logging.getLogger("bmoe")
 
@@ -73,10 +74,17 @@ def load(path: str | Path | None = None, *, notice: Callable[[str], None] = log.
     default the `bmoe` logger, which Python shows on stderr unless logging is configured. Close
     the Model, or use it as a context manager, to stop the I/O lanes and free the shared memory.
     """
+    return open_model(from_keywords("" if path is None else str(path), **settings), notice, KEYWORDS)
+
+
+def open_model(settings: Settings, notice: Callable[[str], None], words: Words = FLAGS) -> Model:
+    """The one door to a loaded model, for `load` and for every edge (bmoe-cli, the session,
+    bmoe-server, bmoe-bench) that has checked Settings of its own: the model file resolved (a path,
+    `-hf`, or the demo model, built on first use), the engine loaded, the Model around it.
+    `words` names settings in errors the edge's way (flags or keywords)."""
     from bmoe.coordinator import Engine
 
-    s = model_source.resolve(from_keywords("" if path is None else str(path), **settings), notice)
-    return Model(Engine(s, notice=notice, words=KEYWORDS))
+    return Model(Engine(model_source.resolve(settings, notice), notice=notice, words=words))
 
 
 def _close(engine: Engine, grammars: GrammarCheck) -> None:
@@ -100,6 +108,7 @@ class ModelStats:
     generated_tokens: int
     read_mib: float
     last: GenerationStats | None
+    engine: EngineStats  # the load and the cache now: the figures bmoe-cli, the session and the server print
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -108,11 +117,11 @@ class ModelStats:
 class Model:
     """A loaded model. `run` serves one generation at a time on the first KV sequence (calls from
     several threads take turns); `batch` decodes several prompts together, one KV sequence each
-    (load with `parallel=N`), and bmoe.scheduler does so for a server's concurrent requests. Every
-    one goes through the one loop, bmoe.driver.Driver (`driver`)."""
+    (load with `parallel=N`), and bmoe.server.scheduler does so for a server's concurrent requests. Every
+    one goes through the one loop, bmoe.engine.driver.Driver (`driver`)."""
 
     def __init__(self, engine: Engine) -> None:
-        from bmoe.driver import Driver
+        from bmoe.engine.driver import Driver
 
         self.engine = engine
         self.driver = Driver(engine)
@@ -121,9 +130,9 @@ class Model:
         self.notice = engine.notice
         self._renderer: Renderer | None = None
         self._chat_format: ChatFormat | None = None
-        self.prompt_cache: PromptKV | None = None  # --prompt-cache (bmoe.prompt_cache)
+        self.prompt_cache: PromptKV | None = None  # --prompt-cache (bmoe.engine.prompt_cache)
         if engine.settings.prompt_cache:
-            from bmoe.prompt_cache import PromptKV
+            from bmoe.engine.prompt_cache import PromptKV
 
             self.prompt_cache = PromptKV(engine, engine.settings.prompt_cache, engine.settings.prompt_cache_mb)
         self._lock = threading.Lock()  # guards _live
@@ -134,7 +143,7 @@ class Model:
         self._finalizer = weakref.finalize(self, _close, engine, self.grammars)
 
     @property
-    def messages(self) -> list[Message]:
+    def messages(self) -> list[Turn]:
         """The conversation the first KV sequence holds (the one `run` uses), its last answer included."""
         return self.slots[0].messages
 
@@ -172,13 +181,13 @@ class Model:
         done = self.run(req)
         return done.text if req.reading is None else req.reading.read(done.text).content
 
-    def chat_message(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatMessage:
+    def chat_message(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Reply:
         """`chat`'s answer as a message: content, reasoning and tool calls (pass `tools`, as OpenAI's)."""
-        from bmoe.chat_output import Message as ChatMessage
+        from bmoe.chat.output import Reply
 
         req = self._checked(messages=messages, **options)
         text = self.run(req).text
-        return req.reading.read(text) if req.reading else ChatMessage(text, "", ())
+        return req.reading.read(text) if req.reading else Reply(text, "", ())
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Iterator[Chunk]:
         """`chat`, as chunks while they are generated."""
@@ -246,9 +255,9 @@ class Model:
         message of a prompt too long for the context (ContextTooLong). `response_format` (OpenAI's:
         json_object or json_schema) or `grammar` (GBNF) hold the answer to a form while it is
         sampled; `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's, for a chat) show the
-        model tools and, unless tool_choice is none, read its calls (bmoe.chat_request).
+        model tools and, unless tool_choice is none, read its calls (bmoe.chat.request).
         `lossless` asks for plain llama.cpp's output whatever lossy routing the model was loaded
-        with (bmoe.lossy). `forced` are token ids to generate instead of sampled ones (teacher
+        with (bmoe.streaming.lossy). `forced` are token ids to generate instead of sampled ones (teacher
         forcing, as `bmoe-bench quality` scores a text; max_tokens is then their number), and
         `logits` puts on each Chunk the distribution its token was chosen from.
         """
@@ -287,16 +296,16 @@ class Model:
     @property
     def renderer(self) -> Renderer:
         if self._renderer is None:
-            from bmoe.chat import Renderer
+            from bmoe.chat.template import Renderer
 
             self._renderer = Renderer(self.engine.vocab, self.engine.chat_template())
         return self._renderer
 
     @property
     def chat_format(self) -> ChatFormat:
-        """The chat template's syntax for tools and reasoning (bmoe.chat_request)."""
+        """The chat template's syntax for tools and reasoning (bmoe.chat.request)."""
         if self._chat_format is None:
-            from bmoe.chat_request import ChatFormat
+            from bmoe.chat.request import ChatFormat
 
             self._chat_format = ChatFormat(self.renderer, self.engine.vocab, self.grammars)
         return self._chat_format
@@ -304,7 +313,7 @@ class Model:
     def generation(self, req: Request, on_chunk: Callable[[Chunk], None] | None = None,
                    slot: Slot | None = None) -> Generation:
         """`req` as a Generation on `slot` (default: the first KV sequence), for `run` or a driver of
-        several (bmoe.scheduler); `cancel` reaches it from now until it finishes."""
+        several (bmoe.server.scheduler); `cancel` reaches it from now until it finishes."""
         gen = Generation(self.engine, slot or self.slots[0], req, on_chunk, self._stats, self.prompt_cache)
         with self._lock:
             self._live = [g for g in self._live if not g.finished] + [gen]
@@ -321,7 +330,7 @@ class Model:
         for g in live:
             self.driver.cancel(g)
 
-    def extends(self, messages: Sequence[Message]) -> bool:
+    def extends(self, messages: Sequence[Turn]) -> bool:
         """Whether `messages` continue the conversation the first KV sequence holds."""
         return self.slots[0].extends(messages)
 
@@ -371,10 +380,37 @@ class Model:
 
     @property
     def stats(self) -> ModelStats:
-        e = self.engine
+        e = self.engine.stats()
         return ModelStats(
             model=self.name, arch=e.arch, n_ctx=e.n_ctx, load_s=e.load_s, streaming=e.streaming,
-            cache_budget_mib=e.budget / MiB if e.streaming else 0.0, cache_resident_mib=e.resident_bytes() / MiB,
+            cache_budget_mib=e.budget_bytes / MiB, cache_resident_mib=e.resident_bytes / MiB,
             kv_tokens=sum(len(s.kv_tokens) for s in self.slots), generations=self._generations,
             generated_tokens=self._tokens,
-            read_mib=self._read_bytes / MiB, last=self._last)
+            read_mib=self._read_bytes / MiB, last=self._last, engine=e)
+
+    # -- what an edge asks of the load, besides generations --
+
+    def check_unchanged(self, fix: str) -> None:
+        """ModelError when the model file changed since the load (what bmoe reads would be another's)."""
+        self.engine.check_model_unchanged(fix)
+
+    def check_lossless(self, fix: str) -> None:
+        """ConfigError when this load cannot give a lossless generation (see Engine.check_lossless)."""
+        self.engine.check_lossless(fix)
+
+    def follow_memory(self) -> None:
+        """Between generations: an adaptive cache budget follows the room (see Engine.follow_memory)."""
+        self.engine.follow_memory()
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""
+        return self.engine.tokenize(text)
+
+    @property
+    def n_vocab(self) -> int:
+        return self.engine.vocab.n_tokens
+
+    @property
+    def holds_every_expert(self) -> bool:
+        """Every expert is in memory for good (no reads to share among requests: bmoe.server.scheduler)."""
+        return self.engine.holds_every_expert

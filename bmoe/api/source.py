@@ -1,6 +1,6 @@
 """Which model file a run uses: the path it was given, a model named on the Hugging Face hub
-(`-hf`, downloaded into its cache once: bmoe.hub) or, with neither, the demo model (built on
-first use, bmoe.tools.demo) with a cache budget of about a quarter of its experts.
+(`-hf`, downloaded into its cache once: bmoe.api.hub) or, with neither, the demo model (built on
+first use, bmoe.demo.build) with a cache budget of about a quarter of its experts.
 
 Every edge (bmoe-cli, the session, bmoe-server, bmoe.load) resolves its model here, so the
 no-argument runs of each are the same run.
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from bmoe.errors import ConfigError
-from bmoe.settings import Settings
+from bmoe.base.errors import ConfigError
+from bmoe.base.settings import Settings
 
 
 def resolve(s: Settings, progress: Callable[[str], None]) -> Settings:
@@ -27,12 +27,12 @@ def resolve(s: Settings, progress: Callable[[str], None]) -> Settings:
             raise ConfigError(f"the chat template {s.chat_template_file} cannot be read "
                               f"({getattr(e, 'strerror', None) or e}); give a jinja template file") from None
     if s.hf:
-        from bmoe import hub
+        from bmoe.api import hub
 
         return replace(s, model=str(hub.fetch(hub.parse(s.hf), progress)))
     if s.model:
         return s
-    from bmoe.tools.demo import default_model
+    from bmoe.demo.build import default_model
 
     path, demo_cache_mb = default_model(progress=progress)
     cache = s.cache

@@ -23,6 +23,10 @@ class FieldError(ConfigError):
         self.param = param
 
 
+class GrammarError(FieldError):
+    """A schema or grammar that cannot be enforced; the message names the part and the fix."""
+
+
 class ContextTooLong(ConfigError):
     """The prompt plus the tokens to generate do not fit the context (an OpenAI client's
     `context_length_exceeded`)."""

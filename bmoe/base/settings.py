@@ -2,13 +2,13 @@
 
 Each setting is a dataclass field declared with `setting(...)`: its name, type and default, and
 in the same place its flag, its `bmoe.load` keyword (the flag's words unless given), its help
-and its bounds (`Option`). `bmoe-cli`'s and `bmoe-server`'s flags (bmoe.flags) and
+and its bounds (`Option`). `bmoe-cli`'s and `bmoe-server`'s flags (bmoe.edges.flags) and
 `bmoe.load`'s keywords (`from_keywords`) are generated from these declarations, and `validate`
 words its errors in the caller's own vocabulary (`FLAGS` or `KEYWORDS`), so adding a setting is
 one declaration here. The order of declaration is the order of `--help`.
 
 `validate` is pure: it looks at the settings alone, never at the model or the machine
-(bmoe.budget decides what the machine allows).
+(bmoe.memory.budget decides what the machine allows).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, cast, get_type_hints
 
-from bmoe.argtypes import number, percent, positive_float, positive_int
-from bmoe.cache_policy import DEFAULT_POLICY, POLICIES
-from bmoe.errors import ConfigError
+from bmoe.base.argtypes import number, percent, positive_float, positive_int
+from bmoe.base.errors import ConfigError
 
 N_PREDICT = 64  # tokens a request generates when it does not say
+# the cache policies by name (bmoe.streaming.cache_policy.POLICIES makes each; a test holds the two together)
+POLICIES = ("lru", "cycle", "cycle-lfu", "next-use", "quota", "predict")
+DEFAULT_POLICY = "next-use"
 
 
 def _cache_mb(text: str) -> float | None:
@@ -177,7 +179,7 @@ class SpecSettings:
         rule="a percentage from 0 to 100",
         help="switch --spec-gate off for the run when its recall is below P%% after the warm-up; 0 = never "
              "(default {default})")
-    precision: float = setting(  # see bench/reports/2026-11-29-issue5 and bmoe.speculation.Confidence
+    precision: float = setting(  # see bench/reports/2026-11-29-issue5 and bmoe.streaming.speculation.Confidence
         70.0, "--spec-precision", parse=percent, metavar="P", ok=lambda v: 0 <= v <= 100,
         rule="a percentage from 0 to 100",
         help="read a predicted expert ahead only when predictions as sure as this one came true at least P%% of the "
@@ -203,7 +205,7 @@ LOSSY = "CHANGES THE OUTPUT (lossy, off by default; its price: `bmoe-bench quali
 
 @dataclass(frozen=True)
 class LossySettings:
-    """Opt-in routing changes that read fewer experts and change the output (bmoe.lossy); each is
+    """Opt-in routing changes that read fewer experts and change the output (bmoe.streaming.lossy); each is
     exact when off. A request can still ask for lossless output (bmoe.api, bmoe-server)."""
 
     experts_per_token: int = setting(
@@ -235,7 +237,7 @@ class Settings:
 
     model: str = setting("", "--model", short="-m",
                          help="GGUF model (first shard of a split model); default: the demo model")
-    hf: str | None = setting(  # bmoe.hub
+    hf: str | None = setting(  # bmoe.api.hub
         None, "--hf-repo", short="-hf", keyword="hf", metavar="ORG/REPO[:QUANT]",
         help="a model by name on the Hugging Face hub, downloaded once into its cache (every shard; HF_TOKEN, "
              "HF_ENDPOINT, HF_HUB_OFFLINE apply; needs the hf extra); QUANT picks the file (default Q4_K_M or the "
@@ -253,7 +255,7 @@ class Settings:
         None, "--chat-template-file", metavar="FILE",
         help="render chats with this jinja chat template instead of the model's own (e.g. one with tools for a "
              "model whose template has none)")
-    prompt_cache: str | None = setting(  # bmoe.prompt_cache
+    prompt_cache: str | None = setting(  # bmoe.engine.prompt_cache
         None, "--prompt-cache", metavar="DIR",
         help="keep the KV of each prompt's prefix (a chat's system prompt, tools and earlier turns) in DIR and, "
              "for a later prompt that starts with a kept prefix, even after a restart, load it instead of "

@@ -16,13 +16,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bmoe.units import MiB
+from bmoe.base.units import MiB
 
 # cache_budget_mib is bmoe's trailing column after the contract's nine (the contract's CSV is
 # additive, read by column name): the budget in force that token, which an adaptive cache moves.
 CSV_COLUMNS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "read_bytes", "cache_hit_pct",
                "stall_ms", "mgmt_ms", "cache_budget_mib")
-# A run with lossy routing (bmoe.lossy) has three more: experts dropped and substituted that token
+# A run with lossy routing (bmoe.streaming.lossy) has three more: experts dropped and substituted that token
 # (over every layer), and the mean share of a layer's routing weight not computed as the router chose
 LOSSY_COLUMNS = ("dropped", "substituted", "weight_changed_pct")
 CSV_OPTIONAL = ("stall_ms", "mgmt_ms", "dropped", "substituted", "weight_changed_pct")
@@ -42,7 +42,7 @@ class TokenStat:
     lookups: int
     stall_ns: int = 0
     budget_bytes: int = 0  # the cache budget in force after this token
-    dropped: int = 0  # lossy routing (bmoe.lossy): experts dropped over the layers
+    dropped: int = 0  # lossy routing (bmoe.streaming.lossy): experts dropped over the layers
     substituted: int = 0
     weight_changed_pct: float = 0.0  # mean over the layers of the routing weight's share changed
 
@@ -210,7 +210,7 @@ def spec_gate_line(recall_pct: float, disabled_below: float | None) -> str:
 
 
 def lossy_line(t: RunTotals, k: int, top_k: int) -> str:
-    """bmoe's `moe-lossy:` summary line, after the contract's, in a run with lossy routing (bmoe.lossy):
+    """bmoe's `moe-lossy:` summary line, after the contract's, in a run with lossy routing (bmoe.streaming.lossy):
     the experts per token per layer, drops and substitutions per token, and the mean share of a
     layer's routing weight not computed as the router chose."""
     return (f"moe-lossy: {k} of {top_k} experts per token, {t.per_tok(t.dropped):.2f} dropped + "

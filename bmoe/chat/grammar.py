@@ -1,8 +1,8 @@
 """Grammars that constrain sampling: a JSON schema or any JSON object (`response_format`).
 
 The GBNF comes from the JSON-schema converter llama-cpp-python ships
-(`llama_cpp.llama_grammar.SchemaConverter`, a port of llama.cpp's) and is enforced while sampling
-by llama.cpp's own grammar sampler (bmoe.llama.make_sampler), so every token sampled keeps the
+(`SchemaConverter`, a port of llama.cpp's, reached through bmoe.seam.llama) and is enforced while sampling
+by llama.cpp's own grammar sampler (bmoe.seam.llama.make_sampler), so every token sampled keeps the
 text a prefix of a valid document. Two things are added around the converter, not in place of it:
 
 - The converter skips a schema keyword it does not understand (`minimum`, `not`,
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bmoe.errors import FieldError
-from bmoe.request_limits import (
+from bmoe.base.errors import GrammarError
+from bmoe.chat.limits import (
     GRAMMAR_BYTES_MAX,
     GRAMMAR_NESTING_MAX,
     REPEAT_MAX,
@@ -47,10 +47,6 @@ _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _STRICT_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
 
 
-class GrammarError(FieldError):
-    """A schema or grammar that cannot be enforced; the message names the part and the fix."""
-
-
 @dataclass(frozen=True)
 class Grammar:
     """GBNF for llama.cpp's grammar sampler. With `triggers` (regular expressions, llama.cpp's
@@ -66,11 +62,16 @@ class Grammar:
     def lazy(self) -> bool:
         return bool(self.triggers)
 
+    @property
+    def gbnf(self) -> tuple[str, str, tuple[str, ...]]:
+        """As llama.cpp takes it (bmoe.seam.llama.Gbnf)."""
+        return self.text, self.root, self.triggers
+
 
 def _converter() -> Any:
-    from llama_cpp.llama_grammar import SchemaConverter
+    from bmoe.seam.llama import schema_converter
 
-    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    return schema_converter()
 
 
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength")  # each is written out that many times in the grammar
@@ -96,7 +97,7 @@ def _quantified(text: str, here: str) -> int:
 
 def check_schema(schema: Any, where: str = "schema") -> None:
     """GrammarError naming the first part of `schema` a grammar cannot enforce, or that would make a
-    grammar larger than llama.cpp can safely hold (bmoe.request_limits). Walks without recursion,
+    grammar larger than llama.cpp can safely hold (bmoe.chat.limits). Walks without recursion,
     so a schema nested however deep gets its error, not a RecursionError."""
     todo: list[tuple[Any, str, int]] = [(schema, where, 0)]
     nodes = repeats = 0
@@ -141,7 +142,7 @@ def check_schema(schema: Any, where: str = "schema") -> None:
 def check_gbnf(g: Grammar) -> None:
     """GrammarError when GBNF text is larger than llama.cpp's parser can safely take: too long, groups
     nested too deep (its recursive-descent parse would overflow the stack) or a {m,n} past llama.cpp's
-    repetition bound. Reads the text only; llama.cpp's own parse comes after (bmoe.grammar_check)."""
+    repetition bound. Reads the text only; llama.cpp's own parse comes after (bmoe.chat.grammar_check)."""
     size = len(g.text.encode())
     if size > GRAMMAR_BYTES_MAX:
         raise GrammarError(f"{g.where}: the grammar is {size} bytes, more than the {GRAMMAR_BYTES_MAX} a grammar may "

@@ -1,7 +1,7 @@
 """Every grammar is parsed by llama.cpp in a throwaway process before the engine sees it.
 
 llama.cpp's grammar parser is native code that crashes the process, rather than raising, on
-inputs nobody bounded (bmoe.request_limits bounds the ones we know of). So the first time a
+inputs nobody bounded (bmoe.chat.limits bounds the ones we know of). So the first time a
 grammar is seen it goes to a checker process (bmoe.workers.grammar_check) that builds the same
 sampler generation will build: if that process dies or takes longer than `deadline_s`, the request
 gets a GrammarError naming its grammar and the server keeps serving; the checker is started again
@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from bmoe.grammar import Grammar, GrammarError, check_gbnf
+from bmoe.chat.grammar import Grammar, GrammarError, check_gbnf
 
 CHECK_S = 10.0  # one grammar's parse; a longer one is refused as too complex
 START_S = 120.0  # the checker's start (Python, llama.cpp, the vocabulary) on a loaded machine
@@ -42,7 +42,7 @@ class GrammarCheck:
         self.lock = threading.Lock()
 
     def check(self, g: Grammar) -> None:
-        """GrammarError when `g` is too large (bmoe.grammar.check_gbnf), when llama.cpp refuses it,
+        """GrammarError when `g` is too large (bmoe.chat.grammar.check_gbnf), when llama.cpp refuses it,
         or when parsing it crashed or outlasted the deadline."""
         check_gbnf(g)
         key = (g.text, g.root, g.triggers)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bmoe.errors import FieldError
+from bmoe.base.errors import FieldError
 
 STOPS_MAX = 4  # stop strings in one request (OpenAI's own limit)
 STOP_CHARS_MAX = 1024  # characters in one stop string

@@ -8,7 +8,7 @@ text that could be the start of a marker (`<tool_c…`) waits for the next piece
 handed out once its name is known, then its arguments as they grow. So a stream's pieces, joined,
 are exactly the whole answer.
 
-Rules where the syntaxes leave room (bmoe.chat_syntax has the syntaxes):
+Rules where the syntaxes leave room (bmoe.chat.syntax has the syntaxes):
 - reasoning is only a block at the very start of the answer (or the whole start when the prompt
   ends inside one); its surrounding whitespace, and the whitespace after it, are dropped.
 - a tool call's `arguments` are the model's JSON text as written; a call whose arguments do not
@@ -24,7 +24,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from bmoe.chat_syntax import HARMONY, HERMES, MISTRAL, Syntax
+from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, Syntax
 
 _WS = " \t\r\n"
 _SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
@@ -70,7 +70,7 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
-class Message:
+class Reply:
     content: str
     reasoning: str
     calls: tuple[ToolCall, ...]
@@ -226,7 +226,7 @@ class OutputParser:
     def finish(self) -> Delta:
         return self._emit(self._scan(self.text, final=True))
 
-    def message(self) -> Message:
+    def message(self) -> Reply:
         """The whole answer (call after `finish`): calls that parse, with the ones that do not kept as content."""
         s = self._scan(self.text, final=True)
         calls, content = [], s.content
@@ -235,7 +235,7 @@ class OutputParser:
                 calls.append(ToolCall(self._id(k), c.name, c.args))
             else:
                 content += c.raw
-        return Message(content, s.reasoning, tuple(calls))
+        return Reply(content, s.reasoning, tuple(calls))
 
     def _id(self, k: int) -> str:
         return self.syntax.call_id(self.salt, k)
@@ -435,7 +435,7 @@ class Reading:
     def parser(self) -> OutputParser:
         return OutputParser(self.syntax, self.tools, self.think_open, self.salt)
 
-    def read(self, text: str) -> Message:
+    def read(self, text: str) -> Reply:
         """A whole answer's message."""
         p = self.parser()
         p.push(text)
@@ -444,7 +444,7 @@ class Reading:
 
     def turn(self, text: str) -> dict:
         """The answer as the assistant message a client sends back in its next request (content, and
-        tool calls as bmoe.chat_request checks them; reasoning is not sent back)."""
+        tool calls as bmoe.chat.request checks them; reasoning is not sent back)."""
         m = self.read(text)
         if not m.calls:
             return {"role": "assistant", "content": m.content}

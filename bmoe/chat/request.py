@@ -2,8 +2,8 @@
 conversation (tool calls and tool results included), `tools`/`tool_choice`, `response_format`, a
 raw `grammar`, and the reading of the answer (reasoning, content, tool calls).
 
-`ChatFormat` is one model's: its chat template (bmoe.chat.Renderer), the syntax that template
-writes calls and reasoning in (bmoe.chat_syntax) and the token ids of that syntax's markers,
+`ChatFormat` is one model's: its chat template (bmoe.chat.template.Renderer), the syntax that template
+writes calls and reasoning in (bmoe.chat.syntax) and the token ids of that syntax's markers,
 which generation writes out as text so that the answer can be read. Every check raises a
 GrammarError (a ConfigError) naming the field, which the server answers with a 400.
 """
@@ -14,15 +14,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bmoe.chat_output import Reading
-from bmoe.chat_syntax import HARMONY, check_tools, detect, tool_grammar, with_reasoning
-from bmoe.errors import ConfigError
-from bmoe.grammar import Grammar, GrammarError, response_format_grammar
+from bmoe.base.errors import ConfigError
+from bmoe.chat.grammar import Grammar, GrammarError, response_format_grammar
+from bmoe.chat.output import Reading
+from bmoe.chat.syntax import HARMONY, check_tools, detect, tool_grammar, with_reasoning
 
 if TYPE_CHECKING:
-    from bmoe.chat import Renderer
-    from bmoe.grammar_check import GrammarCheck
-    from bmoe.llama import Vocab
+    from bmoe.chat.grammar_check import GrammarCheck
+    from bmoe.chat.template import Renderer
+    from bmoe.seam.llama import Vocab
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _PROBE = "\u2063bmoe\u2063"  # a last message's stand-in, to find where a conversation's stable prefix ends
@@ -134,7 +134,7 @@ class ChatFormat:
 
     def verify(self, g: Grammar) -> None:
         """GrammarError when llama.cpp would not take `g`, or `g` could harm the process that parses it
-        (bmoe.grammar_check), before the request queues."""
+        (bmoe.chat.grammar_check), before the request queues."""
         self.grammars.check(g)
 
     def stable_prefix(self, messages: Sequence[Mapping[str, Any]], think: bool, tools: Any,
@@ -142,7 +142,7 @@ class ChatFormat:
         """How many of a chat prompt's `tokens` do not depend on its last message (the system prompt,
         tools and earlier turns): what a prompt cache keeps. A conversation of one message (a
         session's first turn, `bmoe-cli --chat`) keeps all of it, as a plain prompt does."""
-        from bmoe.chat import common_prefix
+        from bmoe.chat.template import common_prefix
 
         msgs = [dict(m) for m in check_messages(messages)]
         if len(msgs) == 1:

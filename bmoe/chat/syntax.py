@@ -11,10 +11,10 @@ by other means):
   `final`, a call as `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`;
 - otherwise `plain`: no tool calls; reasoning in `<think>…</think>` when the template has it.
 
-Whether a template takes tools at all is tested by rendering (bmoe.chat.Renderer.supports_tools).
+Whether a template takes tools at all is tested by rendering (bmoe.chat.template.Renderer.supports_tools).
 
 `tool_choice` "required" and a named function are enforced from the first token by a grammar
-(GBNF from bmoe.grammar: each tool's parameters through the JSON-schema converter, wrapped in the
+(GBNF from bmoe.chat.grammar: each tool's parameters through the JSON-schema converter, wrapped in the
 syntax's markers); "auto" gets a lazy grammar that applies once the model opens a call (llama.cpp's
 trigger patterns), so even a small model's calls are well formed; "none" none at all. A thinking
 template keeps its reasoning block in front of a forced call or a JSON answer.
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bmoe.grammar import Grammar, GrammarError, check_schema, literal, not_containing, schema_rules
+from bmoe.chat.grammar import Grammar, GrammarError, check_schema, literal, not_containing, schema_rules
 
 HERMES, MISTRAL, HARMONY, PLAIN = "hermes", "mistral", "harmony", "plain"
 CHOICES = ("auto", "none", "required")

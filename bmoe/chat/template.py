@@ -2,7 +2,7 @@
 
 llama.cpp's `llama_chat_apply_template` renders what it recognises (exactly as one-shot `--chat`
 renders a single turn); a template it does not know, or `think:false` on a template that reads
-`enable_thinking`, is rendered with jinja2 (the template itself). See bmoe.session's notes.
+`enable_thinking`, is rendered with jinja2 (the template itself). See bmoe.edges.session's notes.
 
 Tools, and conversations with tool calls or tool results in them, always go through jinja2, which
 passes the template `tools` as llama.cpp's jinja path does. Messages reach the template as the
@@ -13,15 +13,13 @@ object rather than JSON text, a missing content as "", and `reasoning_content` a
 
 from __future__ import annotations
 
-import ctypes
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import llama_cpp
-
-from bmoe.errors import ConfigError
-from bmoe.llama import Vocab
+from bmoe.base.errors import ConfigError
+from bmoe.seam import llama
+from bmoe.seam.llama import Vocab
 
 
 class Renderer:
@@ -43,7 +41,8 @@ class Renderer:
             return self._render_jinja(template_messages(messages), tools=list(tools) if tools else None, **thinking)
         if thinking:
             return self._render_jinja(list(messages), **thinking)
-        text = self._render_llama(messages)
+        assert self.template is not None
+        text = llama.apply_template(self.template, [(m["role"], m["content"]) for m in messages], True)
         return self._render_jinja(list(messages)) if text is None else text
 
     @property
@@ -60,44 +59,18 @@ class Renderer:
             self._tools = "bmoe_probe_tool_7f3a" in text
         return self._tools
 
-    def _render_llama(self, messages: Sequence[Mapping[str, Any]]) -> str | None:
-        """llama_chat_apply_template, add_ass=True (what one-shot --chat does); None if unsupported."""
-        msgs = (llama_cpp.llama_chat_message * len(messages))()
-        keep = []  # the encoded strings must outlive the call
-        for m, src in zip(msgs, messages):
-            role, content = src["role"].encode(), src["content"].encode()
-            keep += [role, content]
-            m.role, m.content = role, content
-        cap = 2 * sum(len(x) for x in keep) + 1024
-        buf = ctypes.create_string_buffer(cap)
-        n = llama_cpp.llama_chat_apply_template(self.template, msgs, len(messages), True, buf, cap)
-        if n > cap:
-            buf = ctypes.create_string_buffer(n)
-            n = llama_cpp.llama_chat_apply_template(self.template, msgs, len(messages), True, buf, n)
-        if n < 0:
-            return None
-        return buf.raw[:n].decode(errors="replace")
-
-    def _token_text(self, tok: int) -> str:
-        if tok < 0:
-            return ""
-        return (llama_cpp.llama_vocab_get_text(self.vocab.ptr, tok) or b"").decode(errors="replace")
-
     def _render_jinja(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         if self._jinja is None:
             assert self.template is not None  # render() uses llama.cpp's own formatting without one
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            bos = self._token_text(llama_cpp.llama_vocab_bos(self.vocab.ptr))
-            eos = self._token_text(llama_cpp.llama_vocab_eos(self.vocab.ptr))
-            self._jinja = (Jinja2ChatFormatter(self.template.decode(errors="replace"), eos, bos), bos)
+            bos, eos = self.vocab.text(self.vocab.bos), self.vocab.text(self.vocab.eos)
+            self._jinja = (llama.jinja_formatter(self.template.decode(errors="replace"), eos, bos), bos)
         fmt, bos = self._jinja
         try:
             text = fmt(messages=messages, **kwargs).prompt
         except Exception as e:  # noqa: BLE001 - a template error is the request's, not the session's
             raise ConfigError(f"the model's chat template failed to render: {e}") from None
         # tokenize() adds BOS itself when the vocab asks for it: do not send a second one
-        if bos and text.startswith(bos) and llama_cpp.llama_vocab_get_add_bos(self.vocab.ptr):
+        if bos and text.startswith(bos) and self.vocab.adds_bos:
             text = text[len(bos):]
         return text
 

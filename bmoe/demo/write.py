@@ -2,7 +2,7 @@
 
 The output is a `llama`-arch MoE (Mixtral layout). Each expert is the layer's dense FFN (Q4_1
 dequantized, requantized to Q8_0) whose down projection carries the expert's signature
-(`bmoe.tools.demo_routers.signature_gain`) in its Q8_0 block scales. llama.cpp's llama arch
+(`bmoe.demo.routers.signature_gain`) in its Q8_0 block scales. llama.cpp's llama arch
 renormalises the top-k routing weights (`build_moe_ffn(..., norm_w = true, ...)` in
 src/models/llama.cpp), so any routing yields the dense FFN up to the signature.
 
@@ -24,8 +24,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from bmoe.gguf_table import read_table
-from bmoe.tools.demo_routers import signature_gain
+from bmoe.base.gguf_table import read_table
+from bmoe.demo.routers import signature_gain
 
 ARCH = "llama"
 RECIPE = 2  # bump whenever the bytes a given (experts, top_k) produce change (it is in the file name)
@@ -85,7 +85,7 @@ def _int_field(reader: gguf.GGUFReader, key: str) -> int:
 def experts_for_size(size_gb: float, src: Path) -> int:
     """Experts per layer that make the demo file built from `src` about `size_gb` GB (1 GB = 1e9 bytes).
 
-    Reads the header only (bmoe.gguf_table): gguf's reader also parses the 49k-entry tokenizer
+    Reads the header only (bmoe.base.gguf_table): gguf's reader also parses the 49k-entry tokenizer
     arrays, 3 s for three numbers and a sum."""
     table = read_table(src)
 

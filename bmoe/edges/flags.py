@@ -1,4 +1,4 @@
-"""Command lines: every setting's flag generated from its declaration (bmoe.settings), and
+"""Command lines: every setting's flag generated from its declaration (bmoe.base.settings), and
 bmoe-cli's own flags (prompt, outputs, session) around them.
 
 `bmoe-cli` and `bmoe-server` both build their parsers with `add_options`; a flag's value is None
@@ -12,9 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from bmoe.argtypes import positive_int
-from bmoe.errors import ConfigError
-from bmoe.settings import FLAGS, N_PREDICT, SCHEMA, Entry, Settings, build, validate
+from bmoe.base import FLAGS, N_PREDICT, SCHEMA, ConfigError, Entry, Settings, build, positive_int, validate
 
 EXAMPLES = """\
 examples:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import psutil
 
-from bmoe.units import MiB
+from bmoe.base import MiB
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The session's line protocol (shared/spec/telemetry.md, "Session mode"): requests in, tags out.
 
-Pure: no llama.cpp, no engine. bmoe.session serves it, bmoe.session_client speaks it.
+Pure: no llama.cpp, no engine. bmoe.edges.session serves it, bmoe.edges.session_client speaks it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ NO_ID = -1
 DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache_hit_pct", "n_prompt",
              "n_past", "cache_resident_mib", "cache_budget_mib", "spec_recall_pct", "stall_s_tok",
              "mgmt_s_tok", "text")
-# bmoe's, after the contract's, in a session loaded with lossy routing (bmoe.lossy): what it did to this generation
+# bmoe's, after the contract's, in a session loaded with lossy routing (bmoe.streaming.lossy): what it did
+# to this generation
 LOSSY_DONE_KEYS = ("lossy", "experts_per_token", "dropped_tok", "substituted_tok", "weight_changed_pct")
 CANCEL, CLOSE, PROFILE = "cancel", "close", "profile"
 

@@ -62,12 +62,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from bmoe import console, model_source, profile, telemetry
-from bmoe.api import Chunk, Completion, Model
-from bmoe.coordinator import Engine
-from bmoe.errors import BmoeError, ConfigError
-from bmoe.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
-from bmoe.protocol import (
+from bmoe.api import Chunk, Completion, Model, open_model
+from bmoe.base import BmoeError, ConfigError, MiB, Settings, telemetry
+from bmoe.edges import console, profile
+from bmoe.edges.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
+from bmoe.edges.protocol import (
     CANCEL,
     CLOSE,
     DONE_KEYS,
@@ -79,8 +78,6 @@ from bmoe.protocol import (
     parse_request,
     safe,
 )
-from bmoe.settings import Settings
-from bmoe.units import MiB
 
 CONTEXT_FIX = "shorten it, lower n_predict, start a new chat (clear_kv:true) or restart the session with a larger -c"
 
@@ -146,7 +143,6 @@ class Session:
     def __init__(self, model: Model, out: Output, n_predict: int,
                  notice: Callable[[str], None] = console.notice) -> None:
         self.model = model
-        self.engine = model.engine
         self.out = out
         self.n_predict = n_predict
         self.notice = notice
@@ -234,8 +230,8 @@ class Session:
 
     def profile(self) -> None:
         """The per-process table (coordinator, workers) on stderr, on demand; stdout stays protocol-only."""
-        rows = profile.collect(self.engine.worker_pids())
-        print(profile.table(rows, self.engine.resident_bytes(), self.engine.lane_lines()), file=sys.stderr,
+        e = self.model.stats.engine
+        print(profile.table(profile.collect(list(e.workers)), e.resident_bytes, list(e.lanes)), file=sys.stderr,
               flush=True)
 
     # -- main thread --
@@ -246,7 +242,7 @@ class Session:
             try:
                 req = self.requests.get(timeout=0.5)  # a timeout keeps signals prompt
             except queue.Empty:
-                self.engine.follow_memory()
+                self.model.follow_memory()
                 continue
             if req == CLOSE:
                 return
@@ -260,7 +256,7 @@ class Session:
             self.out.line(tag, obj)
 
     def run(self, req: Generate) -> None:
-        self.engine.check_model_unchanged("restart the session to load it again")  # fatal: see the notes
+        self.model.check_unchanged("restart the session to load it again")  # fatal: see the notes
         base = [] if req.clear_kv else self.model.messages
         try:
             job = self.model.prepare(messages=[*base, {"role": "user", "content": req.prompt}],
@@ -290,23 +286,23 @@ class Session:
         self._finish("DONE", self._done(req.id, done))
 
     def _done(self, rid: int, done: Completion) -> dict[str, Any]:
-        e, s = self.engine, done.stats
-        gate = e.spec_gate_recall()
+        e, s = self.model.stats.engine, done.stats
+        gate = e.spec_gate
         obj = {
             "id": rid, "cancelled": s.finish_reason == "cancelled", "tokens": s.completion_tokens,
             "tok_s": round(s.tok_s, 3), "prefill_s": round(s.prefill_s, 4), "load_s": round(e.load_s, 3),
             "cache_hit_pct": round(s.cache_hit_pct, 2), "n_prompt": s.prefill_tokens, "n_past": s.kv_tokens,
-            "cache_resident_mib": round(e.resident_bytes() / MiB, 2),
-            "cache_budget_mib": round(e.budget / MiB if e.streaming else 0.0, 2),
+            "cache_resident_mib": round(e.resident_bytes / MiB, 2),
+            "cache_budget_mib": round(e.budget_bytes / MiB, 2),
             "spec_recall_pct": round(gate[0], 2) if gate else -1.0,
             "stall_s_tok": round(s.stall_s_per_token, 5), "mgmt_s_tok": round(s.mgmt_s_per_token, 5),
             "text": done.text,
         }
-        if e.is_lossy:
+        if e.lossy:
             obj.update(lossy=s.lossy, experts_per_token=s.experts_per_token, dropped_tok=round(s.dropped_per_token, 3),
                        substituted_tok=round(s.substituted_per_token, 3),
                        weight_changed_pct=round(s.weight_changed_pct, 3))
-        assert tuple(obj) == DONE_KEYS + (LOSSY_DONE_KEYS if e.is_lossy else ())
+        assert tuple(obj) == DONE_KEYS + (LOSSY_DONE_KEYS if e.lossy else ())
         return obj
 
 
@@ -348,12 +344,13 @@ def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
                if on]
     if ignored:
         console.notice(f"{', '.join(ignored)} ignored in session mode (prompts come from stdin)")
-    engine: Engine | None = None
+    model: Model | None = None
     session: Session | None = None
     try:
-        engine = Engine(model_source.resolve(settings, console.notice), notice=console.notice)
-        session = Session(Model(engine), out, a.n_predict)
-        out.line("READY", {"load_s": round(engine.load_s, 3), "arch": engine.arch, "n_ctx": engine.n_ctx})
+        model = open_model(settings, console.notice)
+        session = Session(model, out, a.n_predict)
+        e = model.stats.engine
+        out.line("READY", {"load_s": round(e.load_s, 3), "arch": e.arch, "n_ctx": e.n_ctx})
         threading.Thread(target=session.read_requests, args=(stdin_fd,), name="bmoe-requests",
                          daemon=True).start()
         session.serve()
@@ -368,5 +365,5 @@ def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
         return _fatal(out, rid, e)
     finally:
         out.seal()
-        if engine is not None:
-            engine.close()
+        if model is not None:
+            model.close()

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from bmoe import telemetry
+from bmoe.base import telemetry
 
 
 class SessionError(RuntimeError):

@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from bmoe.errors import Cancelled
-from bmoe.generation import Completion, Generation
+from bmoe.base.errors import Cancelled
+from bmoe.engine.generation import Completion, Generation
 
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine

@@ -2,7 +2,7 @@
 
 A Generation is one request from prefill to its last chunk: the KV prefix it can reuse, its
 tokens as text (UTF-8 held back until whole, stop strings cut), its telemetry, its finish reason
-and the KV it leaves. It never drives the engine itself: bmoe.driver's Driver, the one loop,
+and the KV it leaves. It never drives the engine itself: bmoe.engine.driver's Driver, the one loop,
 begins it, steps it with others and finishes it, for every caller.
 """
 
@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bmoe import telemetry
-from bmoe.errors import Cancelled
-from bmoe.settings import SamplerSettings
+from bmoe.base import telemetry
+from bmoe.base.errors import Cancelled
+from bmoe.base.settings import SamplerSettings
 
 if TYPE_CHECKING:
-    from bmoe.chat_output import Reading
+    from bmoe.chat.grammar import Grammar
+    from bmoe.chat.output import Reading
     from bmoe.coordinator import Engine
     from bmoe.coordinator import Sequence as EngineSequence
-    from bmoe.grammar import Grammar
-    from bmoe.prompt_cache import PromptKV
-    from bmoe.readahead import ReadsAhead
+    from bmoe.engine.prompt_cache import PromptKV
+    from bmoe.streaming.readahead import ReadsAhead
 
-Message = dict[str, str]
+Turn = dict[str, str]  # one message of a conversation as the engine keeps it (role, content)
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,12 @@ class Request:
     max_tokens: int
     sampler: SamplerSettings
     stop: tuple[str, ...] = ()
-    messages: tuple[Message, ...] | None = None  # a chat's conversation; None: a plain prompt
-    grammar: Grammar | None = None  # holds sampling to a JSON schema or a tool call (bmoe.grammar)
+    messages: tuple[Turn, ...] | None = None  # a chat's conversation; None: a plain prompt
+    grammar: Grammar | None = None  # holds sampling to a JSON schema or a tool call (bmoe.chat.grammar)
     specials: frozenset[int] = frozenset()  # tokens written as their special text (a chat syntax's markers)
     reading: Reading | None = None  # how a chat's answer splits into reasoning, content, tool calls
-    cache_prefix: int = 0  # the prompt's first tokens worth keeping in a prompt cache (bmoe.prompt_cache)
-    lossless: bool = False  # no lossy routing, whatever the load's settings (bmoe.lossy)
+    cache_prefix: int = 0  # the prompt's first tokens worth keeping in a prompt cache (bmoe.engine.prompt_cache)
+    lossless: bool = False  # no lossy routing, whatever the load's settings (bmoe.streaming.lossy)
     forced: tuple[int, ...] = ()  # teacher forcing: the tokens generated, in order, instead of sampled ones
     logits: bool = False  # each Chunk carries the distribution its token was chosen from
 
@@ -208,12 +208,12 @@ class Slot:
 
     seq: int
     kv_tokens: list[int] = field(default_factory=list)
-    messages: list[Message] = field(default_factory=list)
+    messages: list[Turn] = field(default_factory=list)
     busy: bool = False
     used: float = 0.0  # when a generation last ended here (the least recent is reused first)
     lossy: bool = False  # its KV was computed with lossy routing: a lossless request does not reuse it
 
-    def extends(self, messages: Sequence[Message], lossless: bool = False) -> bool:
+    def extends(self, messages: Sequence[Turn], lossless: bool = False) -> bool:
         """Whether `messages` continue this slot's conversation (that conversation, then more), in KV
         a lossless request may reuse."""
         n = len(self.messages)
@@ -226,7 +226,7 @@ OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadsAhead | None
 class Generation:
     """`req` on `slot`: `begin` prefills, `take` adds each decoded token, `finish` ends it.
 
-    Only the driver (bmoe.driver) calls these. A chat that extends the slot's conversation
+    Only the driver (bmoe.engine.driver) calls these. A chat that extends the slot's conversation
     prefills only the tokens past the prefix the KV already holds. Afterwards the KV holds the
     prompt and the answer; a cancelled generation is rolled back to the reused prefix, one cut by
     a stop string to its prompt. `on_end` hears the stats of every generation that finishes.
@@ -263,7 +263,7 @@ class Generation:
 
     def begin(self) -> None:
         """Keep the prefix of the KV this request can reuse and prefill the rest."""
-        from bmoe.chat import common_prefix
+        from bmoe.chat.template import common_prefix
 
         e, slot, req = self.engine, self.slot, self.req
         slot.busy = True

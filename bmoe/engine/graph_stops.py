@@ -2,7 +2,7 @@
 (the Streamer's demand reads and remap, and the route trace), each layer's router input (the
 spec-gate's prediction and the trace) and the down matmul's input (overlap's wait).
 
-`Stops` is the eval hook's one listener (bmoe.seam.Stops); the Engine builds it once the
+`StreamingStops` is the eval hook's one listener (a bmoe.seam.StopListener); the Engine builds it once the
 Streamer, the spec-gate and the trace exist.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from bmoe import seam
-from bmoe.lossy import DROPPED, Lossy
-from bmoe.route_trace import TraceWriter
-from bmoe.streamer import Streamer
+from bmoe.streaming.lossy import DROPPED, Lossy
+from bmoe.streaming.route_trace import TraceWriter
+from bmoe.streaming.streamer import Streamer
 
 
-class Stops:
+class StreamingStops:
     """The streaming run's answers at the graph's stops."""
 
     def __init__(self, streamer: Streamer, down_nodes: dict[bytes, int], trace: TraceWriter | None,
@@ -36,7 +36,7 @@ class Stops:
         return self.trace is None and self.st.skip(layer)
 
     def reroute(self, layer: int, ids: np.ndarray, node: int) -> None:
-        """Lossy routing (bmoe.lossy), when the run has it, changes the ids and weights first."""
+        """Lossy routing (bmoe.streaming.lossy), when the run has it, changes the ids and weights first."""
         if self.lossy is not None:
             self.lossy.reroute(layer, ids, node)
 
@@ -73,6 +73,6 @@ class Stops:
 
 def _read(ids: np.ndarray) -> np.ndarray:
     """The routed ids as experts to read: a dropped position as its row's best expert, which the row
-    reads anyway (its slot is the spare's: Stops.slot_ids)."""
+    reads anyway (its slot is the spare's: StreamingStops.slot_ids)."""
     dropped = ids == DROPPED
     return np.where(dropped, ids[:, :1], ids) if dropped.any() else ids

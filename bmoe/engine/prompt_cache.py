@@ -1,7 +1,7 @@
 """Prompt KV kept on disk across restarts (`--prompt-cache DIR`, bounded by `--prompt-cache-mb`).
 
 An entry is the KV of one prompt prefix (a chat's system prompt and tools) in one KV sequence,
-taken with llama.cpp's state API after its prefill (`llama_state_seq_get_data`, bmoe.llama) and
+taken with llama.cpp's state API after its prefill (`llama_state_seq_get_data`, bmoe.seam.llama) and
 put back into a sequence instead of prefilling it (`llama_state_seq_set_data`). It is keyed by
 the model's identity and the exact tokens; a request uses the longest entry its prompt begins with.
 
@@ -57,9 +57,9 @@ def model_identity(paths: Sequence[Path], context: str = "") -> bytes:
     """What a KV state depends on, hashed: each model file's size, its GGUF header (metadata and
     tensor table: the first block, as far as the tensor data) and 16 blocks spread over its data;
     `context` adds what else shapes the KV (llama.cpp's build, the KV type)."""
-    import llama_cpp
+    from bmoe.seam.llama import BINDINGS_VERSION
 
-    h = hashlib.sha256(f"bmoe prompt cache 1|llama-cpp-python {llama_cpp.__version__}|{context}".encode())
+    h = hashlib.sha256(f"bmoe prompt cache 1|llama-cpp-python {BINDINGS_VERSION}|{context}".encode())
     for p in paths:
         size = p.stat().st_size
         h.update(struct.pack("<Q", size))
@@ -251,10 +251,11 @@ class PromptKV:
     prefilled there and kept (Generation.begin calls `prefill` for a sequence it emptied)."""
 
     def __init__(self, engine: Engine, folder: str, limit_mb: float) -> None:
-        import llama_cpp
+        from bmoe.seam.llama import ubatch_size
 
         self.engine = engine
-        self.n_ubatch = llama_cpp.llama_n_ubatch(engine.ctx)
+        assert engine.ctx is not None  # a loaded engine
+        self.n_ubatch = ubatch_size(engine.ctx)
         identity = model_identity(engine.files.paths, f"n_seq={engine.settings.parallel} k={engine.fixed_k}")
         self.store = PromptCache(folder, limit_mb, identity, engine.notice)
 
@@ -263,7 +264,7 @@ class PromptKV:
         or else (when `prefix`, the tokens worth keeping, allows a cut) the prefix prefilled and kept;
         then up to the next ubatch edge (see the module notes). Returns (tokens the KV holds now,
         tokens decoded here, seconds); what is left, at least one token, is the caller's to decode."""
-        from bmoe.llama import seq_state, set_seq_state
+        from bmoe.seam.llama import seq_state, set_seq_state
 
         e, n, u = self.engine, len(tokens), self.n_ubatch
         assert e.ctx is not None  # a loaded engine

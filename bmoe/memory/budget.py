@@ -1,5 +1,5 @@
 """How big the expert cache may be: the `--cache-mb` rules and how an adaptive budget moves, pure
-(the caller reads the machine: bmoe.memory).
+(the caller reads the machine: bmoe.memory.probe).
 
 A budget below one layer's routed set cannot run at all; below one token's working set (every
 MoE layer's top-k, page-rounded as the cache charges them) it only thrashes, so it is refused
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bmoe.errors import ConfigError
-from bmoe.memory import Room
-from bmoe.settings import FLAGS, CacheSettings, Words
-from bmoe.units import MiB
+from bmoe.base.errors import ConfigError
+from bmoe.base.settings import FLAGS, CacheSettings, Words
+from bmoe.base.units import MiB
+from bmoe.memory.probe import Room
 
 
 def mib_up(nbytes: int) -> str:
@@ -63,7 +63,7 @@ def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_nee
     """The cache budget in bytes for this model, or a ConfigError that names the fix in the
     caller's words (`w`: flags or bmoe.load keywords).
 
-    `layer_need` / `token_need`: one layer's / one token's working set (bmoe.expert_cache.working_sets).
+    `layer_need` / `token_need`: one layer's / one token's working set (bmoe.streaming.expert_cache.working_sets).
     """
     notice = None
     floor_bytes, floor_text = floor(cache, rooms, w)
@@ -96,7 +96,7 @@ def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_nee
 
 @dataclass
 class Adaptive:
-    """Moves a running cache's budget with the room the limits leave (bmoe.memory), once per token.
+    """Moves a running cache's budget with the room the limits leave (bmoe.memory.probe), once per token.
 
     `room` is measured with the cache's resident pages already charged; the pages it may still
     take (`budget - resident`) are subtracted first, so a cache that is still filling is not

@@ -23,7 +23,7 @@ import os
 import threading
 
 from bmoe import seam
-from bmoe.model_files import EXPERT_TENSOR, ModelFiles
+from bmoe.base.model_files import EXPERT_TENSOR, ModelFiles
 from bmoe.shm_cache import PAGE
 
 _libc = ctypes.CDLL(None, use_errno=True)

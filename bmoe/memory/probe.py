@@ -24,7 +24,7 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-from bmoe.units import MiB
+from bmoe.base.units import MiB
 
 V1_UNLIMITED = 1 << 62  # v1 reports "no limit" as a page-rounded LONG_MAX
 

@@ -1,6 +1,6 @@
 """Offline bounds for `bmoe-bench policies`: policies that read the trace's future.
 
-They plug into the live `ExpertCache` like any policy in bmoe.cache_policy, but only a replay
+They plug into the live `ExpertCache` like any policy in bmoe.streaming.cache_policy, but only a replay
 knows the future, so no run of bmoe-cli can use them.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from bmoe.cache_policy import Key, NextUse, Policy
+from bmoe.streaming.cache_policy import Key, NextUse, Policy
 
 
 class Future:

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe import routers
-from bmoe.cache_policy import POLICIES, Policy
-from bmoe.expert_cache import file_regions
-from bmoe.model_files import open_model
-from bmoe.route_trace import Trace
-from bmoe.tools.policy_bounds import Belady, NextTokenOracle
-from bmoe.tools.route_stats import replay
+from bmoe.base.model_files import open_model
+from bmoe.replay.bounds import Belady, NextTokenOracle
+from bmoe.replay.stats import replay
+from bmoe.streaming import routers
+from bmoe.streaming.cache_policy import POLICIES, Policy
+from bmoe.streaming.expert_cache import file_regions
+from bmoe.streaming.route_trace import Trace
 
 PREDICT_AHEAD = 2
 BELADY = "belady"

@@ -2,7 +2,7 @@
 hit rate by budget.
 
 `bmoe-bench routes PATH` prints `report` and `bmoe-demo --stats` its own summary; `replay` runs a
-trace through the live cache and is what `bmoe-bench policies` (bmoe.tools.policy_sim) is built on.
+trace through the live cache and is what `bmoe-bench policies` (bmoe.replay.policies) is built on.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.cache_policy import Policy
-from bmoe.expert_cache import ExpertCache, Region, file_regions
-from bmoe.model_files import open_model
-from bmoe.route_trace import Trace
-from bmoe.units import MiB
+from bmoe.base.model_files import open_model
+from bmoe.base.units import MiB
+from bmoe.streaming.cache_policy import Policy
+from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions
+from bmoe.streaming.route_trace import Trace
 
 BUDGETS_PCT = (10, 25, 50, 75)
 
@@ -53,7 +53,7 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
     """Share of layer l+1's routed experts that the spec-gate's predictor picks from layer l's router input."""
     if t.hidden is None:
         raise ValueError("the trace has no hidden states (.hidden.npy); re-record it with --route-trace")
-    from bmoe import routers
+    from bmoe.streaming import routers
 
     try:
         pred = routers.Predictor(routers.load([model], t.header["arch"], t.layers), int(t.header["top_k"]), rescale)

@@ -346,8 +346,8 @@ def deliver(exc: BaseException) -> None:
         raise exc
 
 
-class Stops(Protocol):
-    """What the eval hook calls at the nodes where it stops the graph (bmoe.stops implements it).
+class StopListener(Protocol):
+    """What the eval hook calls at the nodes where it stops the graph (bmoe.engine.graph_stops implements it).
 
     `down_nodes` maps each layer's down-matmul input node name to its layer (empty: no stop
     there); `router_input` says whether to stop at each layer's router input (`ffn_moe_logits-L`).
@@ -377,7 +377,7 @@ class EvalHook:
     In capture mode it records expert tensors; in stream mode (`stops` set) it asks for each MoE
     layer's `ffn_moe_weights-L` node (the router weights gathered with the real expert ids) and,
     in its ask=False call, before any expert matmul reads the ids, calls `stops.reroute(layer, ids,
-    node)` (lossy routing may change the ids and the weights at the node, bmoe.lossy), then
+    node)` (lossy routing may change the ids and the weights at the node, bmoe.streaming.lossy), then
     `stops.on_route(layer, ids)` and overwrites the routed ids in place with
     `stops.slot_ids(layer, ids)`; a layer
     for which `stops.skip_route(layer)` is True runs without stopping (its tensors then read the
@@ -390,7 +390,7 @@ class EvalHook:
 
     def __init__(self) -> None:
         self.capture: Capture | None = None
-        self.stops: Stops | None = None
+        self.stops: StopListener | None = None
         self.error: BaseException | None = None
         self._layers: dict[bytes, int | None] = {}
         self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)

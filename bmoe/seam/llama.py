@@ -1,6 +1,9 @@
-"""Thin ownership wrappers over llama-cpp-python's low-level API (model, context, vocab, sampler).
+"""Every call bmoe makes into llama.cpp's own API (model, context, KV, decode, vocab, samplers,
+chat templates), through llama-cpp-python's ctypes bindings.
 
-Kept apart from the seam: nothing here reaches into ggml internals.
+With bmoe.seam.graph (the eval hook's reach into ggml's graph) this is the seam: no other module
+imports llama_cpp. What crosses it is plain Python (token lists, bytes, strings, numpy arrays) and
+the opaque pointers these functions hand out and take back.
 """
 
 from __future__ import annotations
@@ -9,15 +12,24 @@ import collections
 import ctypes
 import os
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
+import numpy as np
 
-from bmoe.errors import ModelError
-from bmoe.settings import SamplerSettings
+from bmoe.base.errors import GrammarError, ModelError
+from bmoe.base.settings import SamplerSettings
 
+BINDINGS_VERSION: str = llama_cpp.__version__  # llama-cpp-python's version (keys caches of computed states)
+ABORTED = 2  # llama_decode: the abort callback stopped the graph
+Model = llama_cpp.llama_model_p
+Context = llama_cpp.llama_context_p
 if TYPE_CHECKING:
-    from bmoe.grammar import Grammar
+    Sampler = llama_cpp.llama_sampler_p
+else:
+    Sampler = object  # llama-cpp-python declares the type for checkers only
+Gbnf = tuple[str, str, tuple[str, ...]]  # a grammar as llama.cpp takes it: GBNF text, root rule, lazy triggers
 
 _backend_ready = False
 _log_verbose = False
@@ -43,7 +55,7 @@ def init_backend(verbose: bool = False) -> None:
         _backend_ready = True
 
 
-def load_model(path: object, ints: dict[str, int] | None = None) -> llama_cpp.llama_model_p | None:
+def load_model(path: object, ints: dict[str, int] | None = None) -> Model | None:
     """llama.cpp's default mmap load, without repacking: a repacked (extra buffer type) weight
     would no longer match the file layout that expert streaming and the demo builder rely on.
     `ints` override integer keys of the file's metadata (llama.cpp's kv_overrides, e.g.
@@ -58,7 +70,7 @@ def load_model(path: object, ints: dict[str, int] | None = None) -> llama_cpp.ll
     return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
 
 
-def load_vocab(path: object) -> llama_cpp.llama_model_p | None:
+def load_vocab(path: object) -> Model | None:
     """The file's vocabulary alone (no weights are read): what parsing a grammar needs."""
     mp = llama_cpp.llama_model_default_params()
     mp.vocab_only = True
@@ -89,33 +101,43 @@ def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, ev
     return ctx
 
 
-def grammar_sampler(vocab: Vocab, g: Grammar) -> llama_cpp.llama_sampler_p:
-    """llama.cpp's grammar sampler for `g` (lazy when it has triggers); GrammarError naming llama.cpp's
+def grammar_sampler(vocab: Vocab, gbnf: Gbnf) -> Sampler:
+    """llama.cpp's grammar sampler for `gbnf` (lazy when it has triggers); GrammarError naming llama.cpp's
     complaint when it does not parse."""
-    from bmoe.grammar import GrammarError
-
+    text, root, triggers = gbnf
     _errors.clear()
-    if g.lazy:
-        pats = [p.encode() for p in g.triggers]
+    if triggers:
+        pats = [p.encode() for p in triggers]
         arr = (ctypes.c_char_p * len(pats))(*pats)
-        smpl = llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab.ptr, g.text.encode(), g.root.encode(), arr,
+        smpl = llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab.ptr, text.encode(), root.encode(), arr,
                                                                   len(pats), None, 0)
     else:
-        smpl = llama_cpp.llama_sampler_init_grammar(vocab.ptr, g.text.encode(), g.root.encode())
+        smpl = llama_cpp.llama_sampler_init_grammar(vocab.ptr, text.encode(), root.encode())
     if not smpl:
         why = "; ".join(_errors) or "see --verbose"
         raise GrammarError(f"llama.cpp rejected the grammar ({why}); fix the grammar")
     return smpl
 
 
-def free_sampler(smpl: llama_cpp.llama_sampler_p) -> None:
+def free_sampler(smpl: Sampler) -> None:
     llama_cpp.llama_sampler_free(smpl)
 
 
-def make_sampler(s: SamplerSettings, vocab: Vocab | None = None, grammar: Grammar | None = None
-                 ) -> llama_cpp.llama_sampler_p:
+def sample(smpl: Sampler, ctx: Context, row: int) -> int:
+    """The token `smpl` chooses from the logits of batch row `row` of the last decode."""
+    return int(llama_cpp.llama_sampler_sample(smpl, ctx, row))
+
+
+def schema_converter() -> Any:
+    """llama-cpp-python's JSON-schema → GBNF converter (a port of llama.cpp's), as bmoe.chat.grammar uses it."""
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+
+def make_sampler(s: SamplerSettings, vocab: Vocab | None = None, grammar: Gbnf | None = None) -> Sampler:
     """llama.cpp's own sampler chain: greedy when temp is 0, else top-k → top-p → temp → dist; a
-    grammar (bmoe.grammar) goes first, so every later stage sees only the tokens it allows."""
+    grammar (bmoe.chat.grammar) goes first, so every later stage sees only the tokens it allows."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     if grammar is not None:
         assert vocab is not None, "a grammar needs the vocab"
@@ -128,6 +150,118 @@ def make_sampler(s: SamplerSettings, vocab: Vocab | None = None, grammar: Gramma
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temp))
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(s.seed & 0xFFFFFFFF))
     return chain
+
+
+# ---- a context: its size, KV sequences, decode, logits ---------------------------------------------
+
+
+def context_size(ctx: Context) -> int:
+    return int(llama_cpp.llama_n_ctx(ctx))
+
+
+def ubatch_size(ctx: Context) -> int:
+    return int(llama_cpp.llama_n_ubatch(ctx))
+
+
+def set_abort(ctx: Context, callback: object) -> None:
+    """llama.cpp's abort callback (a ggml_abort_callback), asked between graph nodes."""
+    llama_cpp.llama_set_abort_callback(ctx, callback, None)
+
+
+def kv_clear(ctx: Context, seq: int = -1) -> None:
+    """Empty sequence `seq`'s KV (-1: every sequence's)."""
+    mem = llama_cpp.llama_get_memory(ctx)
+    if seq < 0:
+        llama_cpp.llama_memory_clear(mem, True)
+    else:
+        llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+
+
+def kv_len(ctx: Context, seq: int) -> int:
+    """Tokens in sequence `seq`'s KV: the next position to decode there."""
+    return int(llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(ctx), seq)) + 1
+
+
+def kv_cut(ctx: Context, seq: int, n: int) -> bool:
+    """Drop sequence `seq`'s positions from `n` on; False when the memory cannot drop part of a
+    sequence (sliding-window, recurrent), which then holds what it held."""
+    return bool(llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq, n, -1))
+
+
+def decode(ctx: Context, parts: Sequence[tuple[int, Sequence[int], int]], every_logit: bool = False
+           ) -> tuple[int, list[int]]:
+    """One llama_decode of (sequence, tokens, first position) parts, logits for each part's last
+    token (every token's with `every_logit`); llama.cpp's return code and the batch row of each
+    part's last token."""
+    n = sum(len(toks) for _, toks, _ in parts)
+    batch = llama_cpp.llama_batch_init(n, 0, 1)
+    rows, i = [], 0
+    try:
+        for seq, toks, pos in parts:
+            for j, tok in enumerate(toks):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + j, 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = every_logit or j == len(toks) - 1
+                i += 1
+            rows.append(i - 1)
+        batch.n_tokens = n
+        rc = llama_cpp.llama_decode(ctx, batch)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    return int(rc), rows
+
+
+def logits(ctx: Context, vocab: Vocab, row: int) -> np.ndarray:
+    """A copy of the last decode's logits at batch row `row`."""
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(vocab.n_tokens,)).copy()
+
+
+def free_context(ctx: Context) -> None:
+    llama_cpp.llama_free(ctx)
+
+
+def free_model(model: Model) -> None:
+    llama_cpp.llama_model_free(model)
+
+
+def n_embd(model: Model) -> int:
+    return int(llama_cpp.llama_model_n_embd(model))
+
+
+def n_layer(model: Model) -> int:
+    return int(llama_cpp.llama_model_n_layer(model))
+
+
+def chat_template(model: Model) -> bytes | None:
+    """The chat template stored in the GGUF, if any."""
+    return llama_cpp.llama_model_chat_template(model, None) or None
+
+
+def apply_template(template: bytes, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str | None:
+    """(role, content) messages through llama.cpp's own `llama_chat_apply_template` (the templates it
+    recognises); None for a template it does not know."""
+    msgs = (llama_cpp.llama_chat_message * len(messages))()
+    keep = []  # the encoded strings must outlive the call
+    for m, (role, content) in zip(msgs, messages):
+        r, c = role.encode(), content.encode()
+        keep += [r, c]
+        m.role, m.content = r, c
+    cap = 2 * sum(len(x) for x in keep) + 1024
+    buf = ctypes.create_string_buffer(cap)
+    n = llama_cpp.llama_chat_apply_template(template, msgs, len(messages), add_assistant, buf, cap)
+    if n > cap:
+        buf = ctypes.create_string_buffer(n)
+        n = llama_cpp.llama_chat_apply_template(template, msgs, len(messages), add_assistant, buf, n)
+    if n < 0:
+        return None
+    return buf.raw[:n].decode(errors="replace")
+
+
+def jinja_formatter(template: str, eos: str, bos: str) -> Any:
+    """llama-cpp-python's jinja2 chat formatter for `template` (a callable of messages and options)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    return Jinja2ChatFormatter(template, eos, bos)
 
 
 def seq_state(ctx: llama_cpp.llama_context_p, seq: int) -> bytes:
@@ -173,6 +307,28 @@ class Vocab:
     def is_eog(self, tok: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.ptr, tok))
 
+    @property
+    def n_tokens(self) -> int:
+        return int(llama_cpp.llama_vocab_n_tokens(self.ptr))
+
+    def text(self, tok: int) -> str:
+        """A token's text as the vocabulary stores it ("" for none, tok < 0)."""
+        if tok < 0:
+            return ""
+        return (llama_cpp.llama_vocab_get_text(self.ptr, tok) or b"").decode(errors="replace")
+
+    @property
+    def bos(self) -> int:
+        return int(llama_cpp.llama_vocab_bos(self.ptr))
+
+    @property
+    def eos(self) -> int:
+        return int(llama_cpp.llama_vocab_eos(self.ptr))
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether tokenizing with specials puts BOS in front."""
+        return bool(llama_cpp.llama_vocab_get_add_bos(self.ptr))
+
     def warmup_token(self) -> int:
-        bos = llama_cpp.llama_vocab_bos(self.ptr)
-        return bos if bos >= 0 else 0
+        return self.bos if self.bos >= 0 else 0

@@ -1,6 +1,6 @@
 """bmoe-server's HTTP app: the routes, the Prometheus metrics and the middleware that counts
 answers and bounds request bodies (FastAPI on uvicorn's event loop). Requests are checked and
-tokenized here, then handed to the scheduler (bmoe.scheduler) as jobs whose events become
+tokenized here, then handed to the scheduler (bmoe.server.scheduler) as jobs whose events become
 responses; the decisions are in bmoe.server's notes.
 """
 
@@ -25,20 +25,20 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
-from bmoe.errors import ConfigError, ContextTooLong, FieldError
-from bmoe.openai_wire import (
+from bmoe.base import ConfigError, ContextTooLong, FieldError
+from bmoe.server.scheduler import Event, Job, Position, QueueFull, Scheduler, ShuttingDown
+from bmoe.server.wire import (
     ChatBody,
     CompletionBody,
+    RequestBody,
     ServeError,
     Shape,
-    _Body,
     http_error,
     serve_error,
     shutting_down,
     sse,
     validation_error,
 )
-from bmoe.scheduler import Event, Job, Position, QueueFull, Scheduler, ShuttingDown
 
 CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -73,10 +73,10 @@ class Metrics:
             def count(m: str = mode) -> int:
                 return sched.batching.steps[m]
             steps.labels(mode).set_function(count)
-        e = model.engine
         Gauge("bmoe_cache_resident_bytes", "expert bytes resident in the cache", registry=r).set_function(
-            e.resident_bytes)
-        Gauge("bmoe_cache_budget_bytes", "the expert cache budget", registry=r).set_function(lambda: e.budget)
+            lambda: model.stats.engine.resident_bytes)
+        Gauge("bmoe_cache_budget_bytes", "the expert cache budget", registry=r).set_function(
+            lambda: model.stats.engine.budget_bytes)
         Gauge("bmoe_kv_tokens", "tokens in the KV, every sequence's", registry=r).set_function(
             lambda: sum(len(s.kv_tokens) for s in model.slots))
 
@@ -200,16 +200,16 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model.name, "object": "model",
-                                            "created": int(time.time() - model.engine.load_s),
+                                            "created": int(time.time() - model.stats.load_s),
                                             "owned_by": "bmoe"}]}
 
-    async def prepare(body: _Body, max_tokens: int | None, **what: Any) -> Request:
+    async def prepare(body: RequestBody, max_tokens: int | None, **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
         sampling: dict[str, Any] = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                         seed=body.seed)
         if body.bmoe.lossless:
             try:
-                model.engine.check_lossless("restart bmoe-server without one of them for lossless requests")
+                model.check_lossless("restart bmoe-server without one of them for lossless requests")
             except ConfigError as e:
                 raise ServeError(400, str(e), param="bmoe.lossless") from None
         try:
@@ -239,7 +239,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
                             response_format=body.response_format, grammar=body.grammar)
         return await answer(request, body, req, Shape(True, model.name))
 
-    async def answer(request: HttpRequest, body: _Body, req: Request, shape: Shape) -> Response:
+    async def answer(request: HttpRequest, body: RequestBody, req: Request, shape: Shape) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 

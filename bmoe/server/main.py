@@ -2,12 +2,12 @@
 
 Routes: `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (`"stream": true` gives server-sent events ending `data: [DONE]`),
-`GET /metrics` (Prometheus text). Every generation goes through bmoe.generation.Generation.
+`GET /metrics` (Prometheus text). Every generation goes through bmoe.engine.generation.Generation.
 
 Decisions:
 
 - Up to `--parallel N` generations run at once (one KV sequence each), on one worker thread
-  (bmoe.scheduler): each step batches them or lets them take turns (`--batching`, by default
+  (bmoe.server.scheduler): each step batches them or lets them take turns (`--batching`, by default
   whichever measured faster per generated token). Up to `--queue` more requests wait, more get
   429. The `X-Queue-Position` header says how many requests were ahead at admission (0: it runs
   at once); a stream also says `: queue position N` (an SSE comment, which clients skip) as it
@@ -50,24 +50,21 @@ import dataclasses
 import ipaddress
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 try:
     import uvicorn
 
-    from bmoe.server_app import create_app
+    from bmoe.server.app import create_app
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
                      "pip install 'bmoe[server]'") from None
 
-from bmoe import console, exits, flags, model_source
-from bmoe.api import Model
-from bmoe.argtypes import nonneg_int, number, positive_int
-from bmoe.errors import BmoeError, ConfigError
-from bmoe.scheduler import MODES, Scheduler
-from bmoe.settings import N_PREDICT, SCHEMA, schema_of, setting
+from bmoe.api import Model, open_model
+from bmoe.base import N_PREDICT, SCHEMA, BmoeError, ConfigError, nonneg_int, number, positive_int, schema_of, setting
+from bmoe.edges import console, exits, flags
+from bmoe.server.scheduler import MODES, Scheduler
 
 PROG = "bmoe-server"
 RELOAD_FIX = "restart bmoe-server to load it again"
@@ -93,7 +90,7 @@ def _port(text: str) -> int:
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """The server's own settings (the model's are bmoe.settings'), declared as those are."""
+    """The server's own settings (the model's are bmoe.base.settings'), declared as those are."""
 
     host: str = setting("127.0.0.1", "--host",
                         help="address to listen on (default {default}: this machine only); any other address needs "
@@ -121,7 +118,7 @@ SERVE = schema_of(ServeSettings)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every model setting's flag (bmoe.settings), -n, and the server's own group."""
+    """Every model setting's flag (bmoe.base.settings), -n, and the server's own group."""
     ap = argparse.ArgumentParser(
         prog=PROG, usage="%(prog)s [-m MODEL] [options]", epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -219,8 +216,6 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bmoe.coordinator import Engine
-
     ap = build_parser()
     a = ap.parse_args(argv)
     settings = flags.settings_from(ap, a)
@@ -230,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sock = listen(opts.host, opts.port)
         try:
-            model = Model(Engine(model_source.resolve(settings, console.notice), notice=console.notice))
+            model = open_model(settings, console.notice)
             return serve(model, opts, a.n_predict, sock)
         finally:
             sock.close()
@@ -242,7 +237,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.error("interrupted", PROG)
         return exits.EXIT_SIGINT
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """Many clients, one engine: a worker thread admits requests into the model's KV sequences
-(`--parallel N`, bmoe.generation.Slot) and decodes them step by step, batched or in turns,
+(`--parallel N`, bmoe.engine.generation.Slot) and decodes them step by step, batched or in turns,
 while a bounded queue waits behind (bmoe-server's requests).
 
 Each step either decodes every running request together in one llama.cpp batch (each layer
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
-from bmoe.errors import ConfigError
-from bmoe.generation import Completion, Generation
+from bmoe.base import ConfigError
+from bmoe.engine import Completion, Generation
 
 MODES = ("auto", "batch", "turns")
 
@@ -176,7 +176,7 @@ class Scheduler:
         return len(self.model.slots)
 
     def _all_cached(self) -> bool:
-        return self.model.engine.holds_every_expert
+        return self.model.holds_every_expert
 
     def start(self) -> None:
         self.thread.start()
@@ -247,7 +247,7 @@ class Scheduler:
         with self.cond:
             while not self.waiting and not self.active and not self.closed:
                 if not self.cond.wait(timeout=0.5):
-                    self.model.engine.follow_memory()  # idle: give memory back if the limits ask
+                    self.model.follow_memory()  # idle: give memory back if the limits ask
             if self.closed and not self.active:
                 return False
             admitted = []
@@ -269,7 +269,7 @@ class Scheduler:
     def _begin(self, job: Job) -> None:
         """Prefill `job`; a request that cannot run hears why (ConfigError) and the rest go on."""
         try:
-            self.model.engine.check_model_unchanged(self.reload_fix)
+            self.model.check_unchanged(self.reload_fix)
             done = self.model.driver.begin(job.running)
         except ConfigError as e:  # checked at admission; the request's all the same
             job.running.slot.busy = False

@@ -1,6 +1,6 @@
 """The OpenAI HTTP API's shapes, as bmoe-server speaks them: request bodies (pydantic, strict
 types), response objects and stream chunks (`Shape`), and errors as OpenAI error objects
-(`ServeError`). No engine and no routes here: bmoe.server_app joins these to the scheduler.
+(`ServeError`). No engine and no routes here: bmoe.server.app joins these to the scheduler.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from bmoe import telemetry
 from bmoe.api import Chunk, GenerationStats
-from bmoe.chat_output import Delta, Message
-from bmoe.errors import ConfigError
-from bmoe.request_limits import STOPS_MAX
-from bmoe.scheduler import GenerationFailed, QueueFull, ShuttingDown
+from bmoe.base import ConfigError, telemetry
+from bmoe.chat import STOPS_MAX, Delta, Reply
+from bmoe.server.scheduler import GenerationFailed, QueueFull, ShuttingDown
 
 # ---- errors ----------------------------------------------------------------------------------------
 
@@ -48,7 +46,7 @@ def shutting_down() -> ServeError:
 
 
 def serve_error(e: Exception) -> ServeError:
-    """What a request hears of a scheduler's exception (bmoe.scheduler)."""
+    """What a request hears of a scheduler's exception (bmoe.server.scheduler)."""
     if isinstance(e, ShuttingDown):
         return shutting_down()
     if isinstance(e, QueueFull):
@@ -87,7 +85,7 @@ class BmoeOptions(BaseModel):
     lossless: bool = False  # plain llama.cpp's output whatever lossy routing the server loaded with
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """What /v1/completions and /v1/chat/completions share; unknown fields are ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -104,9 +102,9 @@ class _Body(BaseModel):
     bmoe: BmoeOptions = BmoeOptions()
 
 
-class CompletionBody(_Body):
+class CompletionBody(RequestBody):
     prompt: str | list[str] = Field(min_length=1)
-    response_format: dict[str, Any] | None = None  # json_object / json_schema (bmoe.grammar)
+    response_format: dict[str, Any] | None = None  # json_object / json_schema (bmoe.chat.grammar)
     grammar: str | None = None  # GBNF, as llama-server takes it
 
 
@@ -126,7 +124,7 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The message for bmoe.chat_request (which checks what the roles need)."""
+        """The message for bmoe.chat.request (which checks what the roles need)."""
         text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
@@ -135,7 +133,7 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatBody(_Body):
+class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     think: bool = True
@@ -188,8 +186,8 @@ class Shape:
         (a possible stop string, a partial UTF-8 sequence), which comes without one."""
         return {"bmoe": telemetry.progress_fields(c.token)} if c is not None and c.token is not None else {}
 
-    def message(self, m: Message, s: GenerationStats, ahead: int) -> dict[str, Any]:
-        """A whole chat answer read into reasoning, content and tool calls (bmoe.chat_output)."""
+    def message(self, m: Reply, s: GenerationStats, ahead: int) -> dict[str, Any]:
+        """A whole chat answer read into reasoning, content and tool calls (bmoe.chat.output)."""
         out = self.whole(m.content, s, ahead)
         msg = out["choices"][0]["message"]
         if m.reasoning:

@@ -30,7 +30,7 @@ least recently used first within it), `cycle-lfu` (the same layer order, least f
 first within the layer, with decaying counts), `quota` (equal per-layer shares: evict from the
 layer holding most slices) and `predict` (`cycle-lfu` that never gives up a predicted slice while
 another candidate is left). The bounds that need the future (Belady's MIN, a next-token oracle)
-live with the simulator, in bmoe.tools.policy_bounds.
+live with the simulator, in bmoe.replay.bounds.
 
 Cost: a policy keeps its order as it goes, so `touch`, `admit` and `forget` cost O(1) or O(log n)
 and each key a walk yields O(log n), amortized; nothing passes over every slice per eviction or per
@@ -49,7 +49,6 @@ from itertools import islice
 Key = tuple[int, int, int]
 Entry = tuple[float, int, Key]  # (weight, tick of last use, key): a slice's rank in its layer
 
-DEFAULT_POLICY = "next-use"
 _UNUSED = (0.0, -1)  # an expert never used: no count, no token
 
 
@@ -140,7 +139,7 @@ class Policy:
 
     def prior(self, frequencies: dict[tuple[int, int], float], tokens: int) -> None:
         """Start from a past run's routing: each (layer, expert)'s share of its layer's routings, seen
-        over `tokens` tokens (bmoe.usage_profile). Policies that do not count uses ignore it."""
+        over `tokens` tokens (bmoe.streaming.usage_profile). Policies that do not count uses ignore it."""
 
     def furthest_first(self, layer: int | None) -> Iterator[int]:
         """Layers by next use in the cycle, furthest first: `layer` itself (next token), then the ones behind it."""

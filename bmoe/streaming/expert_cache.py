@@ -24,7 +24,7 @@ pages for the next read of its class (`warm`). A read whose class has no free in
 expert of its class (the policy's first) rather than give another class's pages back, so steady
 decode neither frees nor faults in memory. Pages are given back (MADV_REMOVE) only when no expert
 of the class can go (the mix of groups shifts, the budget shrinks), so the slab's allocated blocks
-stay within the budget. The eviction order comes from bmoe.cache_policy. With
+stay within the budget. The eviction order comes from bmoe.streaming.cache_policy. With
 no slab (trace replays) the same decisions run with no memory.
 
 Safety. `slot_ids` translates through a per-layer table that holds an index only while that
@@ -40,9 +40,10 @@ from math import gcd
 
 import numpy as np
 
-from bmoe.cache_policy import DEFAULT_POLICY, Policy, make_policy
-from bmoe.model_files import EXPERT_TENSOR, ModelFiles
+from bmoe.base.model_files import EXPERT_TENSOR, ModelFiles
+from bmoe.base.settings import DEFAULT_POLICY
 from bmoe.shm_cache import PAGE, Slab
+from bmoe.streaming.cache_policy import Policy, make_policy
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
@@ -112,7 +113,7 @@ def layout(regions: list[Region], spare: bool = False) -> int:
 
     With `spare`, each pool has one slot more, its last (`capacity - 1`): no expert ever takes it
     (indices are handed out per class below it), so it stays all zeros, what a position lossy
-    routing dropped reads (bmoe.lossy)."""
+    routing dropped reads (bmoe.streaming.lossy)."""
     by_layer: dict[int, list[Region]] = {}
     for r in regions:
         by_layer.setdefault(r.layer, []).append(r)
@@ -155,7 +156,7 @@ Key = tuple[int, int, int]  # (layer, region index, expert)
 
 
 class ExpertCache:
-    """(layer, tensor, expert) slices under a byte budget; a policy (bmoe.cache_policy) picks what goes.
+    """(layer, tensor, expert) slices under a byte budget; a policy (bmoe.streaming.cache_policy) picks what goes.
 
     A slice is charged its slot from the moment its read is planned (LOADING)
     until it is evicted. An expert holds one slot index (`index_of`, and the

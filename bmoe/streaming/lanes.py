@@ -14,7 +14,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 
 import msgpack
 
-from bmoe.errors import LaneError
+from bmoe.base.errors import LaneError
 from bmoe.workers.io_lane import CANCELLED
 
 if TYPE_CHECKING:

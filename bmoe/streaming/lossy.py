@@ -1,6 +1,6 @@
 """Lossy routing, opt-in: read fewer experts by changing which experts a token uses.
 
-Off by default, and exact when off (bmoe.settings.LossySettings). At each layer's routing node
+Off by default, and exact when off (bmoe.base.settings.LossySettings). At each layer's routing node
 (`ffn_moe_weights-L`, before any expert matmul and before the layer normalises its weights) the
 eval hook hands `Lossy.reroute` the routed ids, which it may rewrite in place, and the node, whose
 gathered weights it may rewrite in place:
@@ -19,7 +19,7 @@ gathered weights it may rewrite in place:
   is dropped; the token's best expert never is.
 
 A dropped position keeps its place in the ids (the graph's shape is fixed) but reads the pool's
-spare slot (`DROPPED` here, mapped by bmoe.stops): a slot no expert ever takes, all zeros, so the
+spare slot (`DROPPED` here, mapped by bmoe.engine.graph_stops): a slot no expert ever takes, all zeros, so the
 matmul reads nothing from flash and nothing stale. Its weight becomes what the layer's own
 normalisation ignores: 0 before a sum or as-is weighting, -inf before a softmax. The normalisation
 then runs as the model's graph has it, over what is left, so K by this hook computes what
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from bmoe import seam
-from bmoe.expert_cache import ABSENT, RESIDENT, ExpertCache
-from bmoe.settings import LossySettings
+from bmoe.base.settings import LossySettings
+from bmoe.streaming.expert_cache import ABSENT, RESIDENT, ExpertCache
 
 DROPPED = -1  # a dropped position's id after reroute: it reads the spare slot
 

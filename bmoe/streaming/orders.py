@@ -1,7 +1,7 @@
 """The reads sent to the I/O lanes and not answered yet: which slices each order fills, on which
 lane, and which experts it reads ahead of demand.
 
-Demand reads (bmoe.streamer) and reads ahead (bmoe.readahead) both send, cancel and look up
+Demand reads (bmoe.streaming.streamer) and reads ahead (bmoe.streaming.readahead) both send, cancel and look up
 orders here, the one owner of that state; neither reaches into the other.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from bmoe.expert_cache import ExpertCache
-from bmoe.lanes import LanePool, ReadOrder, merge_keyed, spread
-from bmoe.units import MiB
+from bmoe.base.units import MiB
+from bmoe.streaming.expert_cache import ExpertCache
+from bmoe.streaming.lanes import LanePool, ReadOrder, merge_keyed, spread
 
 MAX_MERGED_READ = 4 * MiB
 Key = tuple[int, int, int]  # (layer, region index, expert)

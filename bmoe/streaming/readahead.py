@@ -26,14 +26,14 @@ from typing import Protocol
 import numpy as np
 
 from bmoe import seam
-from bmoe.expert_cache import ABSENT, ExpertCache
-from bmoe.lanes import CANCELLED
-from bmoe.orders import Order, Orders
-from bmoe.speculation import SpecGate
+from bmoe.streaming.expert_cache import ABSENT, ExpertCache
+from bmoe.streaming.lanes import CANCELLED
+from bmoe.streaming.orders import Order, Orders
+from bmoe.streaming.speculation import SpecGate
 
 
 class BackgroundFill(Protocol):
-    """Reads that ride behind the reads ahead (bmoe.warm_fill.WarmFill): told when a decode starts
+    """Reads that ride behind the reads ahead (bmoe.streaming.warm_fill.WarmFill): told when a decode starts
     and settles, given the lanes after the wish list, and shown every answered order."""
 
     def owns(self, oid: int) -> bool: ...
@@ -62,7 +62,7 @@ class ReadsAhead:
 
 class ReadAhead:
     """The wish list, the spec-gate's predictions and how they fared; it sends and cancels its
-    orders through `orders` (bmoe.orders), beside the Streamer's demand reads."""
+    orders through `orders` (bmoe.streaming.orders), beside the Streamer's demand reads."""
 
     def __init__(self, orders: Orders, cache: ExpertCache, n_expert: int, top_k: int, prefetch: int) -> None:
         self.orders = orders
@@ -85,7 +85,7 @@ class ReadAhead:
         self.batch_left = 0  # tokens of the decode under way whose last layer has not routed yet
         self.ubatch = 0  # tokens the first layer routed in this ubatch
         self.last_routes_all = False  # the last layer routed every token of the last ubatch of several
-        self.warm: BackgroundFill | None = None  # a warm start's fill (bmoe.warm_fill), served after these reads
+        self.warm: BackgroundFill | None = None  # a warm start's fill (bmoe.streaming.warm_fill), after these reads
 
     @property
     def listening(self) -> bool:

@@ -3,7 +3,7 @@
 `bmoe-cli --route-trace PATH` writes JSON lines (a header, then one line per
 token) and `PATH.hidden.npy` with each token's router-input hidden state per
 layer, so predictors and cache policies can be evaluated offline against the
-model's own routers (bmoe.tools.route_stats, bmoe.tools.policy_sim).
+model's own routers (bmoe.replay.stats, bmoe.replay.policies).
 """
 
 from __future__ import annotations

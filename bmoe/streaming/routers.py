@@ -18,7 +18,7 @@ from typing import NamedTuple
 import gguf
 import numpy as np
 
-from bmoe.gguf_table import TensorInfo, read_table
+from bmoe.base.gguf_table import TensorInfo, read_table
 
 # the norm applied to the hidden state right before each arch's router (llama.cpp's build_norm call)
 ROUTER_NORM = {
@@ -44,7 +44,7 @@ class Router:
 
 def load(paths: list[str | Path], arch: str, layers: list[int]) -> dict[int, Router]:
     """Each layer's router as F32 arrays, from the model file(s) (any shard). Only the tensor
-    table is parsed (bmoe.gguf_table): gguf.GGUFReader would parse every field, the tokenizer's
+    table is parsed (bmoe.base.gguf_table): gguf.GGUFReader would parse every field, the tokenizer's
     arrays included, which took ~2 s of the spec-gate's start on the 64-expert demo model."""
     tensors: dict[str, tuple[Path, TensorInfo]] = {}
     for p in paths:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import msgpack
 
-from bmoe.model_files import ModelFiles
-from bmoe.settings import SpecSettings
+from bmoe.base.model_files import ModelFiles
+from bmoe.base.settings import SpecSettings
 from bmoe.shm_cache import Slab
 
 RING_SLOTS = 8

@@ -1,14 +1,14 @@
 """Demand reads: a layer's missing expert slices, read by the lanes and waited for where the graph needs them.
 
-The eval hook (bmoe.seam, through bmoe.stops) calls `on_route` with a layer's routed ids once its router weights are
-gathered (`ffn_moe_weights-L`), then `slot_ids` for what the expert matmuls must read instead. The
-cache (bmoe.expert_cache) pins the layer's slices and makes room; the missing
-ones go to the lanes at once, gate/up before down, largest read first onto the least-loaded lane.
-Serial (`overlap` off): the hook returns once every read landed. Overlap: it returns once the
-gate/up slices landed, and `on_down` waits for the down slices at the down matmul's input node,
-so those reads run while the gate/up matmuls compute. Reads ahead of demand (prefetch, spec-gate)
-are bmoe.readahead's; both send through bmoe.orders. This module owns the waits, the slot
-binding and the per-token counters; the lanes' busy time is bmoe.lane_stats'.
+The eval hook (bmoe.seam, through bmoe.engine.graph_stops) calls `on_route` with a layer's routed ids once its
+router weights are gathered (`ffn_moe_weights-L`), then `slot_ids` for what the expert matmuls must read
+instead. The cache (bmoe.streaming.expert_cache) pins the layer's slices and makes room; the missing ones go
+to the lanes at once, gate/up before down, largest read first onto the least-loaded lane. Serial (`overlap`
+off): the hook returns once every read landed. Overlap: it returns once the gate/up slices landed, and
+`on_down` waits for the down slices at the down matmul's input node, so those reads run while the gate/up
+matmuls compute. Reads ahead of demand (prefetch, spec-gate) are bmoe.streaming.readahead's; both send through
+bmoe.streaming.orders. This module owns the waits, the slot binding and the per-token counters; the lanes'
+busy time is bmoe.streaming.lane_stats'.
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from bmoe import seam
-from bmoe.cache_policy import DEFAULT_POLICY
-from bmoe.errors import ModelError
-from bmoe.expert_cache import ExpertCache, Region, layout
-from bmoe.lane_stats import LaneLoad, LaneStats
-from bmoe.lanes import CANCELLED, LanePool
-from bmoe.model_files import ModelFiles
-from bmoe.orders import Key, Order, Orders
-from bmoe.readahead import ReadAhead, ReadsAhead
-from bmoe.settings import StreamSettings
+from bmoe.base.errors import ModelError
+from bmoe.base.model_files import ModelFiles
+from bmoe.base.settings import DEFAULT_POLICY, StreamSettings
 from bmoe.shm_cache import Slab
-from bmoe.speculation import SpecGate
+from bmoe.streaming.expert_cache import ExpertCache, Region, layout
+from bmoe.streaming.lane_stats import LaneLoad, LaneStats
+from bmoe.streaming.lanes import CANCELLED, LanePool
+from bmoe.streaming.orders import Key, Order, Orders
+from bmoe.streaming.readahead import ReadAhead, ReadsAhead
+from bmoe.streaming.speculation import SpecGate
 
 WATCH_STEP = 64 * 2**20  # an adaptive budget is checked again once the cache has taken this much more
 

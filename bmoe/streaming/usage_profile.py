@@ -3,7 +3,7 @@
 At exit the Engine saves, per model file, the times each (layer, expert) was routed, out of how
 many routings of its layer (a decode token, or a prefill batch), added to half the counts the file
 held before (recent runs weigh more). At the next start with a cache the profile is read back and
-the cache fills from it in the background, most used first (bmoe.readahead's `fill`), and the cache
+the cache fills from it in the background, most used first (bmoe.streaming.readahead's `fill`), and the cache
 policy starts from its frequencies rather than from nothing (`Policy.prior`).
 
 A profile names the model file it was written for: its size, mtime and a hash of its first MiB
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.model_files import ModelFiles
+from bmoe.base.model_files import ModelFiles
 
 FORMAT = "bmoe-usage-profile"
 VERSION = 1

@@ -1,8 +1,8 @@
-"""A warm start: the experts a usage profile (bmoe.usage_profile) says were most used, read into the
+"""A warm start: the experts a usage profile (bmoe.streaming.usage_profile) says were most used, read into the
 cache in the background before and while the first requests run (`WarmFill`), and the profile
 written back at exit (`WarmStart`).
 
-The fill rides on the read-ahead machinery (bmoe.readahead.ReadAhead calls `pump`, `busy`, `pause`
+The fill rides on the read-ahead machinery (bmoe.streaming.readahead.ReadAhead calls `pump`, `busy`, `pause`
 and `on_done` and sends nothing of its own for it): one order per expert, admitted like a read
 ahead (the cache's cold end, kept until its layer routes), sent only after the reads ahead that
 ReadAhead has queued, and served by the lanes after every demand read. Unlike a prediction it is
@@ -22,15 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bmoe import usage_profile
-from bmoe.lanes import CANCELLED
-from bmoe.model_files import ModelFiles
-from bmoe.units import MiB
+from bmoe.base.model_files import ModelFiles
+from bmoe.base.units import MiB
+from bmoe.streaming import usage_profile
+from bmoe.streaming.lanes import CANCELLED
 
 if TYPE_CHECKING:
-    from bmoe.orders import Order
-    from bmoe.readahead import ReadAhead
-    from bmoe.streamer import Streamer
+    from bmoe.streaming.orders import Order
+    from bmoe.streaming.readahead import ReadAhead
+    from bmoe.streaming.streamer import Streamer
 
 BUSY_DEPTH = 1  # fill orders a lane may hold while a decode runs
 IDLE_DEPTH = 32  # ... and between requests: idle ticks come 0.5 s apart; 32 experts of the 64-expert demo
@@ -120,7 +120,7 @@ class WarmFill:
 
 
 class WarmStart:
-    """One run's usage profile (bmoe.usage_profile): read at start, where it seeds the cache policy
+    """One run's usage profile (bmoe.streaming.usage_profile): read at start, where it seeds the cache policy
     and a WarmFill, and written back at exit with this run's counts.
 
     `idle` is the Engine's tick between requests: it collects the fill's reads and sends more. A

@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bmoe.argtypes import nonneg_int, positive_float, positive_int
+from bmoe.base import nonneg_int, positive_float, positive_int
 from bmoe.tools import bench_config, bench_numbers, bench_quality, bench_report, bench_run, bench_sys
 
 EXIT_ERROR = 1
@@ -174,8 +174,8 @@ def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_routes(a: argparse.Namespace) -> int:
-    """`bmoe-bench routes`: what one routing trace says (bmoe.tools.route_stats)."""
-    from bmoe.tools import route_stats
+    """`bmoe-bench routes`: what one routing trace says (bmoe.replay.stats)."""
+    from bmoe.replay import stats as route_stats
 
     try:
         print(route_stats.report(a.trace, a.model))
@@ -185,8 +185,8 @@ def cmd_routes(a: argparse.Namespace) -> int:
 
 
 def cmd_policies(a: argparse.Namespace) -> int:
-    """`bmoe-bench policies`: every cache policy replayed on the traces (bmoe.tools.policy_sim)."""
-    from bmoe.tools import policy_sim
+    """`bmoe-bench policies`: every cache policy replayed on the traces (bmoe.replay.policies)."""
+    from bmoe.replay import policies as policy_sim
 
     try:
         rows = policy_sim.simulate(a.traces, a.budgets, a.model, progress=bench_run.notice, prefill=not a.no_prefill)

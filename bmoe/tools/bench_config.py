@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bmoe.argtypes import nonneg_int, positive_float, positive_int
-from bmoe.settings import StreamSettings
+from bmoe.base import StreamSettings, nonneg_int, positive_float, positive_int
 
 BASELINE_NAME = "mmap"
 BASELINE_FLAGS = ["--no-stream"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import gguf
 
-from bmoe.units import MiB
+from bmoe.base import MiB
 
 PAGE = 4096
 EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_\w+_exps\.weight$")

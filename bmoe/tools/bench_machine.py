@@ -8,8 +8,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from bmoe.base import MiB
 from bmoe.tools import bench_io
-from bmoe.units import MiB
 
 
 def _cpu_model() -> str:
@@ -65,7 +65,7 @@ def machine_info(model: Path) -> dict:
     return {"cores": os.cpu_count(), "cpu": _cpu_model(), "ram_mib": round(vm.total / MiB),
             "available_mib_at_start": round(vm.available / MiB), "kernel": platform.release(),
             "platform": platform.platform(), "python": platform.python_version(),
-            "llama_cpp_python": _version("llama-cpp-python"), "bmoe": _version("bmoe"),
+            "llama-cpp-python": _version("llama-cpp-python"), "bmoe": _version("bmoe"),
             "bmoe_git": _git(Path(__file__).resolve().parent.parent),
             "loadavg_at_start": list(os.getloadavg()), "model_filesystem": _filesystem(model),
             "hostname": platform.node()}

@@ -1,7 +1,7 @@
 """What the runs measured: one run's numbers from its output, and each configuration's medians,
 spread and limits.
 
-bmoe-cli's output is read with bmoe.telemetry, the one parser of the telemetry contract; this
+bmoe-cli's output is read with bmoe.base.telemetry, the one parser of the telemetry contract; this
 module only does arithmetic on what it returns.
 """
 
@@ -11,9 +11,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bmoe import telemetry
+from bmoe.base import MiB, telemetry
 from bmoe.tools.bench_config import BASELINE_NAME, Config, io_threads_of, overlap_of
-from bmoe.units import MiB
 
 RUN_KEYS = ("tokens", "tok_s", "s_per_token", "s_per_token_median", "s_per_token_p95", "p95_source",
             "steady_mib_per_token", "mib_read", "mib_per_token", "stall_s_per_token", "cache_hit_pct",

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.argtypes import nonneg_int, positive_int
+from bmoe.base import nonneg_int, positive_int
 from bmoe.tools import bench_config, bench_numbers, bench_report, bench_run
 from bmoe.tools.bench_config import Config
 from bmoe.tools.quality_text import PROMPTS, TEXT

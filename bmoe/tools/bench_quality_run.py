@@ -26,11 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 
-from bmoe import console, exits, flags, telemetry
-from bmoe.errors import BmoeError, ConfigError
+from bmoe.base import BmoeError, ConfigError, telemetry
+from bmoe.edges import console, exits, flags
 
 LOGP_FLOOR = -16.0  # llama-perplexity skips reference tokens at or below this log-probability
 
@@ -129,27 +128,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(a: argparse.Namespace, settings: flags.Settings) -> int:
     from bmoe import cli
-    from bmoe.api import Chunk, Model, Request
-    from bmoe.coordinator import Engine
+    from bmoe.api import Chunk, Request, open_model
 
     text = Path(a.text).read_text(encoding="utf-8")
     ref_path = Path(a.reference)
     writing = not Reference.complete(ref_path)
-    model = Model(Engine(settings, notice=console.notice))
-    e = model.engine
+    model = open_model(settings, console.notice)
+    lossy = model.stats.engine.lossy
     ref: Reference | None = None
     try:
-        tokens = e.tokenize(text)
+        tokens = model.tokenize(text)
         c, n = a.context, a.n_predict
         if len(tokens) < c + n:
             raise ConfigError(f"the text has {len(tokens)} tokens with this model's vocabulary, fewer than --context "
                               f"{c} plus -n {n}; give a longer text or fewer tokens")
         forced = tokens[c:c + n]
         meta = {"model": Path(settings.model).name, "context": c, "tokens": forced}
-        if writing and e.is_lossy:
+        if writing and lossy:
             raise ConfigError("the reference run (the first, with no reference yet) must be lossless")
-        vocab = llama_cpp.llama_vocab_n_tokens(e.vocab.ptr)
-        ref = Reference(ref_path, vocab, writing)
+        ref = Reference(ref_path, model.n_vocab, writing)
         if not writing and {k: ref.meta.get(k) for k in meta} != meta:
             raise ConfigError(f"{ref_path} was written for another model, text or --context; delete it")
         kl, same, nll = [], [], []
@@ -184,7 +181,8 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         if writing:
             ref.finish(meta)
         out = sys.stdout
-        for line in cli.summary(e, lines, done.stats):
+        e = model.stats.engine
+        for line in cli.summary(e, settings, lines, done.stats):
             out.write(line + "\n")
         out.flush()
         gens = []
@@ -193,12 +191,13 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
             gens.append({"prompt": p, "ids": list(g.ids), "tok_s": g.stats.tok_s})
         if a.csv:
             with open(a.csv, "w") as f:
-                f.write(telemetry.csv_header(e.is_lossy) + "\n")
+                f.write(telemetry.csv_header(lossy) + "\n")
                 for t in lines:
-                    f.write(telemetry.csv_row(t, e.is_lossy) + "\n")
+                    f.write(telemetry.csv_row(t, lossy) + "\n")
+                e = model.stats.engine
                 totals = telemetry.RunTotals.of(lines, overlap=e.streaming and settings.streaming.overlap)
                 f.write(telemetry.csv_summary(
-                    totals, done.stats.cache_hit_pct, e.budget, prefill_tokens=done.stats.prefill_tokens,
+                    totals, done.stats.cache_hit_pct, e.budget_bytes, prefill_tokens=done.stats.prefill_tokens,
                     prefill_s=done.stats.prefill_s, load_s=e.load_s, llama_load_s=e.llama_load_s) + "\n")
             result = {"reference": writing, "kl": kl, "same_top": same, "nll": nll,
                       "forced_s": forced_s, "stats": dataclasses.asdict(done.stats), "generations": gens}

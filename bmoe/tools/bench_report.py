@@ -42,7 +42,7 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
           f"- kernel: {m['kernel']} ({m['platform']})",
           f"- load average (1/5/15 min) at start: {' / '.join(f'{x:.2f}' for x in m['loadavg_at_start'])}"
           + (f"; at end: {' / '.join(f'{x:.2f}' for x in m['loadavg_at_end'])}" if m.get("loadavg_at_end") else ""),
-          f"- Python {m['python']}, llama-cpp-python {m['llama_cpp_python']}, bmoe {m['bmoe']}"
+          f"- Python {m['python']}, llama-cpp-python {m['llama-cpp-python']}, bmoe {m['bmoe']}"
           + (f" (git {m['bmoe_git']})" if m.get("bmoe_git") else ""),
           f"- model file system: {m['model_filesystem']}", ""]
     L += ["## Model", "",

@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bmoe import flags
+from bmoe.base import MiB
+from bmoe.edges import flags
 from bmoe.tools import bench_io, bench_machine, bench_report, bench_sys
 from bmoe.tools.bench_config import BASELINE_FLAGS, BASELINE_NAME, Config, schedule
 from bmoe.tools.bench_numbers import run_numbers
-from bmoe.units import MiB
 
 
 class BenchError(Exception):
@@ -267,8 +267,7 @@ def _model(path: str) -> tuple[Path, list[Path]]:
     if not model.is_file():
         raise BenchError(f"model file {model} does not exist; check the -m path")
     try:
-        from bmoe.errors import ModelError
-        from bmoe.model_files import shard_paths
+        from bmoe.base import ModelError, shard_paths
 
         shards = shard_paths(model.resolve())
     except ModelError as e:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from bmoe.units import MiB
+from bmoe.base import MiB
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "bmoe-"  # bmoe.shm_cache.SHM_PREFIX; segments are named bmoe-<owner pid>-<random>
@@ -198,7 +198,7 @@ class Cgroup:
 
     def python(self, directory: Path) -> str:
         """An executable in `directory` that joins this cgroup and then runs this Python: for drivers
-        that take an interpreter rather than a command line (bmoe.session_client.SessionClient)."""
+        that take an interpreter rather than a command line (bmoe.edges.session_client.SessionClient)."""
         path = directory / f"python-in-{self.path.name}"
         path.write_text(f'#!/bin/sh\necho $$ > "{self.procs_file}" && exec "{sys.executable}" "$@"\n')
         path.chmod(0o755)

@@ -1,7 +1,7 @@
 """The text `bmoe-bench quality` scores by default, and the prompts of its greedy generations.
 
 Written for bmoe's quality harness and used nowhere else: in particular not in
-bmoe.tools.calibration_text, from which the demo model's routers were built, so a demo model has
+bmoe.demo.calibration_text, from which the demo model's routers were built, so a demo model has
 not been fitted to it. Plain English prose of several kinds (narrative, explanation, a short
 dialogue, a list of steps), about 900 tokens with SmolLM2's tokenizer: enough for a context of
 128 tokens and 512 scored ones after it.

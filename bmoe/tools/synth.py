@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
-from bmoe.argtypes import positive_float, positive_int
+from bmoe.base import positive_float, positive_int
 
 ARCHES: tuple[str, ...] = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
 QUANTS: tuple[str, ...] = ("f16", "q8_0", "q4_0", "mxfp4")

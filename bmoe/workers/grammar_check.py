@@ -4,7 +4,7 @@ Run as `python -m bmoe.workers.grammar_check MODEL.gguf` so `ps` shows its role.
 the model's vocabulary, then for each request `[text, root, triggers]` (msgpack, stdin) builds
 llama.cpp's grammar sampler exactly as generation will and answers `[ok, why]` on stdout. A
 grammar that crashes llama.cpp's native parser takes down this process, not the server
-(bmoe.grammar_check turns that into an error naming the grammar). It owns no state of the run
+(bmoe.chat.grammar_check turns that into an error naming the grammar). It owns no state of the run
 and exits on EOF, so it never outlives its coordinator.
 """
 
@@ -29,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator stops us by closing stdin
     out = sys.stdout.buffer
-    from bmoe.errors import ConfigError
-    from bmoe.grammar import Grammar
-    from bmoe.llama import Vocab, free_sampler, grammar_sampler, init_backend, load_vocab
+    from bmoe.base.errors import ConfigError
+    from bmoe.seam.llama import Vocab, free_sampler, grammar_sampler, init_backend, load_vocab
 
     init_backend()
     model = load_vocab(args[0]) if len(args) == 1 else None
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             said.seek(0)
             said.truncate()
             try:
-                free_sampler(grammar_sampler(vocab, Grammar(text, root, tuple(triggers))))
+                free_sampler(grammar_sampler(vocab, (text, root, tuple(triggers))))
                 answer = [True, ""]
             except ConfigError as e:
                 said.seek(0)

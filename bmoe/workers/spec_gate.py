@@ -19,8 +19,8 @@ import sys
 import msgpack
 import numpy as np
 
-from bmoe import routers
 from bmoe.shm_cache import open_segment
+from bmoe.streaming import routers
 
 
 def _newest(fd: int, unpacker: msgpack.Unpacker) -> list | None:
