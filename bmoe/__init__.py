@@ -6,7 +6,7 @@ The module map is in docs/architecture.md.
 
 The API's names load on first use: a worker process (`python -m bmoe.workers.io_lane`) imports
 this package first, and bmoe.api would make each lane import numpy and the engine for nothing
-(180 ms instead of 15 ms of start per lane).
+(bench/reports/2026-12-01-fast-start-ab-2/ measured what that cost a start).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import numpy as np
 from bmoe import seam
 from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong, ModelError
 from bmoe.base.model_files import open_model
-from bmoe.base.settings import FLAGS, SamplerSettings, Settings, Words
+from bmoe.base.settings import FLAGS, Naming, SamplerSettings, Settings
 from bmoe.base.telemetry import TokenStat
 from bmoe.base.units import MiB
 from bmoe.engine.graph_stops import StreamingStops
@@ -46,7 +46,7 @@ from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, new_c
 from bmoe.shm_cache import sweep_stale_segments
 from bmoe.streaming.expert_cache import working_sets
 from bmoe.streaming.lossy import Lossy
-from bmoe.streaming.readahead import ReadsAhead
+from bmoe.streaming.readahead import ReadAheadCounts
 from bmoe.streaming.route_trace import TraceWriter
 from bmoe.streaming.speculation import SpecGate
 from bmoe.streaming.streamer import Streamer, regions_of
@@ -56,11 +56,11 @@ from bmoe.streaming.warm_fill import WarmStart
 if TYPE_CHECKING:
     from bmoe.chat.grammar import Grammar
 
-__all__ = ["Engine", "EngineStats", "Sequence"]
+__all__ = ["Engine", "EngineSequence", "EngineStats"]
 
 
 @dataclass
-class Sequence:
+class EngineSequence:
     """One generation's state in the engine (Engine.begin/step/end): its KV sequence and sampler."""
 
     seq: int
@@ -97,7 +97,7 @@ class Engine:
     """A loaded model and context; streaming experts unless `settings.streaming.enabled` is off."""
 
     def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None,
-                 words: Words = FLAGS) -> None:
+                 words: Naming = FLAGS) -> None:
         """Load `settings.model` as `settings` ask (validated by the edge: bmoe.edges.flags,
         bmoe.base.settings.from_keywords); `notice` hears what the user should know, errors name
         settings in `words` (the edge's)."""
@@ -437,21 +437,21 @@ class Engine:
 
     def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
               fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None, *,
-              lossless: bool = False, forced: Iterable[int] = (), keep_logits: bool = False) -> Sequence:
+              lossless: bool = False, forced: Iterable[int] = (), keep_logits: bool = False) -> EngineSequence:
         """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
         then decodes it. `lossless`: no lossy routing for this sequence. `forced`: the tokens its
         steps decode, in order, instead of sampled ones (teacher forcing). `keep_logits`: each
-        step keeps the distribution it chose from (`Sequence.logits`).
+        step keeps the distribution it chose from (`EngineSequence.logits`).
 
         Raises ContextTooLong when it does not fit the context (`fix` ends the message), Cancelled
-        when interrupted mid-prefill. Every Sequence begun must be ended (`end`), also after an error.
+        when interrupted mid-prefill. Every EngineSequence begun must be ended (`end`), also after an error.
         """
         pos = self.kv_len(seq)
         self.check_fits(pos + len(tokens), n_predict, fix)
         if lossless:
             self.check_lossless("load it without one of them for lossless requests")
         st = self.streamer
-        s = Sequence(seq, make_sampler(sampler, self.vocab, grammar.gbnf if grammar else None), lossless=lossless,
+        s = EngineSequence(seq, make_sampler(sampler, self.vocab, grammar.gbnf if grammar else None), lossless=lossless,
                      forced=list(forced), keep_logits=keep_logits)
         try:
             t0 = time.perf_counter()
@@ -473,7 +473,7 @@ class Engine:
             self.trace.active = True
         return s
 
-    def step(self, seqs: list[Sequence]) -> list[tuple[int, TokenStat] | None]:
+    def step(self, seqs: list[EngineSequence]) -> list[tuple[int, TokenStat] | None]:
         """Decode, for each of `seqs` together in one llama.cpp batch, the token it sampled after
         its last decode; returns per sequence that token and its TokenStat, or None for one that
         had sampled end-of-generation (nothing decoded: it is done).
@@ -515,7 +515,7 @@ class Engine:
         by_id = {id(s): st_ for s, st_ in zip(going, shares)}
         return [(toks[id(s)], by_id[id(s)]) if id(s) in toks else None for s in seqs]
 
-    def _choose(self, s: Sequence, row: int) -> None:
+    def _choose(self, s: EngineSequence, row: int) -> None:
         """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced
         token, else its sampler's choice (kept with the distribution when asked)."""
         if s.keep_logits:
@@ -523,16 +523,16 @@ class Engine:
         if s.forced:
             s.next = s.forced.pop(0)
         else:
-            assert s.sampler is not None, "a Sequence is sampled only between begin and end"
+            assert s.sampler is not None, "an EngineSequence is sampled only between begin and end"
             s.next = llama.sample(s.sampler, self.context, row)
 
-    def end(self, s: Sequence) -> ReadsAhead:
-        """Free a Sequence's sampler and settle the reads it left; returns what its reads ahead did."""
+    def end(self, s: EngineSequence) -> ReadAheadCounts:
+        """Free an EngineSequence's sampler and settle the reads it left; returns what its reads ahead did."""
         if s.sampler is None:
-            return ReadsAhead()
+            return ReadAheadCounts()
         llama.free_sampler(s.sampler)
         s.sampler = None
-        ahead = ReadsAhead()
+        ahead = ReadAheadCounts()
         if self.streamer:
             ahead = self.streamer.take_speculation()
             self.streamer.settle()

@@ -12,7 +12,8 @@ import bmoe
 from bmoe.api import Chunk, Model
 from bmoe.base.model_files import open_model
 from bmoe.base.units import MiB
-from bmoe.server.scheduler import Batching, Job, Position, QueueFull, Scheduler
+from bmoe.server.errors import QueueFull
+from bmoe.server.scheduler import Batching, Job, Position, Scheduler
 from tests.conftest import SlabCheck
 from tests.test_server import FLAGS, KEY, Server, auth, metric
 

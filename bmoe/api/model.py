@@ -43,7 +43,17 @@ from typing import TYPE_CHECKING, Any
 from bmoe.api import source as model_source
 from bmoe.base import telemetry
 from bmoe.base.errors import ConfigError, ContextTooLong
-from bmoe.base.settings import FLAGS, KEYWORDS, N_PREDICT, SamplerSettings, Settings, Words, from_keywords
+from bmoe.base.settings import (
+    FLAGS,
+    KEYWORDS,
+    N_PREDICT,
+    SAMPLING_FIELDS,
+    Naming,
+    SamplerSettings,
+    Settings,
+    check_sampling,
+    from_keywords,
+)
 from bmoe.base.settings import names as setting_names
 from bmoe.base.units import MiB
 from bmoe.chat.grammar_check import GrammarCheck
@@ -56,7 +66,7 @@ if TYPE_CHECKING:
     from bmoe.chat.template import Renderer
     from bmoe.coordinator import Engine, EngineStats
     from bmoe.engine.prompt_cache import PromptKV
-    from bmoe.streaming.readahead import ReadsAhead
+    from bmoe.streaming.readahead import ReadAheadCounts
 
 __all__ = ["Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request",
            "StopText", "load", "open_model", "setting_names"]
@@ -77,7 +87,7 @@ def load(path: str | Path | None = None, *, notice: Callable[[str], None] = log.
     return open_model(from_keywords("" if path is None else str(path), **settings), notice, KEYWORDS)
 
 
-def open_model(settings: Settings, notice: Callable[[str], None], words: Words = FLAGS) -> Model:
+def open_model(settings: Settings, notice: Callable[[str], None], words: Naming = FLAGS) -> Model:
     """The one door to a loaded model, for `load` and for every edge (bmoe-cli, the session,
     bmoe-server, bmoe-bench) that has checked Settings of its own: the model file resolved (a path,
     `-hf`, or the demo model, built on first use), the engine loaded, the Model around it.
@@ -231,12 +241,8 @@ class Model:
                     top_p=base.top_p if top_p is None else float(top_p),
                     top_k=base.top_k if top_k is None else int(top_k),
                     seed=base.seed if seed is None else int(seed))
-        if not s.temp >= 0:
-            raise ConfigError(f"temperature {s.temp:g}: it is 0 (greedy) or more")
-        if not 0 < s.top_p <= 1:
-            raise ConfigError(f"top_p {s.top_p:g}: it is above 0 and at most 1")
-        if s.top_k < 0:
-            raise ConfigError(f"top_k {s.top_k}: it is 0 (off) or more")
+        for name, setting in SAMPLING_FIELDS.items():
+            check_sampling(name, getattr(s, setting))
         return s
 
     def prepare(self, prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None, *,
@@ -360,7 +366,7 @@ class Model:
         return self.driver.run([self.generation(r, slot=s) for r, s in zip(requests, self.slots)])
 
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
-               prefill_s: float, ahead: ReadsAhead | None, lossy: bool) -> GenerationStats:
+               prefill_s: float, ahead: ReadAheadCounts | None, lossy: bool) -> GenerationStats:
         t = tally.totals()
         self._generations += 1
         self._tokens += t.tokens

@@ -1,11 +1,10 @@
 """A GGUF file's scalar metadata and tensor table, read without the rest.
 
 `gguf.GGUFReader` turns every key-value pair into numpy objects, the tokenizer's arrays of tens of
-thousands of strings included: seconds before the first token (2.7–8.6 s, median 4–7 s, on the
-64-expert demo model on this project's busy 2-core machine). What streaming needs is a few scalar
-keys and each tensor's name, type, shape and offset; arrays are skipped by their lengths, so
-reading the table costs tens of milliseconds (31–150 ms in the same runs, about 1 % of the
-reader's time; `python bench/load_time.py -m demo64.gguf --table`).
+thousands of strings included: seconds before the first token on the 64-expert demo model. What
+streaming needs is a few scalar keys and each tensor's name, type, shape and offset; arrays are
+skipped by their lengths, so reading the table costs a small fraction of the reader's time
+(`python bench/load_time.py -m MODEL --table` measures both; bench/README.md has the report).
 
 The header is read with plain reads that grow until it fits (HEAD, then four times more), with
 the kernel's read-ahead off for that descriptor: read through a mapping, a fault pulled in the
@@ -89,7 +88,7 @@ class _Cursor:
 
     def skip_strings(self, count: int) -> None:
         """Step over `count` strings. A tokenizer's vocabulary and merges are 100k-500k of them, so
-        the loop stays tight (through `take` it cost 0.1 s of every start on the demo model)."""
+        the loop stays tight (a method call per string was a visible share of every start)."""
         length = struct.Struct(self.order + "Q").unpack_from
         buf, pos = self.buf, self.pos
         try:

@@ -200,6 +200,18 @@ class SamplerSettings:
     seed: int = setting(0, "--seed", parse=int, help="sampling seed (default {default})")
 
 
+# a request's names for the sampler settings (OpenAI's, as bmoe.load's Model.prepare and the server take them)
+SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+
+
+def check_sampling(name: str, value: float) -> None:
+    """ConfigError when a request's sampling field (`name`, of SAMPLING_FIELDS) is out of its
+    setting's declared bound: the one check of those bounds for every edge."""
+    option = next(f.metadata["option"] for f in fields(SamplerSettings) if f.name == SAMPLING_FIELDS[name])
+    if option.ok is not None and not option.ok(value):
+        raise ConfigError(f"{name} {value:g}: it is {option.rule}")
+
+
 LOSSY = "CHANGES THE OUTPUT (lossy, off by default; its price: `bmoe-bench quality`): "
 
 
@@ -337,7 +349,7 @@ def build(values: Mapping[str, Any]) -> Settings:
 # ---- how each edge names a setting ----------------------------------------------------------------
 
 
-class Words:
+class Naming:
     """How errors name settings and values: as flags (`--cache-mb 500`) or as keywords (`cache_mb=500`)."""
 
     def __init__(self, flags: bool) -> None:
@@ -363,7 +375,7 @@ class Words:
         return f"{o.name}={text!r}" if v is None or isinstance(v, str) else f"{o.name}={text}"
 
 
-FLAGS, KEYWORDS = Words(flags=True), Words(flags=False)
+FLAGS, KEYWORDS = Naming(flags=True), Naming(flags=False)
 
 
 # ---- bmoe.load's keywords --------------------------------------------------------------------------
@@ -431,7 +443,7 @@ def _type_words(t: Any) -> str:
 # ---- the one check ---------------------------------------------------------------------------------
 
 
-def validate(s: Settings, w: Words = FLAGS, given: frozenset[str] = frozenset()) -> None:
+def validate(s: Settings, w: Naming = FLAGS, given: frozenset[str] = frozenset()) -> None:
     """Raise ConfigError for a setting out of its bounds or settings that contradict each other, in
     the caller's words (`w`); `given` are the settings the user set (the rest are defaults)."""
     for e in SCHEMA:

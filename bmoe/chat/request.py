@@ -2,10 +2,11 @@
 conversation (tool calls and tool results included), `tools`/`tool_choice`, `response_format`, a
 raw `grammar`, and the reading of the answer (reasoning, content, tool calls).
 
-`ChatFormat` is one model's: its chat template (bmoe.chat.template.Renderer), the syntax that template
-writes calls and reasoning in (bmoe.chat.syntax) and the token ids of that syntax's markers,
-which generation writes out as text so that the answer can be read. Every check raises a
-GrammarError (a ConfigError) naming the field, which the server answers with a 400.
+`ChatFormat` is one model's: its chat template (bmoe.chat.template.Renderer), the syntax that
+template writes calls and reasoning in (bmoe.chat.syntax) and the token ids of that syntax's
+markers, which generation writes out as text so that the answer can be read. Every check raises a
+FieldError naming the field (a GrammarError for what a grammar cannot hold), which the server
+answers with a 400.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bmoe.base.errors import ConfigError
+from bmoe.base.errors import ConfigError, FieldError
 from bmoe.chat.grammar import Grammar, GrammarError, response_format_grammar
 from bmoe.chat.output import Reading
 from bmoe.chat.syntax import HARMONY, check_tools, detect, tool_grammar, with_reasoning
@@ -32,24 +33,24 @@ def check_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     """OpenAI chat messages, checked: a role and text content; an assistant's may be null when it
     has `tool_calls`; a tool result's has its `tool_call_id`. `developer` is a system message."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
-        raise GrammarError("messages: a non-empty list of {\"role\", \"content\"}", "messages")
+        raise FieldError("messages: a non-empty list of {\"role\", \"content\"}", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, Mapping) or m.get("role") not in ROLES:
-            raise GrammarError(f"{where}: a message has a role ({', '.join(ROLES)})", f"{where}.role")
+            raise FieldError(f"{where}: a message has a role ({', '.join(ROLES)})", f"{where}.role")
         role, content, calls = m["role"], m.get("content"), m.get("tool_calls")
         if calls is not None and (role != "assistant" or not isinstance(calls, list)):
-            raise GrammarError(f"{where}.tool_calls: a list, on an assistant message", f"{where}.tool_calls")
+            raise FieldError(f"{where}.tool_calls: a list, on an assistant message", f"{where}.tool_calls")
         if not isinstance(content, str) and not (content is None and calls):
-            raise GrammarError(f"{where}.content: text" + (" (or null with tool_calls)" if role == "assistant" else ""),
+            raise FieldError(f"{where}.content: text" + (" (or null with tool_calls)" if role == "assistant" else ""),
                                f"{where}.content")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
         if calls:
             msg["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise GrammarError(f"{where}.tool_call_id: the id of the call this answers", f"{where}.tool_call_id")
+                raise FieldError(f"{where}.tool_call_id: the id of the call this answers", f"{where}.tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
         for key in ("name", "reasoning_content"):
             if isinstance(m.get(key), str):
@@ -61,7 +62,7 @@ def check_messages(messages: Any) -> tuple[dict[str, Any], ...]:
 def _call(c: Any, where: str) -> dict[str, Any]:
     fn = c.get("function") if isinstance(c, Mapping) else None
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-        raise GrammarError(f"{where}: {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+        raise FieldError(f"{where}: {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
                            where)
     return {"id": str(c.get("id", "")), "type": "function",
             "function": {"name": fn["name"], "arguments": fn["arguments"]}}

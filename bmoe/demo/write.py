@@ -86,7 +86,7 @@ def experts_for_size(size_gb: float, src: Path) -> int:
     """Experts per layer that make the demo file built from `src` about `size_gb` GB (1 GB = 1e9 bytes).
 
     Reads the header only (bmoe.base.gguf_table): gguf's reader also parses the 49k-entry tokenizer
-    arrays, 3 s for three numbers and a sum."""
+    arrays, seconds for three numbers and a sum."""
     table = read_table(src)
 
     def field(key: str) -> int:

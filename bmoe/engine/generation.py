@@ -23,10 +23,9 @@ from bmoe.base.settings import SamplerSettings
 if TYPE_CHECKING:
     from bmoe.chat.grammar import Grammar
     from bmoe.chat.output import Reading
-    from bmoe.coordinator import Engine
-    from bmoe.coordinator import Sequence as EngineSequence
+    from bmoe.coordinator import Engine, EngineSequence
     from bmoe.engine.prompt_cache import PromptKV
-    from bmoe.streaming.readahead import ReadsAhead
+    from bmoe.streaming.readahead import ReadAheadCounts
 
 Turn = dict[str, str]  # one message of a conversation as the engine keeps it (role, content)
 
@@ -220,7 +219,7 @@ class Slot:
         return 0 < n < len(messages) and list(messages[:n]) == self.messages and not (lossless and self.lossy)
 
 
-OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadsAhead | None", bool], GenerationStats]
+OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadAheadCounts | None", bool], GenerationStats]
 
 
 class Generation:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bmoe.base.errors import ConfigError
-from bmoe.base.settings import FLAGS, CacheSettings, Words
+from bmoe.base.settings import FLAGS, CacheSettings, Naming
 from bmoe.base.units import MiB
 from bmoe.memory.probe import Room
 
@@ -24,7 +24,7 @@ def mib_up(nbytes: int) -> str:
     return f"{-(-nbytes * 10 // MiB) / 10:g}"
 
 
-def floor(cache: CacheSettings, rooms: list[Room], w: Words = FLAGS) -> tuple[int, str]:
+def floor(cache: CacheSettings, rooms: list[Room], w: Naming = FLAGS) -> tuple[int, str]:
     """Bytes the limits must keep free, and how to say so: --cache-floor-mb, or by default 1536 MiB
     but at most a quarter of the tightest cgroup limit. Inside a cgroup its charge already holds
     bmoe's own memory (dense weights, KV, lanes), so the floor only covers what may still grow;
@@ -39,7 +39,7 @@ def floor(cache: CacheSettings, rooms: list[Room], w: Words = FLAGS) -> tuple[in
 
 
 def auto_cache_bytes(expert_bytes: int, rooms: list[Room], floor_bytes: int, floor_text: str,
-                     ceil_mb: float | None = None, w: Words = FLAGS) -> tuple[int, str]:
+                     ceil_mb: float | None = None, w: Naming = FLAGS) -> tuple[int, str]:
     """The `--cache-mb auto` budget: the least of every limit's room minus the floor, the ceiling and
     every expert's bytes; with the terms it compared, for the notice that reports it."""
     terms = [(max(0, r.bytes - floor_bytes), f"{r.name} minus {floor_text}") for r in rooms]
@@ -59,7 +59,7 @@ class Budget:
 
 
 def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_need: int, token_need: int,
-           rooms: list[Room], w: Words = FLAGS) -> Budget:
+           rooms: list[Room], w: Naming = FLAGS) -> Budget:
     """The cache budget in bytes for this model, or a ConfigError that names the fix in the
     caller's words (`w`: flags or bmoe.load keywords).
 

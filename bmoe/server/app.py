@@ -26,19 +26,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError, ContextTooLong, FieldError
-from bmoe.server.scheduler import Event, Job, Position, QueueFull, Scheduler, ShuttingDown
-from bmoe.server.wire import (
-    ChatBody,
-    CompletionBody,
-    RequestBody,
+from bmoe.server.errors import (
+    QueueFull,
     ServeError,
-    Shape,
+    ShuttingDown,
     http_error,
     serve_error,
     shutting_down,
-    sse,
     validation_error,
 )
+from bmoe.server.scheduler import Event, Job, Position, Scheduler
+from bmoe.server.wire import ChatBody, CompletionBody, ReplyShape, RequestBody, sse
 
 CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -229,7 +227,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         req = await prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
                             grammar=body.grammar)
-        return await answer(request, body, req, Shape(False, model.name))
+        return await answer(request, body, req, ReplyShape(False, model.name))
 
     @api.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HttpRequest) -> Response:
@@ -237,9 +235,9 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
                             messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
                             tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                             response_format=body.response_format, grammar=body.grammar)
-        return await answer(request, body, req, Shape(True, model.name))
+        return await answer(request, body, req, ReplyShape(True, model.name))
 
-    async def answer(request: HttpRequest, body: RequestBody, req: Request, shape: Shape) -> Response:
+    async def answer(request: HttpRequest, body: RequestBody, req: Request, shape: ReplyShape) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -286,7 +284,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
             raise shutting_down()
         return s
 
-    async def stream(job: Job, events: asyncio.Queue[Event], shape: Shape, ahead: int) -> AsyncIterator[bytes]:
+    async def stream(job: Job, events: asyncio.Queue[Event], shape: ReplyShape, ahead: int) -> AsyncIterator[bytes]:
         reader = job.req.reading.parser() if job.req.reading is not None else None
         called = False
         try:

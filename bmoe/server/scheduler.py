@@ -27,24 +27,9 @@ from dataclasses import dataclass
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError
 from bmoe.engine import Completion, Generation
+from bmoe.server.errors import GenerationFailed, QueueFull, ShuttingDown
 
 MODES = ("auto", "batch", "turns")
-
-
-class QueueFull(Exception):
-    """`ahead` requests are running or waiting and the queue holds `size`."""
-
-    def __init__(self, ahead: int, size: int) -> None:
-        super().__init__(f"{ahead} requests are ahead and the queue holds {size}")
-        self.ahead, self.size = ahead, size
-
-
-class ShuttingDown(Exception):
-    """The scheduler stopped: a waiting job never runs, a running one was cancelled."""
-
-
-class GenerationFailed(Exception):
-    """The engine failed mid-generation (a lane, the model file): nothing more can run."""
 
 
 @dataclass(frozen=True)

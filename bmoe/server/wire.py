@@ -1,6 +1,6 @@
 """The OpenAI HTTP API's shapes, as bmoe-server speaks them: request bodies (pydantic, strict
-types), response objects and stream chunks (`Shape`), and errors as OpenAI error objects
-(`ServeError`). No engine and no routes here: bmoe.server.app joins these to the scheduler.
+types) and response objects and stream chunks (`ReplyShape`); errors are bmoe.server.errors'. No engine
+and no routes here: bmoe.server.app joins these to the scheduler.
 """
 
 from __future__ import annotations
@@ -11,68 +11,12 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from fastapi.sse import format_sse_event
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bmoe.api import Chunk, GenerationStats
-from bmoe.base import ConfigError, telemetry
+from bmoe.base import check_sampling, telemetry
 from bmoe.chat import STOPS_MAX, Delta, Reply
-from bmoe.server.scheduler import GenerationFailed, QueueFull, ShuttingDown
-
-# ---- errors ----------------------------------------------------------------------------------------
-
-
-class ServeError(Exception):
-    """An error answered as an OpenAI error object with its HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def shutting_down() -> ServeError:
-    return ServeError(503, "the server is shutting down; send the request again when it is back",
-                      "server_error", "shutting_down")
-
-
-def serve_error(e: Exception) -> ServeError:
-    """What a request hears of a scheduler's exception (bmoe.server.scheduler)."""
-    if isinstance(e, ShuttingDown):
-        return shutting_down()
-    if isinstance(e, QueueFull):
-        return ServeError(429, f"the server is busy: {e}; send it again later", "rate_limit_error", "queue_full")
-    if isinstance(e, ConfigError):
-        return ServeError(400, str(e))
-    assert isinstance(e, GenerationFailed), e
-    return ServeError(500, f"generation failed: {e}", "server_error", "internal_error")
-
-
-def http_error(exc: HTTPException) -> ServeError:
-    code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
-    return ServeError(exc.status_code, str(exc.detail), "server_error" if exc.status_code >= 500
-                      else "invalid_request_error", code.get(exc.status_code))
-
-
-def validation_error(exc: RequestValidationError) -> ServeError:
-    first = exc.errors()[0]
-    where = ".".join(str(x) for x in first.get("loc", ())[1:])
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
-        return ServeError(400, f"the body is not valid JSON ({detail}); send a JSON object", code="invalid_json")
-    msg = f"{where}: {first.get('msg')}" if where else f"the body: {first.get('msg')}"
-    more = len(exc.errors()) - 1
-    return ServeError(400, msg + (f" (and {more} more)" if more else ""), param=where or None)
-
 
 # ---- request bodies --------------------------------------------------------------------------------
 
@@ -92,14 +36,23 @@ class RequestBody(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, le=2)  # OpenAI's own cap; the bounds below are the settings'
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)
     stream: bool = False
     n: Literal[1] = 1
     bmoe: BmoeOptions = BmoeOptions()
+
+    @field_validator("temperature", "top_p", "top_k")
+    @classmethod
+    def _in_bounds(cls, v: float | None, info: ValidationInfo) -> float | None:
+        """The sampler settings' own bounds (bmoe.base.settings.check_sampling), not a copy of them."""
+        if v is not None:
+            assert info.field_name is not None
+            check_sampling(info.field_name, v)
+        return v
 
 
 class CompletionBody(RequestBody):
@@ -124,9 +77,10 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The message for bmoe.chat.request (which checks what the roles need)."""
+        """The message for bmoe.chat.request, which checks what the roles need (and reads `developer`
+        as `system`)."""
         text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": self.role, "content": text}
         for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -147,7 +101,7 @@ class ChatBody(RequestBody):
 # ---- responses -------------------------------------------------------------------------------------
 
 
-class Shape:
+class ReplyShape:
     """The OpenAI object of one endpoint: a whole response, a streamed chunk, the last chunk."""
 
     def __init__(self, chat: bool, model: str) -> None:

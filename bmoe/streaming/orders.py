@@ -27,7 +27,7 @@ class Order:
     ahead: list[tuple[int, int]] = field(default_factory=list)
 
 
-class Orders:
+class OrdersInFlight:
     """Every order in flight, by id and by the slice it fills."""
 
     def __init__(self, pool: LanePool, cache: ExpertCache) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from bmoe import seam
 from bmoe.streaming.expert_cache import ABSENT, ExpertCache
 from bmoe.streaming.lanes import CANCELLED
-from bmoe.streaming.orders import Order, Orders
+from bmoe.streaming.orders import Order, OrdersInFlight
 from bmoe.streaming.speculation import SpecGate
 
 
@@ -51,7 +51,7 @@ WHOLE_LAYER = 7 / 8  # a batch routing this share of a layer's experts is taken 
 
 
 @dataclass
-class ReadsAhead:
+class ReadAheadCounts:
     """What the reads ahead did in one generation (counts): the moe-prefetch / moe-spec-gate numbers."""
 
     bytes: int = 0
@@ -64,7 +64,7 @@ class ReadAhead:
     """The wish list, the spec-gate's predictions and how they fared; it sends and cancels its
     orders through `orders` (bmoe.streaming.orders), beside the Streamer's demand reads."""
 
-    def __init__(self, orders: Orders, cache: ExpertCache, n_expert: int, top_k: int, prefetch: int) -> None:
+    def __init__(self, orders: OrdersInFlight, cache: ExpertCache, n_expert: int, top_k: int, prefetch: int) -> None:
         self.orders = orders
         self.cache = cache
         self.n_expert, self.top_k = n_expert, max(1, top_k)
@@ -79,7 +79,7 @@ class ReadAhead:
         self.guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (confidence band, expert) absent when predicted
         self.read_ahead: set[tuple[int, int]] = set()  # finished reads ahead not yet routed
         self.used_in_flight: set[int] = set()  # orders whose layer routed their expert before they finished
-        self.counts = ReadsAhead()
+        self.counts = ReadAheadCounts()
         self.route_seq = 0
         self.routed_at: dict[int, int] = {}
         self.batch_left = 0  # tokens of the decode under way whose last layer has not routed yet
@@ -260,8 +260,8 @@ class ReadAhead:
             else:
                 self.read_ahead.update(order.ahead)
 
-    def take_counts(self) -> ReadsAhead:
-        out, self.counts = self.counts, ReadsAhead()
+    def take_counts(self) -> ReadAheadCounts:
+        out, self.counts = self.counts, ReadAheadCounts()
         return out
 
     def settle(self) -> None:

@@ -45,7 +45,7 @@ class Router:
 def load(paths: list[str | Path], arch: str, layers: list[int]) -> dict[int, Router]:
     """Each layer's router as F32 arrays, from the model file(s) (any shard). Only the tensor
     table is parsed (bmoe.base.gguf_table): gguf.GGUFReader would parse every field, the tokenizer's
-    arrays included, which took ~2 s of the spec-gate's start on the 64-expert demo model."""
+    arrays included, which took seconds of the spec-gate's start on the 64-expert demo model."""
     tensors: dict[str, tuple[Path, TensorInfo]] = {}
     for p in paths:
         for t in read_table(Path(p)).tensors:

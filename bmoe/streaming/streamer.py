@@ -27,8 +27,8 @@ from bmoe.shm_cache import Slab
 from bmoe.streaming.expert_cache import ExpertCache, Region, layout
 from bmoe.streaming.lane_stats import LaneLoad, LaneStats
 from bmoe.streaming.lanes import CANCELLED, LanePool
-from bmoe.streaming.orders import Key, Order, Orders
-from bmoe.streaming.readahead import ReadAhead, ReadsAhead
+from bmoe.streaming.orders import Key, Order, OrdersInFlight
+from bmoe.streaming.readahead import ReadAhead, ReadAheadCounts
 from bmoe.streaming.speculation import SpecGate
 
 WATCH_STEP = 64 * 2**20  # an adaptive budget is checked again once the cache has taken this much more
@@ -96,7 +96,7 @@ class Streamer:
         self.overlap = streaming.overlap
         self.cache.defer_release = True  # pages given back while lanes read: see _wait
         self.down_kind = {ri for ri, r in enumerate(regions) if r.kind == "ffn_down_exps"}
-        self.orders = Orders(self.pool, self.cache)
+        self.orders = OrdersInFlight(self.pool, self.cache)
         self.replaced: dict[int, list[int]] = {}  # cancelled order -> demand orders re-reading what it held
         self.down_orders: dict[int, list[int]] = {}
         self.counters = Counters()
@@ -188,7 +188,7 @@ class Streamer:
     def lane_load(self) -> LaneLoad:
         return self.lane_stats.load()
 
-    def take_speculation(self) -> ReadsAhead:
+    def take_speculation(self) -> ReadAheadCounts:
         return self.ahead.take_counts()
 
     def follow(self) -> None:

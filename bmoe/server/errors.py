@@ -1,0 +1,81 @@
+"""Every error bmoe-server tells apart, and each as the OpenAI error object a client receives.
+
+The scheduler raises QueueFull, ShuttingDown and GenerationFailed; a route raises ServeError with
+its HTTP status; `serve_error`, `http_error` and `validation_error` turn the others into one. A
+request field's own error (a bmoe.base.FieldError) becomes a 400 naming that field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from bmoe.base import ConfigError
+
+
+class QueueFull(Exception):
+    """`ahead` requests are running or waiting and the queue holds `size`."""
+
+    def __init__(self, ahead: int, size: int) -> None:
+        super().__init__(f"{ahead} requests are ahead and the queue holds {size}")
+        self.ahead, self.size = ahead, size
+
+
+class ShuttingDown(Exception):
+    """The scheduler stopped: a waiting job never runs, a running one was cancelled."""
+
+
+class GenerationFailed(Exception):
+    """The engine failed mid-generation (a lane, the model file): nothing more can run."""
+
+
+class ServeError(Exception):
+    """An error answered as an OpenAI error object with its HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def shutting_down() -> ServeError:
+    return ServeError(503, "the server is shutting down; send the request again when it is back",
+                      "server_error", "shutting_down")
+
+
+def serve_error(e: Exception) -> ServeError:
+    """What a request hears of a scheduler's exception (bmoe.server.scheduler)."""
+    if isinstance(e, ShuttingDown):
+        return shutting_down()
+    if isinstance(e, QueueFull):
+        return ServeError(429, f"the server is busy: {e}; send it again later", "rate_limit_error", "queue_full")
+    if isinstance(e, ConfigError):
+        return ServeError(400, str(e))
+    assert isinstance(e, GenerationFailed), e
+    return ServeError(500, f"generation failed: {e}", "server_error", "internal_error")
+
+
+def http_error(exc: HTTPException) -> ServeError:
+    code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
+    return ServeError(exc.status_code, str(exc.detail), "server_error" if exc.status_code >= 500
+                      else "invalid_request_error", code.get(exc.status_code))
+
+
+def validation_error(exc: RequestValidationError) -> ServeError:
+    first = exc.errors()[0]
+    where = ".".join(str(x) for x in first.get("loc", ())[1:])
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return ServeError(400, f"the body is not valid JSON ({detail}); send a JSON object", code="invalid_json")
+    msg = f"{where}: {first.get('msg')}" if where else f"the body: {first.get('msg')}"
+    more = len(exc.errors()) - 1
+    return ServeError(400, msg + (f" (and {more} more)" if more else ""), param=where or None)
