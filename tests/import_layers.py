@@ -99,17 +99,19 @@ def climbs(g: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((a, b) for a, deps in g.items() for b in deps if layer_of(b) < layer_of(a))
 
 
-def cycles(g: dict[str, set[str]]) -> list[str]:
-    def reach(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in g[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
+def reach(g: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in g[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
 
-    return sorted(m for m in g if m in reach(m))
+
+def cycles(g: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m in g if m in reach(g, m))
 
 
 def private_imports() -> list[str]:

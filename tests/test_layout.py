@@ -19,16 +19,6 @@ GRAPH = layers.graph(typing_too=False)
 TYPED_GRAPH = layers.graph()
 
 
-def _reach(start: str, graph: dict[str, set[str]] = GRAPH) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for nxt in graph[todo.pop()]:
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
-
-
 def test_the_import_graph_is_read_from_the_source() -> None:
     """The checks below see real edges (a walker that found none would pass them all)."""
     assert {"bmoe.streaming.streamer", "bmoe.base.settings", "bmoe.seam"} <= GRAPH["bmoe.coordinator"]
@@ -137,8 +127,8 @@ def test_no_error_is_told_apart_by_its_words_or_class_name() -> None:
 
 def test_workers_import_only_what_moves_bytes_or_predicts() -> None:
     for worker in ("bmoe.workers.io_lane", "bmoe.workers.spec_gate"):
-        assert not _reach(worker) & {"bmoe.coordinator", "bmoe.streaming.streamer", "bmoe.streaming.expert_cache",
-                                     "bmoe.cli"}, worker
+        heavy = {"bmoe.coordinator", "bmoe.streaming.streamer", "bmoe.streaming.expert_cache", "bmoe.cli"}
+        assert not layers.reach(GRAPH, worker) & heavy, worker
 
 
 def test_a_lane_process_starts_without_numpy_or_the_engine() -> None:
