@@ -177,3 +177,14 @@ def test_every_setting_is_a_flag_of_both_commands_and_a_keyword_of_load(entry) -
     else:
         assert entry.name in names()
         assert entry.get(from_keywords("m.gguf", **{entry.name: entry.default})) == entry.default
+
+
+@pytest.mark.parametrize("package", sorted({layers.owner(m) for m in MODULES if layers.owner(m).count(".") == 1
+                                            and (PKG / layers.owner(m).split(".")[1]).is_dir()}))
+def test_every_name_a_surface_offers_is_there(package: str) -> None:
+    """A package's __init__ promises names (served on first use): each must resolve."""
+    import importlib
+
+    surface = importlib.import_module(package)
+    for name in getattr(surface, "__all__", ()):
+        assert getattr(surface, name) is not None, (package, name)

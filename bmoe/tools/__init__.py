@@ -1,1 +1,2 @@
-"""Tools beside the product: benchmarks, model builders, policy simulation. The coordinator never imports them."""
+"""bmoe-bench and bmoe-synth: benchmarks and synthetic models, beside the product (an edge: nothing
+below the edges imports them)."""
