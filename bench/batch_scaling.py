@@ -22,7 +22,7 @@ import bmoe
 
 
 def rate(m: bmoe.Model, k: int, n: int) -> tuple[float, list[str]]:
-    done = m.batch([m.prepare(p, max_tokens=n) for p in PROMPTS[:k]])
+    done = m.batch([m.prepare(bmoe.Ask(p, max_tokens=n)) for p in PROMPTS[:k]])
     tokens = sum(d.stats.completion_tokens for d in done)
     wall = max(d.stats.completion_tokens / d.stats.tok_s for d in done if d.stats.tok_s > 0)
     return tokens / wall, [d.text for d in done]

@@ -15,9 +15,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bmoe.api import Chunk, Completion, ConfigError, GenerationStats, Model, ModelStats, load, setting_names
+    from bmoe.api import Ask, Chunk, Completion, ConfigError, GenerationStats, Model, ModelStats, load, setting_names
 
-__all__ = ["Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "load", "setting_names"]
+__all__ = ["Ask", "Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "load",
+           "setting_names"]
 
 
 def __getattr__(name: str) -> Any:

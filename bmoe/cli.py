@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bmoe.api import Chunk, EngineStats, GenerationStats, open_model
+from bmoe.api import Ask, Chunk, EngineStats, GenerationStats, open_model
 from bmoe.base import BmoeError, ConfigError, MiB, Settings, telemetry
 from bmoe.edges import console, exits, flags, profile
 
@@ -61,9 +61,9 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
     model = open_model(settings, console.notice)
     lossy = model.stats.engine.lossy
     try:
-        req = model.prepare(messages=[{"role": "user", "content": prompt}] if a.chat else None,
-                            prompt=None if a.chat else prompt, max_tokens=a.n_predict,
-                            fix="raise -c or shorten the prompt")
+        req = model.prepare(Ask(messages=[{"role": "user", "content": prompt}] if a.chat else None,
+                                prompt=None if a.chat else prompt, max_tokens=a.n_predict,
+                                fix="raise -c or shorten the prompt"))
         out = sys.stdout
         lines: list[telemetry.TokenLine] = []
         text = ""

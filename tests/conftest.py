@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from bmoe.api import Chunk, Completion, Model
+from bmoe.api import Ask, Chunk, Completion, Model
 from bmoe.base.settings import Settings
 from bmoe.edges import flags
 from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
@@ -107,8 +107,8 @@ def load(model: object, *cli_flags: object, notice: Callable[[str], None] = lamb
 def complete(model: Model, prompt: str, n: int, chat: bool = False,
              on_chunk: Callable[[Chunk], None] | None = None) -> Completion:
     """One answer of `n` tokens at most, through Model.run and bmoe.engine.driver: the path users run."""
-    req = (model.prepare(messages=[{"role": "user", "content": prompt}], max_tokens=n) if chat
-           else model.prepare(prompt=prompt, max_tokens=n))
+    req = (model.prepare(Ask(messages=[{"role": "user", "content": prompt}], max_tokens=n)) if chat
+           else model.prepare(Ask(prompt=prompt, max_tokens=n)))
     return model.run(req, on_chunk)
 
 

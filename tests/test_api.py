@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import bmoe
-from bmoe.api import Chunk, Model, StopText
+from bmoe.api import Ask, Chunk, Model, StopText
 from bmoe.base.errors import ConfigError, FieldError, ModelError
 from tests.conftest import bmoe_segments, run_cli
 
@@ -144,7 +144,7 @@ def test_cancel_from_another_thread_rolls_the_kv_back(model: Model) -> None:
     answer = model.chat(CHAT, max_tokens=8)
     kv = model.stats.kv_tokens
     more = [*CHAT, {"role": "assistant", "content": answer}, {"role": "user", "content": "go on forever"}]
-    req = model.prepare(messages=more, max_tokens=500)
+    req = model.prepare(Ask(messages=more, max_tokens=500))
     seen: list[Chunk] = []
 
     def on_chunk(c: Chunk) -> None:

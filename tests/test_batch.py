@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 import bmoe
-from bmoe.api import Chunk, Model
+from bmoe.api import Ask, Chunk, Model
 from bmoe.base.model_files import open_model
 from bmoe.base.units import MiB
 from bmoe.server.errors import QueueFull
@@ -25,7 +25,7 @@ CASES = [("qwen3moe", "q8_0", 1), ("qwen3moe", "q8_0", 4), ("llama", "q4_0", 4),
 
 
 def answers(m: Model, prompts: list[str], n: int = N) -> list[str]:
-    return [c.text for c in m.batch([m.prepare(p, max_tokens=n) for p in prompts])]
+    return [c.text for c in m.batch([m.prepare(Ask(p, max_tokens=n)) for p in prompts])]
 
 
 @pytest.mark.parametrize("arch,quant,lanes", CASES)
@@ -80,7 +80,7 @@ def serve(m: Model, prompts: list[str], mode: str, queue: int = 4, n: int = N) -
     sched = Scheduler(m, queue, on_fatal=lambda e: None, batching=mode)
     got = [Collect() for _ in prompts]
     for p, c in zip(prompts, got):
-        sched.submit(Job(m.prepare(p, max_tokens=n), c))
+        sched.submit(Job(m.prepare(Ask(p, max_tokens=n)), c))
     sched.start()
     return sched, got
 
@@ -114,7 +114,8 @@ def test_the_scheduler_batches_or_takes_turns_and_each_way_equals_its_reference(
 def test_cancelling_one_of_a_batch_leaves_the_others_running(model: Model) -> None:
     sched = Scheduler(model, 4, on_fatal=lambda e: None, batching="batch")
     first, second = Collect(), Collect()
-    jobs = [Job(model.prepare(PROMPTS[0], max_tokens=N), first), Job(model.prepare(PROMPTS[1], max_tokens=N), second)]
+    jobs = [Job(model.prepare(Ask(PROMPTS[0], max_tokens=N)), first),
+            Job(model.prepare(Ask(PROMPTS[1], max_tokens=N)), second)]
 
     def cancel_after_three(item: object) -> None:
         second(item)
@@ -139,7 +140,7 @@ def test_cancelling_one_of_a_batch_leaves_the_others_running(model: Model) -> No
 def test_the_queue_holds_its_size_beyond_the_running_sequences(model: Model) -> None:
     sched = Scheduler(model, 1, on_fatal=lambda e: None)
     got = [Collect() for _ in range(4)]
-    jobs = [Job(model.prepare(p, max_tokens=4), c) for p, c in zip(PROMPTS, got)]
+    jobs = [Job(model.prepare(Ask(p, max_tokens=4)), c) for p, c in zip(PROMPTS, got)]
     assert [sched.submit(j) for j in jobs[:3]] == [0, 0, 0]  # three sequences free: they run at once
     try:
         assert sched.submit(jobs[3]) == 3  # the queue's one place

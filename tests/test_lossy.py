@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from bmoe.api import Ask
 from bmoe.base import telemetry
 from bmoe.base.errors import ConfigError
 from bmoe.base.model_files import open_model
@@ -30,7 +31,7 @@ def third(path: object, share: float = 1 / 3) -> str:
 
 def answer(path: object, *flags: object, lossless: bool = False):
     with load(path, *FLAGS, *flags) as m:
-        return m.run(m.prepare(prompt=PROMPT, max_tokens=N, lossless=lossless))
+        return m.run(m.prepare(Ask(prompt=PROMPT, max_tokens=N, lossless=lossless)))
 
 
 # ---- off is today ------------------------------------------------------------------------------------
@@ -143,17 +144,17 @@ def test_a_request_can_ask_for_lossless_and_gets_it(synth) -> None:
     ref = plain(str(path), PROMPT, N, *FLAGS)
     lossy = ("--cache-mb", third(path), "--experts-per-token", 1, "--drop-cold", 0.2, "--cache-routing", 0.3)
     with load(path, *FLAGS, *lossy) as m:
-        a = m.run(m.prepare(prompt=PROMPT, max_tokens=N))
-        b = m.run(m.prepare(prompt=PROMPT, max_tokens=N, lossless=True))
+        a = m.run(m.prepare(Ask(prompt=PROMPT, max_tokens=N)))
+        b = m.run(m.prepare(Ask(prompt=PROMPT, max_tokens=N, lossless=True)))
         turn = [{"role": "user", "content": "Tell me about the river"}]
         first = m.chat(turn, max_tokens=8)
         convo = [*turn, {"role": "assistant", "content": first}, {"role": "user", "content": "And the mill?"}]
-        again = m.run(m.prepare(messages=convo, max_tokens=12, lossless=True))
+        again = m.run(m.prepare(Ask(messages=convo, max_tokens=12, lossless=True)))
     assert a.ids != ref.ids and a.stats.lossy and a.stats.weight_changed_pct > 0
     assert b.ids == ref.ids and not b.stats.lossy and b.stats.weight_changed_pct == 0
     assert again.stats.prefill_tokens == again.stats.prompt_tokens, "a lossless turn re-prefills a lossy KV"
     with load(path, *FLAGS, "--no-stream") as m:
-        want = m.run(m.prepare(messages=convo, max_tokens=12))
+        want = m.run(m.prepare(Ask(messages=convo, max_tokens=12)))
     assert again.ids == want.ids
 
 
@@ -170,7 +171,7 @@ def test_lossy_settings_bad_input_is_refused_in_the_users_words(synth) -> None:
     assert r.returncode == 2 and "--drop-cold: must be a fraction from 0 (off) to below 1" in r.stderr
     with load(path, *FLAGS, "--no-stream", "--experts-per-token", 1) as m:
         with pytest.raises(ConfigError, match=r"loaded with --experts-per-token 1 and --no-stream: llama.cpp itself"):
-            m.prepare(prompt=PROMPT, lossless=True)
+            m.prepare(Ask(prompt=PROMPT, lossless=True))
     import bmoe
 
     with pytest.raises(ConfigError, match=r"^drop_cold=0.5: a fraction from 0 to below 1$|drop_cold"):

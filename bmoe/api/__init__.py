@@ -13,6 +13,7 @@ from bmoe.base.surface import lazy
 
 if TYPE_CHECKING:
     from bmoe.api.model import (
+        Ask,
         Chunk,
         Completion,
         ConfigError,
@@ -33,6 +34,7 @@ __getattr__, __all__ = lazy(
     __name__,
     {
         "bmoe.api.model": [
+        "Ask",
             "Chunk",
             "Completion",
             "ConfigError",

@@ -10,7 +10,7 @@
         print(m.stats)
 
     with bmoe.load("model.gguf", parallel=4) as m:             # four KV sequences
-        done = m.batch([m.prepare(p, max_tokens=64) for p in prompts])   # decoded together
+        done = m.batch([m.prepare(Ask(p, max_tokens=64)) for p in prompts])   # decoded together
 
 Settings are keywords named after their `bmoe-cli` flags (`--cache-mb` is `cache_mb=500`,
 `--io-threads` is `io_threads=4`, `--no-stream` is `stream=False`, `-c` is `n_ctx=4096`), declared
@@ -68,8 +68,8 @@ if TYPE_CHECKING:
     from bmoe.engine.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 
-__all__ = ["Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request",
-           "StopText", "load", "open_model", "setting_names"]
+__all__ = ["Ask", "Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats",
+           "Request", "StopText", "load", "open_model", "setting_names"]
 
 log = logging.getLogger("bmoe")
 
@@ -100,6 +100,44 @@ def open_model(settings: Settings, notice: Callable[[str], None], words: Naming 
 def _close(engine: Engine, grammars: GrammarCheck) -> None:
     grammars.close()
     engine.close()
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a caller asks of one generation, before it is checked and tokenized (Model.prepare): a
+    prompt or a conversation (`messages`, OpenAI's), and how to answer it.
+
+    Sampling options left None keep the load's (greedy by default). `stop` strings end the answer
+    where one first appears (it is not part of the text). `think` False renders the conversation
+    with `enable_thinking=False` for templates that read it. `fix` ends the message of a prompt too
+    long for the context (ContextTooLong). `response_format` (OpenAI's: json_object or json_schema)
+    or `grammar` (GBNF) hold the answer to a form while it is sampled; `tools`, `tool_choice` and
+    `parallel_tool_calls` (OpenAI's, for a chat) show the model tools and, unless tool_choice is
+    none, read its calls (bmoe.chat.request). `lossless` asks for plain llama.cpp's output whatever
+    lossy routing the model was loaded with (bmoe.streaming.lossy). `forced` are token ids to
+    generate instead of sampled ones (teacher forcing, as `bmoe-bench quality` scores a text;
+    max_tokens is then their number), and `logits` puts on each Chunk the distribution its token
+    was chosen from.
+    """
+
+    prompt: str | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None
+    max_tokens: int = N_PREDICT
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    think: bool = True
+    fix: str = FIX
+    response_format: Mapping[str, Any] | None = None
+    grammar: str | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    lossless: bool = False
+    forced: Sequence[int] = ()
+    logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,7 +213,7 @@ class Model:
     # -- the simple calls --
 
     def generate(self, prompt: str, **options: Any) -> str:
-        """The answer to a plain prompt (no chat template); options as `prepare`."""
+        """The answer to a plain prompt (no chat template); options are Ask's."""
         return self.run(self._checked(prompt=prompt, **options)).text
 
     def stream(self, prompt: str, **options: Any) -> Iterator[Chunk]:
@@ -205,7 +243,7 @@ class Model:
 
     def _checked(self, **kw: Any) -> Request:
         self.engine.check_model_unchanged(RELOAD_FIX)
-        return self.prepare(**kw)
+        return self.prepare(Ask(**kw))
 
     def _stream(self, req: Request) -> Iterator[Chunk]:
         """Run `req` on a thread of its own and hand its chunks over; leaving early cancels it."""
@@ -245,58 +283,40 @@ class Model:
             check_sampling(name, getattr(s, setting))
         return s
 
-    def prepare(self, prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None, *,
-                max_tokens: int = N_PREDICT, temperature: float | None = None, top_p: float | None = None,
-                top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                think: bool = True, fix: str = FIX, response_format: Mapping[str, Any] | None = None,
-                grammar: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
-                tool_choice: str | Mapping[str, Any] | None = None,
-                parallel_tool_calls: bool | None = None, lossless: bool = False, forced: Sequence[int] = (),
-                logits: bool = False) -> Request:
-        """A prompt or a conversation as a Request; ConfigError when it cannot run.
-
-        Sampling options left None keep the load's (greedy by default). `stop` strings end the
-        answer where one first appears (it is not part of the text). `think` False renders the
-        conversation with `enable_thinking=False` for templates that read it. `fix` ends the
-        message of a prompt too long for the context (ContextTooLong). `response_format` (OpenAI's:
-        json_object or json_schema) or `grammar` (GBNF) hold the answer to a form while it is
-        sampled; `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's, for a chat) show the
-        model tools and, unless tool_choice is none, read its calls (bmoe.chat.request).
-        `lossless` asks for plain llama.cpp's output whatever lossy routing the model was loaded
-        with (bmoe.streaming.lossy). `forced` are token ids to generate instead of sampled ones (teacher
-        forcing, as `bmoe-bench quality` scores a text; max_tokens is then their number), and
-        `logits` puts on each Chunk the distribution its token was chosen from.
-        """
-        if (prompt is None) == (messages is None):
+    def prepare(self, ask: Ask) -> Request:
+        """What `ask` asks as a Request ready to run; ConfigError when it cannot run."""
+        if (ask.prompt is None) == (ask.messages is None):
             raise TypeError("give a prompt or messages, not both or neither")
+        max_tokens = ask.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens {max_tokens!r}: it is a whole number of tokens, 1 or more")
-        stops = check_stops(stop)
-        sampler = self.sampler(temperature, top_p, top_k, seed)
+        stops = check_stops(ask.stop)
+        sampler = self.sampler(ask.temperature, ask.top_p, ask.top_k, ask.seed)
         e, f = self.engine, self.chat_format
-        if lossless:
+        if ask.lossless:
             e.check_lossless("load it without one of them for lossless requests")
-        forced = tuple(int(t) for t in forced)
+        forced = tuple(int(t) for t in ask.forced)
         if forced:
             max_tokens = len(forced)
-        extra: dict[str, Any] = dict(lossless=bool(lossless), forced=forced, logits=bool(logits))
-        if messages is not None:
-            parts = f.parts(messages, think, response_format=response_format, grammar=grammar, tools=tools,
-                            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+        extra: dict[str, Any] = dict(lossless=bool(ask.lossless), forced=forced, logits=bool(ask.logits))
+        if ask.messages is not None:
+            parts = f.parts(ask.messages, ask.think, response_format=ask.response_format, grammar=ask.grammar,
+                            tools=ask.tools, tool_choice=ask.tool_choice, parallel_tool_calls=ask.parallel_tool_calls)
             tokens = e.tokenize(parts.text)
-            e.check_fits(len(tokens), max_tokens, fix)
-            prefix = f.stable_prefix(parts.messages, think, parts.tools, tokens, e.tokenize) if self.prompt_cache else 0
+            e.check_fits(len(tokens), max_tokens, ask.fix)
+            prefix = (f.stable_prefix(parts.messages, ask.think, parts.tools, tokens, e.tokenize)
+                      if self.prompt_cache else 0)
             return Request(tuple(tokens), max_tokens, sampler, stops, parts.messages, grammar=parts.grammar,
                            specials=parts.specials, reading=parts.reading, cache_prefix=prefix, **extra)
-        if tools is not None or tool_choice is not None:
+        if ask.tools is not None or ask.tool_choice is not None:
             raise ConfigError("tools: a plain prompt has no tools; send messages (a chat) to use them")
-        if not isinstance(prompt, str):
-            raise ConfigError(f"the prompt is a string, not {type(prompt).__name__}")
-        g = f.check_grammar(response_format, grammar)
+        if not isinstance(ask.prompt, str):
+            raise ConfigError(f"the prompt is a string, not {type(ask.prompt).__name__}")
+        g = f.check_grammar(ask.response_format, ask.grammar)
         if g is not None:
             f.verify(g)
-        tokens = e.tokenize(prompt)
-        e.check_fits(len(tokens), max_tokens, fix)
+        tokens = e.tokenize(ask.prompt)
+        e.check_fits(len(tokens), max_tokens, ask.fix)
         return Request(tuple(tokens), max_tokens, sampler, stops, None, grammar=g, cache_prefix=len(tokens), **extra)
 
     @property

@@ -62,7 +62,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from bmoe.api import Chunk, Completion, Model, open_model
+from bmoe.api import Ask, Chunk, Completion, Model, open_model
 from bmoe.base import BmoeError, ConfigError, MiB, Settings, telemetry
 from bmoe.edges import console, profile
 from bmoe.edges.exits import EXIT_ERROR, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
@@ -259,9 +259,9 @@ class Session:
         self.model.check_unchanged("restart the session to load it again")  # fatal: see the notes
         base = [] if req.clear_kv else self.model.messages
         try:
-            job = self.model.prepare(messages=[*base, {"role": "user", "content": req.prompt}],
-                                     max_tokens=req.n_predict, think=req.think, fix=CONTEXT_FIX,
-                                     lossless=req.lossless)
+            job = self.model.prepare(Ask(messages=[*base, {"role": "user", "content": req.prompt}],
+                                         max_tokens=req.n_predict, think=req.think, fix=CONTEXT_FIX,
+                                         lossless=req.lossless))
         except ConfigError as e:
             self._finish("ERROR", {"id": req.id, "fatal": False, "msg": safe(str(e))})
             return

@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bmoe.api import Chunk, GenerationStats, Model, Request
+from bmoe.api import Ask, Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.server.errors import (
     QueueFull,
@@ -146,63 +146,82 @@ async def _disconnected(request: HttpRequest) -> None:
 # ---- the app ---------------------------------------------------------------------------------------
 
 
-def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int) -> FastAPI:
-    """The FastAPI app serving `model` through `sched`."""
-    metrics = Metrics(model, sched)
-    sched.on_generation = metrics.generation
-    bearer = HTTPBearer(auto_error=False)
+async def _on_serve_error(_r: HttpRequest, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServeError)
+    return exc.response()
 
-    async def authorized(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if api_key is None:
+
+async def _on_invalid(_r: HttpRequest, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc).response()
+
+
+async def _on_http(_r: HttpRequest, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    return http_error(exc).response()
+
+
+async def _on_bug(_r: HttpRequest, exc: Exception) -> JSONResponse:
+    return ServeError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", "internal_error").response()
+
+
+# every error a route can meet, as the OpenAI error object a client receives (bmoe.server.errors)
+HANDLERS = ((ServeError, _on_serve_error), (RequestValidationError, _on_invalid), (HTTPException, _on_http),
+            (Exception, _on_bug))
+_BEARER = HTTPBearer(auto_error=False)
+
+
+class Routes:
+    """One server's routes, each a handler over the model, the scheduler and the metrics."""
+
+    def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, api_key: str | None, n_predict: int) -> None:
+        self.model, self.sched, self.metrics = model, sched, metrics
+        self.api_key, self.n_predict = api_key, n_predict
+
+    async def authorized(self, creds: HTTPAuthorizationCredentials | None = Depends(_BEARER)) -> None:
+        if self.api_key is None:
             return
-        if creds is None or not secrets.compare_digest(creds.credentials.encode(), api_key.encode()):
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), self.api_key.encode()):
             raise ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
                              code="invalid_api_key")
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
         yield
-        sched.close()
-        await asyncio.to_thread(sched.join)
+        self.sched.close()
+        await asyncio.to_thread(self.sched.join)
 
-    app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.add_middleware(Gate, metrics=metrics, limit=max_body)
-    api = APIRouter(dependencies=[Depends(authorized)])
+    async def health(self) -> dict[str, Any]:
+        sched = self.sched
+        return {"status": "ok", "model": self.model.name, "generating": len(sched.active),
+                "parallel": sched.capacity, "waiting": len(sched.waiting)}
 
-    @app.exception_handler(ServeError)
-    async def on_serve_error(_r: HttpRequest, exc: ServeError) -> JSONResponse:
-        return exc.response()
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(_r: HttpRequest, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
-
-    @app.exception_handler(HTTPException)
-    async def on_http(_r: HttpRequest, exc: HTTPException) -> JSONResponse:
-        return http_error(exc).response()
-
-    @app.exception_handler(Exception)
-    async def on_bug(_r: HttpRequest, exc: Exception) -> JSONResponse:
-        return ServeError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
-                          "internal_error").response()
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model.name, "generating": len(sched.active), "parallel": sched.capacity,
-                "waiting": len(sched.waiting)}
-
-    @api.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    @api.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model.name, "object": "model",
-                                            "created": int(time.time() - model.stats.load_s),
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model.name, "object": "model",
+                                            "created": int(time.time() - self.model.stats.load_s),
                                             "owned_by": "bmoe"}]}
 
-    async def prepare(body: RequestBody, max_tokens: int | None, **what: Any) -> Request:
+    async def completions(self, body: CompletionBody, request: HttpRequest) -> Response:
+        if isinstance(body.prompt, list) and len(body.prompt) != 1:
+            raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        req = await self.prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
+                                 grammar=body.grammar)
+        return await self.answer(request, body, req, ReplyShape(False, self.model.name))
+
+    async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
+        req = await self.prepare(body, body.max_tokens or body.max_completion_tokens,
+                                 messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
+                                 tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                                 response_format=body.response_format, grammar=body.grammar)
+        return await self.answer(request, body, req, ReplyShape(True, self.model.name))
+
+    async def prepare(self, body: RequestBody, max_tokens: int | None, **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
+        model = self.model
         sampling: dict[str, Any] = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                         seed=body.seed)
         if body.bmoe.lossless:
@@ -211,8 +230,9 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
             except ConfigError as e:
                 raise ServeError(400, str(e), param="bmoe.lossless") from None
         try:
-            return await asyncio.to_thread(model.prepare, **what, **sampling, max_tokens=max_tokens or n_predict,
-                                           stop=body.stop, fix=CONTEXT_FIX, lossless=body.bmoe.lossless)
+            ask = Ask(**what, **sampling, max_tokens=max_tokens or self.n_predict, stop=body.stop, fix=CONTEXT_FIX,
+                      lossless=body.bmoe.lossless)
+            return await asyncio.to_thread(model.prepare, ask)
         except FieldError as e:  # a stop, schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:
@@ -220,24 +240,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
             raise ServeError(400, str(e), code="context_length_exceeded" if too_long else None,
                              param="messages" if "messages" in what else "prompt") from None
 
-    @api.post("/v1/completions")
-    async def completions(body: CompletionBody, request: HttpRequest) -> Response:
-        if isinstance(body.prompt, list) and len(body.prompt) != 1:
-            raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
-        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        req = await prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
-                            grammar=body.grammar)
-        return await answer(request, body, req, ReplyShape(False, model.name))
-
-    @api.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: HttpRequest) -> Response:
-        req = await prepare(body, body.max_tokens or body.max_completion_tokens,
-                            messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
-                            tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                            response_format=body.response_format, grammar=body.grammar)
-        return await answer(request, body, req, ReplyShape(True, model.name))
-
-    async def answer(request: HttpRequest, body: RequestBody, req: Request, shape: ReplyShape) -> Response:
+    async def answer(self, request: HttpRequest, body: RequestBody, req: Request, shape: ReplyShape) -> Response:
+        """Queue `req` and answer it: streamed, or whole once it ends."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -246,19 +250,20 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
 
         job = Job(req, deliver)
         try:
-            ahead = sched.submit(job)
+            ahead = self.sched.submit(job)
         except (QueueFull, ShuttingDown) as e:
             raise serve_error(e) from None
         headers = {"X-Queue-Position": str(ahead)}
         if body.stream:
-            return StreamingResponse(stream(job, events, shape, ahead), media_type="text/event-stream",
+            return StreamingResponse(self.stream(job, events, shape, ahead), media_type="text/event-stream",
                                      headers=headers)
-        text, stats = await whole(request, job, events)
+        text, stats = await self.whole(request, job, events)
         if req.reading is not None:
             return JSONResponse(shape.message(req.reading.read(text), stats, ahead), headers=headers)
         return JSONResponse(shape.whole(text, stats, ahead), headers=headers)
 
-    async def whole(request: HttpRequest, job: Job, events: asyncio.Queue[Event]) -> tuple[str, GenerationStats]:
+    async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[Event]
+                    ) -> tuple[str, GenerationStats]:
         gone = asyncio.ensure_future(_disconnected(request))
         parts: list[str] = []
         try:
@@ -267,7 +272,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
                 await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
-                    sched.cancel(job)
+                    self.sched.cancel(job)
                     raise ServeError(499, "the client closed the connection", code="client_gone")
                 item = get.result()
                 if isinstance(item, Exception):
@@ -275,16 +280,12 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
                 if isinstance(item, Chunk):
                     parts.append(item.text)
                     if item.stats is not None:
-                        return "".join(parts), ended(item.stats)
+                        return "".join(parts), _ended(item.stats)
         finally:
             gone.cancel()
 
-    def ended(s: GenerationStats) -> GenerationStats:
-        if s.finish_reason == "cancelled":  # only a shutdown cancels a request whose client is there
-            raise shutting_down()
-        return s
-
-    async def stream(job: Job, events: asyncio.Queue[Event], shape: ReplyShape, ahead: int) -> AsyncIterator[bytes]:
+    async def stream(self, job: Job, events: asyncio.Queue[Event], shape: ReplyShape, ahead: int
+                     ) -> AsyncIterator[bytes]:
         reader = job.req.reading.parser() if job.req.reading is not None else None
         called = False
         try:
@@ -312,13 +313,36 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
                     called = called or bool(d.calls)
                     yield sse(shape.delta(d))
                 try:
-                    yield sse(shape.last(ended(item.stats), ahead, called))
+                    yield sse(shape.last(_ended(item.stats), ahead, called))
                 except ServeError as e:
                     yield sse(e.body())
                 break
             yield sse("[DONE]")
         finally:
-            sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
+            self.sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
 
+
+def _ended(s: GenerationStats) -> GenerationStats:
+    if s.finish_reason == "cancelled":  # only a shutdown cancels a request whose client is there
+        raise shutting_down()
+    return s
+
+
+def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int) -> FastAPI:
+    """The FastAPI app serving `model` through `sched`: the routes (Routes), every route but /health
+    behind the API key, errors as OpenAI error objects (HANDLERS), the body limit and metrics (Gate)."""
+    metrics = Metrics(model, sched)
+    sched.on_generation = metrics.generation
+    routes = Routes(model, sched, metrics, api_key, n_predict)
+    app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
+    app.add_middleware(Gate, metrics=metrics, limit=max_body)
+    for exc, handler in HANDLERS:
+        app.add_exception_handler(exc, handler)
+    app.get("/health")(routes.health)
+    api = APIRouter(dependencies=[Depends(routes.authorized)])
+    api.get("/metrics")(routes.prometheus)
+    api.get("/v1/models")(routes.models)
+    api.post("/v1/completions")(routes.completions)
+    api.post("/v1/chat/completions")(routes.chat)
     app.include_router(api)
     return app

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(a: argparse.Namespace, settings: flags.Settings) -> int:
     from bmoe import cli
-    from bmoe.api import Chunk, Request, open_model
+    from bmoe.api import Ask, Chunk, Request, open_model
 
     text = Path(a.text).read_text(encoding="utf-8")
     ref_path = Path(a.reference)
@@ -187,7 +187,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         out.flush()
         gens = []
         for p in json.loads(a.gen_prompts):
-            g = model.run(model.prepare(prompt=p, max_tokens=a.gen_tokens))
+            g = model.run(model.prepare(Ask(prompt=p, max_tokens=a.gen_tokens)))
             gens.append({"prompt": p, "ids": list(g.ids), "tok_s": g.stats.tok_s})
         if a.csv:
             with open(a.csv, "w") as f:
