@@ -114,9 +114,13 @@ def grammar_sampler(vocab: Vocab, gbnf: Gbnf) -> Sampler:
     else:
         smpl = llama_cpp.llama_sampler_init_grammar(vocab.ptr, text.encode(), root.encode())
     if not smpl:
-        why = "; ".join(_errors) or "see --verbose"
-        raise GrammarError(f"llama.cpp rejected the grammar ({why}); fix the grammar")
+        raise grammar_rejected("; ".join(_errors) or "see --verbose")
     return smpl
+
+
+def grammar_rejected(why: str) -> GrammarError:
+    """The error for a grammar llama.cpp would not parse, `why` being its complaint."""
+    return GrammarError(f"llama.cpp rejected the grammar ({why}); fix the grammar")
 
 
 def free_sampler(smpl: Sampler) -> None:

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator stops us by closing stdin
     out = sys.stdout.buffer
     from bmoe.base.errors import ConfigError
-    from bmoe.seam.llama import Vocab, free_sampler, grammar_sampler, init_backend, load_vocab
+    from bmoe.seam.llama import Vocab, free_sampler, grammar_rejected, grammar_sampler, init_backend, load_vocab
 
     init_backend()
     model = load_vocab(args[0]) if len(args) == 1 else None
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             except ConfigError as e:
                 said.seek(0)
                 reason = _parse_errors(said.read().decode(errors="replace"))
-                answer = [False, f"llama.cpp rejected the grammar ({reason}); fix the grammar" if reason else str(e)]
+                answer = [False, str(grammar_rejected(reason) if reason else e)]
             out.write(msgpack.packb(answer))
             out.flush()
     return 0
