@@ -209,7 +209,7 @@ def test_bench_policies_replays_a_recorded_trace(small_moe, tmp_path) -> None:
     assert rows["belady"][1] > 0
     bad = subprocess.run([sys.executable, "-m", "bmoe.tools.bench", "policies", str(trace), "--budgets", "0,50"],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "percentages from 1 to 100" in bad.stderr
+    assert bad.returncode == 2 and "a percentage from 1 to 100 or a positive size in MiB" in bad.stderr
 
 
 def test_next_use_is_not_locked_by_a_prefill_that_read_every_expert() -> None:

@@ -10,12 +10,12 @@ from bmoe.base.surface import lazy
 
 if TYPE_CHECKING:
     from bmoe.replay.policies import simulate, table
-    from bmoe.replay.stats import report
+    from bmoe.replay.stats import Budget, report
 
 __getattr__, __all__ = lazy(
     __name__,
     {
-        "bmoe.replay.stats": ["report"],
+        "bmoe.replay.stats": ["Budget", "report"],
         "bmoe.replay.policies": ["simulate", "table"],
     },
 )

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.base.model_files import open_model
 from bmoe.replay.bounds import Belady, NextTokenOracle
-from bmoe.replay.stats import replay
+from bmoe.replay.stats import Budget, regions_for, replay
 from bmoe.streaming import routers
 from bmoe.streaming.cache_policy import POLICIES, Policy
-from bmoe.streaming.expert_cache import file_regions
 from bmoe.streaming.route_trace import Trace
 
 PREDICT_AHEAD = 2
@@ -40,7 +38,7 @@ Hints = list[list[list[tuple[int, list[int]]]]]
 class Row:
     trace: str
     policy: str
-    budget_pct: int
+    budget: str
     hit_pct: float
     mib_per_token: float
     us_per_token: float
@@ -57,12 +55,13 @@ def temporal_hints(t: Trace) -> Hints:
     return out
 
 
-def spec_gate_hints(t: Trace, model: str | Path) -> Hints | None:
+def spec_gate_hints(t: Trace, model: str | Path | None) -> Hints | None:
     """At step s before layer i: the spec-gate's prediction for layer i+1 from layer i's router input.
 
-    None when the trace has no hidden states or the model's routers cannot predict (quantized).
+    None when the trace has no hidden states or no model file, or the model's routers cannot predict
+    (quantized).
     """
-    if t.hidden is None:
+    if t.hidden is None or model is None or not Path(model).exists():
         return None
     try:
         pred = routers.Predictor(routers.load([model], t.header["arch"], t.layers), int(t.header["top_k"]))
@@ -95,38 +94,33 @@ def belady_future(t: Trace) -> dict[tuple[int, int], list[int]]:
     return fut
 
 
-def simulate(paths: list[str], budgets: list[int], model: str | None = None,
+def simulate(paths: list[str], budgets: list[Budget], model: str | None = None,
              progress: Callable[[str], None] = lambda s: None, prefill: bool = True) -> list[Row]:
-    """Every policy and Belady at every budget on every trace (after a prefill pass, see routes.replay)."""
+    """Every policy and Belady at every budget on every trace (after the prompt or a prefill pass,
+    see stats.replay). A v1 trace needs no model file; a bmoe trace reads its model's GGUF table."""
     rows = []
-    regions_of: dict[str, list] = {}
     for path in paths:
         t = Trace.read(path)
         if not t.routes:
             raise ValueError(f"{path} holds no decode tokens; record a longer run")
-        m = str(model or t.header["model"])
-        if m not in regions_of:
-            if not Path(m).exists():
-                raise ValueError(f"the trace's model {m} does not exist; pass the model with -m")
-            regions_of[m] = file_regions(open_model(m))
-        regions = regions_of[m]
-        hints = merge_hints(temporal_hints(t), spec_gate_hints(t, m))
+        regions = regions_for(t, model)
+        hints = merge_hints(temporal_hints(t), spec_gate_hints(t, model or t.header.get("model")))
         future = belady_future(t)
-        name = Path(path).stem
-        for pct in budgets:
+        name = Path(path).name.split(".")[0]
+        for budget in budgets:
             # a built-in policy is given by its name (replay makes it), the oracles as objects
             makers: list[tuple[str, Callable[[], str | Policy]]] = [(p, partial(str, p)) for p in POLICIES]
             makers.append((NextTokenOracle.name,
                            partial(NextTokenOracle, t.layers, future, prefill_tokens=int(prefill))))
             makers.append((BELADY, partial(Belady, t.layers, future, prefill_tokens=int(prefill))))
             for pname, make in makers:
-                progress(f"{name}: {pname} at {pct}% ...")
+                progress(f"{name}: {pname} at {budget.label} ...")
                 t0 = time.perf_counter()
                 policy = make()
                 wants = isinstance(policy, str) and POLICIES[policy].wants_predictions
-                hit, mib = replay(t, regions, pct, policy, hints if wants else None, prefill)
+                hit, mib = replay(t, regions, budget, policy, hints if wants else None, prefill)
                 us = (time.perf_counter() - t0) * 1e6 / len(t.routes)
-                rows.append(Row(name, pname, pct, hit, mib, us))
+                rows.append(Row(name, pname, budget.label, hit, mib, us))
     return rows
 
 
@@ -135,18 +129,18 @@ def table(rows: list[Row]) -> str:
     out = []
     for name in dict.fromkeys(r.trace for r in rows):
         mine = [r for r in rows if r.trace == name]
-        budgets = sorted({r.budget_pct for r in mine})
-        best = {r.budget_pct: r.hit_pct for r in mine if r.policy == BELADY}
-        lru = {r.budget_pct: r.hit_pct for r in mine if r.policy == "lru"}
+        budgets = list(dict.fromkeys(r.budget for r in mine))
+        best = {r.budget: r.hit_pct for r in mine if r.policy == BELADY}
+        lru = {r.budget: r.hit_pct for r in mine if r.policy == "lru"}
         out.append(f"## {name}\n")
-        out.append("| policy | " + " | ".join(f"{b}%: hit / MiB/tok / vs LRU / to Belady" for b in budgets)
+        out.append("| policy | " + " | ".join(f"{b}: hit / MiB/tok / vs LRU / to Belady" for b in budgets)
                    + " | mgmt µs/token |")
         out.append("| --- | " + " | ".join("---" for _ in budgets) + " | --- |")
         for pname in dict.fromkeys(r.policy for r in mine):
             cells = []
             us = []
             for b in budgets:
-                r = next(x for x in mine if x.policy == pname and x.budget_pct == b)
+                r = next(x for x in mine if x.policy == pname and x.budget == b)
                 us.append(r.us_per_token)
                 cells.append(f"{r.hit_pct:.1f}% / {r.mib_per_token:.1f} / {r.hit_pct - lru[b]:+.1f} / "
                              f"{r.hit_pct - best[b]:+.1f}")

@@ -3,10 +3,13 @@ hit rate by budget.
 
 `bmoe-bench routes PATH` prints `report` and `bmoe-demo --stats` its own summary; `replay` runs a
 trace through the live cache and is what `bmoe-bench policies` (bmoe.replay.policies) is built on.
+A route_trace v1 file names each layer's expert bytes, so it replays with no model file
+(`regions_for`); a bmoe trace needs its model's GGUF table.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +17,59 @@ import numpy as np
 from bmoe.base.model_files import open_model
 from bmoe.base.units import MiB
 from bmoe.streaming.cache_policy import Policy
-from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions
+from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions, layout
 from bmoe.streaming.route_trace import Trace
 
 BUDGETS_PCT = (10, 25, 50, 75)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A cache budget as a share of the expert bank (`pct`) or in MiB (`mib`); `label` prints it."""
+
+    pct: float | None = None
+    mib: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Budget:
+        """`25` or `25%`: a share of all expert bytes; `1300MiB` or `1300M`: MiB."""
+        t = text.strip()
+        for unit in ("MiB", "M"):
+            if t.endswith(unit):
+                return cls(mib=float(t[: -len(unit)]))
+        return cls(pct=float(t.rstrip("%")))
+
+    def bytes(self, bank: int) -> int:
+        return int(self.mib * MiB) if self.mib is not None else int(bank * (self.pct or 0) / 100)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mib:g} MiB" if self.mib is not None else f"{self.pct:g}%"
+
+
+def trace_regions(t: Trace) -> list[Region]:
+    """One region per MoE layer holding whole experts of the trace's `expert_bytes`, laid out as a
+    running cache lays them out: the replay of a v1 trace without its model file."""
+    n = int(t.header["n_expert"])
+    regions, offset = [], 0
+    for layer in t.layers:
+        eb = t.expert_bytes[layer]
+        regions.append(Region(f"blk.{layer}.ffn_exps", layer, "ffn_exps", 0, offset, n, eb))
+        offset += n * eb
+    layout(regions)
+    return regions
+
+
+def regions_for(t: Trace, model: str | Path | None = None) -> list[Region]:
+    """The expert regions a replay of `t` charges: from `model` when given, else from the trace's own
+    expert bytes (v1), else from the model file the trace names."""
+    if model is None and t.expert_bytes and all(t.expert_bytes.get(layer) for layer in t.layers):
+        return trace_regions(t)
+    m = model or t.header.get("model")
+    if not m or not Path(m).exists():
+        raise ValueError(f"the trace's model {m or '(none named)'} does not exist and the trace does not give "
+                         f"its expert bytes; pass the model with -m")
+    return file_regions(open_model(m))
 
 
 def previous_token_reuse(t: Trace) -> float:
@@ -72,22 +124,28 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
     return 100.0 * hit / total if total else 0.0
 
 
-def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Policy = "lru",
+def replay(t: Trace, regions: list[Region], budget: Budget | float, policy: str | Policy = "lru",
            predictions: list[list[list[tuple[int, list[int]]]]] | None = None,
            prefill: bool = False) -> tuple[float, float]:
-    """Hit rate and MiB read per token of a cache policy, for a budget as a share of all expert bytes.
+    """Hit rate and MiB read per token of a cache policy over the trace's decode tokens, for a
+    budget (a bare number: a share of all expert bytes).
 
     The replay runs the live ExpertCache (without memory), so its numbers are the cache's.
     `predictions[step][i]` lists (layer, experts) hints given to the cache before layer i's routing.
-    With `prefill`, decode starts after a pass that routed every expert of every layer, as a
-    prompt of a few dozen tokens does in a live run (the trace holds decode tokens only); that
-    pass is not counted.
+    With `prefill`, decode starts after the prompt, as one batch (each layer plans the union of the
+    prompt tokens' experts, as a live prompt batch does); a trace without prompt rows (bmoe's JSON
+    traces hold decode only) gets a pass that routes every expert of every layer, as a prompt of a
+    few dozen tokens does. That pass is not counted.
     """
-    total = sum(r.nbytes for r in regions)
-    cache = ExpertCache(None, regions, int(total * budget_pct / 100), policy)
+    b = budget if isinstance(budget, Budget) else Budget(pct=budget)
+    cache = ExpertCache(None, regions, b.bytes(sum(r.nbytes for r in regions)), policy)
     if prefill:
         for layer in t.layers:
-            cache.commit(cache.plan(layer, list(range(max(regions[i].n_expert for i in cache.by_layer[layer])))))
+            if t.prompt:
+                experts = sorted({e for step in t.prompt for e in step.get(layer, ())})
+            else:
+                experts = list(range(max(regions[i].n_expert for i in cache.by_layer[layer])))
+            cache.commit(cache.plan(layer, experts))
         cache.reset_stats()
     read = 0
     for step, routes in enumerate(t.routes):
@@ -102,17 +160,18 @@ def replay(t: Trace, regions: list[Region], budget_pct: float, policy: str | Pol
 
 def report(path: str | Path, model: str | Path | None = None) -> str:
     t = Trace.read(path)
-    model = model or t.header["model"]
-    regions = file_regions(open_model(model))
+    regions = regions_for(t, model)
     lines = [f"routes: {path} ({len(t.routes)} tokens, {len(t.layers)} MoE layers, "
              f"{t.header['n_expert']} experts, top-{t.header['top_k']})",
-             f"previous-token reuse: {previous_token_reuse(t):.1f}%"]
+             f"previous-token reuse: {previous_token_reuse(t):.1f}% (uniform routing: {uniform_reuse(t):.1f}%)",
+             f"busiest quarter of a layer's experts: {busiest_quarter(t):.1f}% of its routes"]
     try:
-        lines.append(f"next-layer router recall: {next_layer_recall(t, model):.1f}% "
-                     f"(router input used as is: {next_layer_recall(t, model, rescale=False):.1f}%)")
+        lines.append(f"next-layer router recall: {next_layer_recall(t, model or t.header['model']):.1f}% "
+                     f"(router input used as is: "
+                     f"{next_layer_recall(t, model or t.header['model'], rescale=False):.1f}%)")
     except ValueError as e:
         lines.append(f"next-layer router recall: n/a ({e})")
-    curve = [(pct, *replay(t, regions, pct)) for pct in BUDGETS_PCT]
+    curve = [(pct, *replay(t, regions, pct, prefill=bool(t.prompt))) for pct in BUDGETS_PCT]
     lines.append("LRU hit rate by budget (share of expert bytes): " + ", ".join(
         f"{pct}%: {hit:.1f}% hit ({mib:.2f} MiB/token)" for pct, hit, mib in curve))
     return "\n".join(lines)

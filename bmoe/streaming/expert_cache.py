@@ -46,6 +46,7 @@ from bmoe.shm_cache import PAGE, Slab
 from bmoe.streaming.cache_policy import Policy, make_policy
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
+CLASS_WINDOW = 8  # a read takes another class's warm pages unless its own class is this near the eviction front
 
 
 def _down(x: int) -> int:
@@ -395,14 +396,21 @@ class ExpertCache:
         return index
 
     def _evict_for(self, g: int, cls: int) -> None:
-        """Evict, in the policy's order, the first whole expert whose index is of this class: a free
-        index of another class then stays warm for the next read of its class, where giving its
-        pages back would cost a system call now and page faults in the lane later (the cache holds
-        one expert fewer until that read). Nothing pinned or expected is taken."""
+        """Evict the first whole expert of this class among the policy's next CLASS_WINDOW candidates:
+        a free index of another class then stays warm for the next read of its class, where giving
+        its pages back would cost a system call now and page faults in the lane later. Past the
+        window the policy's order wins (the caller gives pages back): an expert the policy ranks far
+        from the front is worth more than the faults, and a class's share of the cache must follow
+        what decode routes, not what the prompt left. Nothing pinned or expected is taken."""
+        seen = 0
         for key in self.policy.victims(self.policy.layer):
             layer, ri, e = key
-            if self.group_of[layer] != g or e % self.period[g] != cls or key in self.pinned \
-                    or key in self.expected[layer] or self.state[ri][e] != RESIDENT:
+            if key in self.pinned or key in self.expected[layer] or self.state[ri][e] != RESIDENT:
+                continue
+            if seen >= CLASS_WINDOW:
+                return
+            seen += 1
+            if self.group_of[layer] != g or e % self.period[g] != cls:
                 continue
             self._evict(key, protect_expected=True)
             if (layer, e) not in self.index_of:

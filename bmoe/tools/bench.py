@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from bmoe.base import nonneg_int, positive_float, positive_int
+from bmoe.replay import Budget
 from bmoe.tools import bench_config, bench_numbers, bench_quality, bench_report, bench_run, bench_sys
 
 EXIT_ERROR = 1
@@ -59,6 +60,7 @@ examples:
   bmoe-bench quality -m model.gguf --config k6='--experts-per-token 6' --config cold='--drop-cold 0.1'
   bmoe-cli -m model.gguf -n 150 --route-trace story.jsonl && bmoe-bench routes story.jsonl
   bmoe-bench policies story.jsonl code.jsonl --budgets 10,25,50,75
+  bmoe-bench policies ../shared/traces/*.csv --budgets 1300MiB,1900MiB,4000MiB,10,25   # no model file
 """
 
 POLICIES_EXAMPLES = """\
@@ -66,6 +68,13 @@ examples:
   bmoe-cli -m model.gguf --chat -p "Write a story" -n 150 --cache-mb 2000 --route-trace story.jsonl
   bmoe-bench policies story.jsonl                       # budgets 10,25,50,75% of the expert bytes
   bmoe-bench policies story.jsonl code.jsonl --budgets 25,50 -m model.gguf --out policies.md
+  bmoe-bench policies gemma.route.csv --budgets 1300MiB,1900MiB,10   # route_trace v1: no model file
+  bmoe-cli -m model.gguf -p "Hello" -n 64 --route-trace hello.csv    # bmoe writes route_trace v1 too
+
+Traces are bmoe's JSON lines (bmoe-cli --route-trace PATH.jsonl) or route_trace v1 CSV (the format
+of the C++ project bmoe descends from; bmoe-cli --route-trace PATH.csv writes it). A v1 header
+gives the model's shape and each layer's expert bytes, so it replays without the model file; its
+prompt rows warm the cache before decode is counted.
 
 Each policy runs in the live ExpertCache with no memory behind it, so its hit rate is what
 bmoe-cli --cache-policy NAME gets on the same routing. 'belady' is the offline optimum (it knows
@@ -85,13 +94,15 @@ def _thread_list(text: str) -> list[int]:
     return xs
 
 
-def _budget_list(text: str) -> list[int]:
+def _budget_list(text: str) -> list[Budget]:
     try:
-        xs = sorted({int(x) for x in text.split(",") if x.strip()})
+        xs = [Budget.parse(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected percentages like 10,25,50,75") from None
-    if not xs or xs[0] < 1 or xs[-1] > 100:
-        raise argparse.ArgumentTypeError(f"{text!r}: budgets are percentages from 1 to 100")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected percentages like 10,25 or sizes like 1300MiB") from None
+    if not xs or any(b.pct is not None and not 0 < b.pct <= 100 for b in xs) or any(
+            b.mib is not None and b.mib <= 0 for b in xs):
+        raise argparse.ArgumentTypeError(f"{text!r}: a budget is a percentage from 1 to 100 or a positive size "
+                                         f"in MiB (1300MiB)")
     return xs
 
 
@@ -113,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "expert reuse, next-layer router recall (the next layer's router applied "
                                     "to this layer's router input) and LRU hit rates at budgets of "
                                     "10/25/50/75%% of the expert bytes.")
-    rt.add_argument("trace", help="trace file from bmoe-cli --route-trace")
+    rt.add_argument("trace", help="trace file from bmoe-cli --route-trace, or route_trace v1 CSV")
     rt.add_argument("-m", "--model", help="the model the trace came from (default: the path in the trace)")
     po = sub.add_parser("policies", epilog=POLICIES_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="replay routing traces through every cache policy and Belady's bound",
@@ -121,14 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "a next-token oracle and every candidate cache policy; print hit rate and "
                                     "MiB read per token for each policy and budget, and the distance to LRU and "
                                     "to Belady.")
-    po.add_argument("traces", nargs="+", metavar="TRACE", help="trace files from bmoe-cli --route-trace")
-    po.add_argument("--budgets", type=_budget_list, default=[10, 25, 50, 75], metavar="LIST",
-                    help="cache budgets as %% of all expert bytes (default 10,25,50,75)")
+    po.add_argument("traces", nargs="+", metavar="TRACE",
+                    help="trace files from bmoe-cli --route-trace, or route_trace v1 CSV")
+    po.add_argument("--budgets", type=_budget_list, default=_budget_list("10,25,50,75"), metavar="LIST",
+                    help="cache budgets: %% of all expert bytes (25) or MiB (1300MiB); default 10,25,50,75")
     po.add_argument("-m", "--model", help="the model the traces came from (default: the path in each trace)")
     po.add_argument("--out", metavar="PATH", help="also write the table (markdown) to PATH")
     po.add_argument("--no-prefill", action="store_true",
-                    help="start decode from an empty cache; by default a pass that routes every expert of "
-                         "every layer comes first, as a prompt of a few dozen tokens does in a live run")
+                    help="start decode from an empty cache; by default the trace's prompt (or, for a trace "
+                         "without prompt rows, a pass that routes every expert of every layer) comes first")
     r.add_argument("-m", "--model", required=True, help="GGUF model (first shard of a split model)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (default: bmoe-cli's)")
