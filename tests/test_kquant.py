@@ -63,3 +63,21 @@ def test_q4_k_m_mixes_types_across_expert_tensors(f16: Path, tmp_path: Path) -> 
     types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(model).tensors
              if t.name.endswith("_exps.weight")}
     assert len(types) > 1, types
+
+
+def test_synth_k_quant_model_streams_exactly(synth) -> None:
+    """bmoe-synth's own K-quant blocks (--quant q4_k_m: every matrix typed as llama.cpp's Q4_K_M,
+    so Q4_K and Q6_K experts, Q5_K/Q8_0 attention, Q6_K output) run in llama.cpp and stream exactly."""
+    model = synth(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=256, ff=512, quant="q4_k_m")
+    types = Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(model).tensors
+                    if t.name.endswith("_exps.weight"))
+    assert types == {"Q4_K": 10, "Q6_K": 2}, types
+    plain = run_cli("-m", str(model), "-p", PROMPT, "-n", "32", "-t", "2", "--no-stream")
+    assert plain.returncode == 0, plain.stderr
+    assert len(set(plain.stdout.split("\ngeneration:")[0].split())) > 8, plain.stdout  # words, not one repeated
+    third = open_model(model).expert_bytes / 3 / MiB
+    for flags in (["--cache-mb", "0"], ["--cache-mb", f"{third}", "--force"]):
+        r = run_cli("-m", str(model), "-p", PROMPT, "-n", "32", "-t", "2", "--io-threads", "2", *flags)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split("\ngeneration:")[0] == plain.stdout.split("\ngeneration:")[0], flags
+        assert "moe-stream: read" in r.stdout

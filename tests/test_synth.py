@@ -4,15 +4,18 @@ reproducible byte for byte: the streaming tests elsewhere build on all three."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
+import gguf.quants
 import llama_cpp
 import numpy as np
 import pytest
 
 from bmoe.seam.llama import new_context
 from bmoe.tools import synth
+from tests.conftest import run_cli
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away into the dark forest."
 N_GEN = 32
@@ -209,3 +212,141 @@ def test_rejects_bad_shapes(tmp_path: Path) -> None:
         synth.write_model(tmp_path / "x.gguf", arch="mixtral")
     with pytest.raises(ValueError, match="size-gb"):
         synth.write_model(tmp_path / "x.gguf", size_gb=1e-6)
+
+
+# --- K-quants and published shapes (issue 29) --------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q8_0", "q4_0", "mxfp4"])
+def test_random_blocks_decode_to_the_asked_spread(qtype: str) -> None:
+    """gguf-py's own dequantizer (the ggml block layouts) reads back weights of the asked std and
+    mean ~0: the scales sit where ggml looks for them and are finite."""
+    t = synth.Tensor("w", (64, 1024), qtype, "normal", 0.02)
+    blocks = np.concatenate(list(synth._quantized_chunks(t, np.random.Generator(np.random.SFC64(1)))))
+    w = gguf.quants.dequantize(blocks.reshape(-1), synth._GGML_TYPE[qtype])
+    assert w.size == 64 * 1024 and np.isfinite(w).all()
+    assert abs(w.std() - 0.02) < 0.001 if qtype != "mxfp4" else 0.01 < w.std() < 0.04  # mxfp4: a power of 2
+    assert abs(w.mean()) < 0.003
+
+
+def test_k_scales_pack_as_ggml_reads_them() -> None:
+    """The 6-bit scales and mins of block_q4_K/q5_K (get_scale_min_k4), values above 15 included."""
+    packed = np.frombuffer(synth._pack_k_scales(45, 38), np.uint8).reshape(1, 12)
+    scale, minimum = gguf.quants.Q4_K.get_scale_min(packed)
+    assert scale.tolist() == [[45] * 8] and minimum.tolist() == [[38] * 8]
+
+
+# Published Q4_K_M sizes, in bytes (sources in synth.LIKES): the files users download.
+REAL_Q4_K_M = {
+    "qwen3-30b-a3b": 17.28 * 2**30,   # 17.28 GiB
+    "gemma-4-26b-a4b": 16_413_650_040 + 262144 * 2816 * 210 // 256,  # the trace's layers + Q6_K token_embd
+    "gpt-oss-20b": 11.6e9,
+    "gpt-oss-120b": 58.46 * 2**30,    # 58.46 GiB
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_Q4_K_M))
+def test_like_is_within_2_percent_of_the_real_file(name: str) -> None:
+    plan = synth.plan_model(like=name)
+    assert abs(plan.tensor_bytes / REAL_Q4_K_M[name] - 1) < 0.02, (plan.tensor_bytes, REAL_Q4_K_M[name])
+
+
+def test_like_tensor_tables() -> None:
+    """Names, ggml shapes and types as the real Q4_K_M files have them (579 and 459 tensors)."""
+    def table(name: str) -> dict[str, tuple[str, list[int]]]:
+        return {t.name: (t.qtype, list(reversed(t.shape))) for t in synth.plan_model(like=name).tensors}
+
+    qwen = table("qwen3-30b-a3b")
+    assert len(qwen) == 579
+    assert qwen["token_embd.weight"] == ("q4_k", [2048, 151936])
+    assert qwen["output.weight"] == ("q6_k", [2048, 151936])
+    assert qwen["blk.0.attn_q.weight"] == ("q4_k", [2048, 4096])
+    assert qwen["blk.0.attn_k.weight"] == ("q4_k", [2048, 512])
+    assert qwen["blk.0.attn_v.weight"] == ("q6_k", [2048, 512])
+    assert qwen["blk.7.attn_v.weight"] == ("q4_k", [2048, 512])
+    assert qwen["blk.0.ffn_gate_exps.weight"] == ("q4_k", [2048, 768, 128])
+    assert qwen["blk.0.ffn_down_exps.weight"] == ("q6_k", [768, 2048, 128])
+    assert qwen["blk.7.ffn_down_exps.weight"] == ("q4_k", [768, 2048, 128])
+    assert qwen["blk.0.ffn_gate_inp.weight"] == ("f32", [2048, 128])
+    oss = table("gpt-oss-20b")
+    assert len(oss) == 459
+    assert oss["token_embd.weight"] == ("q5_0", [2880, 201088])  # 2880 is not whole 256-blocks
+    assert oss["output.weight"] == ("q8_0", [2880, 201088])
+    assert oss["blk.0.attn_q.weight"] == ("q5_0", [2880, 4096])
+    assert oss["blk.0.attn_output.weight"] == ("q4_k", [4096, 2880])
+    assert oss["blk.0.ffn_up_exps.weight"] == ("mxfp4", [2880, 2880, 32])
+    assert oss["blk.0.ffn_down_exps.bias"] == ("f32", [2880, 32])
+    gemma = table("gemma-4-26b-a4b")
+    assert "output.weight" not in gemma and gemma["token_embd.weight"] == ("q6_k", [2816, 262144])
+    assert gemma["blk.5.attn_q.weight"] == ("q4_k", [2816, 8192])  # full attention: 16 heads of 512
+    assert gemma["blk.5.attn_k.weight"] == ("q4_k", [2816, 1024])
+    assert gemma["blk.4.attn_k.weight"] == ("q4_k", [2816, 2048])
+    assert gemma["blk.0.ffn_down.weight"] == ("q8_0", [2112, 2816])
+    assert gemma["blk.0.ffn_down_exps.weight"] == ("q8_0", [704, 2816, 128])
+    assert gemma["blk.7.ffn_down_exps.weight"] == ("q5_0", [704, 2816, 128])
+
+
+# The route traces' headers (../shared/traces), copied: one expert's bytes per layer, and
+# gpt-oss-120b's dense bytes (its table reproduces both).
+GEMMA_TRACE_EXPERT_BYTES = [4336640] * 7 + [3593216, 3593216, 4336640] * 7 + [3593216, 3593216]
+OSS120_TRACE_DENSE_BYTES = [23280128] * 4 + [22727168, 22727168, 23280128] * 9 + [23280128] * 5
+
+
+def test_like_reproduces_the_traces_bytes() -> None:
+    gemma = synth.plan_model(like="gemma-4-26b-a4b")
+    assert [gemma.expert_bytes(i) for i in range(30)] == GEMMA_TRACE_EXPERT_BYTES
+    oss = synth.plan_model(like="gpt-oss-120b")
+    assert [oss.expert_bytes(i) for i in range(36)] == [13219200] * 36
+    assert [oss.dense_bytes(i) for i in range(36)] == OSS120_TRACE_DENSE_BYTES
+
+
+def _trace(path: Path, model: str, layer_bytes: list[int]) -> Path:
+    lines = ["# route_trace v1", f"# model=/data/{model}.gguf arch=x n_layer={len(layer_bytes)} "
+             f"n_expert=128 n_expert_used=6"]
+    lines += [f"# layer={i} expert_bytes={b} dense_bytes=1" for i, b in enumerate(layer_bytes)]
+    path.write_text("\n".join([*lines, "turn,phase,step,layer,slot,expert,weight,residency,expert_bytes", ""]))
+    return path
+
+
+def test_like_a_trace(tmp_path: Path) -> None:
+    """A known model keeps its table with the trace's top-k; another gets experts of the header's
+    bytes at every layer; a header that contradicts its model's table is refused."""
+    known = synth.plan_model(like=str(_trace(tmp_path / "g.csv", "google_gemma-4-26B-A4B-it-Q4_K_M",
+                                             GEMMA_TRACE_EXPERT_BYTES)))
+    assert (known.shape.name, known.shape.top_k) == ("gemma-4-26b-a4b", 6)
+    other = synth.plan_model(like=str(_trace(tmp_path / "o.csv", "mystery-moe", GEMMA_TRACE_EXPERT_BYTES)))
+    assert [other.expert_bytes(i) for i in range(30)] == GEMMA_TRACE_EXPERT_BYTES
+    assert (other.shape.experts, other.shape.top_k) == (128, 6)
+    with pytest.raises(ValueError, match="differs from gemma-4-26b-a4b"):
+        synth.plan_model(like=str(_trace(tmp_path / "b.csv", "gemma-4-26b-a4b", [3593216] * 30)))
+    for name, top_k in (("gemma-4-26b-a4b", 6), ("gpt-oss-120b", 2)):  # the real traces, when present
+        real = Path(__file__).resolve().parents[2] / "shared" / "traces" / f"{name}-q4_k_m.route.csv"
+        if real.exists():
+            assert synth.shape_from_trace(real) == replace(synth.LIKES[name].shape, top_k=top_k)
+
+
+def test_like_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert synth.main(["--like", "gpt-oss-120b", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "blk.35.ffn_down_exps.weight" in out and "layer=0 expert_bytes=13219200 dense_bytes=23280128" in out
+    with pytest.raises(SystemExit) as exc:
+        synth.main(["--like", "qwen3-30b-a3b", "--layers", "2", "-o", str(tmp_path / "x.gguf")])
+    assert exc.value.code == 2 and "--like sets the shape; drop --layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        synth.main(["--like", "llama-9000", "--plan"])
+    assert "neither a known model" in capsys.readouterr().err
+
+
+def test_small_gemma4_like_loads_and_runs(tmp_path: Path) -> None:
+    """The gemma4 table's metadata and tensors are what the pinned llama.cpp needs (bmoe does not
+    stream gemma4 yet): the real shape, scaled down to a few MB."""
+    small = replace(synth.LIKES["gemma-4-26b-a4b"].shape, layers=6, experts=4, top_k=2, embd=256, ff=256,
+                    n_head=4, n_head_kv=2, head_dim=64, full_head_dim=128, full_kv_heads=1, dense_ff=256,
+                    vocab=0)
+    path = tmp_path / "g4.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synth.LIKES, "small-gemma4", synth.Like(small, 1, "test"))
+        synth.write_model(path, like="small-gemma4")
+    # through bmoe's loader: llama.cpp's default AMX repacking of quantized attention crashes on
+    # this machine's CPU in-process, for llama-quantize's own Q4_K_M files too
+    r = run_cli("-m", str(path), "-p", "The quick brown fox", "-n", "4", "-t", "2", "--no-stream")
+    assert r.returncode == 0 and "generation: 4 tokens" in r.stdout, r.stderr
