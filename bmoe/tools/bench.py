@@ -106,6 +106,16 @@ def _budget_list(text: str) -> list[Budget]:
     return xs
 
 
+def _fraction_list(text: str) -> list[float]:
+    try:
+        xs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        xs = []
+    if not xs or not all(0 < x < 1 for x in xs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected fractions between 0 and 1 like 0.05,0.1,0.2")
+    return xs
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="bmoe-bench", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -138,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache budgets: %% of all expert bytes (25) or MiB (1300MiB); default 10,25,50,75")
     po.add_argument("-m", "--model", help="the model the traces came from (default: the path in each trace)")
     po.add_argument("--out", metavar="PATH", help="also write the table (markdown) to PATH")
+    po.add_argument("--drop-cold", type=_fraction_list, default=[], metavar="LIST",
+                    help="also price --drop-cold F on the traces' router weights (needs weights: route_trace v1 "
+                         "or --route-trace PATH.csv): reads saved against router weight dropped, e.g. 0.05,0.1,0.2")
     po.add_argument("--no-prefill", action="store_true",
                     help="start decode from an empty cache; by default the trace's prompt (or, for a trace "
                          "without prompt rows, a pass that routes every expert of every layer) comes first")
@@ -205,6 +218,14 @@ def cmd_policies(a: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise bench_run.BenchError(f"cannot replay the traces: {e}") from e
     text = policy_sim.table(rows)
+    if a.drop_cold:
+        from bmoe.replay import lossy_prices
+
+        try:
+            prices = lossy_prices.prices(a.traces, a.budgets, a.drop_cold, a.model)
+        except (OSError, ValueError, KeyError) as e:
+            raise bench_run.BenchError(f"cannot price --drop-cold on the traces: {e}") from e
+        text += "\n## --drop-cold on these routes (default policy)\n\n" + lossy_prices.table(prices) + "\n"
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
