@@ -47,7 +47,8 @@ from bmoe.shm_cache import sweep_stale_segments
 from bmoe.streaming.expert_cache import working_sets
 from bmoe.streaming.lossy import Lossy
 from bmoe.streaming.readahead import ReadAheadCounts
-from bmoe.streaming.route_trace import TraceWriter
+from bmoe.streaming.route_replay import ReplayError, RouteReplay
+from bmoe.streaming.route_trace import Trace, TraceError, TraceWriter
 from bmoe.streaming.speculation import SpecGate
 from bmoe.streaming.streamer import Streamer, regions_of
 from bmoe.streaming.usage_profile import default_dir
@@ -111,6 +112,8 @@ class Engine:
         self.memory = MemoryProbe()
         self.adaptive: Adaptive | None = None
         self.lossy: Lossy | None = None  # lossy routing while streaming (the hook's)
+        self.replay: RouteReplay | None = None  # --replay-routes: every routing is a trace's (the hook's)
+        self.stops: StreamingStops | None = None
         self.fixed_k = 0  # --no-stream --experts-per-token: llama.cpp's own expert count, set at load
         self.dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
         self.warm: WarmStart | None = None  # the usage profile: a background fill now, saved at close
@@ -128,11 +131,12 @@ class Engine:
                 notice(f"removed {len(removed)} shared-memory segment(s) left by dead runs")
         try:
             self._check_lossy(moe, streaming)
+            replay = self._read_replay(moe)
             self._load(streaming)
             assert self.model is not None  # _load raised otherwise
             self.vocab: Vocab = Vocab(self.model)
             if streaming:
-                self._start_streaming()
+                self._start_streaming(replay)
         except BaseException:
             self.close()
             raise
@@ -173,6 +177,22 @@ class Engine:
         if not streaming and 0 < k < top_k:
             self.fixed_k = k
 
+    def _read_replay(self, moe: bool) -> Trace | None:
+        """--replay-routes' trace, read before the model loads: an unreadable one fails at once."""
+        path = self.settings.replay_routes
+        if not path:
+            return None
+        if not moe:
+            self.notice(f"{self.words.name('replay_routes')} changes nothing on a model without experts")
+            return None
+        try:
+            return Trace.read(path)
+        except OSError as e:
+            raise ConfigError(f"{self.words.value('replay_routes', path)}: cannot read it ({e.strerror}); "
+                              "give a trace written by bmoe-cli --route-trace, or route_trace v1 CSV") from None
+        except (TraceError, ValueError, KeyError) as e:
+            raise ConfigError(f"{self.words.value('replay_routes', path)}: {e}") from None
+
     def _load(self, streaming: bool) -> None:
         """llama.cpp's own load (model, then context), timed apart as `llama_load_s`, so that
         `load_s - llama_load_s` is what bmoe adds to a plain llama.cpp load."""
@@ -192,9 +212,9 @@ class Engine:
         llama.set_abort(self.ctx, self.hook.c_abort)
         self.n_ctx: int = min(llama.context_size(self.ctx), self.settings.n_ctx)
 
-    def _start_streaming(self) -> None:
+    def _start_streaming(self, replay: Trace | None = None) -> None:
         """A warm-up graph, visited but not computed, finds the expert tensors; then they are
-        rebound into the slab's pools."""
+        rebound into the slab's pools. `replay`: the trace --replay-routes runs on."""
         cap = self._capture(dry=True)
         if not cap.bad and not self.files.expert_names() <= {t.name for t in cap.tensors.values()}:
             cap = self._capture(dry=False)  # a graph in several splits: its later ones were not visited
@@ -217,7 +237,15 @@ class Engine:
             self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
         # the lanes and pinned weights are there before the budget is decided: they are in the charge
         st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
-                                      s.speculation.prefetch, list(cap.biases.values()), spare=s.lossy.on)
+                                      s.speculation.prefetch, list(cap.biases.values()),
+                                      spare=s.lossy.on or replay is not None)
+        if replay is not None:
+            try:
+                self.replay = RouteReplay(replay, str(s.replay_routes), st.layers, self.files.n_expert,
+                                          self.files.n_expert_used, cap.norms)
+            except ReplayError as e:
+                raise ConfigError(str(e)) from None
+            self.notice(self.replay.describe())
         self._size_cache(st.full_bytes, max(need.values()), sum(need.values()))
         if s.speculation.gate:
             gate = SpecGate(self.files, st.layers, llama.n_embd(self.llama_model), s.speculation,
@@ -229,11 +257,15 @@ class Engine:
         if s.route_trace:
             self.trace = TraceWriter(Path(s.route_trace), {
                 "model": str(Path(s.model).resolve()), "arch": self.files.arch, "n_expert": self.files.n_expert,
-                "top_k": self.files.n_expert_used, "layers": st.layers,
-                "n_embd": llama.n_embd(self.llama_model)})
+                "top_k": self.files.n_expert_used, "layers": st.layers, "n_layer": llama.n_layer(self.llama_model),
+                "n_embd": llama.n_embd(self.llama_model),
+                # one whole expert per MoE layer (its slices summed): what v1 readers charge per read
+                "expert_bytes": {layer: sum(r.expert_bytes for r in regions if r.layer == layer)
+                                 for layer in st.layers}})
         if s.lossy.on:
             self.lossy = Lossy(s.lossy, self.files.n_expert_used, cap.norms, st.cache)
-        self.hook.stops = StreamingStops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace, self.lossy)
+        self.hook.stops = self.stops = StreamingStops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace,
+                                                      self.lossy, self.replay, cap.norms)
         self._dense_read(dense)
         if s.streaming.preload:
             if not st.holds_everything:
@@ -361,6 +393,10 @@ class Engine:
                               f"and {self.words.value('stream', False)}: llama.cpp itself routes to "
                               f"{self.fixed_k} experts, and no request can have the model's "
                               f"{self.files.n_expert_used} back; {fix}")
+        if self.replay is not None:
+            raise ConfigError(f"this model was loaded with {self.words.value('replay_routes', self.replay.name)}: "
+                              f"every token takes the trace's routing, and no request can have the model's own "
+                              f"back; {fix}")
 
     def tokenize(self, text: str) -> list[int]:
         """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""
@@ -425,11 +461,15 @@ class Engine:
         t0 = time.perf_counter()
         if self.lossy:
             self.lossy.begin([False] * len(tokens))
+        if self.trace:
+            self.trace.prompting = True
         try:
             self._decode([(seq, tokens, self.kv_len(seq))])
             if st:
                 st.settle()
         finally:
+            if self.trace:
+                self.trace.prompting = False
             if st:  # a prefill's reads are not the decode's
                 st.take_counters()
                 st.take_speculation()
@@ -457,7 +497,13 @@ class Engine:
             t0 = time.perf_counter()
             if self.lossy:
                 self.lossy.begin([not lossless] * len(tokens))
-            row = self._decode([(seq, tokens, pos)])[0]
+            if self.trace:
+                self.trace.prompting = True
+            try:
+                row = self._decode([(seq, tokens, pos)])[0]
+            finally:
+                if self.trace:
+                    self.trace.prompting = False
             if st:  # the prefill's reads ahead land (or are dropped) in the prefill, not in the first token
                 st.settle()
             s.prefill_s = time.perf_counter() - t0
@@ -546,6 +592,8 @@ class Engine:
         token, whose batch rows are returned. With `aborts`, the hook's abort is expected."""
         if self.streamer is not None:
             self.streamer.begin_batch(sum(len(toks) for _, toks, _ in parts))
+        if self.stops is not None and not aborts:
+            self.stops.begin_batch(sum(len(toks) for _, toks, _ in parts))
         with self.hook:
             rc, rows = llama.decode(self.context, parts)
         err = self.hook.take_error()

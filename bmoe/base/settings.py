@@ -284,7 +284,14 @@ class Settings:
     route_trace: str | None = setting(
         None, "--route-trace", metavar="PATH",
         help="write each decode token's routed experts per layer (JSON lines) and the router inputs "
-             "(PATH.hidden.npy), for `bmoe-bench routes`")
+             "(PATH.hidden.npy), for `bmoe-bench routes`; a PATH ending in .csv writes route_trace v1 (the "
+             "prompt's tokens too, with router weights and each layer's expert bytes)")
+    replay_routes: str | None = setting(
+        None, "--replay-routes", metavar="TRACE",
+        help="BENCHMARK MODE, CHANGES THE OUTPUT: route every token to the experts, with the router weights, that "
+             "TRACE records (a --route-trace file or route_trace v1 CSV: its prompt rows, then its decode tokens, "
+             "wrapping around), so the cache, lanes and memory budget run that model's real reads on this model "
+             "file (one of its shape: same MoE layers, experts in range); not for bmoe-server")
     verbose: bool = setting(False, "--verbose", help="show llama.cpp's own log on stderr")
 
     @property
@@ -491,6 +498,20 @@ def validate(s: Settings, w: Naming = FLAGS, given: frozenset[str] = frozenset()
     if lo.cache_routing and c.mb == 0:
         raise ConfigError(f"{w.name('cache_routing')} takes a cached expert instead of a missing one, and "
                           f"{w.value('cache_mb', 0.0)} caches none; give it a budget or drop it")
+    if s.replay_routes:
+        replay = w.name("replay_routes")
+        if not st.enabled:
+            raise ConfigError(f"{replay} sets the routing where bmoe streams experts, and {no_stream} does not; "
+                              "drop one of them")
+        if lo.on:
+            raise ConfigError(f"{replay} sets every token's routing to a trace's, and the lossy routing settings "
+                              "change it again; drop one of them")
+        if s.parallel > 1:
+            raise ConfigError(f"{replay} replays one sequence of tokens, and {w.value('parallel', s.parallel)} "
+                              "decodes several; drop one of them")
+        if s.prompt_cache:
+            raise ConfigError(f"{replay} computes the KV with a trace's routing, and {w.name('prompt_cache')} would "
+                              "keep it for later runs of the model's own; drop one of them")
     if s.route_trace and s.parallel > 1:
         raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
                           f"{w.value('parallel', s.parallel)} decodes several; drop one of them")

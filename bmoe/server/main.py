@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     settings = flags.settings_from(ap, a)
+    if settings.replay_routes:  # a benchmark mode: the answers would not be the model's
+        ap.error("--replay-routes is a benchmark mode: every answer would follow the trace's routing, not the "
+                 "model's; bmoe-server does not run it (use bmoe-cli or bmoe-bench run)")
     opts = serve_settings(ap, a)
     exits.install_signal_handlers()
     model: Model | None = None

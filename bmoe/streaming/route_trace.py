@@ -36,18 +36,41 @@ class TraceWriter:
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)
     hidden_rows: list[np.ndarray] = field(default_factory=list)
+    prompting: bool = False  # a prompt is being prefilled (Engine.begin / prefill)
+    prompt: list[Routes] = field(default_factory=list)  # the first prompt's tokens' routing (v1 writes it)
+    prompt_weights: list[Weights] = field(default_factory=list)
+    prompt_base: int = -1  # the prompt row of the decode under way's first token; -1: not recording it
 
-    def on_route(self, layer: int, ids: np.ndarray, predicted: set[int] | None = None) -> None:
-        """Record the last token's routing and, with --spec-gate, what was predicted for it in time."""
+    def begin_batch(self, n_tokens: int) -> None:
+        """A llama_decode starts. While the first prompt is prefilled (before any decode step is
+        recorded) its tokens are the prompt's next rows."""
+        self.prompt_base = -1
+        if self.prompting and not self.steps:
+            self.prompt_base = len(self.prompt)
+            self.prompt += [{} for _ in range(n_tokens)]
+            self.prompt_weights += [{} for _ in range(n_tokens)]
+
+    def on_route(self, layer: int, ids: np.ndarray, predicted: set[int] | None = None,
+                 at: np.ndarray | None = None) -> None:
+        """Record the last token's routing and, with --spec-gate, what was predicted for it in time;
+        in the prompt, the routing of each row, `at` being the rows' tokens within the decode. An id
+        below 0 is a position that reads nothing (bmoe.streaming.lossy.DROPPED): not an expert, left out."""
         if self.active:
             self.routes[layer] = [int(x) for x in ids[-1]]
             if predicted is not None:
                 self.predicted[layer] = sorted(int(x) for x in predicted)
+        elif self.prompt_base >= 0 and at is not None:
+            for r, t in enumerate(at):
+                self.prompt[self.prompt_base + int(t)][layer] = [int(x) for x in ids[r]]
 
-    def on_weights(self, layer: int, shares: np.ndarray) -> None:
-        """The last token's router weights at the layer, each expert's share of the top-k's weight."""
+    def on_weights(self, layer: int, shares: np.ndarray, at: np.ndarray | None = None) -> None:
+        """The last token's router weights at the layer, each expert's share of the top-k's weight (in the
+        prompt, each row's, as on_route)."""
         if self.active:
             self.weights[layer] = [float(x) for x in shares[-1]]
+        elif self.prompt_base >= 0 and at is not None:
+            for r, t in enumerate(at):
+                self.prompt_weights[self.prompt_base + int(t)][layer] = [float(x) for x in shares[r]]
 
     def on_router_input(self, layer: int, h: np.ndarray) -> None:
         if self.active:
@@ -55,12 +78,13 @@ class TraceWriter:
 
     def end_step(self, token: int) -> None:
         layers = self.header["layers"]
+        routes, weights = _experts_only(self.routes, self.weights)
         step = {"step": len(self.steps) + 1, "token": token,
-                "routes": {str(layer): self.routes.get(layer, []) for layer in layers}}
+                "routes": {str(layer): routes.get(layer, []) for layer in layers}}
         if self.predicted:
             step["predicted"] = {str(layer): ids for layer, ids in self.predicted.items()}
-        if self.weights:
-            step["weights"] = {str(layer): w for layer, w in self.weights.items()}
+        if weights:
+            step["weights"] = {str(layer): w for layer, w in weights.items()}
         self.steps.append(step)
         n_embd = self.header["n_embd"]
         self.hidden_rows.append(np.stack([self.hidden.get(layer, np.full(n_embd, np.nan, np.float32))
@@ -78,9 +102,11 @@ class TraceWriter:
     def trace(self) -> Trace:
         """What was recorded, as a Trace."""
         weights = [{int(k): v for k, v in s.get("weights", {}).items()} for s in self.steps]
+        prompt = [_experts_only(r, w) for r, w in zip(self.prompt, self.prompt_weights)]
         return Trace(self.header, list(self.header["layers"]), [{int(k): v for k, v in s["routes"].items()}
                                                                  for s in self.steps],
                      None, weights=weights if any(weights) else None,
+                     prompt=[r for r, _ in prompt], prompt_weights=[w for _, w in prompt] if self.prompt else None,
                      expert_bytes={int(k): v for k, v in self.header.get("expert_bytes", {}).items()})
 
     def _write_json(self) -> None:
@@ -88,6 +114,13 @@ class TraceWriter:
             f.write(json.dumps({"kind": "header", **self.header}) + "\n")
             for s in self.steps:
                 f.write(json.dumps({"kind": "token", **s}) + "\n")
+
+
+def _experts_only(routes: Routes, weights: Weights) -> tuple[Routes, Weights]:
+    """One token's routing without the positions that read no expert (ids below 0), weights aligned."""
+    kept = {layer: [i for i, e in enumerate(ids) if e >= 0] for layer, ids in routes.items()}
+    return ({layer: [routes[layer][i] for i in ix] for layer, ix in kept.items()},
+            {layer: [w[i] for i in kept.get(layer, range(len(w))) if i < len(w)] for layer, w in weights.items()})
 
 
 def hidden_path(trace: Path) -> Path:
@@ -211,7 +244,7 @@ class Trace:
                 for layer in self.layers:
                     ws = w.get(layer, [])
                     for slot, e in enumerate(r.get(layer, [])):
-                        weight = f"{ws[slot]:.6g}" if slot < len(ws) else "0"
+                        weight = f"{ws[slot]:.9g}" if slot < len(ws) else "0"
                         out.append(f"0,{phase},{step},{layer},{slot},{e},{weight},0,"
                                    f"{self.expert_bytes.get(layer, 0)}")
                 step += 1

@@ -19,6 +19,8 @@ BASELINE_NAME = "mmap"
 BASELINE_FLAGS = ["--no-stream"]
 # bmoe-cli options the benchmark sets itself; a configuration may not override them.
 CONTROLLED = {"-m", "--model", "-p", "--prompt", "-f", "--file", "-n", "--n-predict", "--csv"}
+# bmoe-cli options that name a file to read: made absolute, so a --checkout run (started in its own tree) finds it
+INPUT_PATHS = {"--replay-routes"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -67,7 +69,20 @@ def parse_config(text: str) -> Config:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: {f.split('=', 1)[0]} is set by bmoe-bench itself (-m/-p/-f/-n/--csv); "
                 "pass it to bmoe-bench instead")
-    return Config(name, argv)
+    return Config(name, absolute_inputs(argv))
+
+
+def absolute_inputs(argv: list[str]) -> list[str]:
+    """The flags with each INPUT_PATHS value made absolute (`--flag PATH` or `--flag=PATH`)."""
+    out: list[str] = []
+    for i, f in enumerate(argv):
+        name, eq, value = f.partition("=")
+        if eq and name in INPUT_PATHS:
+            f = f"{name}={Path(value).expanduser().absolute()}"
+        elif i and argv[i - 1] in INPUT_PATHS:
+            f = str(Path(f).expanduser().absolute())
+        out.append(f)
+    return out
 
 
 def parse_common(text: str) -> list[str]:
@@ -79,7 +94,7 @@ def parse_common(text: str) -> list[str]:
     bad = [f for f in argv if f.split("=", 1)[0] in CONTROLLED]
     if bad:
         raise argparse.ArgumentTypeError(f"{bad[0]} is set by bmoe-bench itself (-m/-p/-f/-n/--csv)")
-    return argv
+    return absolute_inputs(argv)
 
 
 def _flag(flags: list[str], name: str, **kw: Any) -> Any:

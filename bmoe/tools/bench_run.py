@@ -22,6 +22,7 @@ from pathlib import Path
 
 from bmoe.base import MiB
 from bmoe.edges import flags
+from bmoe.streaming import Trace
 from bmoe.tools import bench_io, bench_machine, bench_report, bench_sys
 from bmoe.tools.bench_config import BASELINE_FLAGS, BASELINE_NAME, Config, schedule
 from bmoe.tools.bench_numbers import run_numbers
@@ -46,11 +47,17 @@ def check_cli_flags(configs: list[Config], common: list[str]) -> None:
         p = flags.build_parser()
         p.exit_on_error = False
         try:
-            flags.settings_from(p, p.parse_args(["-m", "x.gguf", *common, *c.flags]))
+            s = flags.settings_from(p, p.parse_args(["-m", "x.gguf", *common, *c.flags]))
         except argparse.ArgumentError as e:
             raise BenchError(f"configuration {c.name!r}: bmoe-cli rejects its flags: {e}") from None
         except SystemExit:
             raise BenchError(f"configuration {c.name!r}: bmoe-cli rejects its flags {c.text!r}") from None
+        if s.replay_routes:  # every run would fail at its start
+            try:
+                Trace.read(s.replay_routes)
+            except (OSError, ValueError) as e:
+                raise BenchError(f"configuration {c.name!r}: --replay-routes {s.replay_routes}: "
+                                 f"{getattr(e, 'strerror', None) or e}") from None
 
 
 # ---- the memory limit --------------------------------------------------------------------------
