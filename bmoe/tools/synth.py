@@ -909,8 +909,8 @@ size, expert width, heads and vocabulary, every tensor named, shaped and typed a
 fallbacks for rows that are not whole 256-blocks; gpt-oss keeps its experts in MXFP4), within 2 %
 of the real file's size. The weights are random and the tokenizer is bmoe-synth's own, padded with
 unused tokens to the real vocabulary size. Known: {names}.
-gemma-4-26b-a4b (arch gemma4) is written with its real table but bmoe does not stream gemma4; the
-pinned llama.cpp knows the arch (--no-stream).
+gemma-4-26b-a4b (arch gemma4) is written with its real table and the pinned llama.cpp runs it
+(bmoe-cli --no-stream), but bmoe does not stream gemma4 yet.
 --like TRACE.csv takes the shape from a route_trace v1 header: a known model (by the file name in
 the header) with the trace's top-k, else a shape whose experts have the header's bytes per layer.
 """
@@ -934,6 +934,13 @@ def _print_plan(plan: Plan, like: str) -> None:
         real = LIKES[like].real_bytes
         print(f"real Q4_K_M file: {real:,} ({real / _GB:.2f} GB, {100 * (plan.tensor_bytes / real - 1):+.2f} %); "
               f"{LIKES[like].source}")
+    _warn_if_not_streamed(like)
+
+
+def _warn_if_not_streamed(like: str | None) -> None:
+    if like in LIKES and not LIKES[like].runs_here:
+        print(f"bmoe-synth: note: bmoe does not stream {LIKES[like].shape.arch} yet; plain llama.cpp runs "
+              f"it (bmoe-cli --no-stream)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -996,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         ap.error(str(exc))
+    _warn_if_not_streamed(args.like)
     print(path)
     return 0
 
