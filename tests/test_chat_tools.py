@@ -25,7 +25,7 @@ def vocab(synth) -> Vocab:
 
 
 def renderer(vocab: Vocab, name: str | None) -> Renderer:
-    from bmoe.tools.synth import CHAT_TEMPLATE
+    from bmoe.tools.synth_vocab import CHAT_TEMPLATE
 
     text = CHAT_TEMPLATE if name is None else (TEMPLATES / f"{name}.jinja").read_text()
     return Renderer(vocab, text.encode())

@@ -8,7 +8,7 @@ from bmoe.api import Completion
 from bmoe.base.model_files import open_model
 from bmoe.base.units import MiB
 from bmoe.streaming.speculation import SpecGate
-from bmoe.tools.synth import ARCHES
+from bmoe.tools.synth_shape import ARCHES
 from tests import spec_lines
 from tests.conftest import complete, load, run_cli
 from tests.conftest import reference as plain

@@ -11,7 +11,7 @@ from bmoe.base.errors import ModelError
 from bmoe.base.gguf_table import GGUFError, read_table
 from bmoe.base.model_files import open_model
 from bmoe.demo import build as demo
-from bmoe.tools.synth import ARCHES
+from bmoe.tools.synth_shape import ARCHES
 
 
 def reference(path: Path) -> tuple[dict, dict]:

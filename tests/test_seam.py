@@ -18,7 +18,7 @@ from bmoe.coordinator import Engine
 from bmoe.seam import graph as seam
 from bmoe.seam.llama import ABORTED
 from bmoe.streaming.expert_cache import RESIDENT
-from bmoe.tools.synth import ARCHES
+from bmoe.tools.synth_shape import ARCHES
 from tests.conftest import SlabCheck, complete, generate, settings_for, slice_bytes
 from tests.conftest import load as load_model
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bmoe.seam.llama import new_context
-from bmoe.tools import synth
+from bmoe.tools import synth, synth_blocks, synth_like, synth_shape
 from tests.conftest import run_cli
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away into the dark forest."
@@ -131,7 +131,7 @@ def _n_expert(path: Path, arch: str) -> int:
     return int(field.parts[field.data[0]][0])
 
 
-@pytest.mark.parametrize("arch", synth.ARCHES)
+@pytest.mark.parametrize("arch", synth_shape.ARCHES)
 def test_every_arch_loads_generates_and_routes(tmp_path: Path, arch: str) -> None:
     path = synth.write_model(tmp_path / f"{arch}.gguf", arch=arch, layers=2, seed=1)
     assert _n_expert(path, arch) == 8
@@ -220,9 +220,9 @@ def test_rejects_bad_shapes(tmp_path: Path) -> None:
 def test_random_blocks_decode_to_the_asked_spread(qtype: str) -> None:
     """gguf-py's own dequantizer (the ggml block layouts) reads back weights of the asked std and
     mean ~0: the scales sit where ggml looks for them and are finite."""
-    t = synth.Tensor("w", (64, 1024), qtype, "normal", 0.02)
-    blocks = np.concatenate(list(synth._quantized_chunks(t, np.random.Generator(np.random.SFC64(1)))))
-    w = gguf.quants.dequantize(blocks.reshape(-1), synth._GGML_TYPE[qtype])
+    t = synth_shape.Tensor("w", (64, 1024), qtype, "normal", 0.02)
+    blocks = np.concatenate(list(synth_blocks.quantized_chunks(t, np.random.Generator(np.random.SFC64(1)))))
+    w = gguf.quants.dequantize(blocks.reshape(-1), synth_shape.GGML_TYPE[qtype])
     assert w.size == 64 * 1024 and np.isfinite(w).all()
     assert abs(w.std() - 0.02) < 0.001 if qtype != "mxfp4" else 0.01 < w.std() < 0.04  # mxfp4: a power of 2
     assert abs(w.mean()) < 0.003
@@ -230,12 +230,12 @@ def test_random_blocks_decode_to_the_asked_spread(qtype: str) -> None:
 
 def test_k_scales_pack_as_ggml_reads_them() -> None:
     """The 6-bit scales and mins of block_q4_K/q5_K (get_scale_min_k4), values above 15 included."""
-    packed = np.frombuffer(synth._pack_k_scales(45, 38), np.uint8).reshape(1, 12)
+    packed = np.frombuffer(synth_blocks.pack_k_scales(45, 38), np.uint8).reshape(1, 12)
     scale, minimum = gguf.quants.Q4_K.get_scale_min(packed)
     assert scale.tolist() == [[45] * 8] and minimum.tolist() == [[38] * 8]
 
 
-# Published Q4_K_M sizes, in bytes (sources in synth.LIKES): the files users download.
+# Published Q4_K_M sizes, in bytes (sources in synth_like.LIKES): the files users download.
 REAL_Q4_K_M = {
     "qwen3-30b-a3b": 17.28 * 2**30,   # 17.28 GiB
     "gemma-4-26b-a4b": 16_413_650_040 + 262144 * 2816 * 210 // 256,  # the trace's layers + Q6_K token_embd
@@ -321,7 +321,7 @@ def test_like_a_trace(tmp_path: Path) -> None:
     for name, top_k in (("gemma-4-26b-a4b", 6), ("gpt-oss-120b", 2)):  # the real traces, when present
         real = Path(__file__).resolve().parents[2] / "shared" / "traces" / f"{name}-q4_k_m.route.csv"
         if real.exists():
-            assert synth.shape_from_trace(real) == replace(synth.LIKES[name].shape, top_k=top_k)
+            assert synth_like.shape_from_trace(real) == replace(synth_like.LIKES[name].shape, top_k=top_k)
 
 
 def test_like_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -339,12 +339,12 @@ def test_like_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_small_gemma4_like_loads_and_runs(tmp_path: Path) -> None:
     """The gemma4 table's metadata and tensors are what the pinned llama.cpp needs (bmoe does not
     stream gemma4 yet): the real shape, scaled down to a few MB."""
-    small = replace(synth.LIKES["gemma-4-26b-a4b"].shape, layers=6, experts=4, top_k=2, embd=256, ff=256,
+    small = replace(synth_like.LIKES["gemma-4-26b-a4b"].shape, layers=6, experts=4, top_k=2, embd=256, ff=256,
                     n_head=4, n_head_kv=2, head_dim=64, full_head_dim=128, full_kv_heads=1, dense_ff=256,
                     vocab=0)
     path = tmp_path / "g4.gguf"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(synth.LIKES, "small-gemma4", synth.Like(small, 1, "test"))
+        mp.setitem(synth_like.LIKES, "small-gemma4", synth_like.Like(small, 1, "test"))
         synth.write_model(path, like="small-gemma4")
     # through bmoe's loader: llama.cpp's default AMX repacking of quantized attention crashes on
     # this machine's CPU in-process, for llama-quantize's own Q4_K_M files too
