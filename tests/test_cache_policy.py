@@ -436,3 +436,4 @@ def test_the_settings_name_every_policy_there_is() -> None:
     from bmoe.base import settings
 
     assert tuple(POLICIES) == settings.POLICIES and settings.DEFAULT_POLICY in POLICIES
+

@@ -21,9 +21,10 @@ own class (index ≡ expert mod the group's `period`), which keeps those offsets
 Memory. A slice is charged its slot from the moment its read is planned (LOADING) until it is
 evicted; eviction takes the expert's other resident slices with it, and an index freed keeps its
 pages for the next read of its class (`warm`). A read whose class has no free index evicts an
-expert of its class (the policy's first) rather than give another class's pages back, so steady
-decode neither frees nor faults in memory. Pages are given back (MADV_REMOVE) only when no expert
-of the class can go (the mix of groups shifts, the budget shrinks), so the slab's allocated blocks
+expert of its class rather than give another class's pages back, when one is among the policy's
+first CLASS_WINDOW candidates, so steady decode on a model of few classes neither frees nor faults
+in memory; else the policy's order wins and kept pages of another class are given back
+(MADV_REMOVE), so the classes' shares follow what decode routes and the slab's allocated blocks
 stay within the budget. The eviction order comes from bmoe.streaming.cache_policy. With
 no slab (trace replays) the same decisions run with no memory.
 
@@ -46,7 +47,7 @@ from bmoe.shm_cache import PAGE, Slab
 from bmoe.streaming.cache_policy import Policy, make_policy
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
-CLASS_WINDOW = 8  # a read takes another class's warm pages unless its own class is this near the eviction front
+CLASS_WINDOW = 128  # a read takes another class's warm pages unless its own class is this near the eviction front
 
 
 def _down(x: int) -> int:
