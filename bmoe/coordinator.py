@@ -226,7 +226,10 @@ class Engine:
         s = self.settings
         tensors = list(cap.tensors.values())
         regions = regions_of(self.files, tensors)
-        need = working_sets(regions, max(1, self.files.n_expert_used))
+        # a token reads its routed experts: under --replay-routes, the trace's top-k where it is smaller
+        routed = min(self.files.n_expert_used, int(replay.header.get("top_k") or 0) or self.files.n_expert_used) \
+            if replay is not None else self.files.n_expert_used
+        need = working_sets(regions, max(1, routed))
         # before the expert tensors are rebound: their data pointers find the mapping
         dense = dense_ranges(self.files, tensors)
         self.memory.kept = 0 if s.streaming.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)

@@ -16,6 +16,8 @@ import pytest
 from bmoe.base.errors import ConfigError
 from bmoe.base.model_files import open_model
 from bmoe.base.settings import from_keywords
+from bmoe.base.units import MiB
+from bmoe.streaming.expert_cache import file_regions, working_sets
 from bmoe.streaming.route_trace import V1_MAGIC, Routes, Trace
 from bmoe.tools import bench_config, bench_run
 from tests.conftest import run_cli
@@ -153,3 +155,25 @@ def test_bmoe_bench_run_takes_a_replay_like_any_setting(tmp_path) -> None:
     x.write_text(f"{V1_MAGIC}\n# model=m arch=qwen3moe n_layer=1 n_expert=8 n_expert_used=2\n"
                  "# layer=0 expert_bytes=1 dense_bytes=0\n0,1,0,0,0,3,0.6,0,1\n0,1,0,0,1,5,0.4,0,1\n")
     bench_run.check_cli_flags([bench_config.parse_config(f"r=--replay-routes {x}")], [])
+
+
+def test_a_trace_of_fewer_experts_per_token_sizes_the_working_set_by_its_top_k(synth, tmp_path) -> None:
+    """gpt-oss-120b's trace routes 2 of the model's 4: a token reads half the model's working set, so
+    a cache between the two runs (it was refused as below one token's working set)."""
+    model = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=4))
+    regions = file_regions(open_model(model))
+    two, four = (sum(working_sets(regions, k).values()) / MiB for k in (2, 4))
+    trace = tmp_path / "x.csv"
+    assert record(model, trace, 4, PROMPT, "--cache-mb", "0").returncode == 0
+    t = Trace.read(trace)
+    t.header["top_k"] = 2
+    for step in t.prompt + t.routes:
+        for layer in step:
+            step[layer] = step[layer][:2]
+    t.write_v1(trace)
+    between = f"{(two + four) / 2:.3f}"
+    r = run_cli("-m", model, "-p", SHORT, "-n", "4", "-c", "512", "-t", "1", "--cache-mb", between,
+                "--replay-routes", str(trace))
+    assert r.returncode == 0, r.stderr
+    refused = run_cli("-m", model, "-p", SHORT, "-n", "4", "-c", "512", "-t", "1", "--cache-mb", between)
+    assert refused.returncode != 0 and "one token's working set" in refused.stderr
