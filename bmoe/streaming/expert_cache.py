@@ -21,10 +21,9 @@ own class (index ≡ expert mod the group's `period`), which keeps those offsets
 Memory. A slice is charged its slot from the moment its read is planned (LOADING) until it is
 evicted; eviction takes the expert's other resident slices with it, and an index freed keeps its
 pages for the next read of its class (`warm`). A read whose class has no free index evicts an
-expert of its class rather than give another class's pages back, when one is among the policy's
-first CLASS_WINDOW candidates, so steady decode on a model of few classes neither frees nor faults
-in memory; else the policy's order wins and kept pages of another class are given back
-(MADV_REMOVE), so the classes' shares follow what decode routes and the slab's allocated blocks
+expert of its class (the policy's first) rather than give another class's pages back, so steady
+decode neither frees nor faults in memory. Pages are given back (MADV_REMOVE) only when no expert
+of the class can go (the mix of groups shifts, the budget shrinks), so the slab's allocated blocks
 stay within the budget. The eviction order comes from bmoe.streaming.cache_policy. With
 no slab (trace replays) the same decisions run with no memory.
 
@@ -47,7 +46,6 @@ from bmoe.shm_cache import PAGE, Slab
 from bmoe.streaming.cache_policy import Policy, make_policy
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
-CLASS_WINDOW = 128  # a read takes another class's warm pages unless its own class is this near the eviction front
 
 
 def _down(x: int) -> int:
@@ -397,21 +395,14 @@ class ExpertCache:
         return index
 
     def _evict_for(self, g: int, cls: int) -> None:
-        """Evict the first whole expert of this class among the policy's next CLASS_WINDOW candidates:
-        a free index of another class then stays warm for the next read of its class, where giving
-        its pages back would cost a system call now and page faults in the lane later. Past the
-        window the policy's order wins (the caller gives pages back): an expert the policy ranks far
-        from the front is worth more than the faults, and a class's share of the cache must follow
-        what decode routes, not what the prompt left. Nothing pinned or expected is taken."""
-        seen = 0
+        """Evict, in the policy's order, the first whole expert whose index is of this class: a free
+        index of another class then stays warm for the next read of its class, where giving its
+        pages back would cost a system call now and page faults in the lane later (the cache holds
+        one expert fewer until that read). Nothing pinned or expected is taken."""
         for key in self.policy.victims(self.policy.layer):
             layer, ri, e = key
-            if key in self.pinned or key in self.expected[layer] or self.state[ri][e] != RESIDENT:
-                continue
-            if seen >= CLASS_WINDOW:
-                return
-            seen += 1
-            if self.group_of[layer] != g or e % self.period[g] != cls:
+            if self.group_of[layer] != g or e % self.period[g] != cls or key in self.pinned \
+                    or key in self.expected[layer] or self.state[ri][e] != RESIDENT:
                 continue
             self._evict(key, protect_expected=True)
             if (layer, e) not in self.index_of:
