@@ -10,7 +10,7 @@ import random
 import pytest
 
 from bmoe.chat.grammar import GrammarError, schema_grammar
-from bmoe.chat.output import OutputParser, Reply, value_end
+from bmoe.chat.output import OutputParser, Reading, Reply, value_end
 from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, PLAIN, Syntax, check_tools, detect, tool_grammar, with_reasoning
 from tests.plain_llama import Plain
 
@@ -79,12 +79,9 @@ def run(syntax: Syntax, tools: bool, think_open: bool, pieces: list[str]) -> tup
         joined["reasoning"] += d.reasoning
         joined["content"] += d.content
         for c in d.calls:
-            call = joined["calls"].setdefault(c.index, {"id": None, "name": None, "arguments": ""})
-            if c.id is not None:
-                assert call["id"] is None, "a call's id and name come once, in its first piece"
-                call.update(id=c.id, name=c.name)
-            assert call["id"] is not None, "a call's first piece names it"
-            call["arguments"] += c.arguments
+            assert c.index not in joined["calls"], "a call comes once, whole"
+            assert json.loads(c.arguments) is not None, "a streamed call's arguments parse"
+            joined["calls"][c.index] = {"id": c.id, "name": c.name, "arguments": c.arguments}
     return joined, p.message()
 
 
@@ -112,12 +109,74 @@ def test_an_answer_parses_the_same_whole_and_piece_by_piece(case: tuple) -> None
         assert [c["id"] for _, c in sorted(joined["calls"].items())] == [c.id for c in msg.calls]
 
 
-def test_a_call_cut_off_streams_as_far_as_it_went_and_stays_content_in_the_message() -> None:
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Par'
-    for pieces in splits(text):
+@pytest.mark.parametrize("syntax, whole, cut", [
+    (HERMES2, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Par'),
+    (HERMES2, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_'),
+    (NEMO, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}, "id": "a1b2c3d4e"}, ',
+     '{"name": "get_weather", "arguments": {"location": "Paris"}, "id": "f5g6h7i8j"}'),
+    (MISTRAL_ARGS, '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', '[TOOL_CALLS]get_weather[ARGS]{"location": "Pa'),
+], ids=["hermes-in-arguments", "hermes-in-close", "mistral-array", "mistral-args"])
+def test_a_call_cut_off_is_dropped_whole_and_piece_by_piece(syntax: Syntax, whole: str, cut: str) -> None:
+    """max_tokens cut the second call: the first is kept, the second is in neither calls nor content,
+    and no piece of it was streamed."""
+    for pieces in splits(whole + cut):
+        joined, msg = run(syntax, True, False, pieces)
+        assert [(c.name, c.arguments) for c in msg.calls] == [("get_time", '{"zone": "CET"}')]
+        assert msg.content == "" and joined["content"] == ""
+        assert [(c["name"], c["arguments"]) for c in joined["calls"].values()] == [("get_time", '{"zone": "CET"}')]
+
+
+def test_a_repeated_call_is_dropped_and_a_different_one_kept() -> None:
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n'
+    same = '<tool_call>\n{"arguments": {"zone":"CET"}, "name": "get_time"}\n</tool_call>\n'
+    other = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    for pieces in splits(one + same + other):
         joined, msg = run(HERMES2, True, False, pieces)
-        assert [(c["name"], c["arguments"]) for c in joined["calls"].values()] == [("get_weather", '{"location": "Par')]
-        assert msg.calls == () and msg.content == text
+        assert [c.arguments for c in msg.calls] == ['{"zone": "CET"}', '{"zone": "UTC"}']
+        assert [c["arguments"] for c in joined["calls"].values()] == ['{"zone": "CET"}', '{"zone": "UTC"}']
+        assert sorted(joined["calls"]) == [0, 1] and [c["id"] for c in joined["calls"].values()] == \
+            [c.id for c in msg.calls]
+
+
+def test_a_call_that_ends_without_parsing_is_content() -> None:
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": CET}}\n</tool_call>'
+    joined, msg = run(HERMES2, True, False, [text])
+    assert msg.calls == () and msg.content == text == joined["content"] and not joined["calls"]
+
+
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "%s"}}\n</tool_call>\n'
+
+
+def ends_at(pieces: list[str], max_tokens: int) -> int | None:
+    """Feed CallEnd one piece per token: the token it ends the answer at, or None."""
+    watch = Reading(HERMES2, tools=True).call_end(max_tokens)
+    assert watch is not None
+    for n, piece in enumerate(pieces, 1):
+        if watch.push(piece, n):
+            return n
+    return None
+
+
+def tokens(text: str, size: int = 4) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_an_answer_ends_at_a_repeated_call() -> None:
+    first, repeat = tokens(CALL % "CET"), tokens(CALL % "CET")
+    assert ends_at(first + repeat + tokens(CALL % "UTC"), 1000) == len(first) + len(repeat)
+    assert ends_at(tokens(CALL % "CET" + CALL % "UTC"), 1000) is None
+
+
+def test_an_answer_ends_when_the_next_call_could_not_end() -> None:
+    calls = tokens(CALL % "CET" + CALL % "UTC" + CALL % "EST")
+    n = len(tokens(CALL % "CET"))  # tokens per call (the three are as long)
+    assert ends_at(calls, 4 * n) is None, "room for a fourth"
+    assert ends_at(calls, 4 * n - 1) == 3 * n, "no room for a fourth: the answer ends after the third"
+    assert ends_at(calls, 3 * n - 1) == 2 * n, "the third could not end: the answer ends after the second"
+    assert ends_at(tokens("Let me see. " * 20) + calls, 1000) is None, "text before the calls is not a call's"
+    assert Reading(HERMES2, tools=False).call_end(100) is None
 
 
 def test_a_marker_is_held_back_until_the_text_decides() -> None:
@@ -127,15 +186,15 @@ def test_a_marker_is_held_back_until_the_text_decides() -> None:
     assert p.push("t> is a tag").content == "<tool_cat> is a tag"
 
 
-def test_call_arguments_stream_as_they_grow() -> None:
+def test_a_call_streams_whole_once_complete() -> None:
     p = OutputParser(HERMES2)
     assert not p.push('<tool_call>\n{"name": "get_w')
-    first = p.push('eather", "arguments": {"loc')
-    assert [(c.index, c.name, c.arguments) for c in first.calls] == [(0, "get_weather", '{"loc')]
-    assert first.calls[0].id.startswith("call_")
-    more = p.push('ation": "Paris"}}\n</tool_call>')
-    assert [(c.id, c.arguments) for c in more.calls] == [(None, 'ation": "Paris"}')]
-    assert more.calls[0].openai() == {"index": 0, "function": {"arguments": 'ation": "Paris"}'}}
+    assert not p.push('eather", "arguments": {"location": "Paris"}}\n</tool')
+    d = p.push('_call>')
+    assert [(c.index, c.name, c.arguments) for c in d.calls] == [(0, "get_weather", '{"location": "Paris"}')]
+    assert d.calls[0].openai() == {"index": 0, "id": d.calls[0].id, "type": "function",
+                                   "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}
+    assert d.calls[0].id.startswith("call_") and not p.finish()
 
 
 def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
@@ -228,7 +287,7 @@ def test_a_forced_call_is_a_valid_call_even_from_a_random_model(plain: Plain, sy
 
 def test_parallel_calls_may_follow_one_another(plain: Plain) -> None:
     g = tool_grammar(HERMES2, check_tools([WEATHER, TIME], "required", parallel=True))
-    text, _ = plain.generate("Calls:", g, n=160, temp=1.0, seed=0, endless=True)
+    text, _ = plain.generate("Calls:", g, n=400, temp=1.0, seed=0, endless=True)
     _, msg = run(HERMES2, True, False, [text])
     assert len(msg.calls) > 1, "with parallel_tool_calls the grammar lets another call follow one"
 

@@ -120,16 +120,54 @@ def test_required_tool_call_streamed_and_not_then_the_tools_answer(served) -> No
 
 
 
-def test_parallel_calls_are_each_complete(served) -> None:
+def streamed_answer(stream) -> tuple[str, list[tuple[str, dict]], str | None, int]:
+    """A stream joined: content, calls (name, parsed arguments), finish_reason, and how many chunks
+    had an empty delta (no content, reasoning or calls; the first, the role's, and the last aside)."""
+    content, calls, finish, empty = "", {}, None, 0
+    for i, chunk in enumerate(stream):
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            assert tc.index not in calls and tc.id and tc.function.name, "a call streams whole, once"
+            calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
+        finish = chunk.choices[0].finish_reason or finish
+        reasoning = (d.model_extra or {}).get("reasoning_content")
+        if i and not chunk.choices[0].finish_reason and not (d.content or d.tool_calls or reasoning):
+            empty += 1
+    return content, [calls[k] for k in sorted(calls)], finish, empty
+
+
+@pytest.mark.parametrize("budget", [90, 1000])
+def test_required_with_parallel_calls_unset_ends_with_whole_calls(served, budget: int) -> None:
+    """OpenAI's default (parallel_tool_calls true), as instructor, litellm and a bare client send it:
+    the demo model repeats its ~38-token call; the answer ends at the repeat (or before a call that
+    could not end), finish_reason tool_calls, every call whole, no markup in content."""
     server, extra = served
-    # parallel calls (the default): the demo model repeats its ~38-token call, so this budget
-    # leaves two whole calls and a third cut off
-    r = server.client().chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME],
-                                                tool_choice="required", max_tokens=90, extra_body=extra)
-    calls = r.choices[0].message.tool_calls
-    assert calls, r.choices[0]
-    for tc in calls:  # a call cut off by max_tokens is left out (its text stays content)
+    c = server.client()
+    ask = dict(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=budget,
+               extra_body=extra)
+    r = c.chat.completions.create(**ask)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content and choice.message.tool_calls
+    for tc in choice.message.tool_calls:
         args_ok(tc)
+    assert r.usage.completion_tokens < budget, "it ended before max_tokens"
+    content, calls, finish, empty = streamed_answer(c.chat.completions.create(**ask, stream=True))
+    assert (content, finish, empty) == ("", "tool_calls", 0)
+    assert calls == [(tc.function.name, json.loads(tc.function.arguments)) for tc in choice.message.tool_calls]
+
+
+def test_a_call_max_tokens_cuts_is_dropped_not_leaked(served) -> None:
+    server, extra = served
+    c = server.client()
+    ask = dict(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=12,
+               extra_body=extra)
+    r = c.chat.completions.create(**ask)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+    assert not r.choices[0].message.content, "the cut call's markup is not content"
+    content, calls, finish, _ = streamed_answer(c.chat.completions.create(**ask, stream=True))
+    assert (content, calls, finish) == ("", [], "length")
 
 
 def test_a_named_tool_is_the_one_called(served) -> None:

@@ -5,15 +5,17 @@
 and `delta.tool_calls` of a stream); `finish` the rest; `message` the whole answer. Each push
 re-reads the text so far (a few kB at most) and hands out only what no later text can change:
 text that could be the start of a marker (`<tool_c…`) waits for the next piece, and a call is
-handed out once its name is known, then its arguments as they grow. So a stream's pieces, joined,
-are exactly the whole answer.
+handed out whole, in one piece, once its text is complete and its arguments parse. So a stream's
+pieces, joined, are exactly the whole answer, and no client ever holds arguments that will not parse.
 
 Rules where the syntaxes leave room (bmoe.chat.syntax has the syntaxes):
 - reasoning is only a block at the very start of the answer (or the whole start when the prompt
   ends inside one); its surrounding whitespace, and the whitespace after it, are dropped.
-- a tool call's `arguments` are the model's JSON text as written; a call whose arguments do not
-  parse (cut off by max_tokens, or written without a grammar) is left out of `message` and its
-  text is kept as content.
+- a tool call's `arguments` are the model's JSON text as written. A call the text ends inside (cut
+  off by max_tokens) is dropped, from the calls and from the content; a call that ended but does
+  not parse (written without a grammar) is content; a call that repeats an earlier call of the
+  answer (same name, same arguments) is dropped: it is what a small model forced to call writes
+  when it cannot stop, and `CallEnd` ends the generation there.
 - text between and after calls that is not whitespace is content.
 """
 
@@ -31,22 +33,18 @@ _SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 _NAME_ARGS = re.compile(r"([^\[]*?)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")  # mistral's `name[CALL_ID]id[ARGS]`
 
 
-@dataclass
+@dataclass(frozen=True)
 class CallDelta:
-    """A piece of tool call `index`: its first piece has the id and name, every piece some arguments."""
+    """Tool call `index` of a stream, whole: a call is handed out once complete (see the module notes)."""
 
     index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
+    id: str
+    name: str
+    arguments: str
 
     def openai(self) -> dict:
-        fn: dict = {"arguments": self.arguments}
-        out: dict = {"index": self.index}
-        if self.id is not None:
-            out.update(id=self.id, type="function")
-            fn = {"name": self.name, **fn}
-        return {**out, "function": fn}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass
@@ -82,6 +80,17 @@ class _Call:
     args: str  # the arguments' JSON text so far
     done: bool = False  # the arguments are complete
     raw: str = ""  # the call's own text (content again, if it turns out not to parse)
+    closed: bool = False  # the call's text is complete (its closing marker, or what follows it, is there)
+    open_end: bool = False  # the text ends inside the call: it may still grow (or was cut, once the text is whole)
+
+    @property
+    def complete(self) -> bool:
+        return self.name is not None and self.done and self.closed and _parses(self.args)
+
+    @property
+    def key(self) -> str:
+        """The call as a value (name and arguments, key order aside), to tell a repeat (call when complete)."""
+        return json.dumps([self.name, json.loads(self.args)], sort_keys=True)
 
 
 @dataclass
@@ -217,46 +226,64 @@ class OutputParser:
         self.think_open = think_open and syntax.think is not None
         self.text = ""
         self._sent = _Scan()
-        self._args_sent: list[int] = []
+        self._calls_sent = 0
+        self.repeated = False  # a complete call repeated an earlier one (CallEnd ends the answer there)
 
     def push(self, piece: str) -> Delta:
         self.text += piece
-        return self._emit(self._scan(self.text, final=False))
+        return self._emit(self._scan(self.text, final=False), final=False)
 
     def finish(self) -> Delta:
-        return self._emit(self._scan(self.text, final=True))
+        return self._emit(self._scan(self.text, final=True), final=True)
 
     def message(self) -> Reply:
-        """The whole answer (call after `finish`): calls that parse, with the ones that do not kept as content."""
+        """The whole answer (call after `finish`): the complete calls, a call that ended without parsing
+        kept as content, a cut or repeated one dropped (see the module notes)."""
         s = self._scan(self.text, final=True)
-        calls, content = [], s.content
-        for k, c in enumerate(s.calls):
-            if c.done and c.name is not None and _parses(c.args):
-                calls.append(ToolCall(self._id(k), c.name, c.args))
-            else:
-                content += c.raw
-        return Reply(content, s.reasoning, tuple(calls))
+        calls, extra = self._settle(s, final=True)
+        return Reply(s.content + extra, s.reasoning,
+                     tuple(ToolCall(self._id(k), c.name or "", c.args) for k, c in enumerate(calls)))
+
+    def call_counts(self) -> tuple[int, int]:
+        """How many calls the text so far has begun, and how many of them are complete (repeats not counted)."""
+        s = self._scan(self.text, final=False)
+        return len(s.calls), len(self._settle(s, final=False)[0])
 
     def _id(self, k: int) -> str:
         return self.syntax.call_id(self.salt, k)
 
-    def _emit(self, s: _Scan) -> Delta:
+    def _settle(self, s: _Scan, final: bool) -> tuple[list[_Call], str]:
+        """The calls handed out so far (complete, in order, repeats dropped) and, once the text is
+        whole, the text of calls that ended without parsing, which is content after all."""
+        calls: list[_Call] = []
+        seen: set[str] = set()
+        extra = ""
+        for c in s.calls:
+            if c.complete:
+                if c.key in seen:
+                    self.repeated = True
+                else:
+                    seen.add(c.key)
+                    calls.append(c)
+            elif not final:
+                break  # calls are handed out in order: a later one waits for this one
+            elif not c.open_end:
+                extra += c.raw  # ended, but not a call after all
+        return calls, extra
+
+    def _emit(self, s: _Scan, final: bool) -> Delta:
         d = Delta()
         sent = self._sent
         if s.reasoning.startswith(sent.reasoning):
             d.reasoning, sent.reasoning = s.reasoning[len(sent.reasoning):], s.reasoning
-        if s.content.startswith(sent.content):
-            d.content, sent.content = s.content[len(sent.content):], s.content
-        for k, c in enumerate(s.calls):
-            if c.name is None:
-                break  # calls are handed out in order, each once its name is known
-            if k == len(self._args_sent):
-                self._args_sent.append(0)
-                d.calls.append(CallDelta(k, self._id(k), c.name, c.args))
-                self._args_sent[k] = len(c.args)
-            elif len(c.args) > self._args_sent[k]:
-                d.calls.append(CallDelta(k, arguments=c.args[self._args_sent[k]:]))
-                self._args_sent[k] = len(c.args)
+        calls, extra = self._settle(s, final)
+        content = s.content + extra
+        if content.startswith(sent.content):
+            d.content, sent.content = content[len(sent.content):], content
+        for k in range(self._calls_sent, len(calls)):
+            c = calls[k]
+            d.calls.append(CallDelta(k, self._id(k), c.name or "", c.args))
+        self._calls_sent = max(self._calls_sent, len(calls))
         return d
 
     # -- scanning the text so far --
@@ -327,15 +354,15 @@ class OutputParser:
             call, end, ok = _call_object(t, i, final)
             s.calls.append(call)
             if not ok or end is None:
-                call.raw = t[at:]
+                call.raw, call.open_end = t[at:], ok
                 return
             j = _skip_ws(t, end)
             if not t.startswith(close, j):
-                call.raw = t[at:]
-                if final or not close.startswith(t[j:]):
-                    call.done = False  # malformed: not a call after all
+                call.raw, call.open_end = t[at:], close.startswith(t[j:])
+                if final or not call.open_end:
+                    call.done = False  # malformed, or cut before its end: not a call
                 return
-            call.raw = t[at:j + len(close)]
+            call.raw, call.closed = t[at:j + len(close)], True
             at = self._after_calls(t, j + len(close), open_, final, s)
 
     def _mistral_array(self, t: str, at: int, final: bool, s: _Scan) -> None:
@@ -351,17 +378,22 @@ class OutputParser:
             s.calls.append(call)
             call.raw = t[i:end] if end is not None else t[i:]
             if not ok or end is None:
+                call.open_end = ok
                 return
             i = _skip_ws(t, end)
             if i < len(t) and t[i] == ",":
+                call.closed = True
                 i += 1
                 continue
             if i < len(t) and t[i] == "]":
+                call.closed = True
                 nxt = self._after_calls(t, i + 1, "[TOOL_CALLS]", final, s)
                 if nxt is not None:
                     self._mistral_array(t, nxt, final, s)
-            elif i < len(t) or final:
-                call.done = False
+            else:
+                call.open_end = i >= len(t)
+                if i < len(t) or final:
+                    call.done = False
             return
 
     def _mistral_args(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
@@ -377,7 +409,8 @@ class OutputParser:
             s.calls.append(call)
             end = value_end(t, m.end(), final)
             call.args = t[m.end():len(t) if end is None else end]
-            call.done = end is not None
+            call.done = call.closed = end is not None
+            call.open_end = end is None
             call.raw = t[at:len(t) if end is None else end]
             if end is None:
                 return
@@ -403,8 +436,9 @@ class OutputParser:
             body_end = len(t) if (e < 0 and final) else e if e >= 0 else len(t) - _hold(t, "<|end|>", b)
             body = t[b:body_end]
             if to and self.tools:
-                done = e >= 0 or final or value_end(t, b) is not None
-                s.calls.append(_Call(to.group(1), body, done, raw=t[i:body_end]))
+                ended = e >= 0 or value_end(t, b) is not None
+                s.calls.append(_Call(to.group(1), body, ended or final, raw=t[i:body_end], closed=ended,
+                                     open_end=not ended))
             elif channel and channel.group(1) == "analysis":
                 s.reasoning += body
             else:
@@ -435,6 +469,10 @@ class Reading:
     def parser(self) -> OutputParser:
         return OutputParser(self.syntax, self.tools, self.think_open, self.salt)
 
+    def call_end(self, max_tokens: int) -> CallEnd | None:
+        """Where the generation should end for its tool calls; None when calls are not looked for."""
+        return CallEnd(self, max_tokens) if self.tools else None
+
     def read(self, text: str) -> Reply:
         """A whole answer's message."""
         p = self.parser()
@@ -449,3 +487,39 @@ class Reading:
         if not m.calls:
             return {"role": "assistant", "content": m.content}
         return {"role": "assistant", "content": m.content or None, "tool_calls": [c.openai() for c in m.calls]}
+
+
+class CallEnd:
+    """Where a tool-calling answer ends before the model ends it. A small model held to a call
+    grammar that lets calls follow one another (`parallel_tool_calls`, OpenAI's default) often
+    cannot stop: it repeats the call until max_tokens cuts one in half. The answer ends, with the
+    calls it has, as soon as
+    - a complete call repeats an earlier one of the answer (the repeat is dropped), or
+    - a call is complete and fewer tokens are left than the longest call so far took: the next
+      one could not end.
+    A call cut anyway (max_tokens too small for one) is dropped (finish_reason "length")."""
+
+    def __init__(self, reading: Reading, max_tokens: int) -> None:
+        self.parser = reading.parser()
+        self.max_tokens = max_tokens
+        self.begun = self.complete = 0  # calls
+        self.start = 0  # where the call under way began to cost tokens
+        self.longest = 0  # tokens, of the calls complete so far
+
+    def push(self, piece: str, n_tokens: int) -> bool:
+        """The answer's text grew by `piece`, now `n_tokens` tokens: whether it should end here."""
+        if not piece:
+            return False
+        p = self.parser
+        p.text += piece
+        begun, complete = p.call_counts()
+        if begun and not self.begun:  # the first call's cost counts from its opening (text before it is not its)
+            self.start = n_tokens - 1
+        self.begun = begun
+        if p.repeated:
+            return True
+        if complete == self.complete:
+            return False
+        self.complete, self.longest = complete, max(self.longest, n_tokens - self.start)
+        self.start = n_tokens  # the next call's cost counts from here (what comes between calls included)
+        return self.max_tokens - n_tokens < self.longest

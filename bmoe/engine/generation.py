@@ -107,7 +107,7 @@ class Request:
 
 
 class _Stopped(Exception):
-    """A stop string appeared: the generation ends here."""
+    """A stop string appeared, or the answer's tool calls end here (bmoe.chat.output.CallEnd)."""
 
 
 class _StopMatcher:
@@ -248,6 +248,7 @@ class Generation:
         self.cached = (0, 0.0)  # tokens decoded and seconds spent by the prompt cache's part of the prefill
         self.utf8 = TextStream()
         self.text = StopText(req.stop)
+        self.calls = req.reading.call_end(req.max_tokens) if req.reading is not None else None
         self.tally = telemetry.Tally(req.max_tokens, engine.streaming and engine.settings.streaming.overlap,
                                      engine.cache_active)
         self.lossy = engine.is_lossy and not req.lossless
@@ -295,7 +296,7 @@ class Generation:
         logits, self.logits = self.logits, self.begun.logits
         if self.on_chunk:
             self.on_chunk(Chunk(new, line, logits=logits))
-        if self.text.cut is not None:
+        if self.text.cut is not None or (self.calls is not None and self.calls.push(new, len(self.ids))):
             self.ended, self.done = _Stopped(), True
         elif self.cancelled:
             self.ended, self.done = Cancelled(), True

@@ -301,11 +301,10 @@ class Routes:
                 if isinstance(item, Exception):
                     yield sse(serve_error(item).body())
                     break
-                if item.stats is None:
+                if item.stats is None:  # a token: its chunk (a read answer's only when it hands something out)
                     if reader is None:
                         yield sse(shape.token(item))
-                    else:
-                        d = reader.push(item.text)
+                    elif d := reader.push(item.text):
                         called = called or bool(d.calls)
                         yield sse(shape.delta(d, item))
                     continue

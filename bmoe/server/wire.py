@@ -158,7 +158,7 @@ class ReplyShape:
         delta: dict[str, Any] = {}
         if d.reasoning:
             delta["reasoning_content"] = d.reasoning
-        if d.content or not d:
+        if d.content:
             delta["content"] = d.content
         if d.calls:
             delta["tool_calls"] = [x.openai() for x in d.calls]
