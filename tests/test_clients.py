@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from pydantic import BaseModel
 from tests.test_server import KEY, Server
 from tests.test_server_agents import ASK, DEMO16, FLAGS, TEMPLATES, TIME, WEATHER, args_ok
 
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list from GitHub
 for _library in ("instructor", "litellm", "agents", "langchain_openai"):
     pytest.importorskip(_library, reason="the client matrix is opt-in: pip install -e '.[test,clients]'")
 
