@@ -188,6 +188,24 @@ class Cgroup:
                              "(cgroup v2 forbids it while that cgroup holds processes; "
                              "pass --cgroup-parent to an empty, delegated cgroup)") from e
 
+    def set_limit(self, limit_bytes: int) -> None:
+        """Move the limit while the run goes on (a squeeze, then the way back)."""
+        name = "memory.limit_in_bytes" if self.h.version == 1 else "memory.max"
+        if self.h.version == 1 and limit_bytes > self.limit_bytes:  # v1: memsw must stay >= the limit
+            self._try_write("memory.memsw.limit_in_bytes", limit_bytes)
+            _write(self.path / name, str(limit_bytes))
+        else:
+            _write(self.path / name, str(limit_bytes))
+            if self.h.version == 1:
+                self._try_write("memory.memsw.limit_in_bytes", limit_bytes)
+        self.limit_bytes = limit_bytes
+
+    def _try_write(self, name: str, value: int) -> None:
+        try:
+            _write(self.path / name, str(value))
+        except OSError:  # no swap accounting here
+            pass
+
     @property
     def procs_file(self) -> Path:
         return self.path / "cgroup.procs"
