@@ -128,6 +128,14 @@ def test_stop_sequences_end_the_answer_and_are_named(demo: Server) -> None:
     assert (ended.stop_reason, ended.stop_sequence, text_of(ended)) == ("end_turn", None, "Fine."), "its own end"
 
 
+def test_output_config_holds_the_answer_to_a_schema(demo: Server) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    m = claude(demo).messages.create(model="x", max_tokens=40, messages=[{"role": "user", "content": "Is it blue?"}],
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert json.loads(text_of(m))["answer"] in ("yes", "no") and m.stop_reason == "end_turn"
+
+
 # ---- tools -----------------------------------------------------------------------------------------
 
 
