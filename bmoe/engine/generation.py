@@ -9,10 +9,11 @@ begins it, steps it with others and finishes it, for every caller.
 from __future__ import annotations
 
 import codecs
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -72,6 +73,7 @@ class Chunk:
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     logits: np.ndarray | None = None  # with Request.logits: the distribution this token was chosen from
+    stop: str | None = None  # the last chunk's: the stop string that ended the answer, if one did
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class StopText:
         self.raw = ""  # every piece so far
         self.sent = 0  # characters of `raw` handed out
         self.cut: int | None = None  # where the first stop string begins, once one appeared
+        self.matched: str | None = None  # that stop string
 
     @property
     def text(self) -> str:
@@ -169,7 +172,8 @@ class StopText:
             for i, ch in enumerate(piece):
                 if m.feed(ch):
                     begins = start + i + 1 - len(m.stop)
-                    self.cut = begins if self.cut is None else min(self.cut, begins)
+                    if self.cut is None or begins < self.cut:
+                        self.cut, self.matched = begins, m.stop
                     break
         if self.cut is not None:
             end = self.cut
@@ -216,7 +220,28 @@ class Slot:
         """Whether `messages` continue this slot's conversation (that conversation, then more), in KV
         a lossless request may reuse."""
         n = len(self.messages)
-        return 0 < n < len(messages) and list(messages[:n]) == self.messages and not (lossless and self.lossy)
+        return (0 < n < len(messages) and [_as_kept(t) for t in messages[:n]] == [_as_kept(t) for t in self.messages]
+                and not (lossless and self.lossy))
+
+
+def _as_kept(turn: Mapping[str, Any]) -> dict[str, Any]:
+    """A turn as compared when a conversation goes on: without its reasoning (a client may send it back
+    or not) and with its tool calls' arguments as JSON values (a client may send them back
+    re-serialized, as Anthropic's clients send a tool_use's input object). The KV kept is still only
+    the tokens both prompts share."""
+    calls = turn.get("tool_calls")
+    out = {k: v for k, v in turn.items() if k not in ("reasoning_content", "tool_calls")}
+    if isinstance(calls, list):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _json(c["function"]["arguments"])}}
+                             for c in calls]
+    return out
+
+
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadAheadCounts | None", bool], GenerationStats]
@@ -335,7 +360,7 @@ class Generation:
         stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep + self.cached[0],
                             len(slot.kv_tokens), prefill_s, ahead, self.lossy)
         if self.on_chunk:
-            self.on_chunk(Chunk("", finish_reason=finish, stats=stats))
+            self.on_chunk(Chunk("", finish_reason=finish, stats=stats, stop=text.matched))
         return Completion(text.text, stats, tuple(self.ids), tuple(self.tally.lines))
 
     def _check_kv(self) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.api import Ask, Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError, ContextTooLong, FieldError
+from bmoe.chat import Delta, Reply
+from bmoe.server import anthropic_wire
+from bmoe.server.anthropic_wire import CountBody, MessagesBody, MessageShape
 from bmoe.server.errors import (
     QueueFull,
     ServeError,
@@ -39,7 +42,8 @@ from bmoe.server.scheduler import Event, Job, Position, Scheduler
 from bmoe.server.wire import ChatBody, CompletionBody, ReplyShape, RequestBody, sse
 
 CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
+          "/v1/messages/count_tokens")
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
@@ -113,8 +117,8 @@ class Gate:
                 self.metrics.requests.labels(route, str(message["status"])).inc()
             await send(message)
 
-        too_large = ServeError(413, f"the request body is over {self.limit} bytes (bmoe-server --max-body-kb)",
-                               code="request_too_large").response()
+        too_large = _error_response(scope["path"], ServeError(
+            413, f"the request body is over {self.limit} bytes (bmoe-server --max-body-kb)", code="request_too_large"))
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.limit:
             await too_large(scope, receive, counted)
@@ -146,26 +150,33 @@ async def _disconnected(request: HttpRequest) -> None:
 # ---- the app ---------------------------------------------------------------------------------------
 
 
-async def _on_serve_error(_r: HttpRequest, exc: Exception) -> JSONResponse:
+def _error_response(path: str, e: ServeError) -> JSONResponse:
+    """The error as the object the route's clients read: Anthropic's under /v1/messages, else OpenAI's."""
+    return anthropic_wire.error_response(e) if anthropic_wire.speaks(path) else e.response()
+
+
+async def _on_serve_error(r: HttpRequest, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServeError)
-    return exc.response()
+    return _error_response(r.url.path, exc)
 
 
-async def _on_invalid(_r: HttpRequest, exc: Exception) -> JSONResponse:
+async def _on_invalid(r: HttpRequest, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(exc).response()
+    return _error_response(r.url.path, validation_error(exc))
 
 
-async def _on_http(_r: HttpRequest, exc: Exception) -> JSONResponse:
+async def _on_http(r: HttpRequest, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    return http_error(exc).response()
+    return _error_response(r.url.path, http_error(exc))
 
 
-async def _on_bug(_r: HttpRequest, exc: Exception) -> JSONResponse:
-    return ServeError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", "internal_error").response()
+async def _on_bug(r: HttpRequest, exc: Exception) -> JSONResponse:
+    return _error_response(r.url.path, ServeError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                  "server_error", "internal_error"))
 
 
-# every error a route can meet, as the OpenAI error object a client receives (bmoe.server.errors)
+# every error a route can meet, as the error object a client receives (bmoe.server.errors; Anthropic's
+# shape on its routes)
 HANDLERS = ((ServeError, _on_serve_error), (RequestValidationError, _on_invalid), (HTTPException, _on_http),
             (Exception, _on_bug))
 _BEARER = HTTPBearer(auto_error=False)
@@ -174,16 +185,21 @@ _BEARER = HTTPBearer(auto_error=False)
 class Routes:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
-    def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, api_key: str | None, n_predict: int) -> None:
+    def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, api_key: str | None, n_predict: int,
+                 alias: str | None = None) -> None:
         self.model, self.sched, self.metrics = model, sched, metrics
         self.api_key, self.n_predict = api_key, n_predict
+        self.model_id = alias or model.name  # what /v1/models lists and responses name
 
-    async def authorized(self, creds: HTTPAuthorizationCredentials | None = Depends(_BEARER)) -> None:
+    async def authorized(self, creds: HTTPAuthorizationCredentials | None = Depends(_BEARER),
+                         x_api_key: str | None = Header(None)) -> None:
+        """The key as OpenAI's clients send it (`Authorization: Bearer`) or Anthropic's (`x-api-key`)."""
         if self.api_key is None:
             return
-        if creds is None or not secrets.compare_digest(creds.credentials.encode(), self.api_key.encode()):
-            raise ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
-                             code="invalid_api_key")
+        sent = creds.credentials if creds is not None else x_api_key
+        if sent is None or not secrets.compare_digest(sent.encode(), self.api_key.encode()):
+            raise ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
+                             "(or 'x-api-key: KEY')", code="invalid_api_key")
 
     @asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -193,16 +209,25 @@ class Routes:
 
     async def health(self) -> dict[str, Any]:
         sched = self.sched
-        return {"status": "ok", "model": self.model.name, "generating": len(sched.active),
+        return {"status": "ok", "model": self.model_id, "generating": len(sched.active),
                 "parallel": sched.capacity, "waiting": len(sched.waiting)}
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model.name, "object": "model",
-                                            "created": int(time.time() - self.model.stats.load_s),
-                                            "owned_by": "bmoe"}]}
+        return {"object": "list", "data": [self.model_object()]}
+
+    async def model_by_id(self, model_id: str) -> dict[str, Any]:
+        """The served model by its id (--alias) or its GGUF's name."""
+        if model_id not in (self.model_id, self.model.name):
+            raise ServeError(404, f"the model {model_id!r} does not exist; this server serves {self.model_id!r}",
+                             code="model_not_found", param="model")
+        return self.model_object()
+
+    def model_object(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": int(time.time() - self.model.stats.load_s),
+                "owned_by": "bmoe"}
 
     async def completions(self, body: CompletionBody, request: HttpRequest) -> Response:
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
@@ -210,14 +235,39 @@ class Routes:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         req = await self.prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
                                  grammar=body.grammar)
-        return await self.answer(request, body, req, ReplyShape(False, self.model.name))
+        return await self.answer(request, body, req, self.reply_shape(False, body))
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
-        req = await self.prepare(body, body.max_tokens or body.max_completion_tokens,
-                                 messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
-                                 tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                                 response_format=body.response_format, grammar=body.grammar)
-        return await self.answer(request, body, req, ReplyShape(True, self.model.name))
+        req = await self.chat_request(body)
+        return await self.answer(request, body, req, self.reply_shape(True, body))
+
+    def reply_shape(self, chat: bool, body: RequestBody) -> ReplyShape:
+        return ReplyShape(chat, self.model_id, body.stream_options is not None and body.stream_options.include_usage)
+
+    async def chat_request(self, body: ChatBody) -> Request:
+        """A chat as the engine's request: OpenAI's chat route's, and Anthropic's translated to it."""
+        return await self.prepare(body, body.max_tokens or body.max_completion_tokens,
+                                  messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
+                                  tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                                  response_format=body.response_format, grammar=body.grammar)
+
+    async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
+        """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
+        req = await self.chat_request(anthropic_wire.translated(body))
+        shape = MessageShape(self.model_id, len(req.tokens))
+        job, events, ahead = self.enqueue(req)
+        headers = {"X-Queue-Position": str(ahead)}
+        if body.stream:
+            return StreamingResponse(self.message_stream(job, events, shape, ahead), media_type="text/event-stream",
+                                     headers=headers)
+        text, stats, stop = await self.whole(request, job, events)
+        reply = req.reading.read(text) if req.reading is not None else Reply(text, "", ())
+        return JSONResponse(shape.message(reply, stats, stop, ahead), headers=headers)
+
+    async def count_tokens(self, body: CountBody) -> dict[str, int]:
+        """The prompt tokens a Messages request with this conversation would decode."""
+        req = await self.chat_request(anthropic_wire.translated(body))
+        return {"input_tokens": len(req.tokens)}
 
     async def prepare(self, body: RequestBody, max_tokens: int | None, **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
@@ -242,6 +292,18 @@ class Routes:
 
     async def answer(self, request: HttpRequest, body: RequestBody, req: Request, shape: ReplyShape) -> Response:
         """Queue `req` and answer it: streamed, or whole once it ends."""
+        job, events, ahead = self.enqueue(req)
+        headers = {"X-Queue-Position": str(ahead)}
+        if body.stream:
+            return StreamingResponse(self.stream(job, events, shape, ahead), media_type="text/event-stream",
+                                     headers=headers)
+        text, stats, _ = await self.whole(request, job, events)
+        if req.reading is not None:
+            return JSONResponse(shape.message(req.reading.read(text), stats, ahead), headers=headers)
+        return JSONResponse(shape.whole(text, stats, ahead), headers=headers)
+
+    def enqueue(self, req: Request) -> tuple[Job, asyncio.Queue[Event], int]:
+        """`req` submitted to the scheduler: its job, the queue its events arrive on, the requests ahead."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -250,20 +312,13 @@ class Routes:
 
         job = Job(req, deliver)
         try:
-            ahead = self.sched.submit(job)
+            return job, events, self.sched.submit(job)
         except (QueueFull, ShuttingDown) as e:
             raise serve_error(e) from None
-        headers = {"X-Queue-Position": str(ahead)}
-        if body.stream:
-            return StreamingResponse(self.stream(job, events, shape, ahead), media_type="text/event-stream",
-                                     headers=headers)
-        text, stats = await self.whole(request, job, events)
-        if req.reading is not None:
-            return JSONResponse(shape.message(req.reading.read(text), stats, ahead), headers=headers)
-        return JSONResponse(shape.whole(text, stats, ahead), headers=headers)
 
     async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[Event]
-                    ) -> tuple[str, GenerationStats]:
+                    ) -> tuple[str, GenerationStats, str | None]:
+        """The whole answer: its text, its stats, and the stop string that ended it (if one did)."""
         gone = asyncio.ensure_future(_disconnected(request))
         parts: list[str] = []
         try:
@@ -280,7 +335,7 @@ class Routes:
                 if isinstance(item, Chunk):
                     parts.append(item.text)
                     if item.stats is not None:
-                        return "".join(parts), _ended(item.stats)
+                        return "".join(parts), _ended(item.stats), item.stop
         finally:
             gone.cancel()
 
@@ -312,11 +367,44 @@ class Routes:
                     called = called or bool(d.calls)
                     yield sse(shape.delta(d))
                 try:
-                    yield sse(shape.last(_ended(item.stats), ahead, called))
+                    stats = _ended(item.stats)
+                    yield sse(shape.last(stats, ahead, called))
+                    if (u := shape.usage_chunk(stats)) is not None:
+                        yield sse(u)
                 except ServeError as e:
                     yield sse(e.body())
                 break
             yield sse("[DONE]")
+        finally:
+            self.sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
+
+    async def message_stream(self, job: Job, events: asyncio.Queue[Event], shape: MessageShape, ahead: int
+                             ) -> AsyncIterator[bytes]:
+        """An Anthropic Messages stream: the answer read as the chat route reads it, in Anthropic's events."""
+        reader = job.req.reading.parser() if job.req.reading is not None else None
+        try:
+            if ahead:
+                yield format_sse_event(comment=f"queue position {ahead}")
+            yield shape.start()
+            while True:
+                item = await events.get()
+                if isinstance(item, Position):
+                    yield format_sse_event(comment=f"queue position {item.ahead}" if item.ahead else "running")
+                    continue
+                if isinstance(item, Exception):
+                    yield shape.error(serve_error(item))
+                    return
+                if item.stats is None:
+                    if out := shape.delta(reader.push(item.text) if reader is not None else Delta(content=item.text)):
+                        yield out
+                    continue
+                if reader is not None and (out := shape.delta(reader.finish())):
+                    yield out
+                try:
+                    yield shape.end(_ended(item.stats), item.stop, ahead)
+                except ServeError as e:
+                    yield shape.error(e)
+                return
         finally:
             self.sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
 
@@ -327,12 +415,14 @@ def _ended(s: GenerationStats) -> GenerationStats:
     return s
 
 
-def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int) -> FastAPI:
-    """The FastAPI app serving `model` through `sched`: the routes (Routes), every route but /health
-    behind the API key, errors as OpenAI error objects (HANDLERS), the body limit and metrics (Gate)."""
+def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int,
+               alias: str | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Routes),
+    every route but /health behind the API key, errors as OpenAI's or Anthropic's error objects
+    (HANDLERS), the body limit and metrics (Gate)."""
     metrics = Metrics(model, sched)
     sched.on_generation = metrics.generation
-    routes = Routes(model, sched, metrics, api_key, n_predict)
+    routes = Routes(model, sched, metrics, api_key, n_predict, alias)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
     app.add_middleware(Gate, metrics=metrics, limit=max_body)
     for exc, handler in HANDLERS:
@@ -341,7 +431,10 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     api = APIRouter(dependencies=[Depends(routes.authorized)])
     api.get("/metrics")(routes.prometheus)
     api.get("/v1/models")(routes.models)
+    api.get("/v1/models/{model_id:path}")(routes.model_by_id)
     api.post("/v1/completions")(routes.completions)
     api.post("/v1/chat/completions")(routes.chat)
+    api.post("/v1/messages")(routes.messages)
+    api.post("/v1/messages/count_tokens")(routes.count_tokens)
     app.include_router(api)
     return app

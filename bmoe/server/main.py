@@ -1,8 +1,11 @@
-"""`bmoe-server`: an OpenAI-compatible HTTP server over one loaded model (FastAPI + uvicorn).
+"""`bmoe-server`: an OpenAI-compatible HTTP server over one loaded model (FastAPI + uvicorn), which
+also speaks Anthropic's Messages API.
 
-Routes: `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
+Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
 `POST /v1/chat/completions` (`"stream": true` gives server-sent events ending `data: [DONE]`),
-`GET /metrics` (Prometheus text). Every generation goes through bmoe.engine.generation.Generation.
+`POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's, bmoe.server.anthropic_wire:
+translated into the chat route's request, so one engine, scheduler, grammar and prompt cache answer
+both), `GET /metrics` (Prometheus text). Every generation goes through bmoe.engine.generation.Generation.
 
 Decisions:
 
@@ -18,24 +21,29 @@ Decisions:
   `--temp/--top-k/--top-p/--seed` (greedy by default, so a request's answer equals `bmoe-cli`'s
   for the same prompt and settings). `top_k` and `think` (chat: False renders the conversation
   with `enable_thinking=False`) are extensions; `n` must be 1; the `model` field is not checked
-  (one model is served; responses name it).
+  (one model is served, as llama-server does with one model; responses name it: `--alias`, else
+  the GGUF's name; `GET /v1/models/{id}` takes either and 404s any other).
 - Lossy routing (`--experts-per-token`, `--drop-cold`, `--cache-routing`; docs/lossy.md) is a
   load-time setting; a request asks for plain llama.cpp's output with `"bmoe": {"lossless": true}`
   and gets it (never from KV a lossy request computed). The `bmoe` object is strict: a key it does
   not know is a 400.
 - A chat whose messages extend an earlier request's conversation (its messages, the answer as
-  it was returned, then more) reuses that KV sequence's prefix while the sequence still holds it
+  it was returned, then more; a tool call's arguments compared as JSON values, reasoning left
+  out) reuses that KV sequence's prefix while the sequence still holds it
   (a free sequence is taken least recently used first); any other request starts from an empty KV.
 - Telemetry: each response's `bmoe` field holds the request's (bmoe.api.GenerationStats: tok/s,
   MiB/token, hit %, stall, prefill ...), a streamed token's chunk that token's (the contract's
   BMOE_PROGRESS fields but the text); `/metrics` has totals and the last request's figures.
-  A stream's last chunk carries `usage` and `bmoe`.
+  A stream's finish chunk carries `bmoe`; `usage` only with `stream_options.include_usage`, as the
+  spec has it: `null` on every chunk, then a last chunk of its own with `choices: []`.
 - A client that disconnects cancels its generation at once, or leaves the queue.
 - Security: binds 127.0.0.1 by default; `--api-key` (or `BMOE_API_KEY`) requires
-  `Authorization: Bearer KEY` on every route but /health; a non-loopback `--host` without a key
-  is refused unless `--insecure`. Bodies over `--max-body-kb` get 413. Every error is an OpenAI
-  error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has begun, an
-  `{"error": ...}` event before `[DONE]`.
+  `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health; a
+  non-loopback `--host` without a key is refused unless `--insecure`. Bodies over `--max-body-kb`
+  get 413. Every error is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`;
+  in a stream that has begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
+  Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
+  a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own).
 - SIGTERM / SIGINT: the running generation is cancelled, waiting requests get 503, and the
   process exits 143 / 130 with its I/O lanes stopped and its shared memory freed. A lane that
   keeps failing or a model file changed under the server is fatal: the request gets a 500 and
@@ -76,11 +84,14 @@ examples:
   bmoe-server -m model.gguf --parallel 4          # up to 4 requests decode at once, batched when it pays
   bmoe-server -m model.gguf --host 0.0.0.0 --api-key "$KEY"   # reachable from the network, with a key
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
+  bmoe-server -m model.gguf --alias my-moe        # clients see (and may ask for) the model as "my-moe"
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
   python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none");
              print(c.completions.create(model="bmoe", prompt="Once upon a time", max_tokens=32).choices[0].text)'
+  python -c 'import anthropic; c = anthropic.Anthropic(base_url="http://127.0.0.1:8000", api_key="none");
+             print(c.messages.create(model="bmoe", max_tokens=32, messages=[{"role": "user", "content": "Hi"}]))'
 """
 
 
@@ -112,6 +123,10 @@ class ServeSettings:
              "otherwise)")
     max_body_kb: int = setting(1024, "--max-body-kb", parse=positive_int, metavar="KB",
                                help="largest request body; larger gets 413 (default {default})")
+    alias: str | None = setting(None, "--alias", metavar="NAME",
+                                help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
+                                     "name, which GET /v1/models/ID takes either way; a request's `model` is not "
+                                     "checked)")
 
 
 SERVE = schema_of(ServeSettings)
@@ -123,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, usage="%(prog)s [-m MODEL] [options]", epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve a Mixture-of-Experts GGUF larger than RAM over the OpenAI HTTP API (completions, chat "
-                    "completions, streaming), streaming its experts from flash; one model, up to --parallel "
+                    "completions, streaming) and Anthropic's Messages API, streaming its experts from flash; one "
+                    "model, up to --parallel "
                     "generations at a time, more requests queue.")
     flags.add_options(ap, SCHEMA, before={"threads": lambda ap: flags.add_n_predict(
         ap, f"max_tokens of a request that does not say (default {N_PREDICT})")})
@@ -197,7 +213,8 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
         server.end()
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RELOAD_FIX, batching=opts.batching)
-    app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict)
+    app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict,
+                     alias=opts.alias)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from bmoe.api import Chunk, GenerationStats
 from bmoe.base import check_sampling, telemetry
@@ -29,6 +30,12 @@ class BmoeOptions(BaseModel):
     lossless: bool = False  # plain llama.cpp's output whatever lossy routing the server loaded with
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False  # a last chunk of its own, `choices: []`, with the usage
+
+
 class RequestBody(BaseModel):
     """What /v1/completions and /v1/chat/completions share; unknown fields are ignored."""
 
@@ -42,6 +49,7 @@ class RequestBody(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     bmoe: BmoeOptions = BmoeOptions()
 
@@ -67,10 +75,25 @@ class TextPart(BaseModel):
     text: str
 
 
+def text_only(kind: object) -> PydanticCustomError:
+    """The 400 of a content part that is not text (an image, audio, a file, a document)."""
+    return PydanticCustomError("text_only", "this model takes text only; the {kind} part cannot be read (send the "
+                               "content as text)", {"kind": repr(kind)})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # null: an assistant's turn that only called tools
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        """A part that is not text (`image_url`, `input_audio`, `file`) is named, not a type mismatch."""
+        for part in v if isinstance(v, list) else ():
+            if isinstance(part, dict) and part.get("type") not in ("text", None):
+                raise text_only(part["type"])
+        return v
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -104,9 +127,10 @@ class ChatBody(RequestBody):
 class ReplyShape:
     """The OpenAI object of one endpoint: a whole response, a streamed chunk, the last chunk."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
         self.chat = chat
         self.model = model
+        self.include_usage = include_usage  # stream_options.include_usage: usage null on each chunk, then its own
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -128,6 +152,8 @@ class ReplyShape:
             choice["delta"] = delta
         else:
             choice["text"] = delta
+        if self.include_usage:
+            extra = {"usage": None, **extra}
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice],
                 **extra}
 
@@ -165,10 +191,17 @@ class ReplyShape:
         return self.chunk(delta, **self._progress(c))
 
     def last(self, s: GenerationStats, ahead: int, called: bool = False) -> dict[str, Any]:
-        """The last chunk; `called`: the answer made tool calls (finish_reason tool_calls)."""
+        """The chunk with the finish reason and the request's telemetry; `called`: the answer made
+        tool calls (finish_reason tool_calls)."""
         finish = "tool_calls" if called and s.finish_reason == "stop" else s.finish_reason
-        return self.chunk({} if self.chat else "", finish, usage=usage(s),
-                          bmoe={**dataclasses.asdict(s), "queue_position": ahead})
+        return self.chunk({} if self.chat else "", finish, bmoe={**dataclasses.asdict(s), "queue_position": ahead})
+
+    def usage_chunk(self, s: GenerationStats) -> dict[str, Any] | None:
+        """With stream_options.include_usage, the stream's last chunk: no choices, the usage."""
+        if not self.include_usage:
+            return None
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(s)}
 
 
 def usage(s: GenerationStats) -> dict[str, int]:
