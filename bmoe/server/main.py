@@ -2,7 +2,9 @@
 
 Routes: `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (`"stream": true` gives server-sent events ending `data: [DONE]`),
-`GET /metrics` (Prometheus text). Every generation goes through bmoe.engine.generation.Generation.
+`GET /metrics` (Prometheus text), `GET /v1/bmoe/events` (the live telemetry as server-sent events,
+bmoe.server.events) and the chat page at `/` (bmoe.server.webui; off with `--no-webui`). Every
+generation goes through bmoe.engine.generation.Generation.
 
 Decisions:
 
@@ -76,6 +78,7 @@ examples:
   bmoe-server -m model.gguf --parallel 4          # up to 4 requests decode at once, batched when it pays
   bmoe-server -m model.gguf --host 0.0.0.0 --api-key "$KEY"   # reachable from the network, with a key
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
+  bmoe-server -m model.gguf --no-webui             # the API only: no chat page at /
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
@@ -112,6 +115,7 @@ class ServeSettings:
              "otherwise)")
     max_body_kb: int = setting(1024, "--max-body-kb", parse=positive_int, metavar="KB",
                                help="largest request body; larger gets 413 (default {default})")
+    webui: bool = setting(True, "--no-webui", help="serve no chat page at / (the API and its events stay)")
 
 
 SERVE = schema_of(ServeSettings)
@@ -163,10 +167,11 @@ def listen(host: str, port: int) -> socket.socket:
 class Server(uvicorn.Server):
     """uvicorn's server with bmoe's start line and a shutdown that cancels the generation at once."""
 
-    def __init__(self, config: uvicorn.Config, sched: Scheduler, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, sched: Scheduler, url: str, chat_page: bool) -> None:
         super().__init__(config)
         self.sched = sched
         self.url = url
+        self.chat_page = chat_page
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -175,6 +180,8 @@ class Server(uvicorn.Server):
         if self.started:
             console.notice(f"serving {self.sched.model.name} at {self.url}/v1 (parallel {self.sched.capacity}, "
                            f"batching {self.sched.batching.mode}, queue {self.sched.size})")
+            if self.chat_page:
+                console.notice(f"chat page at {self.url}/")
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
@@ -197,11 +204,12 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
         server.end()
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RELOAD_FIX, batching=opts.batching)
-    app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict)
+    app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict,
+                     webui=opts.webui)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
-    server = Server(config, sched, url)
+    server = Server(config, sched, url, opts.webui)
     sched.start()
     try:
         server.run(sockets=[sock])
