@@ -27,6 +27,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.test_server import KEY, Server, auth, metric
+from tests.test_server_agents import THINK, WEATHER
 
 EVENTS = "/v1/bmoe/events"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -34,6 +35,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 WAIT_S = 300  # the longest any one wait here may take on a loaded 2-core machine
 STATIC = REPO / "bmoe" / "server" / "static"
+TEMPLATES = REPO / "tests" / "data" / "templates"
 
 
 class Watcher:
@@ -93,9 +95,11 @@ def demo(demo_default: tuple[Path, float]) -> tuple[str, float]:
 
 @pytest.fixture(scope="module")
 def server(demo: tuple[str, float]) -> Iterator[Server]:
+    """The demo with Qwen3's template (the demo's own has neither tools nor reasoning), so one server
+    can answer with reasoning and tool calls too; the key makes the page ask for it."""
     path, budget_mib = demo
     s = Server("-m", path, "-t", "1", "--io-threads", "2", "--cache-mb", str(budget_mib), "-c", "4096",
-               env={"BMOE_API_KEY": KEY})
+               "--chat-template-file", str(TEMPLATES / "qwen3.jinja"), env={"BMOE_API_KEY": KEY})
     yield s
     s.stop()
 
@@ -160,6 +164,7 @@ def test_each_generation_is_an_event_with_its_answers_numbers(server: Server, de
     finally:
         w.close()
     assert w.ended.wait(60)
+    assert metric(server, f'bmoe_requests_total{{route="{EVENTS}",status="401"}}') >= 1  # counted by its route
     until(lambda: metric(server, "bmoe_event_watchers") == 0, "the server to let the watcher go")
 
 
@@ -290,4 +295,51 @@ def test_the_page_streams_stops_and_shows_what_the_server_reports(server: Server
     page.reload()
     page.wait_for_selector("#link[data-state=live]")
     assert page.input_value("#api_key") == KEY
+    assert not errors, errors
+
+
+def test_the_page_shows_reasoning_folded_and_tool_calls(server: Server, browser: Any, tmp_path: Path) -> None:
+    """The page sends no tools and no grammar; the test adds them to its requests on their way out
+    (as a client extension would), and the real server's answer is what the page renders."""
+    page = browser.new_page(viewport={"width": 1200, "height": 760})
+    page.set_default_timeout(WAIT_S * 1000)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.add_init_script(f"localStorage.setItem('bmoe.apiKey', {json.dumps(KEY)})")
+    page.goto(server.url + "/")
+    page.wait_for_selector("#link[data-state=live]")
+
+    def ask(text: str, **extra: Any) -> Any:
+        def add(route: Any) -> None:
+            route.continue_(post_data=json.dumps({**json.loads(route.request.post_data), **extra}))
+
+        page.route("**/v1/chat/completions", add)
+        page.click("#clear")
+        page.fill("#prompt", text)
+        page.press("#prompt", "Enter")
+        page.wait_for_selector(".msg.assistant[data-state=done]")
+        page.unroute("**/v1/chat/completions")
+        return page.locator(".msg.assistant")
+
+    answer = ask("Why is the sky blue?", grammar=THINK, max_tokens=80)
+    folded = answer.locator("details.reasoning")
+    assert folded.count() == 1 and folded.get_attribute("open") is None
+    thought = folded.locator(".text").text_content()
+    content = answer.locator(".content").text_content()
+    assert re.fullmatch("[a-z ]{3,30}", thought) and re.fullmatch("[a-z ]{3,30}", content), (thought, content)
+    assert not folded.locator(".text").is_visible()
+    folded.locator("summary").click()
+    assert folded.locator(".text").is_visible()
+    page.screenshot(path=str(Path(os.environ.get("BMOE_WEBUI_SHOTS") or tmp_path) / "reasoning.png"))
+
+    answer = ask("What is the weather in Paris?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                 max_tokens=120)
+    assert answer.get_attribute("data-finish") == "tool_calls"
+    call = answer.locator(".tool")
+    assert call.count() == 1
+    m = re.fullmatch(r"tool call get_weather\((.*)\)", call.text_content(), re.S)
+    assert m, call.text_content()
+    args = json.loads(m.group(1))
+    assert set(args) == {"city", "days"} and args["city"] in ("Paris", "Oslo", "Rome")
+    page.screenshot(path=str(Path(os.environ.get("BMOE_WEBUI_SHOTS") or tmp_path) / "tool-call.png"))
     assert not errors, errors

@@ -34,7 +34,8 @@ Decisions:
   A stream's last chunk carries `usage` and `bmoe`.
 - A client that disconnects cancels its generation at once, or leaves the queue.
 - Security: binds 127.0.0.1 by default; `--api-key` (or `BMOE_API_KEY`) requires
-  `Authorization: Bearer KEY` on every route but /health; a non-loopback `--host` without a key
+  `Authorization: Bearer KEY` on every route but /health and the chat page's static files (the
+  page sends the key it is given on its own API calls); a non-loopback `--host` without a key
   is refused unless `--insecure`. Bodies over `--max-body-kb` get 413. Every error is an OpenAI
   error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has begun, an
   `{"error": ...}` event before `[DONE]`.
