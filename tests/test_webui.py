@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -200,8 +201,12 @@ def test_the_page_loads_nothing_from_elsewhere() -> None:
 
 
 def test_a_wheel_ships_the_page(tmp_path: Path) -> None:
-    """A non-editable install has the page's files (package data), not only a checkout."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+    """A non-editable install has the page's files (package data), not only a checkout. (Built from a
+    copy: pip builds in the source tree and would leave build/ in the checkout.)"""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "bmoe", src / "bmoe", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", src)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(src)],
                    check=True, capture_output=True, timeout=600)
     (wheel,) = tmp_path.glob("bmoe-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
