@@ -40,7 +40,7 @@ from bmoe.base.units import MiB
 from bmoe.engine.graph_stops import StreamingStops
 from bmoe.memory.budget import Adaptive, decide
 from bmoe.memory.dense import DenseReadAhead, advise_normal, dense_ranges, pin
-from bmoe.memory.probe import MemoryProbe
+from bmoe.memory.probe import MemoryProbe, Room
 from bmoe.seam import llama
 from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, new_context
 from bmoe.shm_cache import sweep_stale_segments
@@ -92,6 +92,10 @@ class EngineStats:
     spec_gate: tuple[float, float | None] | None  # (recall %, the floor that switched it off) of the spec-gate
     lanes: tuple[str, ...]  # the lanes' busy time and queue depth so far (--profile)
     workers: tuple[tuple[str, int], ...]  # (role, pid) of every worker process
+    full_bytes: int  # a budget that holds every expert's slot (0 without streaming)
+    memory: Room  # the tightest memory limit now and the room it leaves (bmoe.memory.probe)
+    # per MoE layer (layer, one character per expert: '1' resident, '0' not); empty without streaming
+    residency: tuple[tuple[int, str], ...] = field(default=(), repr=False)
 
 
 class Engine:
@@ -361,7 +365,9 @@ class Engine:
             streaming=st is not None, lossy=self.is_lossy, top_k=self.top_k, experts_per_token=self.experts_per_token,
             budget_bytes=st.budget if st else 0, resident_bytes=st.resident_bytes() if st else 0,
             holds_every_expert=self.holds_every_expert, spec_gate=st.gate_recall() if st else None,
-            lanes=tuple(st.lane_load().lines()) if st else (), workers=tuple(st.worker_pids()) if st else ())
+            lanes=tuple(st.lane_load().lines()) if st else (), workers=tuple(st.worker_pids()) if st else (),
+            full_bytes=st.full_bytes if st else 0, memory=self.memory.least(),
+            residency=tuple(st.residency()) if st else ())
 
     def chat_template(self) -> bytes | None:
         """The chat template: --chat-template-file's, else the one stored in the GGUF, if any."""

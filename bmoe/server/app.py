@@ -38,12 +38,14 @@ from bmoe.server.errors import (
     shutting_down,
     validation_error,
 )
+from bmoe.server.events import EVENTS, Feed
 from bmoe.server.scheduler import Event, Job, Position, Scheduler
+from bmoe.server.webui import PAGES, add_pages
 from bmoe.server.wire import ChatBody, CompletionBody, ReplyShape, RequestBody, sse
 
 CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
-          "/v1/messages/count_tokens")
+          "/v1/messages/count_tokens", EVENTS, *PAGES)
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
@@ -416,18 +418,30 @@ def _ended(s: GenerationStats) -> GenerationStats:
 
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int,
-               alias: str | None = None) -> FastAPI:
+               alias: str | None = None, webui: bool = True) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Routes),
-    every route but /health behind the API key, errors as OpenAI's or Anthropic's error objects
-    (HANDLERS), the body limit and metrics (Gate)."""
+    every route but /health and the chat page's files behind the API key, errors as OpenAI's or
+    Anthropic's error objects (HANDLERS), the body limit and metrics (Gate), the events feed
+    (bmoe.server.events) and the page (bmoe.server.webui)."""
     metrics = Metrics(model, sched)
-    sched.on_generation = metrics.generation
+    feed = Feed(model, sched)
+    Gauge("bmoe_event_watchers", f"clients following {EVENTS}", registry=metrics.registry).set_function(
+        lambda: len(feed.watchers))
+
+    def generated(s: GenerationStats) -> None:
+        metrics.generation(s)
+        feed.generation(s)
+
+    sched.on_generation = generated
+    sched.on_close = feed.close
     routes = Routes(model, sched, metrics, api_key, n_predict, alias)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
     app.add_middleware(Gate, metrics=metrics, limit=max_body)
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)
+    if webui:
+        add_pages(app)
     api = APIRouter(dependencies=[Depends(routes.authorized)])
     api.get("/metrics")(routes.prometheus)
     api.get("/v1/models")(routes.models)
@@ -436,5 +450,6 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     api.post("/v1/chat/completions")(routes.chat)
     api.post("/v1/messages")(routes.messages)
     api.post("/v1/messages/count_tokens")(routes.count_tokens)
+    api.get(EVENTS)(feed.route)
     app.include_router(api)
     return app

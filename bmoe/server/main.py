@@ -5,7 +5,9 @@ Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`, 
 `POST /v1/chat/completions` (`"stream": true` gives server-sent events ending `data: [DONE]`),
 `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's, bmoe.server.anthropic_wire:
 translated into the chat route's request, so one engine, scheduler, grammar and prompt cache answer
-both), `GET /metrics` (Prometheus text). Every generation goes through bmoe.engine.generation.Generation.
+both), `GET /metrics` (Prometheus text), `GET /v1/bmoe/events` (the live telemetry as server-sent
+events, bmoe.server.events) and the chat page at `/` (bmoe.server.webui; off with `--no-webui`). Every
+generation goes through bmoe.engine.generation.Generation.
 
 Decisions:
 
@@ -38,7 +40,8 @@ Decisions:
   spec has it: `null` on every chunk, then a last chunk of its own with `choices: []`.
 - A client that disconnects cancels its generation at once, or leaves the queue.
 - Security: binds 127.0.0.1 by default; `--api-key` (or `BMOE_API_KEY`) requires
-  `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health; a
+  `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health and the
+  chat page's static files (the page sends the key it is given on its own API calls); a
   non-loopback `--host` without a key is refused unless `--insecure`. Bodies over `--max-body-kb`
   get 413. Every error is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`;
   in a stream that has begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
@@ -85,6 +88,7 @@ examples:
   bmoe-server -m model.gguf --host 0.0.0.0 --api-key "$KEY"   # reachable from the network, with a key
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
   bmoe-server -m model.gguf --alias my-moe        # clients see (and may ask for) the model as "my-moe"
+  bmoe-server -m model.gguf --no-webui             # the API only: no chat page at /
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
@@ -127,6 +131,7 @@ class ServeSettings:
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
                                      "checked)")
+    webui: bool = setting(True, "--no-webui", help="serve no chat page at / (the API and its events stay)")
 
 
 SERVE = schema_of(ServeSettings)
@@ -179,10 +184,11 @@ def listen(host: str, port: int) -> socket.socket:
 class Server(uvicorn.Server):
     """uvicorn's server with bmoe's start line and a shutdown that cancels the generation at once."""
 
-    def __init__(self, config: uvicorn.Config, sched: Scheduler, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, sched: Scheduler, url: str, chat_page: bool) -> None:
         super().__init__(config)
         self.sched = sched
         self.url = url
+        self.chat_page = chat_page
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -191,6 +197,8 @@ class Server(uvicorn.Server):
         if self.started:
             console.notice(f"serving {self.sched.model.name} at {self.url}/v1 (parallel {self.sched.capacity}, "
                            f"batching {self.sched.batching.mode}, queue {self.sched.size})")
+            if self.chat_page:
+                console.notice(f"chat page at {self.url}/")
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
@@ -214,11 +222,11 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RELOAD_FIX, batching=opts.batching)
     app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict,
-                     alias=opts.alias)
+                     alias=opts.alias, webui=opts.webui)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
-    server = Server(config, sched, url)
+    server = Server(config, sched, url, opts.webui)
     sched.start()
     try:
         server.run(sockets=[sock])

@@ -138,7 +138,8 @@ class Scheduler:
     up to `size` more wait in the queue.
 
     `on_fatal` hears of an engine failure (after which the scheduler is closed), `on_generation`
-    of each generation's stats, both on the worker thread.
+    of each generation's stats, both on the worker thread; `on_close` of every `close`, on the
+    thread that closes it.
     """
 
     def __init__(self, model: Model, size: int, on_fatal: Callable[[BaseException], None],
@@ -148,6 +149,7 @@ class Scheduler:
         self.size = size
         self.on_fatal = on_fatal
         self.on_generation = on_generation
+        self.on_close: Callable[[], None] = lambda: None
         self.reload_fix = reload_fix
         self.batching = Batching(batching, self._all_cached)
         self.cond = threading.Condition()
@@ -200,6 +202,7 @@ class Scheduler:
             self.cond.notify_all()
         for gen in running:
             self.model.driver.cancel(gen)
+        self.on_close()
 
     def join(self) -> None:
         if self.thread.is_alive():

@@ -242,6 +242,15 @@ class ExpertCache:
             c[:] = 0
         self.routings = dict.fromkeys(self.routings, 0)
 
+    def residency(self) -> list[tuple[int, str]]:
+        """Per layer, in order, one character per expert: '1' when every slice of it is resident, '0'
+        otherwise (what a live view draws as a heat map; read between steps, or racing one harmlessly)."""
+        out = []
+        for layer, idxs in sorted(self.by_layer.items()):
+            whole = np.logical_and.reduce([np.frombuffer(bytes(self.state[ri]), np.uint8) == RESIDENT for ri in idxs])
+            out.append((layer, (whole.astype(np.uint8) + ord("0")).tobytes().decode()))
+        return out
+
     def layer_complete(self, layer: int) -> bool:
         """Every expert of the layer is resident and, with a budget that holds all, stays so."""
         return self.holds_everything and self.resident_in_layer[layer] == self.slices_in_layer[layer]

@@ -157,6 +157,10 @@ class Streamer:
     def resident_bytes(self) -> int:
         return self.slab.resident_bytes()
 
+    def residency(self) -> list[tuple[int, str]]:
+        """Which experts of each layer are resident (ExpertCache.residency)."""
+        return self.cache.residency()
+
     @property
     def lanes(self) -> LanePool:
         """The I/O lanes (there from the end of __init__ until close)."""
