@@ -63,6 +63,8 @@ class Metrics:
         self.generated = Counter("bmoe_generated_tokens", "tokens generated", registry=r)
         self.prefilled = Counter("bmoe_prefill_tokens", "prompt tokens decoded (a reused KV prefix is not)",
                                  registry=r)
+        self.slow_readers = Counter("bmoe_slow_readers", "responses cut because the client left them unread past "
+                                    "--write-timeout", registry=r)
         self.read = Counter("bmoe_read_bytes", "expert bytes read from flash while decoding", registry=r)
         self.decode_s = Counter("bmoe_decode_seconds", "wall time of the decode tokens", registry=r)
         self.stall_s = Counter("bmoe_stall_seconds", "decode time lost waiting for expert reads", registry=r)
@@ -99,14 +101,21 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class Gate:
-    """ASGI middleware at the app's edge: counts every answer by route and status, and answers a
-    body over `limit` bytes with a 413 error object before the app reads any of it."""
+class SlowReader(Exception):
+    """A client left a response's bytes unread past the write timeout."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, limit: int) -> None:
+
+class Gate:
+    """ASGI middleware at the app's edge: counts every answer by route and status, answers a body over
+    `limit` bytes with a 413 error object before the app reads any of it, and drops a client that
+    leaves a piece of its response unread for `write_timeout` seconds (its socket's buffer full): the
+    response ends there, and a generation still running for it is cancelled like any client's who left."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, limit: int, write_timeout: float) -> None:
         self.app = app
         self.metrics = metrics
         self.limit = limit
+        self.write_timeout = write_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,7 +126,11 @@ class Gate:
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.requests.labels(route, str(message["status"])).inc()
-            await send(message)
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout)
+            except TimeoutError:
+                self.metrics.slow_readers.inc()
+                raise SlowReader() from None
 
         too_large = _error_response(scope["path"], ServeError(
             413, f"the request body is over {self.limit} bytes (bmoe-server --max-body-kb)", code="request_too_large"))
@@ -140,7 +153,10 @@ class Gate:
         async def replay() -> Message:
             return pending.pop() if pending else await receive()
 
-        await self.app(scope, replay, counted)
+        try:
+            await self.app(scope, replay, counted)
+        except SlowReader:  # the connection closes with the response unfinished: the client sees it cut
+            pass
 
 
 async def _disconnected(request: HttpRequest) -> None:
@@ -418,7 +434,7 @@ def _ended(s: GenerationStats) -> GenerationStats:
 
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int,
-               alias: str | None = None, webui: bool = True) -> FastAPI:
+               alias: str | None = None, webui: bool = True, write_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Routes),
     every route but /health and the chat page's files behind the API key, errors as OpenAI's or
     Anthropic's error objects (HANDLERS), the body limit and metrics (Gate), the events feed
@@ -436,7 +452,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     sched.on_close = feed.close
     routes = Routes(model, sched, metrics, api_key, n_predict, alias)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
-    app.add_middleware(Gate, metrics=metrics, limit=max_body)
+    app.add_middleware(Gate, metrics=metrics, limit=max_body, write_timeout=write_timeout)
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)

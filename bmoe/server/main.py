@@ -73,7 +73,18 @@ except ImportError as e:  # the server extra is not installed
                      "pip install 'bmoe[server]'") from None
 
 from bmoe.api import Model, open_model
-from bmoe.base import N_PREDICT, SCHEMA, BmoeError, ConfigError, nonneg_int, number, positive_int, schema_of, setting
+from bmoe.base import (
+    N_PREDICT,
+    SCHEMA,
+    BmoeError,
+    ConfigError,
+    nonneg_int,
+    number,
+    positive_float,
+    positive_int,
+    schema_of,
+    setting,
+)
 from bmoe.edges import console, exits, flags
 from bmoe.server.scheduler import MODES, Scheduler
 
@@ -127,6 +138,14 @@ class ServeSettings:
              "otherwise)")
     max_body_kb: int = setting(1024, "--max-body-kb", parse=positive_int, metavar="KB",
                                help="largest request body; larger gets 413 (default {default})")
+    write_timeout: float = setting(30.0, "--write-timeout", parse=positive_float, metavar="S",
+                                   help="seconds a client may leave a piece of its response unread (a slow or stuck "
+                                        "reader); then the response is cut and its generation cancelled "
+                                        "(default {default})")
+    max_connections: int = setting(256, "--max-connections", parse=positive_int, metavar="N",
+                                   help="open connections at most; more get 503 at once (default {default})")
+    idle_timeout: float = setting(5.0, "--idle-timeout", parse=positive_float, metavar="S",
+                                  help="seconds an idle keep-alive connection stays open (default {default})")
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
@@ -222,10 +241,11 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RELOAD_FIX, batching=opts.batching)
     app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict,
-                     alias=opts.alias, webui=opts.webui)
+                     alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
+                            limit_concurrency=opts.max_connections, timeout_keep_alive=opts.idle_timeout)
     server = Server(config, sched, url, opts.webui)
     sched.start()
     try:
