@@ -16,6 +16,7 @@ from bmoe.api import TokenLogprob, content_logprobs
 from bmoe.chat.output import Reading
 from tests.test_chat_output import CASES as ANSWERS
 from tests.test_server import KEY, Server, auth, error_of
+from tests.test_server_agents import FLAGS, TEMPLATES, THINK
 
 PROMPT = "Once upon a time"
 N = 12
@@ -128,6 +129,34 @@ def test_split_utf8_characters_through_the_python_api(demo: str) -> None:
         said = "".join(c.text for c in chunks)
         assert "".join(t.text for c in chunks for t in c.logprobs) == said
         assert not any(c.logprobs for c in m.stream("Once upon a time", max_tokens=3))
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory) -> Server:
+    """A qwen3 template's model (random weights, held to think then answer by a grammar)."""
+    from bmoe.tools.synth import write_model
+
+    path = write_model(tmp_path_factory.mktemp("q3") / "synth-qwen3.gguf", arch="qwen3moe", layers=4, experts=8,
+                       top_k=2, chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    s = Server("-m", str(path), *FLAGS, "--cache-mb", "1", env={"BMOE_API_KEY": KEY})
+    yield s
+    s.stop()
+
+
+def test_a_thinking_answers_logprobs_are_its_contents_streamed_and_not(thinker: Server) -> None:
+    c = thinker.client()
+    ask = dict(model="x", messages=[{"role": "user", "content": "Why is the sky blue?"}], max_tokens=80,
+               logprobs=True, top_logprobs=1, extra_body={"grammar": THINK})
+    r = c.chat.completions.create(**ask)
+    m, lp = r.choices[0].message, r.choices[0].logprobs.content
+    assert m.model_extra["reasoning_content"] and m.content
+    assert "".join(t.token for t in lp) == m.content
+    assert len(lp) < r.usage.completion_tokens, "the reasoning's and the markup's tokens are left out"
+    streamed, got = "", []
+    for chunk in c.chat.completions.create(stream=True, **ask):
+        streamed += chunk.choices[0].delta.content or ""
+        got += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+    assert streamed == m.content and [(t.token, t.logprob) for t in got] == [(t.token, t.logprob) for t in lp]
 
 
 def _tokens(answer: str, size: int) -> list[tuple[str, tuple[TokenLogprob, ...]]]:
