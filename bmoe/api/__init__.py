@@ -13,6 +13,7 @@ from bmoe.base.surface import lazy
 
 if TYPE_CHECKING:
     from bmoe.api.model import (
+        TOP_LOGPROBS_MAX,
         Alternative,
         Ask,
         Chunk,
@@ -38,6 +39,7 @@ __getattr__, __all__ = lazy(
     __name__,
     {
         "bmoe.api.model": [
+            "TOP_LOGPROBS_MAX",
             "Alternative",
             "Ask",
             "Chunk",

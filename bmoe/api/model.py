@@ -61,7 +61,7 @@ from bmoe.base.units import MiB
 from bmoe.chat.grammar_check import GrammarCheck
 from bmoe.chat.limits import check_stops
 from bmoe.engine.generation import Chunk, Completion, Generation, GenerationStats, Request, Slot, StopText, Turn
-from bmoe.engine.logprobs import TOP_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
+from bmoe.engine.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
 
 if TYPE_CHECKING:
     from bmoe.chat.output import Reply
@@ -71,9 +71,9 @@ if TYPE_CHECKING:
     from bmoe.engine.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 
-__all__ = ["Alternative", "Ask", "Chunk", "Completion", "ConfigError", "ContentTokens", "ContextTooLong",
-           "GenerationStats", "Model", "ModelStats", "Request", "StopText", "TokenLogprob", "content_logprobs", "load",
-           "open_model", "setting_names"]
+__all__ = ["TOP_LOGPROBS_MAX", "Alternative", "Ask", "Chunk", "Completion", "ConfigError", "ContentTokens",
+           "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request", "StopText", "TokenLogprob",
+           "content_logprobs", "load", "open_model", "setting_names"]
 
 log = logging.getLogger("bmoe")
 
@@ -319,8 +319,9 @@ class Model:
         sampler = self.sampler(**{name: getattr(ask, name) for name in SAMPLING_FIELDS})
         logprobs = ask.logprobs
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= TOP_MAX):
-            raise ConfigError(f"logprobs {logprobs!r}: it is how many alternatives to list per token, 0 to {TOP_MAX}")
+                                     or not 0 <= logprobs <= TOP_LOGPROBS_MAX):
+            raise ConfigError(f"logprobs {logprobs!r}: it is how many alternatives to list per token, "
+                              f"0 to {TOP_LOGPROBS_MAX}")
         e, f = self.engine, self.chat_format
         if ask.lossless:
             e.check_lossless("load it without one of them for lossless requests")

@@ -216,7 +216,7 @@ def _logit_bias(text: str) -> LogitBias:
     """--logit-bias: TOKEN_ID(+|-)BIAS, comma-separated (llama.cpp's spelling: `15043-100,2+5`)."""
     pairs = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(\d+)([+-][0-9.eE]+|[+-]inf)", part)
+        m = re.fullmatch(r"(\d+)([+-](?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)", part)
         if m is None:
             raise argparse.ArgumentTypeError(f"{part!r} is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043-100)")
         pairs[m.group(1)] = float(m.group(2))

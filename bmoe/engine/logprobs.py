@@ -29,7 +29,7 @@ import numpy as np
 if TYPE_CHECKING:
     from bmoe.chat.output import Delta, Reading
 
-TOP_MAX = 20  # OpenAI's bound on top_logprobs (and on the legacy completions' logprobs)
+TOP_LOGPROBS_MAX = 20  # OpenAI's bound on top_logprobs (and on the legacy completions' logprobs)
 
 
 @dataclass(frozen=True)

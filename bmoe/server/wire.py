@@ -15,11 +15,10 @@ from typing import Any, Literal
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from bmoe.api import Chunk, GenerationStats, TokenLogprob
+from bmoe.api import TOP_LOGPROBS_MAX, Chunk, GenerationStats, TokenLogprob
 from bmoe.base import FieldError, check_sampling, logit_bias_of, telemetry
 from bmoe.chat import STOPS_MAX, Delta, Reply
 
-TOP_LOGPROBS_MAX = 20  # OpenAI's bound on top_logprobs; bmoe takes it for the completions' logprobs too
 # Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
 # that ask for nothing (accepted as sent): any other value is a 400 naming the field, never silently
 # ignored. A field neither declared nor listed here is ignored (another server's extension).
