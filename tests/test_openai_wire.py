@@ -24,3 +24,22 @@ def test_a_token_chunk_carries_its_progress_fields() -> None:
                      cache_hit_pct=50.0)
     got = ReplyShape(False, "m").token(Chunk("word", line))["bmoe"]
     assert got["step"] == 3 and got["steps"] == 8 and got["compute_ms"] == 7.0 and got["cache_hit_pct"] == 50.0
+
+
+def test_logprobs_take_openais_shapes_and_only_when_asked() -> None:
+    from bmoe.engine.logprobs import Alternative, TokenLogprob
+
+    e = "\u00e9".encode()
+    toks = (TokenLogprob(1, "", e[:1], -0.5, (Alternative(1, "\ufffd", e[:1], -0.5),), 3),
+            TokenLogprob(2, "\u00e9", e[1:], -0.25, (Alternative(2, "\ufffd", e[1:], -0.25),), 3))
+    c = Chunk("\u00e9", logprobs=toks)
+    assert ReplyShape(False, "m").token(c)["choices"][0]["logprobs"] is None  # not asked for
+    legacy = ReplyShape(False, "m").token(c, logprobs=True)["choices"][0]["logprobs"]
+    assert legacy == {"tokens": ["", "\u00e9"], "token_logprobs": [-0.5, -0.25],
+                      "top_logprobs": [{"\ufffd": -0.5}, {"\ufffd": -0.25}], "text_offset": [3, 3]}
+    chat = ReplyShape(True, "m").token(c, logprobs=True)["choices"][0]["logprobs"]
+    assert chat == {"refusal": None, "content": [
+        {"token": "", "logprob": -0.5, "bytes": [0xC3], "top_logprobs": [{"token": "\ufffd", "logprob": -0.5,
+                                                                          "bytes": [0xC3]}]},
+        {"token": "\u00e9", "logprob": -0.25, "bytes": [0xA9], "top_logprobs": [{"token": "\ufffd", "logprob": -0.25,
+                                                                                 "bytes": [0xA9]}]}]}

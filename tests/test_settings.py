@@ -36,7 +36,9 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
               "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
               "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
               "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--experts-per-token", "3",
-              "--drop-cold", "0.1", "--cache-routing", "0.2"],
+              "--drop-cold", "0.1", "--cache-routing", "0.2", "--min-p", "0.1", "--repeat-penalty", "1.1",
+              "--repeat-last-n", "32", "--frequency-penalty", "0.5", "--presence-penalty", "-0.5",
+              "--logit-bias", "15043-100,2+2.5"],
              ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"],
              ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv",
               "--prompt-cache-mb", "9"],
@@ -70,6 +72,21 @@ def test_keywords_are_the_flags_words_and_errors_speak_them() -> None:
     assert not from_keywords("m.gguf", stream=False).streaming.enabled  # the default overlap is no contradiction
 
 
+def test_logit_bias_is_openais_map_as_a_keyword_and_llama_cpps_spelling_as_a_flag() -> None:
+    """One setting, three spellings: bmoe.load's map (keys as numbers or text), the flag's TOKEN_ID(+|-)BIAS
+    list, and the same pairs inside; its bound is checked in each edge's words."""
+    want = ((2, 2.5), (15043, -100.0))
+    assert from_keywords("m.gguf", logit_bias={15043: -100, "2": 2.5}).sampler.logit_bias == want
+    assert from_keywords("m.gguf", logit_bias="15043-100,2+2.5").sampler.logit_bias == want
+    assert _settings(["--logit-bias", "15043-100,2+2.5"]).sampler.logit_bias == want
+    with pytest.raises(ConfigError, match=r"^logit_bias=\{5: 101.0\}: each bias from -100 to 100$"):
+        from_keywords("m.gguf", logit_bias={5: 101})
+    with pytest.raises(ConfigError, match=r"logit_bias: key 'x' is not a token id"):
+        from_keywords("m.gguf", logit_bias={"x": 1})
+    with pytest.raises(ConfigError, match=r"^frequency_penalty=3: from -2 to 2$"):
+        from_keywords("m.gguf", frequency_penalty=3)
+
+
 
 @pytest.mark.parametrize("argv,words", [
     (["--io-threads", "0"], "argument --io-threads: must be 1 or more"),
@@ -77,6 +94,8 @@ def test_keywords_are_the_flags_words_and_errors_speak_them() -> None:
     (["--route-trace", "t.jsonl", "--parallel", "2"],
      "--route-trace records one sequence's routing, and --parallel 2 decodes several; drop one of them"),
     (["--temp", "-1"], "--temp -1: 0 (greedy) or more"),
+    (["--logit-bias", "5-101"], "--logit-bias 5-101: each bias from -100 to 100"),
+    (["--logit-bias", "5*3"], "argument --logit-bias: '5*3' is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043-100)"),
 ])
 def test_flag_errors_speak_flags(argv: list[str], words: str) -> None:
     r = run_cli(*argv)

@@ -37,12 +37,13 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bmoe.api import source as model_source
 from bmoe.base import telemetry
-from bmoe.base.errors import ConfigError, ContextTooLong
+from bmoe.base.errors import ConfigError, ContextTooLong, FieldError
 from bmoe.base.settings import (
     FLAGS,
     KEYWORDS,
@@ -53,12 +54,14 @@ from bmoe.base.settings import (
     Settings,
     check_sampling,
     from_keywords,
+    logit_bias_of,
 )
 from bmoe.base.settings import names as setting_names
 from bmoe.base.units import MiB
 from bmoe.chat.grammar_check import GrammarCheck
 from bmoe.chat.limits import check_stops
 from bmoe.engine.generation import Chunk, Completion, Generation, GenerationStats, Request, Slot, StopText, Turn
+from bmoe.engine.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
 
 if TYPE_CHECKING:
     from bmoe.chat.output import Reply
@@ -68,8 +71,9 @@ if TYPE_CHECKING:
     from bmoe.engine.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 
-__all__ = ["Ask", "Chunk", "Completion", "ConfigError", "ContextTooLong", "GenerationStats", "Model", "ModelStats",
-           "Request", "StopText", "load", "open_model", "setting_names"]
+__all__ = ["TOP_LOGPROBS_MAX", "Alternative", "Ask", "Chunk", "Completion", "ConfigError", "ContentTokens",
+           "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request", "StopText", "TokenLogprob",
+           "content_logprobs", "load", "open_model", "setting_names"]
 
 log = logging.getLogger("bmoe")
 
@@ -117,7 +121,10 @@ class Ask:
     lossy routing the model was loaded with (bmoe.streaming.lossy). `forced` are token ids to
     generate instead of sampled ones (teacher forcing, as `bmoe-bench quality` scores a text;
     max_tokens is then their number), and `logits` puts on each Chunk the distribution its token
-    was chosen from.
+    was chosen from. `logprobs` N puts on each Chunk (and the Completion) its tokens' log-probabilities
+    with the N likeliest alternatives at each step (0 to 20; bmoe.engine.logprobs); None: none.
+    The sampling options besides temperature, top_p, top_k and seed (min_p, the penalties,
+    logit_bias: OpenAI's token id -> bias map) are the load's settings of the same names.
     """
 
     prompt: str | None = None
@@ -127,6 +134,12 @@ class Ask:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: Mapping[int | str, float] | None = None
     stop: str | Sequence[str] | None = None
     think: bool = True
     fix: str = FIX
@@ -138,6 +151,7 @@ class Ask:
     lossless: bool = False
     forced: Sequence[int] = ()
     logits: bool = False
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -271,16 +285,27 @@ class Model:
 
     # -- the one generation path --
 
-    def sampler(self, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                seed: int | None = None) -> SamplerSettings:
-        """The load's sampler with these overrides (None keeps the load's value); temperature 0 is greedy."""
+    def sampler(self, **fields: Any) -> SamplerSettings:
+        """The load's sampler with a request's overrides, by their request names (SAMPLING_FIELDS:
+        temperature, top_p, ..., logit_bias; None keeps the load's value); temperature 0 is greedy.
+        ConfigError names a value out of its bound, or a biased token the vocab does not have."""
         base = self.engine.settings.sampler
-        s = replace(base, temp=base.temp if temperature is None else float(temperature),
-                    top_p=base.top_p if top_p is None else float(top_p),
-                    top_k=base.top_k if top_k is None else int(top_k),
-                    seed=base.seed if seed is None else int(seed))
+        kinds = {f.name: type(getattr(base, f.name)) for f in dataclass_fields(base)}
+        changes: dict[str, Any] = {}
+        for name, v in fields.items():
+            if name not in SAMPLING_FIELDS:
+                raise TypeError(f"unknown sampling option {name!r} (the options are: {', '.join(SAMPLING_FIELDS)})")
+            if v is not None:
+                setting = SAMPLING_FIELDS[name]
+                changes[setting] = logit_bias_of(v) if name == "logit_bias" else kinds[setting](v)
+        s = replace(base, **changes)
         for name, setting in SAMPLING_FIELDS.items():
             check_sampling(name, getattr(s, setting))
+        n_vocab = self.engine.vocab.n_tokens
+        for tok, _ in s.logit_bias:
+            if not 0 <= tok < n_vocab:
+                raise FieldError(f"logit_bias: token {tok} is not in the model's vocabulary (0 to {n_vocab - 1})",
+                                 "logit_bias")
         return s
 
     def prepare(self, ask: Ask) -> Request:
@@ -291,14 +316,20 @@ class Model:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens {max_tokens!r}: it is a whole number of tokens, 1 or more")
         stops = check_stops(ask.stop)
-        sampler = self.sampler(ask.temperature, ask.top_p, ask.top_k, ask.seed)
+        sampler = self.sampler(**{name: getattr(ask, name) for name in SAMPLING_FIELDS})
+        logprobs = ask.logprobs
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= TOP_LOGPROBS_MAX):
+            raise ConfigError(f"logprobs {logprobs!r}: it is how many alternatives to list per token, "
+                              f"0 to {TOP_LOGPROBS_MAX}")
         e, f = self.engine, self.chat_format
         if ask.lossless:
             e.check_lossless("load it without one of them for lossless requests")
         forced = tuple(int(t) for t in ask.forced)
         if forced:
             max_tokens = len(forced)
-        extra: dict[str, Any] = dict(lossless=bool(ask.lossless), forced=forced, logits=bool(ask.logits))
+        extra: dict[str, Any] = dict(lossless=bool(ask.lossless), forced=forced, logits=bool(ask.logits),
+                                     logprobs=logprobs)
         if ask.messages is not None:
             parts = f.parts(ask.messages, ask.think, response_format=ask.response_format, grammar=ask.grammar,
                             tools=ask.tools, tool_choice=ask.tool_choice, parallel_tool_calls=ask.parallel_tool_calls)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, cast, get_type_hints
@@ -68,6 +69,7 @@ class Option:
     ok: Callable[[Any], bool] | None = None  # the bound, checked for every edge (None values are not checked)
     rule: str = ""  # the bound in words, after the offending value
     auto: str | None = None  # what None means, as the user writes it ("auto")
+    from_value: Callable[[Any], Any] | None = None  # a keyword's value that is not text -> the setting's
 
     @property
     def name(self) -> str:
@@ -187,9 +189,44 @@ class SpecSettings:
              "{default})")
 
 
+LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, as llama.cpp's logit-bias sampler takes them
+BIAS_MAX = 100.0  # OpenAI's bound on a logit bias, either way
+
+
+def logit_bias_of(value: Any) -> LogitBias:
+    """OpenAI's logit_bias map (token id, as text or a number → bias), or (id, bias) pairs, as sorted
+    (id, bias) pairs; ConfigError naming a key that is not a token id or a bias that is not a number."""
+    if isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"logit_bias {value!r}: it maps token ids to biases, e.g. {{\"15043\": -100}}")
+    out = []
+    for key, bias in value.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise ConfigError(f"logit_bias: key {key!r} is not a token id (a whole number)") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise ConfigError(f"logit_bias: the bias of token {tok} is {bias!r}, not a number")
+        out.append((tok, float(bias)))
+    return tuple(sorted(out))
+
+
+def _logit_bias(text: str) -> LogitBias:
+    """--logit-bias: TOKEN_ID(+|-)BIAS, comma-separated (llama.cpp's spelling: `15043-100,2+5`)."""
+    pairs = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)([+-](?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)", part)
+        if m is None:
+            raise argparse.ArgumentTypeError(f"{part!r} is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043-100)")
+        pairs[m.group(1)] = float(m.group(2))
+    return logit_bias_of(pairs)
+
+
 @dataclass(frozen=True)
 class SamplerSettings:
-    """llama.cpp's sampler chain; temp 0 is greedy."""
+    """llama.cpp's sampler chain (bmoe.seam.llama.make_sampler); temp 0 is greedy. The defaults of
+    min_p, the penalties and the logit bias are neutral: those samplers join the chain only when set."""
 
     temp: float = setting(0.0, "--temp", parse=float, ok=lambda v: v >= 0, rule="0 (greedy) or more",
                           help="temperature; 0 = greedy (default {default})")
@@ -197,19 +234,52 @@ class SamplerSettings:
                          help="top-k when sampling (default {default})")
     top_p: float = setting(0.95, "--top-p", parse=float, ok=lambda v: 0 < v <= 1, rule="above 0 and at most 1",
                            help="top-p when sampling (default {default})")
+    min_p: float = setting(0.0, "--min-p", parse=float, ok=lambda v: 0 <= v <= 1, rule="from 0 (off) to 1",
+                           help="min-p when sampling: drop tokens less likely than P times the likeliest (0 = off; "
+                                "default {default})")
     seed: int = setting(0, "--seed", parse=int, help="sampling seed (default {default})")
+    repeat_penalty: float = setting(
+        1.0, "--repeat-penalty", parse=float, ok=lambda v: v > 0, rule="above 0 (1 = off)",
+        help="divide the logit of a token generated in the last --repeat-last-n tokens by this (llama.cpp's; "
+             "1 = off; default {default})")
+    repeat_last_n: int = setting(
+        64, "--repeat-last-n", parse=int, ok=lambda v: v >= 0, rule="0 (no penalties) or more",
+        help="how many of the latest generated tokens the penalties count (0 = none; default {default})")
+    frequency_penalty: float = setting(
+        0.0, "--frequency-penalty", parse=float, ok=lambda v: -2 <= v <= 2, rule="from -2 to 2",
+        help="subtract this times a token's count in the last --repeat-last-n generated tokens from its logit "
+             "(OpenAI's; 0 = off; default {default})")
+    presence_penalty: float = setting(
+        0.0, "--presence-penalty", parse=float, ok=lambda v: -2 <= v <= 2, rule="from -2 to 2",
+        help="subtract this from the logit of a token in the last --repeat-last-n generated tokens (OpenAI's; "
+             "0 = off; default {default})")
+    logit_bias: tuple[tuple[int, float], ...] = setting(
+        (), "--logit-bias", parse=_logit_bias, from_value=logit_bias_of, metavar="ID(+|-)BIAS[,...]",
+        ok=lambda v: all(-BIAS_MAX <= b <= BIAS_MAX for _, b in v),
+        rule=f"each bias from {-BIAS_MAX:g} to {BIAS_MAX:g}",
+        help="add BIAS to token ID's logit before any other sampler (-100 bans it in practice; default none)")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether llama.cpp's penalties sampler has anything to do."""
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1 or self.frequency_penalty != 0
+                                           or self.presence_penalty != 0)
 
 
 # a request's names for the sampler settings (OpenAI's, as bmoe.load's Model.prepare and the server take them)
-SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+                   "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
+                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+                   "logit_bias": "logit_bias"}
 
 
-def check_sampling(name: str, value: float) -> None:
+def check_sampling(name: str, value: Any) -> None:
     """ConfigError when a request's sampling field (`name`, of SAMPLING_FIELDS) is out of its
     setting's declared bound: the one check of those bounds for every edge."""
     option = next(f.metadata["option"] for f in fields(SamplerSettings) if f.name == SAMPLING_FIELDS[name])
     if option.ok is not None and not option.ok(value):
-        raise ConfigError(f"{name} {value:g}: it is {option.rule}")
+        shown = f"{value:g}" if isinstance(value, float) else repr(dict(value)) if name == "logit_bias" else value
+        raise ConfigError(f"{name} {shown}: it is {option.rule}")
 
 
 LOSSY = "CHANGES THE OUTPUT (lossy, off by default; its price: `bmoe-bench quality`): "
@@ -376,9 +446,12 @@ class Naming:
             if o.toggle:
                 return o.flag if v else "--no-" + o.flag.removeprefix("--")
             return o.flag
-        text = o.auto if v is None and o.auto else (f"{v:g}" if isinstance(v, float) else str(v))
+        text = (o.auto if v is None and o.auto else f"{v:g}" if isinstance(v, float)
+                else ",".join(f"{t}{b:+g}" for t, b in v) if isinstance(v, tuple) else str(v))
         if self.flags:
             return f"{o.short or o.flag} {text}"
+        if isinstance(v, tuple):
+            return f"{o.name}={dict(v)!r}"
         return f"{o.name}={text!r}" if v is None or isinstance(v, str) else f"{o.name}={text}"
 
 
@@ -416,6 +489,8 @@ def names() -> list[str]:
 def _coerce(e: Entry, v: Any) -> Any:
     """A keyword's value checked against the setting's type; text parsed as the flag parses it."""
     o = e.option
+    if o.from_value is not None and not isinstance(v, str):
+        return o.from_value(v)  # its ConfigError names the keyword
     if isinstance(v, str) and o.parse is not None and not _accepts(e.type, v):
         try:
             return o.parse(v)

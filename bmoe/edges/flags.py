@@ -21,6 +21,7 @@ examples:
   bmoe-cli -m model.gguf -f prompt.txt --chat --cache-mb 0
   bmoe-cli -m model.gguf -p "Hello" --cache-mb 1500 --cache-policy lru   # the classic LRU cache
   bmoe-cli -m model.gguf -p "Hello" --no-stream     # plain llama.cpp, the reference output
+  bmoe-cli -m model.gguf -p "Hello" --temp 0.8 --min-p 0.05 --frequency-penalty 0.5   # llama.cpp's samplers
   bmoe-cli -m model.gguf -p "Hello" --progress --csv run.csv --profile   # telemetry for apps and benchmarks
   bmoe-cli --session -m model.gguf --cache-mb 2000  # serve JSON-lines requests on stdin
   bmoe-cli -m model.gguf -p "Hello" --usage-dir ~/bmoe-usage   # keep usage profiles (warm starts) there

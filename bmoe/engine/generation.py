@@ -20,6 +20,7 @@ import numpy as np
 from bmoe.base import telemetry
 from bmoe.base.errors import Cancelled
 from bmoe.base.settings import SamplerSettings
+from bmoe.engine.logprobs import TokenLogprob, TokenSpans
 
 if TYPE_CHECKING:
     from bmoe.chat.grammar import Grammar
@@ -74,6 +75,7 @@ class Chunk:
     stats: GenerationStats | None = None
     logits: np.ndarray | None = None  # with Request.logits: the distribution this token was chosen from
     stop: str | None = None  # the last chunk's: the stop string that ended the answer, if one did
+    logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the tokens whose text this chunk completes
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class Completion:
     stats: GenerationStats
     ids: tuple[int, ...] = ()  # the generated tokens (an end-of-generation token is not one)
     tokens: tuple[telemetry.TokenLine, ...] = ()  # each generated token's telemetry, in order
+    logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the text's tokens (bmoe.engine.logprobs)
 
     @property
     def finish_reason(self) -> str:
@@ -106,6 +109,7 @@ class Request:
     lossless: bool = False  # no lossy routing, whatever the load's settings (bmoe.streaming.lossy)
     forced: tuple[int, ...] = ()  # teacher forcing: the tokens generated, in order, instead of sampled ones
     logits: bool = False  # each Chunk carries the distribution its token was chosen from
+    logprobs: int | None = None  # each Chunk carries its tokens' log-probabilities and this many alternatives
 
 
 class _Stopped(Exception):
@@ -278,6 +282,9 @@ class Generation:
                                      engine.cache_active)
         self.lossy = engine.is_lossy and not req.lossless
         self.logits: np.ndarray | None = None  # with req.logits: the distribution the next token comes from
+        self.spans = (None if req.logprobs is None else
+                      TokenSpans(req.logprobs, lambda t: engine.vocab.piece(t, t in req.specials)))
+        self.logprobs: list[TokenLogprob] = []  # handed out so far
         self.t0 = time.perf_counter()
 
     @property
@@ -305,7 +312,8 @@ class Generation:
             self.keep, decoded, spent = self.cache.prefill(slot.seq, self.tokens, req.cache_prefix)
             slot.kv_tokens, self.cached = self.tokens[:self.keep], (decoded, spent)
         self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler, grammar=req.grammar,
-                           lossless=req.lossless, forced=list(req.forced), keep_logits=req.logits)
+                           lossless=req.lossless, forced=list(req.forced),
+                           keep_logits=req.logits or req.logprobs is not None)
         self.logits = self.seq.logits
 
     def take(self, decoded: tuple[int, telemetry.TokenStat] | None) -> None:
@@ -317,10 +325,18 @@ class Generation:
         tok, stat = decoded
         self.ids.append(tok)
         line = self.tally.add(stat)
-        new = self.text.push(self.utf8.push(self.engine.vocab.piece(tok, tok in self.req.specials)))
+        raw = self.engine.vocab.piece(tok, tok in self.req.specials)
+        chars, at = self.utf8.push(raw), len(self.text.raw)
+        new = self.text.push(chars)
         logits, self.logits = self.logits, self.begun.logits
+        released: tuple[TokenLogprob, ...] = ()
+        if self.spans is not None:
+            assert logits is not None, "a request for logprobs keeps each step's logits"
+            self.spans.add(tok, raw, chars, at, logits)
+            released = self.spans.release(self.text.sent, self.text.cut)
+            self.logprobs += released
         if self.on_chunk:
-            self.on_chunk(Chunk(new, line, logits=logits))
+            self.on_chunk(Chunk(new, line, logits=logits if self.req.logits else None, logprobs=released))
         if self.text.cut is not None or (self.calls is not None and self.calls.push(new, len(self.ids))):
             self.ended, self.done = _Stopped(), True
         elif self.cancelled:
@@ -345,9 +361,15 @@ class Generation:
             self._check_kv()
             raise error
         else:
-            tail = text.push(self.utf8.finish()) + text.flush()
-            if tail and self.on_chunk:
-                self.on_chunk(Chunk(tail))
+            rest = self.utf8.finish()
+            tail = text.push(rest) + text.flush()
+            released: tuple[TokenLogprob, ...] = ()
+            if self.spans is not None:
+                self.spans.finish_text(rest)
+                released = self.spans.release(text.sent, text.cut, final=True)
+                self.logprobs += released
+            if (tail or released) and self.on_chunk:
+                self.on_chunk(Chunk(tail, logprobs=released))
             finish = "stop" if text.cut is not None or len(self.ids) < self.req.max_tokens else "length"
             kv = tokens + self.ids
         slot.kv_tokens = kv
@@ -361,7 +383,7 @@ class Generation:
                             len(slot.kv_tokens), prefill_s, ahead, self.lossy)
         if self.on_chunk:
             self.on_chunk(Chunk("", finish_reason=finish, stats=stats, stop=text.matched))
-        return Completion(text.text, stats, tuple(self.ids), tuple(self.tally.lines))
+        return Completion(text.text, stats, tuple(self.ids), tuple(self.tally.lines), tuple(self.logprobs))
 
     def _check_kv(self) -> None:
         """The token list must describe the KV exactly; if not (a bug), start clean rather than lie."""

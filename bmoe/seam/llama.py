@@ -140,17 +140,33 @@ def schema_converter() -> Any:
 
 
 def make_sampler(s: SamplerSettings, vocab: Vocab | None = None, grammar: Gbnf | None = None) -> Sampler:
-    """llama.cpp's own sampler chain: greedy when temp is 0, else top-k → top-p → temp → dist; a
-    grammar (bmoe.chat.grammar) goes first, so every later stage sees only the tokens it allows."""
+    """llama.cpp's own sampler chain, in its common sampler's order: a grammar (bmoe.chat.grammar) first,
+    so every later stage sees only the tokens it allows; then the logit bias and the penalties, each
+    only when set; then greedy when temp is 0, else top-k → top-p → min-p (when set) → temp → dist.
+    The penalties count the tokens the chain samples (llama_sampler_sample accepts each), not the prompt."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     if grammar is not None:
         assert vocab is not None, "a grammar needs the vocab"
         llama_cpp.llama_sampler_chain_add(chain, grammar_sampler(vocab, grammar))
+    if s.logit_bias or s.penalized:
+        assert vocab is not None, "a logit bias and penalties need the vocab"
+        n_vocab = vocab.n_tokens
+        if s.logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(s.logit_bias))()
+            for b, (tok, bias) in zip(biases, s.logit_bias):
+                b.token, b.bias = tok, bias
+            llama_cpp.llama_sampler_chain_add(
+                chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(s.logit_bias), biases))
+        if s.penalized:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_penalties(
+                n_vocab, s.repeat_last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty))
     if s.temp <= 0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
     else:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(s.top_k))
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+        if s.min_p > 0:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(s.temp))
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(s.seed & 0xFFFFFFFF))
     return chain

@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bmoe.api import Ask, Chunk, GenerationStats, Model, Request
+from bmoe.api import Ask, Chunk, ContentTokens, GenerationStats, Model, Request, content_logprobs
 from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.chat import Delta, Reply
 from bmoe.server import anthropic_wire
@@ -252,7 +252,7 @@ class Routes:
             raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         req = await self.prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
-                                 grammar=body.grammar)
+                                 grammar=body.grammar, logprobs=body.logprobs)
         return await self.answer(request, body, req, self.reply_shape(False, body))
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
@@ -267,7 +267,8 @@ class Routes:
         return await self.prepare(body, body.max_tokens or body.max_completion_tokens,
                                   messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
                                   tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                                  response_format=body.response_format, grammar=body.grammar)
+                                  response_format=body.response_format, grammar=body.grammar,
+                                  logprobs=body.n_logprobs)
 
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
@@ -291,7 +292,9 @@ class Routes:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
         model = self.model
         sampling: dict[str, Any] = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                        seed=body.seed)
+                                        min_p=body.min_p, seed=body.seed, frequency_penalty=body.frequency_penalty,
+                                        presence_penalty=body.presence_penalty, repeat_penalty=body.repeat_penalty,
+                                        repeat_last_n=body.repeat_last_n, logit_bias=body.logit_bias)
         if body.bmoe.lossless:
             try:
                 model.check_lossless("restart bmoe-server without one of them for lossless requests")
@@ -315,10 +318,14 @@ class Routes:
         if body.stream:
             return StreamingResponse(self.stream(job, events, shape, ahead), media_type="text/event-stream",
                                      headers=headers)
-        text, stats, _ = await self.whole(request, job, events)
+        chunks: list[Chunk] = []
+        text, stats, _ = await self.whole(request, job, events, chunks)
+        asked = req.logprobs is not None
         if req.reading is not None:
-            return JSONResponse(shape.message(req.reading.read(text), stats, ahead), headers=headers)
-        return JSONResponse(shape.whole(text, stats, ahead), headers=headers)
+            lp = content_logprobs(req.reading, [(c.text, c.logprobs) for c in chunks]) if asked else None
+            return JSONResponse(shape.message(req.reading.read(text), stats, ahead, lp), headers=headers)
+        lp = [t for c in chunks for t in c.logprobs] if asked else None
+        return JSONResponse(shape.whole(text, stats, ahead, lp), headers=headers)
 
     def enqueue(self, req: Request) -> tuple[Job, asyncio.Queue[Event], int]:
         """`req` submitted to the scheduler: its job, the queue its events arrive on, the requests ahead."""
@@ -334,9 +341,10 @@ class Routes:
         except (QueueFull, ShuttingDown) as e:
             raise serve_error(e) from None
 
-    async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[Event]
-                    ) -> tuple[str, GenerationStats, str | None]:
-        """The whole answer: its text, its stats, and the stop string that ended it (if one did)."""
+    async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[Event],
+                    chunks: list[Chunk] | None = None) -> tuple[str, GenerationStats, str | None]:
+        """The whole answer: its text, its stats, and the stop string that ended it (if one did);
+        `chunks` gets every chunk (their logprobs)."""
         gone = asyncio.ensure_future(_disconnected(request))
         parts: list[str] = []
         try:
@@ -352,6 +360,8 @@ class Routes:
                     raise serve_error(item)
                 if isinstance(item, Chunk):
                     parts.append(item.text)
+                    if chunks is not None:
+                        chunks.append(item)
                     if item.stats is not None:
                         return "".join(parts), _ended(item.stats), item.stop
         finally:
@@ -360,6 +370,8 @@ class Routes:
     async def stream(self, job: Job, events: asyncio.Queue[Event], shape: ReplyShape, ahead: int
                      ) -> AsyncIterator[bytes]:
         reader = job.req.reading.parser() if job.req.reading is not None else None
+        asked = job.req.logprobs is not None
+        content = ContentTokens() if asked else None
         called = False
         try:
             if ahead:
@@ -376,14 +388,20 @@ class Routes:
                     break
                 if item.stats is None:  # a token: its chunk (a read answer's only when it hands something out)
                     if reader is None:
-                        yield sse(shape.token(item))
-                    elif d := reader.push(item.text):
+                        yield sse(shape.token(item, asked))
+                        continue
+                    d = reader.push(item.text)
+                    lp = content.push(item.text, item.logprobs, d) if content is not None else None
+                    if d or lp:
                         called = called or bool(d.calls)
-                        yield sse(shape.delta(d, item))
+                        yield sse(shape.delta(d, item, lp))
                     continue
-                if reader is not None and (d := reader.finish()):
-                    called = called or bool(d.calls)
-                    yield sse(shape.delta(d))
+                if reader is not None:
+                    d = reader.finish()
+                    lp = content.push("", (), d, final=True) if content is not None else None
+                    if d or lp:
+                        called = called or bool(d.calls)
+                        yield sse(shape.delta(d, logprobs=lp))
                 try:
                     stats = _ended(item.stats)
                     yield sse(shape.last(stats, ahead, called))

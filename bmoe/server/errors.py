@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from bmoe.base import ConfigError
+from bmoe.base import ConfigError, FieldError
 
 
 class QueueFull(Exception):
@@ -72,6 +72,9 @@ def http_error(exc: HTTPException) -> ServeError:
 
 def validation_error(exc: RequestValidationError) -> ServeError:
     first = exc.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # a check of several fields, or of one the body does not declare
+        return ServeError(400, str(cause), param=cause.param)
     where = ".".join(str(x) for x in first.get("loc", ())[1:])
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")

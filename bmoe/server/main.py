@@ -20,11 +20,16 @@ Decisions:
 - A request is checked before it queues (pydantic with strict types; the prompt against the
   context), so a bad one gets its 400 at once and never waits.
 - Options a request leaves out take the server's flags: `max_tokens` is `-n`, sampling is
-  `--temp/--top-k/--top-p/--seed` (greedy by default, so a request's answer equals `bmoe-cli`'s
-  for the same prompt and settings). `top_k` and `think` (chat: False renders the conversation
-  with `enable_thinking=False`) are extensions; `n` must be 1; the `model` field is not checked
-  (one model is served, as llama-server does with one model; responses name it: `--alias`, else
-  the GGUF's name; `GET /v1/models/{id}` takes either and 404s any other).
+  `--temp/--top-k/--top-p/--min-p/--seed`, the penalties and `--logit-bias` (greedy by default, so a
+  request's answer equals `bmoe-cli`'s for the same prompt and settings). `top_k`, `min_p`,
+  `repeat_penalty`, `repeat_last_n` and `think` (chat: False renders the conversation with
+  `enable_thinking=False`) are extensions; `n` must be 1; the `model` field is not checked (one
+  model is served, as llama-server does with one model; responses name it: `--alias`, else the
+  GGUF's name; `GET /v1/models/{id}` takes either and 404s any other).
+- A field of OpenAI's (or llama-server's) API that bmoe does not implement (`best_of`, `echo`,
+  `suffix`, `mirostat`, ...: bmoe.server.wire.UNIMPLEMENTED) is a 400 naming it unless its value asks
+  for nothing (`echo: false`, `best_of: 1`); silently ignoring it would answer another question.
+  Any other unknown field is ignored: clients send their own extensions.
 - Lossy routing (`--experts-per-token`, `--drop-cold`, `--cache-routing`; docs/lossy.md) is a
   load-time setting; a request asks for plain llama.cpp's output with `"bmoe": {"lossless": true}`
   and gets it (never from KV a lossy request computed). The `bmoe` object is strict: a key it does
@@ -144,7 +149,7 @@ class ServeSettings:
                                         "(default {default})")
     max_connections: int = setting(256, "--max-connections", parse=positive_int, metavar="N",
                                    help="open connections at most; more get 503 at once (default {default})")
-    idle_timeout: float = setting(5.0, "--idle-timeout", parse=positive_float, metavar="S",
+    idle_timeout: int = setting(5, "--idle-timeout", parse=positive_int, metavar="S",
                                   help="seconds an idle keep-alive connection stays open (default {default})")
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "

@@ -9,17 +9,35 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi.sse import format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from bmoe.api import Chunk, GenerationStats
-from bmoe.base import check_sampling, telemetry
+from bmoe.api import TOP_LOGPROBS_MAX, Chunk, GenerationStats, TokenLogprob
+from bmoe.base import FieldError, check_sampling, logit_bias_of, telemetry
 from bmoe.chat import STOPS_MAX, Delta, Reply
 
+# Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
+# that ask for nothing (accepted as sent): any other value is a 400 naming the field, never silently
+# ignored. A field neither declared nor listed here is ignored (another server's extension).
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "n_probs": (None, 0),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "reasoning_effort": (None,),
+    "mirostat": (None, 0), "typical_p": (None, 1), "tfs_z": (None, 1), "top_n_sigma": (None, -1),
+    "xtc_probability": (None, 0), "dry_multiplier": (None, 0), "dynatemp_range": (None, 0),
+    "ignore_eos": (None, False),
+}
+
 # ---- request bodies --------------------------------------------------------------------------------
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same, false and 0 are not."""
+    return a is b if isinstance(a, bool) or isinstance(b, bool) else a == b
 
 
 class BmoeOptions(BaseModel):
@@ -37,7 +55,8 @@ class StreamOptions(BaseModel):
 
 
 class RequestBody(BaseModel):
-    """What /v1/completions and /v1/chat/completions share; unknown fields are ignored."""
+    """What /v1/completions and /v1/chat/completions share; unknown fields are ignored, but those of
+    UNIMPLEMENTED are refused unless they ask for nothing."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -46,25 +65,43 @@ class RequestBody(BaseModel):
     temperature: float | None = Field(None, le=2)  # OpenAI's own cap; the bounds below are the settings'
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None  # an extension, as llama-server's
     seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repeat_penalty: float | None = None  # an extension, as llama-server's
+    repeat_last_n: int | None = None  # an extension, as llama-server's
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     bmoe: BmoeOptions = BmoeOptions()
 
-    @field_validator("temperature", "top_p", "top_k")
+    @field_validator("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                     "repeat_penalty", "repeat_last_n", "logit_bias")
     @classmethod
-    def _in_bounds(cls, v: float | None, info: ValidationInfo) -> float | None:
+    def _in_bounds(cls, v: Any, info: ValidationInfo) -> Any:
         """The sampler settings' own bounds (bmoe.base.settings.check_sampling), not a copy of them."""
         if v is not None:
             assert info.field_name is not None
-            check_sampling(info.field_name, v)
+            check_sampling(info.field_name, logit_bias_of(v) if info.field_name == "logit_bias" else v)
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, nothing in UNIMPLEMENTED.items():
+                if name in data and not any(_same(data[name], v) for v in nothing):
+                    raise FieldError(f"{name}: bmoe-server does not implement it; leave it out "
+                                     f"(or send {json.dumps(nothing[-1])})", param=name)
+        return data
 
 
 class CompletionBody(RequestBody):
     prompt: str | list[str] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)  # the legacy shape: alternatives per token
     response_format: dict[str, Any] | None = None  # json_object / json_schema (bmoe.chat.grammar)
     grammar: str | None = None  # GBNF, as llama-server takes it
 
@@ -112,6 +149,8 @@ class ChatMessage(BaseModel):
 
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
     max_completion_tokens: int | None = Field(None, ge=1)
     think: bool = True
     tools: list[dict[str, Any]] | None = None
@@ -119,6 +158,18 @@ class ChatBody(RequestBody):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatBody:
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs: it lists alternatives to the logprobs; send logprobs: true with it",
+                             param="top_logprobs")
+        return self
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """The alternatives per token the request asks for; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -137,8 +188,9 @@ class ReplyShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, s: GenerationStats, ahead: int) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": s.finish_reason}
+    def whole(self, text: str, s: GenerationStats, ahead: int,
+              logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": s.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -146,8 +198,9 @@ class ReplyShape:
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(s), "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
 
-    def chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    def chunk(self, delta: dict[str, Any] | str, finish: str | None = None,
+              logprobs: Sequence[TokenLogprob] | None = None, **extra: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         if self.chat:
             choice["delta"] = delta
         else:
@@ -157,8 +210,23 @@ class ReplyShape:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice],
                 **extra}
 
-    def token(self, c: Chunk) -> dict[str, Any]:
-        return self.chunk({"content": c.text} if self.chat else c.text, **self._progress(c))
+    def token(self, c: Chunk, logprobs: bool = False) -> dict[str, Any]:
+        """A streamed token's chunk; `logprobs`: the request asked for them (those of the tokens it completes)."""
+        return self.chunk({"content": c.text} if self.chat else c.text, logprobs=c.logprobs if logprobs else None,
+                          **self._progress(c))
+
+    def logprobs(self, tokens: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (None: not asked for): chat's `content` list, or the
+        legacy completions' parallel lists (`text_offset` counts characters of this response's text)."""
+        if tokens is None:
+            return None
+        if self.chat:
+            return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.bytes),
+                                 "top_logprobs": [{"token": a.text, "logprob": a.logprob, "bytes": list(a.bytes)}
+                                                  for a in t.top]} for t in tokens], "refusal": None}
+        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{a.text: a.logprob for a in t.top} for t in tokens],
+                "text_offset": [t.offset for t in tokens]}
 
     @staticmethod
     def _progress(c: Chunk | None) -> dict[str, Any]:
@@ -166,9 +234,11 @@ class ReplyShape:
         (a possible stop string, a partial UTF-8 sequence), which comes without one."""
         return {"bmoe": telemetry.progress_fields(c.token)} if c is not None and c.token is not None else {}
 
-    def message(self, m: Reply, s: GenerationStats, ahead: int) -> dict[str, Any]:
-        """A whole chat answer read into reasoning, content and tool calls (bmoe.chat.output)."""
-        out = self.whole(m.content, s, ahead)
+    def message(self, m: Reply, s: GenerationStats, ahead: int,
+                logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        """A whole chat answer read into reasoning, content and tool calls (bmoe.chat.output); `logprobs`:
+        its content's tokens."""
+        out = self.whole(m.content, s, ahead, logprobs)
         msg = out["choices"][0]["message"]
         if m.reasoning:
             msg["reasoning_content"] = m.reasoning
@@ -179,8 +249,10 @@ class ReplyShape:
                 out["choices"][0]["finish_reason"] = "tool_calls"
         return out
 
-    def delta(self, d: Delta, c: Chunk | None = None) -> dict[str, Any]:
-        """A streamed piece of a read answer (`c`: the token it came with, for its telemetry)."""
+    def delta(self, d: Delta, c: Chunk | None = None, logprobs: Sequence[TokenLogprob] | None = None
+              ) -> dict[str, Any]:
+        """A streamed piece of a read answer (`c`: the token it came with, for its telemetry; `logprobs`:
+        its content's tokens, when asked for)."""
         delta: dict[str, Any] = {}
         if d.reasoning:
             delta["reasoning_content"] = d.reasoning
@@ -188,7 +260,7 @@ class ReplyShape:
             delta["content"] = d.content
         if d.calls:
             delta["tool_calls"] = [x.openai() for x in d.calls]
-        return self.chunk(delta, **self._progress(c))
+        return self.chunk(delta, logprobs=logprobs, **self._progress(c))
 
     def last(self, s: GenerationStats, ahead: int, called: bool = False) -> dict[str, Any]:
         """The chunk with the finish reason and the request's telemetry; `called`: the answer made
