@@ -272,6 +272,9 @@ HOSTILE = [
         "type": "object", "properties": {"xs": {**STRINGS, "maxItems": 100000}}}}}], "tool_choice": "required"},
      "tools[0].function.parameters.properties.xs.maxItems", "100000 is more than the 1000"),
     ("completions", {"stop": ["x" * 1_000_000]}, "stop[0]", "1000000 characters, more than the 1024"),
+    ("completions", {"stop": [f"s{i}" for i in range(5000)]}, "stop", "4"),
+    ("completions", {"max_tokens": 1_000_000_000}, "prompt", "context"),
+    ("chat", {"n": 1000}, "n", ""),
 ]
 
 

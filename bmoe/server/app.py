@@ -105,6 +105,20 @@ class SlowReader(Exception):
     """A client left a response's bytes unread past the write timeout."""
 
 
+class ClosingStream(StreamingResponse):
+    """A streamed response that closes its generator as soon as sending fails (a client cut for reading
+    too slowly): the generator's cleanup, which cancels the generation, runs at once, not whenever the
+    suspended generator happens to be collected."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
 class Gate:
     """ASGI middleware at the app's edge: counts every answer by route and status, answers a body over
     `limit` bytes with a 413 error object before the app reads any of it, and drops a client that
@@ -277,7 +291,7 @@ class Routes:
         job, events, ahead = self.enqueue(req)
         headers = {"X-Queue-Position": str(ahead)}
         if body.stream:
-            return StreamingResponse(self.message_stream(job, events, shape, ahead), media_type="text/event-stream",
+            return ClosingStream(self.message_stream(job, events, shape, ahead), media_type="text/event-stream",
                                      headers=headers)
         text, stats, stop = await self.whole(request, job, events)
         reply = req.reading.read(text) if req.reading is not None else Reply(text, "", ())
@@ -316,7 +330,7 @@ class Routes:
         job, events, ahead = self.enqueue(req)
         headers = {"X-Queue-Position": str(ahead)}
         if body.stream:
-            return StreamingResponse(self.stream(job, events, shape, ahead), media_type="text/event-stream",
+            return ClosingStream(self.stream(job, events, shape, ahead), media_type="text/event-stream",
                                      headers=headers)
         chunks: list[Chunk] = []
         text, stats, _ = await self.whole(request, job, events, chunks)

@@ -73,6 +73,7 @@ try:
     import uvicorn
 
     from bmoe.server.app import create_app
+    from bmoe.server.connections import HeadDeadline
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
                      "pip install 'bmoe[server]'") from None
@@ -150,7 +151,8 @@ class ServeSettings:
     max_connections: int = setting(256, "--max-connections", parse=positive_int, metavar="N",
                                    help="open connections at most; more get 503 at once (default {default})")
     idle_timeout: int = setting(5, "--idle-timeout", parse=positive_int, metavar="S",
-                                  help="seconds an idle keep-alive connection stays open (default {default})")
+                                help="seconds a connection may stay open without a request: from connecting, or "
+                                     "from its last answer, to a request's complete head (default {default})")
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
@@ -249,7 +251,7 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, http=HeadDeadline,
                             limit_concurrency=opts.max_connections, timeout_keep_alive=opts.idle_timeout)
     server = Server(config, sched, url, opts.webui)
     sched.start()
