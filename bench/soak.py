@@ -72,7 +72,7 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "port", "schema": {
     "type": "object", "properties": {"port": {"type": "string", "maxLength": 12}, "day": {"type": "integer"}},
     "required": ["port", "day"], "additionalProperties": False}}}
 PROBE = {"messages": [{"role": "user", "content": "Name three rivers and one thing about each."}],
-         "max_tokens": 24, "temperature": 0, "bmoe": {"lossless": True}}
+         "max_tokens": 16, "temperature": 0, "bmoe": {"lossless": True}}
 
 
 def note(msg: str) -> None:
@@ -121,8 +121,9 @@ class Traffic:
     KINDS = ("chat", "chat-stream", "completion", "completion-stream", "tools", "json-schema", "long-prompt",
              "shared-system", "disconnect-mid-stream", "give-up")
 
-    def __init__(self, url: str, seed: int, clients: int, t0: float, ledger: Ledger, stop: threading.Event) -> None:
-        self.url, self.seed, self.clients, self.t0 = url, seed, clients, t0
+    def __init__(self, url: str, seed: int, clients: int, max_tokens: int, t0: float, ledger: Ledger,
+                 stop: threading.Event) -> None:
+        self.url, self.seed, self.clients, self.max_tokens, self.t0 = url, seed, clients, max_tokens, t0
         self.ledger, self.stop = ledger, stop
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
 
@@ -161,7 +162,7 @@ class Traffic:
 
     def body(self, kind: str, rng: random.Random) -> tuple[str, dict]:
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
-        n = rng.randint(4, 40)
+        n = rng.randint(4, self.max_tokens)
         if kind.startswith("completion"):
             return "/v1/completions", {"prompt": f"A story about {words}:", "max_tokens": n,
                                        "temperature": rng.choice((0, 0.8)), "seed": rng.randrange(1000)}
@@ -169,9 +170,9 @@ class Traffic:
         body: dict = {"messages": msgs, "max_tokens": n, "temperature": rng.choice((0, 0.8)),
                       "seed": rng.randrange(1000)}
         if kind == "tools":
-            body.update(tools=[TOOL], tool_choice="required", max_tokens=80)
+            body.update(tools=[TOOL], tool_choice="required", max_tokens=2 * self.max_tokens)
         elif kind == "json-schema":
-            body.update(response_format=SCHEMA, max_tokens=60)
+            body.update(response_format=SCHEMA, max_tokens=2 * self.max_tokens)
         elif kind == "long-prompt":
             msgs[0]["content"] = " ".join(rng.choice(WORDS) for _ in range(900)) + " Summarise."
         elif kind == "shared-system":
@@ -187,7 +188,8 @@ class Traffic:
         try:
             if kind == "give-up":  # the client stops waiting for a whole answer
                 try:
-                    r = h.post(path, json={**body, "max_tokens": 200}, timeout=httpx.Timeout(rng.uniform(0.3, 2.0)))
+                    r = h.post(path, json={**body, "max_tokens": 5 * self.max_tokens},
+                               timeout=httpx.Timeout(rng.uniform(0.3, 2.0)))
                 except httpx.TimeoutException:
                     self.ledger.add(Outcome(label, t - self.t0, time.monotonic() - t, "disconnected", None))
                     return
@@ -534,7 +536,7 @@ def run(a: argparse.Namespace) -> Run:
         wanted = [f for f in (a.faults.split(",") if a.faults else FAULTS) if f]
         out.skipped = {f: stage.why_not[f] for f in wanted if f in stage.why_not}
         plan = schedule(total, [f for f in wanted if f not in out.skipped])
-        traffic = Traffic(server.url, a.seed, a.clients, t0, out.ledger, stop)
+        traffic = Traffic(server.url, a.seed, a.clients, a.max_tokens, t0, out.ledger, stop)
         traffic.start()
         active: dict[str, Fault] = {}
         sampler = threading.Thread(target=sample_every, args=(server, t0, a.sample_s, out, stop), daemon=True)
@@ -707,6 +709,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=0, help="the run's length in seconds (overrides --minutes)")
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=40, help="the most a request asks for (a tool call or a "
+                    "schema twice that); the probe asks for 16")
     ap.add_argument("--limit-mb", type=int, default=3000, help="the cgroup's memory limit (squeeze lowers it a third)")
     ap.add_argument("--faults", default="", help=f"comma-separated, of {', '.join(FAULTS)} (default: all)")
     ap.add_argument("--sample-s", type=float, default=3.0)
