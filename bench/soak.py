@@ -417,6 +417,9 @@ class Faults:
         self.server, self.stage, self.limit_mb = server, stage, limit_mb
         self.stopped: psutil.Process | None = None
         self.filler = stage.cache_dir / "soak-filler"
+        self.squeezing = threading.Event()  # set: the squeeze is over
+        self.reached = limit_mb << 20  # the lowest limit the squeeze got to
+        self.lowest: list[int] = []  # each squeeze's
 
     def begin(self, name: str) -> str:
         if name == "kill-lane":
@@ -433,10 +436,9 @@ class Faults:
             self.stopped = gate
             return f"SIGSTOP spec-gate pid {gate.pid}"
         if name == "squeeze":
-            assert self.stage.cgroup is not None
-            low = self.limit_mb * 2 // 3
-            self.stage.cgroup.set_limit(low << 20)
-            return f"memory limit {self.limit_mb} → {low} MiB"
+            self.squeezing.clear()
+            threading.Thread(target=self._squeeze, daemon=True).start()
+            return f"memory limit {self.limit_mb} → {self.limit_mb * 2 // 3} MiB, stepped down"
         if name == "disk-full":
             with open(self.filler, "wb") as f:
                 try:
@@ -451,6 +453,29 @@ class Faults:
             return "usage folder remounted read-only"
         raise ValueError(name)
 
+    def _squeeze(self) -> None:
+        """Lower the limit to two thirds. cgroup v1 refuses a limit below what it cannot reclaim
+        (EBUSY: shared memory without swap), so the limit goes down in steps to just above the charge,
+        and bmoe, seeing less room, gives cache pages back, until the target holds or the fault ends."""
+        cg = self.stage.cgroup
+        assert cg is not None
+        target = (self.limit_mb * 2 // 3) << 20
+        while not self.squeezing.is_set():
+            try:
+                cg.set_limit(target)
+                self.reached = target
+                return
+            except OSError:
+                used = cg.usage_bytes() or target
+                step = max(target, used + (64 << 20))
+                if step < cg.limit_bytes:
+                    try:
+                        cg.set_limit(step)
+                    except OSError:
+                        pass
+                self.reached = cg.limit_bytes
+            self.squeezing.wait(1.0)
+
     def end(self, name: str) -> None:
         if name == "stop-gate" and self.stopped is not None:
             try:
@@ -459,6 +484,8 @@ class Faults:
                 pass
         elif name == "squeeze":
             assert self.stage.cgroup is not None
+            self.squeezing.set()
+            self.lowest.append(self.reached)
             self.stage.cgroup.set_limit(self.limit_mb << 20)
         elif name == "disk-full":
             self.filler.unlink(missing_ok=True)
@@ -544,13 +571,21 @@ def run(a: argparse.Namespace) -> Run:
         while (now := time.monotonic() - t0) < total:
             for name, start, end in plan:
                 if name not in active and start <= now and not any(f.name == name for f in out.faults):
-                    f = Fault(name, now, end, faults.begin(name))
-                    active[name], _ = f, out.faults.append(f)
+                    try:
+                        detail = faults.begin(name)
+                    except OSError as e:
+                        detail = f"could not be staged: {e}"
+                    f = Fault(name, now, end, detail)
+                    active[name] = f
+                    out.faults.append(f)
                     note(f"{now:7.1f} s  fault {name}: {f.detail}")
                     prober.ask(f"during {name}")
                 if name in active and end <= now and name != "usage-ro":
                     faults.end(name)
-                    active.pop(name).end = now
+                    f = active.pop(name)
+                    f.end = now
+                    if name == "squeeze":
+                        f.detail += f"; the lowest it held: {faults.lowest[-1] >> 20} MiB"
                     note(f"{now:7.1f} s  fault {name} over")
                     prober.ask(f"after {name}")
             stop.wait(0.2)

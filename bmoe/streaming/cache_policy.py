@@ -250,6 +250,8 @@ class CycleLFU(Policy):
             self.unit = 2.0 ** (self.token * -math.log2(self.DECAY) - self.shift)
             if self.unit > 2.0 ** self.RESCALE:
                 self._rescale()
+        if len(self.stale) > len(self.entry) + 1024:  # no walk for a long while (every expert fits): tidy up
+            self._settle()
 
     def prior(self, frequencies: dict[tuple[int, int], float], tokens: int) -> None:
         """Each expert's decayed count as if it had been routed at that share over `tokens` tokens."""
@@ -314,7 +316,9 @@ class CycleLFU(Policy):
     def _settle(self) -> None:
         """Before a walk: put back what the last walk passed over, sweep stale entries when due, and
         re-rank the resident slices of experts used since whose own use was not seen (a count is
-        the expert's, shared by its slices; the cache touches them all, a direct caller may not)."""
+        the expert's, shared by its slices; the cache touches them all, a direct caller may not).
+        Also at a layer's start when uses piled up with no walk (a cache that holds every expert
+        never evicts): each use pushes an entry and a stale key, and nothing else would drop them."""
         for e in self.held:
             if self.entry.get(e[2]) is e:
                 self._push(e)

@@ -200,6 +200,10 @@ class Cgroup:
                 self._try_write("memory.memsw.limit_in_bytes", limit_bytes)
         self.limit_bytes = limit_bytes
 
+    def usage_bytes(self) -> int | None:
+        """What the cgroup is charged now (its page cache included)."""
+        return _read_int(self.path / ("memory.usage_in_bytes" if self.h.version == 1 else "memory.current"))
+
     def _try_write(self, name: str, value: int) -> None:
         try:
             _write(self.path / name, str(value))
