@@ -197,6 +197,24 @@ def test_hung_spec_gate_turns_the_feature_off(small_moe, monkeypatch) -> None:
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
+def test_the_gate_answers_a_request_for_the_last_layer_too(small_moe) -> None:
+    """After the last MoE layer there is nothing to predict; the gate still answers, or the request
+    stays pending and the next generation after an idle while of HANG_S finds a 'hung' gate and
+    turns it off (the soak saw that: bench/reports/2026-12-03-soak)."""
+    import select
+
+    import numpy as np
+
+    path = str(small_moe)
+    with load(path, *FLAGS, "--spec-gate", "--spec-recall-min", 0) as m:
+        g = m.engine.streamer.ahead.gate  # loaded, nothing asked of it yet
+        assert g.active and not select.select([g.fd], [], [], 0)[0]
+        row = np.ones(g.n_embd, dtype=np.float32)
+        g.send(m.engine.streamer.layers[-1], row.ctypes.data, 0)
+        assert select.select([g.fd], [], [], 120)[0], "the gate never answered the last layer's request"
+        assert g.receive() == [] and g.active
+
+
 def test_stall_is_zero_when_every_expert_is_resident_and_positive_on_every_miss(small_moe) -> None:
     """Stall is the time compute waited for reads: none at all when every expert is resident
     (--preload) and something on every token when no expert is (--cache-mb 0). SlabCheck turns the

@@ -111,7 +111,7 @@ class SpecGate:
             return []
         self.unpacker.feed(chunk)
         self._sent.clear()  # it answers the newest request and drops the others
-        return [(seq, layer, ids, probs) for seq, layer, ids, probs in self.unpacker]
+        return [(seq, layer, ids, probs) for seq, layer, ids, probs in self.unpacker if ids]  # (the last layer: none)
 
     def score(self, predicted: set[int], routed: set[int]) -> None:
         """Recall bookkeeping; after the warm-up a recall under the floor latches the feature off."""
