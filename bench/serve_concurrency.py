@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -71,25 +70,10 @@ class Server:
                 raise SystemExit("--mem-limit-mb needs a cgroup hierarchy with the memory controller")
             self.cgroup = bench_sys.Cgroup(h, f"{bench_sys.CGROUP_PREFIX}{os.getpid()}-{name}", int(limit_mb * 2**20))
             cmd = self.cgroup.wrap(cmd)
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
-        self.url = ""
-        self.lines: list[str] = []
-        ready = threading.Event()
+        from bmoe.tools import bench_sys
 
-        def read() -> None:
-            for raw in self.proc.stderr:
-                line = raw.decode(errors="replace")
-                self.lines.append(line)
-                m = re.match(r"bmoe: serving \S+ at (http://\S+)/v1 ", line)
-                if m:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait()
-        if not self.url:
-            raise SystemExit("bmoe-server did not start:\n" + "".join(self.lines))
+        started = bench_sys.ServerProcess(cmd)
+        self.proc, self.url, self.lines = started.proc, started.url, started.lines
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=3600)
 
     def ask(self, i: int, n: int) -> Answer:

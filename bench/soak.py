@@ -274,35 +274,14 @@ class Stage:
         subprocess.run(["rm", "-rf", str(self.root)], capture_output=True)
 
 
-class Server:
+class Server(bench_sys.ServerProcess):
     def __init__(self, model: Path, stage: Stage, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "bmoe.server", "-m", str(model), "--port", "0", "--parallel", "2",
                "--queue", "8", "--batching", "turns", "--spec-gate", "--prompt-cache", str(stage.cache_dir),
                "--prompt-cache-mb", "64", "--usage-dir", str(stage.usage_dir), "--chat-template-file",
                str(TEMPLATE), "-t", "2", "--io-threads", "2", *args]
-        if stage.cgroup is not None:
-            cmd = stage.cgroup.wrap(cmd)
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO,
-                                     start_new_session=True)
-        self.stderr: list[str] = []
-        self.url = ""
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stderr is not None
-            for raw in self.proc.stderr:
-                line = raw.decode(errors="replace")
-                self.stderr.append(line)
-                m = re.match(r"bmoe: serving \S+ at (http://\S+)/v1 ", line)
-                if m:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(900)
-        if not self.url:
-            raise SystemExit(f"bmoe-server did not start (exit {self.proc.poll()}):\n{''.join(self.stderr[-20:])}")
+        super().__init__(stage.cgroup.wrap(cmd) if stage.cgroup is not None else cmd, cwd=REPO, new_session=True,
+                         wait_s=900)
 
     def tree(self) -> list[psutil.Process]:
         try:
@@ -605,7 +584,7 @@ def run(a: argparse.Namespace) -> Run:
             except subprocess.TimeoutExpired:
                 bench_sys.kill_group(server.proc)
                 out.exit_code = None
-            out.stderr_tail = server.stderr[-15:]
+            out.stderr_tail = server.lines[-15:]
             _, alive = psutil.wait_procs([p for p in psutil.process_iter() if _from(p, pid)], timeout=30)
             out.leftover_processes = [p.pid for p in alive]
             out.leftover_segments = [p.name for p in server.segments()]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -482,6 +483,35 @@ class TreeSampler:
         while not self._stop.is_set():
             self.sample()
             self._stop.wait(self.interval)
+
+
+class ServerProcess:
+    """`bmoe-server` started by a benchmark: every stderr line kept (read on a thread, so the server
+    never blocks on a full pipe) and its URL once it says where it serves."""
+
+    def __init__(self, cmd: list[str], cwd: Path | None = None, new_session: bool = False,
+                 wait_s: float | None = None) -> None:
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=cwd,
+                                     start_new_session=new_session)
+        self.lines: list[str] = []
+        self.url = ""
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stderr is not None  # stderr=PIPE
+            for raw in self.proc.stderr:
+                line = raw.decode(errors="replace")
+                self.lines.append(line)
+                m = re.match(r"bmoe: serving \S+ at (http://\S+)/v1 ", line)
+                if m:
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(wait_s)
+        if not self.url:
+            raise SystemExit(f"bmoe-server did not start (exit {self.proc.poll()}):\n" + "".join(self.lines[-20:]))
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
