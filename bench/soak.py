@@ -502,6 +502,17 @@ class Prober:
                 self.out.append((t, label, answer))
 
 
+def server_counts(url: str) -> dict[str, float]:
+    """The server's own ledger (/metrics): answers by route and status, generations by how they ended."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    out = {}
+    for m in re.finditer(r'^bmoe_requests_total\{route="([^"]+)",status="(\d+)"\} (\S+)$', text, re.M):
+        out[f"{m.group(1)} {m.group(2)}"] = float(m.group(3))
+    for m in re.finditer(r'^bmoe_generations_total\{finish_reason="(\w+)"\} (\S+)$', text, re.M):
+        out[f"generations {m.group(1)}"] = float(m.group(2))
+    return out
+
+
 # ---- the run ----------------------------------------------------------------------------------------
 
 
@@ -524,6 +535,7 @@ class Run:
     leftover_processes: list[int] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     stderr_tail: list[str] = field(default_factory=list)
+    server_counts: dict[str, float] = field(default_factory=dict)  # /metrics: answers by route and status, ends
 
 
 def run(a: argparse.Namespace) -> Run:
@@ -573,6 +585,7 @@ def run(a: argparse.Namespace) -> Run:
         sampler.join()
         prober.ask("end")
         prober.join()
+        out.server_counts = server_counts(server.url)
         out.samples.append(sample(server, t0))
     finally:
         stop.set()
@@ -693,6 +706,11 @@ def report(r: Run, out: Path) -> tuple[str, bool]:
     if reasons:
         lines += ["", "Refusals and failures by reason:", ""]
         lines += [f"- {n} × {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    if r.server_counts:
+        lines += ["", "The server's own count (/metrics before shutdown; a client's disconnect shows as a 499 for a "
+                  "whole answer it gave up on, or a cancelled generation for a stream it left):", "",
+                  "| what | count |", "|---|---:|"]
+        lines += [f"| {k} | {v:.0f} |" for k, v in sorted(r.server_counts.items())]
     lines += ["", "## Faults", "", "| fault | from s | to s | what |", "|---|---:|---:|---|"]
     lines += [f"| {f.name} | {f.start:.0f} | {f.end:.0f} | {f.detail} |" for f in r.faults]
     lines += [f"| {name} | — | — | skipped: {why} |" for name, why in r.skipped.items()]
