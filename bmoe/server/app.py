@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -29,6 +29,7 @@ from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.chat import Delta, Reply
 from bmoe.server import anthropic_wire
 from bmoe.server.anthropic_wire import CountBody, MessagesBody, MessageShape
+from bmoe.server.connections import ClosingStream, SlowReader
 from bmoe.server.errors import (
     QueueFull,
     ServeError,
@@ -99,24 +100,6 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class SlowReader(Exception):
-    """A client left a response's bytes unread past the write timeout."""
-
-
-class ClosingStream(StreamingResponse):
-    """A streamed response that closes its generator as soon as sending fails (a client cut for reading
-    too slowly): the generator's cleanup, which cancels the generation, runs at once, not whenever the
-    suspended generator happens to be collected."""
-
-    async def stream_response(self, send: Send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                await close()
 
 
 class Gate:

@@ -1,11 +1,15 @@
-"""How long a connection may sit without a request: uvicorn's HTTP protocol (h11) with a deadline for
-a request's head.
+"""What a connection may hold: uvicorn's HTTP protocol (h11) with a deadline for a request's head,
+and streamed responses that let go at once of a client cut for reading too slowly.
 
 uvicorn times out an idle keep-alive connection only after a response, and any byte that arrives
 restarts its clock: a client that connects and sends nothing, or sends its headers a byte at a time,
 holds a connection for ever, and `--max-connections` of them shut every other client out (503). Here
 the clock starts when the connection opens (and again after each response) and stops only when a
 request's whole head has arrived; past `--idle-timeout` the connection is closed.
+
+A client that leaves a response unread past `--write-timeout` is cut by bmoe.server.app's Gate
+(SlowReader); a stream's generator (its cleanup cancels the generation, or drops an events watcher) is
+then closed by ClosingStream at once, not whenever the suspended generator is collected.
 """
 
 from __future__ import annotations
@@ -13,7 +17,25 @@ from __future__ import annotations
 import asyncio
 
 import h11
+from starlette.responses import StreamingResponse
+from starlette.types import Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+class SlowReader(Exception):
+    """A client left a piece of its response unread past the write timeout."""
+
+
+class ClosingStream(StreamingResponse):
+    """A streamed response whose generator is closed as soon as sending ends, failed or not."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 class HeadDeadline(H11Protocol):

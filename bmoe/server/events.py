@@ -25,11 +25,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import StreamingResponse
 from fastapi.sse import format_sse_event
 
 from bmoe.api import GenerationStats, Model
 from bmoe.base import MiB
+from bmoe.server.connections import ClosingStream
 from bmoe.server.scheduler import Scheduler
 
 EVENTS = "/v1/bmoe/events"  # the route
@@ -102,9 +102,9 @@ class Feed:
             "residency": [{"layer": layer, "experts": experts} for layer, experts in e.residency],
         }
 
-    async def route(self) -> StreamingResponse:
+    async def route(self) -> ClosingStream:
         """GET /v1/bmoe/events (behind the API key, as every API route)."""
-        return StreamingResponse(self.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return ClosingStream(self.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def stream(self) -> AsyncIterator[bytes]:
         """One watcher's events, until its client goes or the server closes."""
