@@ -319,30 +319,21 @@ class Sample:
     processes: int
 
 
-def _private_rss(pid: int) -> int:
-    """Resident bytes less shared memory (the cache slab is counted once, as shm): RssAnon + RssFile."""
-    kb = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                kb += int(line.split()[1])
-    return kb * 1024
-
-
 def sample(server: Server, t0: float) -> Sample:
     procs = server.tree()
     rss = tree = 0.0
     fds = threads = 0
     for i, p in enumerate(procs):
         try:
-            r = _private_rss(p.pid) / 2**20
+            kb = bench_sys.status_kb(p.pid)
+            r = (kb.get("RssAnon", 0) + kb.get("RssFile", 0)) / 1024  # shared memory aside: the slab counts once
             tree += r
             rss = r if i == 0 else rss
             fds += p.num_fds()
             threads += p.num_threads()
         except (psutil.Error, OSError):
             continue
-    shm = sum(s.stat().st_blocks * 512 for s in server.segments()) / 2**20
+    shm = bench_sys.shm_bytes({server.proc.pid}) / 2**20
     t = time.monotonic()
     try:
         httpx.get(server.url + "/health", timeout=30).raise_for_status()

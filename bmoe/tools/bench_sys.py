@@ -381,7 +381,8 @@ def _balloon_main(nbytes: int) -> int:
 
 # ---- process-tree sampling ---------------------------------------------------------------------
 
-def _status_kb(pid: int) -> dict[str, int]:
+def status_kb(pid: int) -> dict[str, int]:
+    """A process's resident memory by kind (RssAnon, RssFile, RssShmem), in KiB; empty once it is gone."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -405,7 +406,8 @@ def _read_bytes(pid: int) -> int | None:
     return None
 
 
-def _shm_bytes(pids: set[int]) -> int:
+def shm_bytes(pids: set[int]) -> int:
+    """The blocks of the bmoe shared-memory segments these processes own (each counted once)."""
     total = 0
     try:
         entries = list(os.scandir(SHM_DIR))
@@ -466,13 +468,13 @@ class TreeSampler:
             return
         anon = file = 0
         for pid in pids:
-            st = _status_kb(pid)
+            st = status_kb(pid)
             anon += st.get("RssAnon", 0) * 1024
             file = max(file, st.get("RssFile", 0) * 1024)
             rb = _read_bytes(pid)
             if rb is not None:
                 self._io[pid] = rb
-        shm = _shm_bytes(pids)
+        shm = shm_bytes(pids)
         rss = anon + file
         self.samples += 1
         self.peak_rss = max(self.peak_rss, rss)
