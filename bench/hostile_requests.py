@@ -28,9 +28,10 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bmoe.demo import build as demo_build  # noqa: E402
 from tests.test_server import HOSTILE  # noqa: E402 - the same requests the test sends
 
-DEMO16 = Path.home() / ".cache" / "bmoe" / "smollm2-135m-moe-e16-k4-r2.gguf"
+DEMO16 = demo_build.default_path()  # the 16-expert demo, where bmoe keeps it (honours $XDG_CACHE_HOME)
 
 
 def note(msg: str) -> None:

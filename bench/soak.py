@@ -53,10 +53,11 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bmoe.demo import build as demo_build  # noqa: E402
 from bmoe.shm_cache import SHM_DIR, SHM_PREFIX  # noqa: E402
 from bmoe.tools import bench_sys  # noqa: E402
 
-DEMO16 = Path.home() / ".cache" / "bmoe" / "smollm2-135m-moe-e16-k4-r2.gguf"
+DEMO16 = demo_build.default_path()  # the 16-expert demo, where bmoe keeps it (honours $XDG_CACHE_HOME)
 TEMPLATE = REPO / "tests" / "data" / "templates" / "chatml-tools.jinja"  # the demo's own has no tools
 LONG_S = 600  # runs at least this long judge the drift of RSS (shorter ones end inside the warm-up)
 FAULTS = ("stop-gate", "kill-lane", "squeeze", "disk-full", "usage-ro")

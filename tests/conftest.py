@@ -236,9 +236,23 @@ class SlabCheck:
 @pytest.fixture(scope="session")
 def demo_default() -> tuple[Path, float]:
     """The model and cache budget a no-argument `bmoe-cli`, `bmoe.load()` or `bmoe-server` runs:
-    the 16-expert demo, built with the real builder into the user cache when missing (3-6 minutes
-    on 2 cores the first time: 206 s at load 5, 321 s at load 7.5), so those paths run in every CI
-    run."""
+    the 16-expert demo, found where the product keeps it (bmoe.base.user_cache, which honours
+    $XDG_CACHE_HOME) and built there with the real builder when missing, once per run, so a test
+    that needs it never skips for want of it."""
     from bmoe.demo import build as demo
 
     return demo.default_model(progress=lambda msg: print(f"demo: {msg}", file=sys.stderr, flush=True))
+
+
+@pytest.fixture(scope="session")
+def demo16(demo_default: tuple[Path, float]) -> Path:
+    """The 16-expert demo model's file (built once per run when missing)."""
+    return demo_default[0]
+
+
+@pytest.fixture(scope="session")
+def demo8() -> Path:
+    """The 8-expert, top-2 demo model's file, found or built as `demo_default` is."""
+    from bmoe.demo import build as demo
+
+    return demo.build_demo(8, 2, progress=lambda msg: print(f"demo: {msg}", file=sys.stderr, flush=True))

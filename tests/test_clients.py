@@ -19,13 +19,14 @@ import asyncio
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel
 
 from tests.test_server import KEY, Server
-from tests.test_server_agents import ASK, DEMO16, FLAGS, TEMPLATES, TIME, WEATHER, args_ok
+from tests.test_server_agents import ASK, FLAGS, TEMPLATES, TIME, WEATHER, args_ok
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list from GitHub
 for _library in ("instructor", "litellm", "agents", "langchain_openai"):
@@ -40,10 +41,8 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    if not DEMO16.exists():
-        pytest.skip("the demo model is not built (bmoe-demo)")
-    s = Server("-m", str(DEMO16), *FLAGS, "--chat-template-file", str(TEMPLATES / "chatml-tools.jinja"),
+def server(demo16: Path) -> Iterator[Server]:
+    s = Server("-m", str(demo16), *FLAGS, "--chat-template-file", str(TEMPLATES / "chatml-tools.jinja"),
                env={"BMOE_API_KEY": KEY})
     yield s
     s.stop()

@@ -22,6 +22,7 @@ import pytest
 from bmoe.api import Model
 from bmoe.base.model_files import open_model
 from bmoe.base.units import MiB
+from bmoe.base.user_cache import cache_dir
 from bmoe.demo import build as demo
 from bmoe.demo import routers as demo_routers
 from bmoe.demo import write as demo_write
@@ -29,16 +30,18 @@ from bmoe.streaming.expert_cache import file_regions, working_sets
 from tests.conftest import complete, load, slice_bytes
 from tests.conftest import reference as plain
 
-EXPERTS, TOP_K = 8, 2
 FACT = "What is the capital of France?"
 STORY = "Write a short story about a dragon."
 N_FACT, N_STORY = 32, 48
 N_CTX = 512
 
 
+EXPERTS, TOP_K = 8, 2  # the demo8 fixture's
+
+
 @pytest.fixture(scope="module")
-def model() -> Path:
-    return demo.build_demo(EXPERTS, TOP_K)
+def model(demo8: Path) -> Path:
+    return demo8
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +146,7 @@ def test_size_and_names() -> None:
     with pytest.raises(ValueError):
         demo_write.experts_for_size(0.05, src)
     p = demo.default_path(16, 4)
-    assert p.parent == demo.cache_dir() and "e16" in p.name and "k4" in p.name
+    assert p.parent == cache_dir() and "e16" in p.name and "k4" in p.name
 
 
 def test_cli(model: Path, capsys: pytest.CaptureFixture[str]) -> None:

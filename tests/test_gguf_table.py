@@ -10,7 +10,6 @@ import pytest
 from bmoe.base.errors import ModelError
 from bmoe.base.gguf_table import GGUFError, read_table
 from bmoe.base.model_files import open_model
-from bmoe.demo import build as demo
 from bmoe.tools.synth_shape import ARCHES
 
 
@@ -36,10 +35,9 @@ def test_the_table_equals_ggufs_reader_on_every_architecture(synth, arch: str, q
     check(synth(arch=arch, quant=quant, layers=3, experts=8, top_k=2))
 
 
-def test_the_table_equals_ggufs_reader_on_the_demo_model_and_its_tokenizer_arrays() -> None:
-    path = demo.build_demo(8, 2)  # a real tokenizer: string arrays of 49k entries to skip
-    check(path)
-    assert read_table(path).fields["tokenizer.ggml.model"] == "gpt2"
+def test_the_table_equals_ggufs_reader_on_the_demo_model_and_its_tokenizer_arrays(demo8: Path) -> None:
+    check(demo8)  # a real tokenizer: string arrays of 49k entries to skip
+    assert read_table(demo8).fields["tokenizer.ggml.model"] == "gpt2"
 
 
 def test_every_shard_of_a_split_model(tmp_path) -> None:

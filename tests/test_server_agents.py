@@ -20,7 +20,6 @@ from pydantic import BaseModel, Field
 from tests.test_server import KEY, Server, auth
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
-DEMO16 = Path.home() / ".cache" / "bmoe" / "smollm2-135m-moe-e16-k4-r2.gguf"
 FLAGS = ["-t", "2", "--io-threads", "2", "-c", "4096"]
 # room for one forced call (parallel_tool_calls false; the demo model's takes ~38 tokens), after
 # which the grammar ends the answer
@@ -59,10 +58,8 @@ def served(request, qwen3_synth) -> tuple[Server, dict]:
     """A server and what its requests need (the synth model thinks only when asked: its random
     weights would think until max_tokens)."""
     if request.param == "demo16":
-        if not DEMO16.exists():
-            pytest.skip("the demo model is not built (bmoe-demo)")
-        s = Server("-m", str(DEMO16), *FLAGS, "--chat-template-file", str(TEMPLATES / "chatml-tools.jinja"),
-                   env={"BMOE_API_KEY": KEY})
+        s = Server("-m", str(request.getfixturevalue("demo16")), *FLAGS,
+                   "--chat-template-file", str(TEMPLATES / "chatml-tools.jinja"), env={"BMOE_API_KEY": KEY})
         extra: dict = {}
     else:
         s = Server("-m", qwen3_synth, *FLAGS, "--cache-mb", "1", env={"BMOE_API_KEY": KEY})

@@ -10,6 +10,7 @@ One engine: a greedy Anthropic answer equals the OpenAI chat route's for the sam
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -17,7 +18,7 @@ import openai
 import pytest
 
 from tests.test_server import KEY, Server, auth
-from tests.test_server_agents import DEMO16, FLAGS, TEMPLATES, THINK, qwen3_synth, thinker  # noqa: F401 (fixtures)
+from tests.test_server_agents import FLAGS, TEMPLATES, THINK, qwen3_synth, thinker  # noqa: F401 (fixtures)
 
 ALIAS = "tiny-moe"
 HELLO = [{"role": "user", "content": "hello there how are you"}]
@@ -29,11 +30,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 
 
 
 @pytest.fixture(scope="module")
-def demo() -> Server:
+def demo(demo16: Path) -> Server:
     """The 16-expert demo with a ChatML template that shows tools, named by --alias."""
-    if not DEMO16.exists():
-        pytest.skip("the demo model is not built (bmoe-demo)")
-    s = Server("-m", str(DEMO16), *FLAGS, "--chat-template-file", str(TEMPLATES / "chatml-tools.jinja"),
+    s = Server("-m", str(demo16), *FLAGS, "--chat-template-file", str(TEMPLATES / "chatml-tools.jinja"),
                "--alias", ALIAS, env={"BMOE_API_KEY": KEY})
     yield s
     s.stop()
@@ -260,10 +259,10 @@ def test_bad_requests_get_anthropic_errors(demo: Server, body: dict, status: int
 # ---- OpenAI details of the same server -----------------------------------------------------------------
 
 
-def test_the_alias_is_listed_echoed_and_looked_up(demo: Server) -> None:
+def test_the_alias_is_listed_echoed_and_looked_up(demo: Server, demo16: Path) -> None:
     o = demo.client()
     assert [m.id for m in o.models.list()] == [ALIAS]
-    assert o.models.retrieve(ALIAS).id == ALIAS == o.models.retrieve(DEMO16.name[:-len(".gguf")]).id
+    assert o.models.retrieve(ALIAS).id == ALIAS == o.models.retrieve(demo16.name[:-len(".gguf")]).id
     with pytest.raises(openai.NotFoundError) as e:
         o.models.retrieve("gpt-4o")
     assert e.value.body["code"] == "model_not_found" and "this server serves 'tiny-moe'" in e.value.body["message"]

@@ -10,18 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO
-from tests.test_server_agents import DEMO16
 
 
-def test_twenty_seconds_of_traffic_with_every_fault_lose_nothing(tmp_path: Path) -> None:
-    if not DEMO16.exists():
-        pytest.skip("the demo model is not built (bmoe-demo)")
+def test_twenty_seconds_of_traffic_with_every_fault_lose_nothing(tmp_path: Path, demo16: Path) -> None:
     out = tmp_path / "soak"
     r = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--seconds", "20", "--sample-s", "1",
-                        "--clients", "2", "--max-tokens", "12",
+                        "--clients", "2", "--max-tokens", "12", "-m", str(demo16),
                         "--out", str(out)], capture_output=True, text=True, cwd=REPO)
     report = (out / "report.md").read_text() if (out / "report.md").exists() else r.stdout + r.stderr
     verdict = report.split("## Verdict", 1)[1].split("## Ledger", 1)[0]

@@ -10,6 +10,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -551,14 +552,13 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
 # ---- the demo model (realistic routing) ----------------------------------------------------------
 
 
-def test_demo_model_session() -> None:
+def test_demo_model_session(demo8: Path) -> None:
     """The session on a real-routing model: the small demo model the suite builds anyway (8 experts,
     top-2, as tests/test_demo.py and tests/test_speculation.py use), with a budget holding every expert."""
     from bmoe.base.model_files import open_model
     from bmoe.base.units import MiB
-    from bmoe.demo import build as demo
 
-    path = demo.build_demo(8, 2)
+    path = demo8
     every = open_model(path).expert_bytes * 1.05 / MiB  # every expert, page rounding included
     budget = ["--cache-mb", f"{every:.0f}", "-t", "1"]
     fact, more, n = "What is the capital of France?", "And of Italy?", 8

@@ -20,7 +20,6 @@ from bmoe.api import Completion, Model
 from bmoe.base import telemetry
 from bmoe.base.model_files import open_model
 from bmoe.base.units import MiB
-from bmoe.demo import build as demo
 from bmoe.streaming import speculation
 from tests import spec_lines
 from tests.conftest import SlabCheck, complete, load, per_token, run_cli, slice_bytes
@@ -94,8 +93,8 @@ def test_synthetic_gate(synth, arch: str, overlap: bool, prefetch: int, spec_gat
 
 
 @pytest.fixture(scope="module")
-def demo_model() -> str:
-    return str(demo.build_demo(8, 2))
+def demo_model(demo8: Path) -> str:
+    return str(demo8)
 
 
 @pytest.mark.parametrize("overlap,prefetch,spec_gate", MODES, ids=MODE_IDS)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bmoe.base.errors import ModelError
 from bmoe.base.units import MiB
+from bmoe.base.user_cache import cache_dir
 from bmoe.demo import source as demo_source
 from bmoe.demo.calibrate import calibration_states
 from bmoe.demo.routers import SEED, make_router
@@ -53,12 +54,6 @@ def _quiet(_msg: str) -> None:
 def source_model(progress: Progress = None) -> Path:
     """The dense SmolLM2 GGUF the demo is built from, in the cache dir (fetched on first use)."""
     return demo_source.source_model(cache_dir(), progress or _quiet)
-
-
-def cache_dir() -> Path:
-    """Where built models and the calibration states are kept (honours $XDG_CACHE_HOME)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "bmoe"
 
 
 def default_path(experts: int = DEFAULT_EXPERTS, top_k: int = DEFAULT_TOP_K) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from bmoe.base.model_files import ModelFiles
+from bmoe.base.user_cache import cache_dir
 
 FORMAT = "bmoe-usage-profile"
 VERSION = 1
@@ -37,8 +38,7 @@ def default_dir() -> Path:
     """$BMOE_USAGE_DIR, else $XDG_CACHE_HOME/bmoe/usage (~/.cache/bmoe/usage), beside the demo model."""
     if os.environ.get("BMOE_USAGE_DIR"):
         return Path(os.environ["BMOE_USAGE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "bmoe" / "usage"
+    return cache_dir() / "usage"
 
 
 def _header_hash(path: Path) -> str:
