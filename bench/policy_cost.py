@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.replay.policies import temporal_hints
 from bmoe.replay.stats import replay
@@ -163,7 +163,7 @@ def main() -> None:
           + (" | this/against |" if other else " |"))
     print("|---|---:|---|---:|---:|" + "---:|" * len(sources) + ("---:|" if other else ""))
     runs = ["synthetic"] if a.synthetic else ["story", "factual", "code"]
-    regions = None if a.synthetic else file_regions(open_model(a.model))
+    regions = None if a.synthetic else file_regions(read_model_files(a.model))
     for name in runs:
         if a.synthetic:
             sregions, steps = synthetic()

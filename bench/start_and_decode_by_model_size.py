@@ -276,10 +276,10 @@ def warm_ready(cg_parent, limit: int, model: Path, flags: list[str], tmp: Path) 
 # ---- models ----------------------------------------------------------------------------------------
 
 def model_facts(path: Path) -> dict:
-    from bmoe.base.model_files import open_model
+    from bmoe.base.model_files import read_model_files
     from bmoe.memory.dense import file_spans
 
-    f = open_model(path)
+    f = read_model_files(path)
     return {"path": str(path), "bytes": sum(f.sizes), "dense_bytes": sum(n for _, _, n in file_spans(f)),
             "expert_bytes": f.expert_bytes, "tensors": len(f.extents), "arch": f.arch,
             "n_expert": f.n_expert, "top_k": f.n_expert_used,

@@ -1,64 +1,41 @@
 """The coordinator: the process that runs decode in llama.cpp and owns every piece of cache state.
 
-`Engine` is the composition root. It loads the model with llama.cpp's own mmap load, finds the
-expert tensors in one warm-up graph, visited but not computed (bmoe.seam), sizes the cache
-(bmoe.memory.budget), builds the Streamer (slab, slot pools, cache and I/O lanes:
-bmoe.streaming.streamer) and the spec-gate (bmoe.streaming.speculation), hooks them into llama.cpp's
-eval callback and runs prefill and decode: `begin` prefills one KV sequence, `step` decodes one
-token for each of several sequences in one llama.cpp batch (`--parallel`), `end` frees one. Requests
-reach these only through the one generation loop, bmoe.engine.driver.
+`Engine` runs what bmoe.engine.load loaded (the model, its context and the streaming parts wired
+around them): `begin` prefills one KV sequence and samples its first token, `step` decodes one token
+for each of several sequences in one llama.cpp batch (`--parallel`), `end` frees one; it keeps the
+KV, stops a decode on request, and holds the facts every edge prints about the load (`stats`).
+Requests reach `begin`/`step`/`end` only through the one generation loop, bmoe.engine.driver.
 
-Per MoE layer and step, llama.cpp computes up to the router weights `ffn_moe_weights-L`; the
-hook hands the routed ids (every token's in the batch) to the Streamer, which sends the missing
-reads at once, rewrites the ids to slot indices, and waits for what the next matmul reads: every
-slice serially, or with `overlap` the gate/up slices there and the down slices at the down
-matmul's input node, while reads ahead (prefetch, spec-gate) fill idle lanes. Output is computed
-from exactly the bytes plain llama.cpp would use.
+While a decode runs, llama.cpp's graph stops at each MoE layer's routing for
+bmoe.streaming.graph_stops, which has the routed experts read into the cache and the ids
+rewritten to their slots: output is computed from exactly the bytes plain llama.cpp would use.
 
-The edges (bmoe.cli, bmoe.edges.session, bmoe.api, bmoe.engine.driver, bmoe.server.scheduler, bmoe.server.app) use only
-the Engine's public methods and properties, never its parts (tests/test_layout.py checks that no
-product module reads another's private attributes).
+Its users (bmoe.api.model, bmoe.engine.driver, bmoe.engine.generation, bmoe.engine.prompt_cache)
+use only the Engine's public methods and properties (tests/test_layout.py checks that no product
+module reads another's private attributes).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bmoe import seam
-from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong, ModelError
-from bmoe.base.model_files import open_model
-from bmoe.base.settings import FLAGS, Naming, SamplerSettings, Settings
+from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong
+from bmoe.base.settings import SamplerSettings
 from bmoe.base.telemetry import TokenStat
-from bmoe.base.units import MiB
-from bmoe.engine.graph_stops import StreamingStops
-from bmoe.memory.budget import Adaptive, decide
-from bmoe.memory.dense import DenseReadAhead, advise_normal, dense_ranges, pin
-from bmoe.memory.probe import MemoryProbe, Room
+from bmoe.engine.engine_stats import EngineStats
+from bmoe.engine.load import Loaded
 from bmoe.seam import llama
-from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, new_context
-from bmoe.shm_cache import sweep_stale_segments
-from bmoe.streaming.expert_cache import working_sets
-from bmoe.streaming.lossy import Lossy
 from bmoe.streaming.readahead import ReadAheadCounts
-from bmoe.streaming.route_replay import ReplayError, RouteReplay
-from bmoe.streaming.route_trace import Trace, TraceError, TraceWriter
-from bmoe.streaming.speculation import SpecGate
-from bmoe.streaming.streamer import Streamer, regions_of
-from bmoe.streaming.usage_profile import default_dir
-from bmoe.streaming.warm_fill import WarmStart
+from bmoe.streaming.streamer import Streamer
 
 if TYPE_CHECKING:
     from bmoe.chat.grammar import Grammar
-
-__all__ = ["Engine", "EngineSequence", "EngineStats"]
-
 
 @dataclass
 class EngineSequence:
@@ -74,252 +51,46 @@ class EngineSequence:
     logits: np.ndarray | None = None  # with keep_logits: the distribution `next` was chosen from
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """The load and the cache now (Engine.stats): every figure an edge prints about them."""
-
-    arch: str
-    n_ctx: int
-    load_s: float
-    llama_load_s: float  # of load_s, llama.cpp's own load (model, then context)
-    streaming: bool
-    lossy: bool  # generations change routing unless they ask for lossless (bmoe.streaming.lossy)
-    top_k: int  # experts the model's router picks per token and layer
-    experts_per_token: int  # experts a lossy generation's tokens use per layer
-    budget_bytes: int  # the expert cache's budget now (0 without streaming or without a cache)
-    resident_bytes: int  # expert bytes in memory now
-    holds_every_expert: bool  # plain llama.cpp's mapping, or a cache budget that holds them all
-    spec_gate: tuple[float, float | None] | None  # (recall %, the floor that switched it off) of the spec-gate
-    lanes: tuple[str, ...]  # the lanes' busy time and queue depth so far (--profile)
-    workers: tuple[tuple[str, int], ...]  # (role, pid) of every worker process
-    full_bytes: int  # a budget that holds every expert's slot (0 without streaming)
-    memory: Room  # the tightest memory limit now and the room it leaves (bmoe.memory.probe)
-    # per MoE layer (layer, one character per expert: '1' resident, '0' not); empty without streaming
-    residency: tuple[tuple[int, str], ...] = field(default=(), repr=False)
-
-
 class Engine:
-    """A loaded model and context; streaming experts unless `settings.streaming.enabled` is off."""
+    """A loaded model and context (bmoe.engine.load), streaming experts unless the settings turned it off:
+    prefill and decode of KV sequences, the KV itself, and the facts edges print about the load."""
 
-    def __init__(self, settings: Settings, notice: Callable[[str], None] = lambda s: None,
-                 words: Naming = FLAGS) -> None:
-        """Load `settings.model` as `settings` ask (validated by the edge: bmoe.edges.flags,
-        bmoe.base.settings.from_keywords); `notice` hears what the user should know, errors name
-        settings in `words` (the edge's)."""
-        self.settings = settings
-        self.notice = notice
-        self.words = words
-        self.streamer: Streamer | None = None
-        self.trace: TraceWriter | None = None
-        self.model: llama.Model | None = None
-        self.ctx: llama.Context | None = None
-        self.memory = MemoryProbe()
-        self.adaptive: Adaptive | None = None
-        self.lossy: Lossy | None = None  # lossy routing while streaming (the hook's)
-        self.replay: RouteReplay | None = None  # --replay-routes: every routing is a trace's (the hook's)
-        self.stops: StreamingStops | None = None
-        self.fixed_k = 0  # --no-stream --experts-per-token: llama.cpp's own expert count, set at load
-        self.dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
-        self.warm: WarmStart | None = None  # the usage profile: a background fill now, saved at close
-        t0 = time.perf_counter()
-        self.files = open_model(settings.model)
-        init_backend(settings.verbose)
-        self.hook = seam.EvalHook()
-        moe = self.files.n_expert > 1
-        if settings.streaming.enabled and not moe:
-            notice(f"{Path(settings.model).name} is not a Mixture-of-Experts model; running it plain")
-        streaming = settings.streaming.enabled and moe
-        if streaming:
-            removed = sweep_stale_segments()
-            if removed:
-                notice(f"removed {len(removed)} shared-memory segment(s) left by dead runs")
-        try:
-            self._check_lossy(moe, streaming)
-            replay = self._read_replay(moe)
-            self._load(streaming)
-            assert self.model is not None  # _load raised otherwise
-            self.vocab: Vocab = Vocab(self.model)
-            if streaming:
-                self._start_streaming(replay)
-        except BaseException:
-            self.close()
-            raise
-        self.load_s: float = time.perf_counter() - t0
+    def __init__(self, parts: Loaded) -> None:
+        """Take over what `bmoe.engine.load.load_engine` made (closed with the engine)."""
+        self.parts = parts
+        self.settings = parts.settings
+        self.notice = parts.notice
+        self.words = parts.words
+        self.files = parts.files
+        self.hook = parts.hook
+        self.memory = parts.memory
+        self.fixed_k = parts.fixed_k
+        self.lossy = parts.lossy
+        self.replay = parts.replay
+        self.trace = parts.trace
+        self.stops = parts.stops
+        assert parts.vocab is not None  # a load that returned made it
+        self.vocab: llama.Vocab = parts.vocab
+        self.n_ctx = parts.n_ctx
+        self.load_s = parts.load_s
+        self.llama_load_s = parts.llama_load_s
+
+    @property
+    def streamer(self) -> Streamer | None:
+        """The Streamer while streaming (None without, and once closed)."""
+        return self.parts.streamer
 
     @property
     def context(self) -> llama.Context:
         """llama.cpp's context, while the engine is loaded."""
-        assert self.ctx is not None, "the engine is closed"
-        return self.ctx
-
-    @property
-    def llama_model(self) -> llama.Model:
-        assert self.model is not None, "the engine is closed"
-        return self.model
+        assert self.parts.ctx is not None, "the engine is closed"
+        return self.parts.ctx
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- loading and wiring --------------------------------------------------------------------
-
-    def _check_lossy(self, moe: bool, streaming: bool) -> None:
-        """The lossy settings against the model: K within its top-k; without streaming K is llama.cpp's
-        own expert count, overridden at load (`fixed_k`)."""
-        lo, top_k = self.settings.lossy, self.files.n_expert_used
-        if not lo.on:
-            return
-        if not moe:
-            self.notice("the lossy routing settings change nothing on a model without experts")
-            return
-        k = lo.experts_per_token
-        if k > top_k:
-            raise ConfigError(f"{self.words.value('experts_per_token', k)}: {Path(self.settings.model).name} routes "
-                              f"each token to {top_k} experts; give at most {top_k}")
-        if not streaming and 0 < k < top_k:
-            self.fixed_k = k
-
-    def _read_replay(self, moe: bool) -> Trace | None:
-        """--replay-routes' trace, read before the model loads: an unreadable one fails at once."""
-        path = self.settings.replay_routes
-        if not path:
-            return None
-        if not moe:
-            self.notice(f"{self.words.name('replay_routes')} changes nothing on a model without experts")
-            return None
-        try:
-            return Trace.read(path)
-        except OSError as e:
-            raise ConfigError(f"{self.words.value('replay_routes', path)}: cannot read it ({e.strerror}); "
-                              "give a trace written by bmoe-cli --route-trace, or route_trace v1 CSV") from None
-        except (TraceError, ValueError, KeyError) as e:
-            raise ConfigError(f"{self.words.value('replay_routes', path)}: {e}") from None
-
-    def _load(self, streaming: bool) -> None:
-        """llama.cpp's own load (model, then context), timed apart as `llama_load_s`, so that
-        `load_s - llama_load_s` is what bmoe adds to a plain llama.cpp load."""
-        t0 = time.perf_counter()
-        ints = {f"{self.files.arch}.expert_used_count": self.fixed_k} if self.fixed_k else None
-        with seam.no_populate() if streaming else nullcontext("not streaming") as why:
-            if streaming and why is not None:
-                self.notice(f"loading the whole model file, as llama.cpp does ({why}): a slower start, the same output")
-            self.model = load_model(self.settings.model, ints)
-        if why is None:  # llama.cpp mapped the file without reading it: the dense weights are read here
-            self.dense_ahead = DenseReadAhead(self.files).start()
-        if not self.model:
-            raise ModelError(f"llama.cpp could not load {self.settings.model}; run with --verbose to see why")
-        self.ctx = new_context(self.model, self.settings.n_ctx, self.settings.threads,
-                               self.hook.c_callback if streaming else None, n_seq=self.settings.parallel)
-        self.llama_load_s = time.perf_counter() - t0
-        llama.set_abort(self.ctx, self.hook.c_abort)
-        self.n_ctx: int = min(llama.context_size(self.ctx), self.settings.n_ctx)
-
-    def _start_streaming(self, replay: Trace | None = None) -> None:
-        """A warm-up graph, visited but not computed, finds the expert tensors; then they are
-        rebound into the slab's pools. `replay`: the trace --replay-routes runs on."""
-        cap = self._capture(dry=True)
-        if not cap.bad and not self.files.expert_names() <= {t.name for t in cap.tensors.values()}:
-            cap = self._capture(dry=False)  # a graph in several splits: its later ones were not visited
-        if cap.bad:
-            raise ModelError("cannot stream this model's expert layout: " + "; ".join(cap.bad[:3])
-                             + "; run it with --no-stream")
-        if not cap.tensors:
-            raise ModelError("llama.cpp computed no expert matmul (MUL_MAT_ID) for this model; run it with --no-stream")
-        s = self.settings
-        tensors = list(cap.tensors.values())
-        regions = regions_of(self.files, tensors)
-        # a token reads its routed experts: under --replay-routes, the trace's top-k where it is smaller
-        routed = min(self.files.n_expert_used, int(replay.header.get("top_k") or 0) or self.files.n_expert_used) \
-            if replay is not None else self.files.n_expert_used
-        need = working_sets(regions, max(1, routed))
-        # before the expert tensors are rebound: their data pointers find the mapping
-        dense = dense_ranges(self.files, tensors)
-        self.memory.kept = 0 if s.streaming.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
-        if s.streaming.pin_dense:
-            self._dense_read(dense)
-            t0 = time.perf_counter()
-            n = pin(dense)
-            self.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
-        # the lanes and pinned weights are there before the budget is decided: they are in the charge
-        st = self.streamer = Streamer(self.files, regions, tensors, 0, s.streaming, s.cache.policy,
-                                      s.speculation.prefetch, list(cap.biases.values()),
-                                      spare=s.lossy.on or replay is not None)
-        if replay is not None:
-            try:
-                self.replay = RouteReplay(replay, str(s.replay_routes), st.layers, self.files.n_expert,
-                                          self.files.n_expert_used, cap.norms)
-            except ReplayError as e:
-                raise ConfigError(str(e)) from None
-            self.notice(self.replay.describe())
-        self._size_cache(st.full_bytes, max(need.values()), sum(need.values()))
-        if s.speculation.gate:
-            gate = SpecGate(self.files, st.layers, llama.n_embd(self.llama_model), s.speculation,
-                            s.streaming.shm_backend, self.notice)
-            if gate.active:
-                st.attach_gate(gate)
-            else:
-                gate.close()  # it said why (e.g. a quantized router); the run goes on without it
-        if s.route_trace:
-            self.trace = TraceWriter(Path(s.route_trace), {
-                "model": str(Path(s.model).resolve()), "arch": self.files.arch, "n_expert": self.files.n_expert,
-                "top_k": self.files.n_expert_used, "layers": st.layers, "n_layer": llama.n_layer(self.llama_model),
-                "n_embd": llama.n_embd(self.llama_model),
-                # one whole expert per MoE layer (its slices summed): what v1 readers charge per read
-                "expert_bytes": {layer: sum(r.expert_bytes for r in regions if r.layer == layer)
-                                 for layer in st.layers}})
-        if s.lossy.on:
-            self.lossy = Lossy(s.lossy, self.files.n_expert_used, cap.norms, st.cache)
-        self.hook.stops = self.stops = StreamingStops(st, cap.down_inputs if s.streaming.overlap else {}, self.trace,
-                                                      self.lossy, self.replay, cap.norms)
-        self._dense_read(dense)
-        if s.streaming.preload:
-            if not st.holds_everything:
-                self.notice("--preload ignored: the cache budget does not hold every expert")
-            else:
-                t0 = time.perf_counter()
-                n = st.preload()
-                self.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
-        if s.cache.warm_start:
-            self.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), self.files, st,
-                                  self.notice)
-
-    def _dense_read(self, ranges: list[tuple[int, int]]) -> None:
-        """Wait for the dense read-ahead (once) and give those ranges normal read-around again."""
-        if self.dense_ahead is not None:
-            self.dense_ahead.join()
-            self.dense_ahead = None
-            advise_normal(ranges)
-
-    def _capture(self, dry: bool) -> seam.Capture:
-        """Visit the graph of a one-token decode; `dry` aborts it at the first computed node, so no
-        expert is read from the file before streaming starts (the visits come before the compute
-        of a graph in one split)."""
-        cap = self.hook.capture = seam.Capture(dry=dry)
-        try:
-            self._decode([(0, [self.vocab.warmup_token()], 0)], aborts=dry)
-        finally:
-            self.hook.capture = None
-        self.clear_kv()
-        return cap
-
-    def _size_cache(self, expert_bytes: int, layer_need: int, token_need: int) -> None:
-        """Decide the budget from the room the limits leave now, and make it adaptive when asked.
-
-        `expert_bytes` is what holding every expert takes in the cache (its slots, page-rounded),
-        so an auto budget with room to spare holds them all (and --preload can fill it)."""
-        s, st = self.settings, self.streamer
-        assert st is not None  # sized while streaming starts
-        decided = decide(s.cache, s.reads_ahead, expert_bytes, layer_need, token_need, self.memory.rooms(), self.words)
-        if decided.notice:
-            self.notice(decided.notice)
-        st.set_budget(decided.bytes)
-        if s.cache.adaptive:
-            most_mb = s.cache.mb if s.cache.mb is not None else s.cache.ceil_mb
-            ceiling = st.full_bytes if most_mb is None else min(st.full_bytes, int(most_mb * MiB))
-            self.adaptive = Adaptive(decided.floor, token_need, ceiling, margin=min(128 * MiB, token_need // 2))
-            st.watch = self._adapt  # the Streamer runs it once per token (Engine.step) and as the cache grows
 
     # ---- what the edges may ask ----------------------------------------------------------------
 
@@ -343,19 +114,8 @@ class Engine:
         fill reads on."""
         if self.streamer is not None:
             self.streamer.follow()
-        if self.warm is not None and self.streamer is not None:
-            self.warm.idle()
-
-    def _adapt(self) -> None:
-        """Once per token, and whenever the cache took another WATCH_STEP: follow the room the
-        memory limits leave (Adaptive)."""
-        st = self.streamer
-        assert st is not None and self.adaptive is not None  # the Streamer watches only with an adaptive budget
-        change = self.adaptive.step(st.budget, st.resident_bytes(), self.memory.least(), self.memory.pressure())
-        if change is not None:
-            old = st.budget
-            st.set_budget(change[0])
-            self.notice(f"cache budget {old / MiB:.0f} -> {change[0] / MiB:.0f} MiB: {change[1]}")
+        if self.parts.warm is not None and self.streamer is not None:
+            self.parts.warm.idle()
 
     def stats(self) -> EngineStats:
         """What the engine is and holds now, in one object: what every edge prints about the load."""
@@ -373,7 +133,8 @@ class Engine:
         """The chat template: --chat-template-file's, else the one stored in the GGUF, if any."""
         if self.settings.chat_template_file:
             return Path(self.settings.chat_template_file).read_bytes()
-        return llama.chat_template(self.llama_model)
+        assert self.parts.model is not None, "the engine is closed"
+        return llama.chat_template(self.parts.model)
 
     @property
     def arch(self) -> str:
@@ -411,7 +172,7 @@ class Engine:
         """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""
         return self.vocab.tokenize(text, add_special=True)
 
-    def check_model_unchanged(self, fix: str) -> None:
+    def check_unchanged(self, fix: str) -> None:
         """ModelError when a model file changed since the load (the offsets bmoe reads describe the old one)."""
         self.files.check_unchanged(fix)
 
@@ -500,8 +261,8 @@ class Engine:
         if lossless:
             self.check_lossless("load it without one of them for lossless requests")
         st = self.streamer
-        s = EngineSequence(seq, make_sampler(sampler, self.vocab, grammar.gbnf if grammar else None), lossless=lossless,
-                     forced=list(forced), keep_logits=keep_logits)
+        s = EngineSequence(seq, llama.make_sampler(sampler, self.vocab, grammar.gbnf if grammar else None),
+                           lossless=lossless, forced=list(forced), keep_logits=keep_logits)
         try:
             t0 = time.perf_counter()
             if self.lossy:
@@ -596,35 +357,17 @@ class Engine:
             self.trace.write()
         return ahead
 
-    def _decode(self, parts: list[tuple[int, list[int], int]], aborts: bool = False) -> list[int]:
+    def _decode(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
         """One llama_decode of (sequence, tokens, first position) parts; logits for each part's last
-        token, whose batch rows are returned. With `aborts`, the hook's abort is expected."""
+        token, whose batch rows are returned."""
+        n = sum(len(toks) for _, toks, _ in parts)
         if self.streamer is not None:
-            self.streamer.begin_batch(sum(len(toks) for _, toks, _ in parts))
-        if self.stops is not None and not aborts:
-            self.stops.begin_batch(sum(len(toks) for _, toks, _ in parts))
-        with self.hook:
-            rc, rows = llama.decode(self.context, parts)
-        err = self.hook.take_error()
-        if err is not None:
-            raise err
-        if rc != 0 and not (aborts and rc == llama.ABORTED):
-            raise RuntimeError(f"llama_decode failed with code {rc}")
-        return rows
+            self.streamer.begin_batch(n)
+        if self.stops is not None:
+            self.stops.begin_batch(n)
+        ctx = self.context
+        return self.hook.run(lambda: llama.decode(ctx, parts))
 
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
-        if self.warm is not None and self.streamer is not None:
-            self.warm.save()
-        st, self.streamer = self.streamer, None
-        self.hook.stops = None
-        try:
-            if self.ctx:
-                llama.free_context(self.ctx)
-                self.ctx = None
-            if self.model:
-                llama.free_model(self.model)
-                self.model = None
-        finally:
-            if st:
-                st.close()
+        self.parts.close()

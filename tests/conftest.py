@@ -8,15 +8,19 @@ import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
 import pytest
 
 from bmoe.api import Ask, Chunk, Completion, Model
-from bmoe.base.settings import Settings
+from bmoe.base.settings import FLAGS, Settings
 from bmoe.edges import flags
 from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
+
+if TYPE_CHECKING:
+    from bmoe.coordinator import Engine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,12 +100,19 @@ def settings_for(model: object, *cli_flags: object) -> Settings:
     return flags.settings_from(ap, ap.parse_args(["-m", str(model), *map(str, cli_flags)]))
 
 
+def engine_for(model: object, *cli_flags: object, notice: Callable[[str], None] = lambda s: None) -> Engine:
+    """The Engine `bmoe-cli -m MODEL FLAGS...` loads (bmoe.engine.load, as bmoe.api.open_model does)."""
+    from bmoe.coordinator import Engine
+    from bmoe.engine.load import load_engine
+
+    return Engine(load_engine(settings_for(model, *cli_flags), notice, FLAGS))
+
+
 def load(model: object, *cli_flags: object, notice: Callable[[str], None] = lambda s: None) -> Model:
     """The Model `bmoe-cli -m MODEL FLAGS...` runs: its Engine, driven by the one generation loop."""
     from bmoe.api import Model
-    from bmoe.coordinator import Engine
 
-    return Model(Engine(settings_for(model, *cli_flags), notice=notice))
+    return Model(engine_for(model, *cli_flags, notice=notice))
 
 
 def complete(model: Model, prompt: str, n: int, chat: bool = False,

@@ -10,7 +10,7 @@ import pytest
 
 import bmoe
 from bmoe.api import Ask, Chunk, Model
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.server.errors import QueueFull
 from bmoe.server.scheduler import Batching, Job, Position, Scheduler
@@ -35,7 +35,7 @@ def test_a_streamed_batch_of_four_equals_plain_llama_cpp_on_the_same_batch(synth
     with bmoe.load(path, stream=False, parallel=4, **FAST) as plain:
         want = answers(plain, PROMPTS)
     assert len(set(want)) == 4 and all(w.strip() for w in want)
-    third = open_model(path).expert_bytes / 3 / MiB
+    third = read_model_files(path).expert_bytes / 3 / MiB
     with bmoe.load(path, parallel=4, cache_mb=third, force=True, io_threads=lanes, **FAST) as m:
         check = SlabCheck(m.engine)
         assert answers(m, PROMPTS) == want

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from bmoe.api import Model
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.base.user_cache import cache_dir
 from bmoe.demo import build as demo
@@ -50,7 +50,7 @@ def quarter_mb(model: Path) -> float:
 
     With top-2 of 8 a quarter is one token's routed set, which page rounding pushes just past a
     quarter: the budget is the larger, the least bmoe accepts without --force."""
-    files = open_model(model)
+    files = read_model_files(model)
     token = sum(working_sets(file_regions(files), files.n_expert_used).values())
     return max(files.expert_bytes / 4, token) / MiB
 
@@ -177,7 +177,7 @@ def test_default_model_budget_is_a_quarter(model: Path, quarter_mb: float, monke
     monkeypatch.setattr(demo, "build_demo", lambda *a, **k: model)
     path, mb = demo.default_model()
     assert path == model
-    assert quarter_mb >= open_model(model).expert_bytes / 4 / MiB
+    assert quarter_mb >= read_model_files(model).expert_bytes / 4 / MiB
     assert mb == pytest.approx(quarter_mb, abs=0.1)
 
 

@@ -200,7 +200,7 @@ def test_a_layers_orders_reach_each_lane_in_one_write(model: str, plain: tuple[i
         for lane in st.pool.lanes:
             inner = lane.proc.stdin.write
             lane.proc.stdin.write = lambda data, i=lane.index, inner=inner: (writes.append(i), inner(data))[1]
-        send, route = st.pool.send, st.on_route
+        send, route = st.pool.send, e.hook.stops.on_route
         st.pool.send = lambda *a, **k: sent.append(send(*a, **k)) or sent[-1]
         per_layer: list[tuple[int, int]] = []  # (orders sent, writes) per routing
 

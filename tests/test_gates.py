@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bmoe.api import Completion
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming.speculation import SpecGate
 from bmoe.tools.synth_shape import ARCHES
@@ -79,7 +79,7 @@ def test_the_reference_is_what_llama_cpp_pythons_own_loop_generates(synth, monke
 def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes: int) -> None:
     path = str(synth(arch=arch, quant=quant, layers=4, experts=8, top_k=2))
     ref = reference(path)
-    expert_bytes = open_model(path).expert_bytes
+    expert_bytes = read_model_files(path).expert_bytes
     cache_mb = {"zero": 0.0, "third": expert_bytes / 3 / MiB}.get(budget, expert_bytes * 2 / MiB)  # pages
     # force: a third is just under one token's page-rounded working set for mxfp4's small slices
     preload = ["--preload"] if budget == "preload" else []
@@ -100,7 +100,7 @@ def test_split_model_streams_from_every_shard(tmp_path) -> None:
     from bmoe.tools.synth import write_model
 
     first = write_model(tmp_path / "split.gguf", layers=6, experts=8, top_k=2, splits=3)
-    files = open_model(first)
+    files = read_model_files(first)
     assert [p.name for p in files.paths] == [f"split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     assert {e.file_index for n, e in files.extents.items() if "_exps" in n} == {0, 1, 2}
     ref = reference(str(first))
@@ -115,7 +115,7 @@ def test_split_model_with_a_missing_shard_is_refused(tmp_path) -> None:
     first = write_model(tmp_path / "gap.gguf", layers=2, splits=2)
     (tmp_path / "gap-00002-of-00002.gguf").unlink()
     with pytest.raises(ModelError, match=r"missing shard.*gap-00002-of-00002.gguf"):
-        open_model(first)
+        read_model_files(first)
 
 
 def test_memfd_segment_streams_identically(small_moe) -> None:
@@ -124,7 +124,8 @@ def test_memfd_segment_streams_identically(small_moe) -> None:
 
     path = str(small_moe)
     before = bmoe_segments()
-    res, _ = generate(path, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--io-threads", 2, "--shm", "memfd")
+    third = read_model_files(path).expert_bytes / 3 / MiB
+    res, _ = generate(path, "--cache-mb", third, "--io-threads", 2, "--shm", "memfd")
     assert res.ids == reference(path).ids
     assert bmoe_segments() == before
 
@@ -137,7 +138,7 @@ def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) ->
 
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path)
-    cache_mb = open_model(path).expert_bytes / 3 / MiB
+    cache_mb = read_model_files(path).expert_bytes / 3 / MiB
     hit_pcts = {}
     for policy in POLICIES:
         res, _ = generate(path, "--cache-mb", cache_mb, "--io-threads", lanes, "--cache-policy", policy)
@@ -158,7 +159,7 @@ def test_every_cache_policy_with_speculative_reads_streams_identically(synth, ar
 
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path)
-    cache_mb = open_model(path).expert_bytes / 2 / MiB
+    cache_mb = read_model_files(path).expert_bytes / 2 / MiB
     gate = ["--spec-gate", "--spec-warmup", 1, "--spec-recall-min", 0, "--spec-precision", 0]
     for policy in POLICIES:
         for prefetch in ([], ["--prefetch", 2]):
@@ -191,7 +192,7 @@ def test_cli_options_stream_what_plain_llama_cpp_computes(small_moe, case: str) 
     plain llama.cpp's with the same options, at a budget that forces misses; and each option did
     change something (a sampled answer is not the greedy one, the chat answer not the raw one)."""
     path = str(small_moe)
-    third = f"{open_model(path).expert_bytes / 3 / MiB:.2f}"
+    third = f"{read_model_files(path).expert_bytes / 3 / MiB:.2f}"
     same = {"sampled": [*SAMPLING, "--seed", 1234], "chat": ["--chat"]}.get(case, [])
     cache = {"cache-auto": ["--cache-mb", "auto", "--cache-floor-mb", 0, "--cache-ceil-mb", third],
              "no-odirect": ["--cache-mb", third, "--no-odirect"]}.get(case, ["--cache-mb", third])
@@ -221,7 +222,7 @@ def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(small_moe
     holds: the layer's whole set is pinned and read in one go, and the output is still plain's."""
     path = str(small_moe)
     ref = reference(path)
-    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--force", "--io-threads", 2,
+    with load(path, *FLAGS, "--cache-mb", read_model_files(path).expert_bytes / 3 / MiB, "--force", "--io-threads", 2,
               overlap) as m:
         e = m.engine
         prefill: dict[int, set[int]] = {}
@@ -249,7 +250,7 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
     flags = ("-c", 1024, "-t", 2)
     words = (PROMPT + " ") * 10
     ref = plain(path, words, N_PREDICT, *flags)
-    m = load(path, *flags, "--cache-mb", open_model(path).expert_bytes * 2.5 / 4 / MiB, "--io-threads", 2)
+    m = load(path, *flags, "--cache-mb", read_model_files(path).expert_bytes * 2.5 / 4 / MiB, "--io-threads", 2)
     e = m.engine
     toks = e.tokenize(words)
     assert 512 < len(toks) <= 1024 - N_PREDICT, len(toks)  # two ubatches of at most 512
@@ -298,7 +299,7 @@ def test_the_slab_check_finds_one_wrong_byte_in_a_resident_expert(small_moe) -> 
     from tests.conftest import SlabCheck, slice_bytes
 
     path = str(small_moe)
-    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / MiB + 8, "--io-threads", 2) as m:
+    with load(path, *FLAGS, "--cache-mb", read_model_files(path).expert_bytes / MiB + 8, "--io-threads", 2) as m:
         check = SlabCheck(m.engine)
         try:
             complete(m, PROMPT, 4)

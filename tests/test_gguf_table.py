@@ -9,7 +9,7 @@ import pytest
 
 from bmoe.base.errors import ModelError
 from bmoe.base.gguf_table import GGUFError, read_table
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.tools.synth_shape import ARCHES
 
 
@@ -44,7 +44,7 @@ def test_every_shard_of_a_split_model(tmp_path) -> None:
     from bmoe.tools.synth import write_model
 
     first = write_model(tmp_path / "split.gguf", layers=6, experts=8, top_k=2, splits=3)
-    files = open_model(first)
+    files = read_model_files(first)
     for p in files.paths:
         check(p)
 
@@ -60,4 +60,4 @@ def test_a_header_cut_short_is_named(synth, tmp_path) -> None:
         with pytest.raises(GGUFError, match=r"ends early|runs past the end"):
             read_table(cut)
     with pytest.raises(ModelError, match=r"cut\.gguf is truncated or corrupt .*; re-copy or re-download it"):
-        open_model(cut)
+        read_model_files(cut)

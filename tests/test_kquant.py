@@ -15,7 +15,7 @@ import gguf
 import llama_cpp
 import pytest
 
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from tests.conftest import run_cli
 
@@ -48,7 +48,7 @@ def test_kquant_files_stream_exactly(f16: Path, tmp_path: Path, ftype: str) -> N
     assert set(types) & {"Q4_K", "Q6_K", "IQ4_XS"}, f"{ftype} left the experts as {dict(types)}"
     plain = run_cli("-m", str(model), "-p", PROMPT, "-n", "32", "-t", "2", "--no-stream")
     assert plain.returncode == 0, plain.stderr
-    third = open_model(model).expert_bytes / 3 / MiB
+    third = read_model_files(model).expert_bytes / 3 / MiB
     for flags in (["--cache-mb", "0"], ["--cache-mb", f"{third}", "--force"],
                   ["--cache-mb", f"{third}", "--force", "--no-overlap", "--prefetch", "1"]):
         r = run_cli("-m", str(model), "-p", PROMPT, "-n", "32", "-t", "2", "--io-threads", "2", *flags)
@@ -75,7 +75,7 @@ def test_synth_k_quant_model_streams_exactly(synth) -> None:
     plain = run_cli("-m", str(model), "-p", PROMPT, "-n", "32", "-t", "2", "--no-stream")
     assert plain.returncode == 0, plain.stderr
     assert len(set(plain.stdout.split("\ngeneration:")[0].split())) > 8, plain.stdout  # words, not one repeated
-    third = open_model(model).expert_bytes / 3 / MiB
+    third = read_model_files(model).expert_bytes / 3 / MiB
     for flags in (["--cache-mb", "0"], ["--cache-mb", f"{third}", "--force"]):
         r = run_cli("-m", str(model), "-p", PROMPT, "-n", "32", "-t", "2", "--io-threads", "2", *flags)
         assert r.returncode == 0, r.stderr

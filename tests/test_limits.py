@@ -14,11 +14,10 @@ import pytest
 
 from bmoe import coordinator
 from bmoe.base.units import MiB
-from bmoe.coordinator import Engine
 from bmoe.memory.budget import Adaptive
 from bmoe.memory.probe import V1_UNLIMITED, MemoryProbe, Room
 from bmoe.tools import bench_sys
-from tests.conftest import REPO, complete, load, per_token, reference, run_cli, settings_for
+from tests.conftest import REPO, complete, engine_for, load, per_token, reference, run_cli
 
 PROMPT = "The harbour master counted the boats that came in before the storm reached the coast"
 
@@ -182,7 +181,7 @@ def model(small_moe) -> str:
 
 def test_an_auto_budget_with_room_to_spare_holds_every_expert_and_preloads(model: str) -> None:
     notes: list[str] = []
-    with Engine(settings_for(model, "--preload", "-t", 1, "--io-threads", 2), notice=notes.append) as e:
+    with engine_for(model, "--preload", "-t", 1, "--io-threads", 2, notice=notes.append) as e:
         assert e.streamer.holds_everything, notes  # capped at the experts' slots, not their raw bytes
         assert e.stats().budget_bytes == e.streamer.full_bytes and e.stats().resident_bytes > 0
     assert not any("--preload ignored" in n for n in notes) and any(n.startswith("preloaded ") for n in notes)

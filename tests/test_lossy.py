@@ -12,7 +12,7 @@ import pytest
 from bmoe.api import Ask
 from bmoe.base import telemetry
 from bmoe.base.errors import ConfigError
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.edges.session_client import SessionClient
 from tests import spec_lines
@@ -26,7 +26,7 @@ FLAGS = ("-c", 512, "-t", 2)
 
 def third(path: object, share: float = 1 / 3) -> str:
     """A cache budget of a third of the experts: misses every token, and experts to keep."""
-    return f"{open_model(str(path)).expert_bytes * share / MiB:.3f}"
+    return f"{read_model_files(str(path)).expert_bytes * share / MiB:.3f}"
 
 
 def answer(path: object, *flags: object, lossless: bool = False):

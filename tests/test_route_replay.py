@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bmoe.base.errors import ConfigError
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.settings import from_keywords
 from bmoe.base.units import MiB
 from bmoe.streaming.expert_cache import file_regions, working_sets
@@ -52,7 +52,7 @@ def test_a_csv_route_trace_is_v1_with_prompt_rows_weights_and_expert_bytes(qwen,
     assert text(traced) == text(plain), "tracing is lossless"
     assert x.read_text().splitlines()[0] == V1_MAGIC
     t = Trace.read(x)
-    files = open_model(qwen)
+    files = read_model_files(qwen)
     n_tokens = int(re.search(r"generation: (\d+) tokens", traced.stdout).group(1))
     assert len(t.routes) == n_tokens and len(t.prompt) > 10 and t.layers == [0, 1, 2, 3]
     assert t.header["n_expert"] == 8 and t.header["top_k"] == 2 and t.header["arch"] == "qwen3moe"
@@ -161,7 +161,7 @@ def test_a_trace_of_fewer_experts_per_token_sizes_the_working_set_by_its_top_k(s
     """gpt-oss-120b's trace routes 2 of the model's 4: a token reads half the model's working set, so
     a cache between the two runs (it was refused as below one token's working set)."""
     model = str(synth(arch="qwen3moe", layers=4, experts=8, top_k=4))
-    regions = file_regions(open_model(model))
+    regions = file_regions(read_model_files(model))
     two, four = (sum(working_sets(regions, k).values()) / MiB for k in (2, 4))
     trace = tmp_path / "x.csv"
     assert record(model, trace, 4, PROMPT, "--cache-mb", "0").returncode == 0

@@ -16,17 +16,17 @@ import pytest
 from bmoe.api import Model
 from bmoe.coordinator import Engine
 from bmoe.seam import graph as seam
-from bmoe.seam.llama import ABORTED
+from bmoe.seam.graph import ABORTED
 from bmoe.streaming.expert_cache import RESIDENT
 from bmoe.tools.synth_shape import ARCHES
-from tests.conftest import SlabCheck, complete, generate, settings_for, slice_bytes
+from tests.conftest import SlabCheck, complete, engine_for, generate, slice_bytes
 from tests.conftest import load as load_model
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp above the sea"
 
 
 def engine(path, *flags: object) -> Engine:
-    return Engine(settings_for(path, "-c", 256, "-t", 2, *flags))
+    return engine_for(path, "-c", 256, "-t", 2, *flags)
 
 
 def test_struct_layout_matches_ggml() -> None:
@@ -86,7 +86,7 @@ def test_a_dry_capture_visits_the_whole_graph_without_computing_it(synth, arch: 
             tok = (llama_cpp.llama_token * 1)(e.vocab.warmup_token())
             try:
                 with e.hook:
-                    rc = llama_cpp.llama_decode(e.ctx, llama_cpp.llama_batch_get_one(tok, 1))
+                    rc = llama_cpp.llama_decode(e.context, llama_cpp.llama_batch_get_one(tok, 1))
             finally:
                 e.hook.capture = None
             # (the tensors are in the pools by now, so both captures list them in `bad` alike)
@@ -178,7 +178,7 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
     seen: dict[int, np.ndarray] = {}
     logits: dict[int, np.ndarray] = {}
     strides: list[tuple[int, int]] = []
-    inner = e.streamer.on_route
+    inner = e.hook.stops.on_route
 
     def on_route(layer: int, ids: np.ndarray) -> None:
         seen[layer] = ids
@@ -227,9 +227,9 @@ def _swap_callback(e: Engine, cb) -> None:
 
     from bmoe.seam.llama import new_context
 
-    llama_cpp.llama_free(e.ctx)
+    llama_cpp.llama_free(e.context)
     e._test_cb = cb
-    e.ctx = new_context(e.model, 256, 2, cb)
+    e.parts.ctx = new_context(e.parts.model, 256, 2, cb)
 
 
 def test_llama_cpp_computes_from_the_slab(synth) -> None:
@@ -521,22 +521,22 @@ def _start(path: Path, *flags: object) -> tuple[Engine, int, list[str]]:
     notes: list[str] = []
     _drop_from_page_cache(path)
     r0 = _read_bytes()
-    e = Engine(settings_for(path, "-c", 256, "-t", 2, *flags), notice=notes.append)
+    e = engine_for(path, "-c", 256, "-t", 2, *flags, notice=notes.append)
     return e, _read_bytes() - r0, notes
 
 
 def _dense_bytes(path: Path) -> int:
-    from bmoe.base.model_files import open_model
+    from bmoe.base.model_files import read_model_files
     from bmoe.memory.dense import file_spans
 
-    return sum(n for _, _, n in file_spans(open_model(path)))
+    return sum(n for _, _, n in file_spans(read_model_files(path)))
 
 
 def test_a_streaming_start_reads_the_dense_weights_and_no_expert(big_experts: Path) -> None:
     """The whole start (table, llama.cpp's load, the dense read-ahead, capture, lanes) reads the
     dense bytes plus at most 2 % of the file; afterwards the dense weights are in the page cache
     (reading them again reads nothing from storage), and the registry is llama.cpp's again."""
-    from bmoe.base.model_files import open_model
+    from bmoe.base.model_files import read_model_files
     from bmoe.memory.dense import file_spans
 
     reg = seam.cpu_registry()
@@ -550,7 +550,7 @@ def test_a_streaming_start_reads_the_dense_weights_and_no_expert(big_experts: Pa
         assert _gpa(reg, seam.IS_NUMA) == _ggml_is_numa()
         r0 = _read_bytes()
         with open(big_experts, "rb") as f:
-            for _, offset, length in file_spans(open_model(big_experts)):
+            for _, offset, length in file_spans(read_model_files(big_experts)):
                 f.seek(offset)
                 f.read(length)
         assert _read_bytes() - r0 < 64 * 1024, "the dense weights were read ahead into the page cache"

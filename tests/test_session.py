@@ -169,14 +169,13 @@ class LocalSession:
 
     def __init__(self, model: str, *flags: str) -> None:
         from bmoe.api import Model
-        from bmoe.coordinator import Engine
         from bmoe.edges.session import Output, Session
-        from tests.conftest import settings_for
+        from tests.conftest import engine_for
 
         self.notices: list[str] = []
         self.lines: queue.Queue[str] = queue.Queue()
         self._partial = ""
-        self.engine = Engine(settings_for(model, *FAST, *flags))
+        self.engine = engine_for(model, *FAST, *flags)
         try:
             self.session = Session(Model(self.engine), Output(self), n_predict=64, notice=self.notices.append)
             self.rfd, self.wfd = os.pipe()
@@ -419,10 +418,9 @@ def test_rendering_the_conversation(model: str) -> None:
     """The model's own template renders the conversation (one-shot --chat renders its one turn with
     the same Renderer); think:false reaches templates that read it."""
     from bmoe.chat.template import Renderer
-    from bmoe.coordinator import Engine
-    from tests.conftest import settings_for
+    from tests.conftest import engine_for
 
-    e = Engine(settings_for(model, "-c", 256, "-t", 1, "--no-stream"))
+    e = engine_for(model, "-c", 256, "-t", 1, "--no-stream")
     try:
         r = Renderer(e.vocab, e.chat_template())
         msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
@@ -555,11 +553,11 @@ def test_fuzzed_lines_never_break_the_protocol(model: str) -> None:
 def test_demo_model_session(demo8: Path) -> None:
     """The session on a real-routing model: the small demo model the suite builds anyway (8 experts,
     top-2, as tests/test_demo.py and tests/test_speculation.py use), with a budget holding every expert."""
-    from bmoe.base.model_files import open_model
+    from bmoe.base.model_files import read_model_files
     from bmoe.base.units import MiB
 
     path = demo8
-    every = open_model(path).expert_bytes * 1.05 / MiB  # every expert, page rounding included
+    every = read_model_files(path).expert_bytes * 1.05 / MiB  # every expert, page rounding included
     budget = ["--cache-mb", f"{every:.0f}", "-t", "1"]
     fact, more, n = "What is the capital of France?", "And of Italy?", 8
     with SessionClient(["-m", str(path), *budget], cwd=str(REPO)) as s:

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.edges.session_client import SessionClient
 from bmoe.shm_cache import SHM_DIR
@@ -40,7 +40,7 @@ def fds(pid: int) -> int:
 @pytest.mark.timeout(1800)
 def test_session_soak(synth) -> None:
     path = str(synth(arch="qwen3moe", layers=4, experts=16, top_k=2))
-    files = open_model(path)
+    files = read_model_files(path)
     layer_ws = max(working_sets(file_regions(files), files.n_expert_used).values())
     budget_mb = round(files.expert_bytes / 3 / MiB, 1)
     rng = random.Random(7)

@@ -18,7 +18,7 @@ import pytest
 
 from bmoe.api import Completion, Model
 from bmoe.base import telemetry
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming import speculation
 from tests import spec_lines
@@ -89,7 +89,7 @@ def _gate(path: str, cache_mb: float, overlap: bool, prefetch: int, spec_gate: b
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_synthetic_gate(synth, arch: str, overlap: bool, prefetch: int, spec_gate: bool) -> None:
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
-    _gate(path, open_model(path).expert_bytes / 3 / MiB, overlap, prefetch, spec_gate)
+    _gate(path, read_model_files(path).expert_bytes / 3 / MiB, overlap, prefetch, spec_gate)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def demo_model(demo8: Path) -> str:
 @pytest.mark.parametrize("overlap,prefetch,spec_gate", MODES, ids=MODE_IDS)
 def test_demo_gate(demo_model: str, overlap: bool, prefetch: int, spec_gate: bool) -> None:
     # half the experts: still evicting and re-reading every token, at half the reads of a quarter
-    _res, e, _ = _gate(demo_model, open_model(demo_model).expert_bytes / 2 / MiB, overlap, prefetch, spec_gate,
+    _res, e, _ = _gate(demo_model, read_model_files(demo_model).expert_bytes / 2 / MiB, overlap, prefetch, spec_gate,
                       chat=True, n=16)
     if spec_gate:  # real routing: the predictor must do far better than chance (2 of 8 = 25 %)
         assert e.gate.recall_pct > 50
@@ -115,7 +115,7 @@ def test_precision_floor_reads_only_predictions_that_tend_to_come_true(demo_mode
     improbably few (below 1 %) for the no-floor run's share of useful reads."""
     runs = {}
     for floor in (0, 90):
-        res, _, sc = _run(demo_model, True, 16, "--cache-mb", open_model(demo_model).expert_bytes / 2 / MiB,
+        res, _, sc = _run(demo_model, True, 16, "--cache-mb", read_model_files(demo_model).expert_bytes / 2 / MiB,
                           "--io-threads", 2, "--overlap", "--spec-gate", "--spec-recall-min", 0,
                           "--spec-precision", floor)
         assert not sc.bad and res.ids == reference(demo_model, True, 16).ids
@@ -145,7 +145,7 @@ def test_confidence_trusts_a_band_once_its_guesses_came_true_often_enough() -> N
 def test_governor_switches_spec_gate_off_mid_run_losslessly(small_moe) -> None:
     path = str(small_moe)
     ref = reference(path)
-    res, e, sc = _run(path, False, N_PREDICT, "--cache-mb", open_model(path).expert_bytes / 3 / MiB,
+    res, e, sc = _run(path, False, N_PREDICT, "--cache-mb", read_model_files(path).expert_bytes / 3 / MiB,
                       "--io-threads", 2, "--overlap", "--prefetch", 1, "--spec-gate", "--spec-warmup", 12,
                       "--spec-recall-min", 99.5, "--spec-precision", 0)
     assert not sc.bad and res.ids == ref.ids
@@ -159,7 +159,7 @@ def test_killed_spec_gate_turns_the_feature_off_and_output_is_unchanged(small_mo
     path = str(small_moe)
     ref = reference(path)
     notices: list[str] = []
-    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--overlap", "--spec-gate",
+    with load(path, *FLAGS, "--cache-mb", read_model_files(path).expert_bytes / 3 / MiB, "--overlap", "--spec-gate",
               "--spec-recall-min", 0, notice=notices.append) as m:
         g = m.engine.streamer.ahead.gate
         pid = g.pid
@@ -179,7 +179,7 @@ def test_hung_spec_gate_turns_the_feature_off(small_moe, monkeypatch) -> None:
     path = str(small_moe)
     ref = reference(path)
     notices: list[str] = []
-    with load(path, *FLAGS, "--cache-mb", open_model(path).expert_bytes / 3 / MiB, "--no-overlap", "--spec-gate",
+    with load(path, *FLAGS, "--cache-mb", read_model_files(path).expert_bytes / 3 / MiB, "--no-overlap", "--spec-gate",
               "--spec-recall-min", 0, notice=notices.append) as m:
         g = m.engine.streamer.ahead.gate
         pid = g.pid
@@ -220,7 +220,7 @@ def test_stall_is_zero_when_every_expert_is_resident_and_positive_on_every_miss(
     hook's all-resident skip off, so the resident run still stops at every routing node."""
     path = str(small_moe)
     ref = reference(path, n=16)
-    every = open_model(path).expert_bytes * 2 / MiB  # page rounding: twice the expert bytes hold them all
+    every = read_model_files(path).expert_bytes * 2 / MiB  # page rounding: twice the expert bytes hold them all
     res, _, sc = _run(path, False, 16, "--cache-mb", every, "--preload", "--overlap", "--io-threads", 2)
     assert not sc.bad and sc.checked > 0 and res.ids == ref.ids
     assert all(s.read_bytes == 0 and 0 < s.hits == s.lookups for s in res.tokens), "every expert resident"

@@ -97,8 +97,9 @@ def open_model(settings: Settings, notice: Callable[[str], None], words: Naming 
     `-hf`, or the demo model, built on first use), the engine loaded, the Model around it.
     `words` names settings in errors the edge's way (flags or keywords)."""
     from bmoe.coordinator import Engine
+    from bmoe.engine.load import load_engine
 
-    return Model(Engine(model_source.resolve(settings, notice), notice=notice, words=words))
+    return Model(Engine(load_engine(model_source.resolve(settings, notice), notice, words)))
 
 
 def _close(engine: Engine, grammars: GrammarCheck) -> None:
@@ -256,7 +257,7 @@ class Model:
         return self._stream(self._checked(messages=messages, **options))
 
     def _checked(self, **kw: Any) -> Request:
-        self.engine.check_model_unchanged(RELOAD_FIX)
+        self.engine.check_unchanged(RELOAD_FIX)
         return self.prepare(Ask(**kw))
 
     def _stream(self, req: Request) -> Iterator[Chunk]:
@@ -449,7 +450,7 @@ class Model:
 
     def check_unchanged(self, fix: str) -> None:
         """ModelError when the model file changed since the load (what bmoe reads would be another's)."""
-        self.engine.check_model_unchanged(fix)
+        self.engine.check_unchanged(fix)
 
     def check_lossless(self, fix: str) -> None:
         """ConfigError when this load cannot give a lossless generation (see Engine.check_lossless)."""

@@ -98,7 +98,7 @@ def check_gguf(path: Path) -> None:
         raise ModelError(f"{path} is not a GGUF file (bad magic {magic!r}); convert the model to GGUF first")
 
 
-def open_model(path: str | os.PathLike[str]) -> ModelFiles:
+def read_model_files(path: str | os.PathLike[str]) -> ModelFiles:
     """Read the offset table of every shard and verify nothing is cut short."""
     first = Path(path)
     check_gguf(first)

@@ -121,11 +121,11 @@ def default_model(progress: Progress = None) -> tuple[Path, float]:
     just past a quarter; the budget is the larger of the two, so the demo is not refused as a
     cache that only thrashes.
     """
-    from bmoe.base.model_files import open_model
+    from bmoe.base.model_files import read_model_files
     from bmoe.streaming.expert_cache import file_regions, working_sets
 
     path = build_demo(DEMO_EXPERTS, DEMO_TOP_K, progress=progress)
-    files = open_model(path)
+    files = read_model_files(path)
     token = sum(working_sets(file_regions(files), files.n_expert_used).values())
     return path, math.ceil(max(files.expert_bytes / 4, token) / MiB * 10) / 10
 
@@ -153,7 +153,7 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
       below that set and LRU, cycling through the layers, thrashes there (35 % instead of 51 %
       on the 8-expert demo; 50 % gives 76 % either way).
     """
-    from bmoe.base.model_files import open_model
+    from bmoe.base.model_files import read_model_files
     from bmoe.replay import stats as route_stats
     from bmoe.streaming.expert_cache import file_regions
     from bmoe.streaming.route_trace import Trace
@@ -170,7 +170,7 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
         t = Trace.read(trace_path)
     if len(t.routes) < 2:
         raise RuntimeError("the model answered in fewer than two tokens; use a longer prompt")
-    regions = file_regions(open_model(path))
+    regions = file_regions(read_model_files(path))
     return {
         "tokens": float(len(t.routes)),
         "reuse": route_stats.previous_token_reuse(t),

@@ -254,8 +254,7 @@ class PromptKV:
         from bmoe.seam.llama import ubatch_size
 
         self.engine = engine
-        assert engine.ctx is not None  # a loaded engine
-        self.n_ubatch = ubatch_size(engine.ctx)
+        self.n_ubatch = ubatch_size(engine.context)
         identity = model_identity(engine.files.paths, f"n_seq={engine.settings.parallel} k={engine.fixed_k}")
         self.store = PromptCache(folder, limit_mb, identity, engine.notice)
 
@@ -267,7 +266,6 @@ class PromptKV:
         from bmoe.seam.llama import seq_state, set_seq_state
 
         e, n, u = self.engine, len(tokens), self.n_ubatch
-        assert e.ctx is not None  # a loaded engine
         t0 = time.perf_counter()
         held = decoded = 0
         for entry in sorted(self.store.entries.values(), key=lambda x: -len(x.tokens)):
@@ -277,7 +275,7 @@ class PromptKV:
             payload = self.store.load(entry)
             if payload is None:
                 continue
-            if set_seq_state(e.ctx, seq, payload):
+            if set_seq_state(e.context, seq, payload):
                 held = p
                 break
             self.store.refused(entry)
@@ -286,7 +284,7 @@ class PromptKV:
             e.prefill(seq, list(tokens[:p]))
             held = decoded = p
             try:
-                self.store.save(tokens[:p], seq_state(e.ctx, seq))
+                self.store.save(tokens[:p], seq_state(e.context, seq))
             except OSError as err:
                 e.notice(f"prompt cache: cannot write to {self.store.folder} ({err.strerror}); the prefix is not kept")
         if held:

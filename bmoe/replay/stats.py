@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bmoe.base.model_files import open_model
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming.cache_policy import Policy
 from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions, layout
@@ -69,7 +69,7 @@ def regions_for(t: Trace, model: str | Path | None = None) -> list[Region]:
     if not m or not Path(m).exists():
         raise ValueError(f"the trace's model {m or '(none named)'} does not exist and the trace does not give "
                          f"its expert bytes; pass the model with -m")
-    return file_regions(open_model(m))
+    return file_regions(read_model_files(m))
 
 
 def previous_token_reuse(t: Trace) -> float:

@@ -64,6 +64,7 @@ _NORM_NAME = re.compile(r"^ffn_moe_weights_(norm|softmax)-(\d+)$")
 # their sum (`ffn_moe_weights_norm-L`), a softmax over them (`ffn_moe_weights_softmax-L`: the weights
 # node then holds logits), or used as gathered
 NORM_SUM, NORM_SOFTMAX, NORM_NONE = "sum", "softmax", "none"
+ABORTED = 2  # llama_decode's return code when the abort callback stopped the graph
 
 libggml.ggml_op_name.argtypes = [ctypes.c_int]
 libggml.ggml_op_name.restype = ctypes.c_char_p
@@ -446,6 +447,18 @@ class EvalHook:
     def take_error(self) -> BaseException | None:
         err, self.error = self.error, None
         return err
+
+    def run(self, decode: Callable[[], tuple[int, list[int]]], aborts: bool = False) -> list[int]:
+        """Run one llama_decode (`decode`, returning its code and rows) under this hook: an exception
+        parked during it is raised, and so is a failing return code (ABORTED is expected with `aborts`)."""
+        with self:
+            rc, rows = decode()
+        err = self.take_error()
+        if err is not None:
+            raise err
+        if rc != 0 and not (aborts and rc == ABORTED):
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        return rows
 
     def __enter__(self) -> EvalHook:
         global _decoding

@@ -22,7 +22,6 @@ from bmoe.base.errors import GrammarError, ModelError
 from bmoe.base.settings import SamplerSettings
 
 BINDINGS_VERSION: str = llama_cpp.__version__  # llama-cpp-python's version (keys caches of computed states)
-ABORTED = 2  # llama_decode: the abort callback stopped the graph
 Model = llama_cpp.llama_model_p
 Context = llama_cpp.llama_context_p
 if TYPE_CHECKING:

@@ -285,6 +285,10 @@ class ExpertCache:
             raise RuntimeError(f"layer {layer} routed to experts {bad} that hold no slot")
         return slots
 
+    def spare_slot(self, layer: int) -> int:
+        """The layer's pools' spare slot (laid out with `spare`): all zeros, never an expert's."""
+        return self.regions[self.by_layer[layer][0]].capacity - 1
+
     def slice_offset(self, ri: int, e: int) -> int:
         """Slab offset of expert e's bytes of region ri, in the slot its expert holds."""
         r = self.regions[ri]

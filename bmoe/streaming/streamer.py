@@ -1,13 +1,12 @@
-"""Demand reads: a layer's missing expert slices, read by the lanes and waited for where the graph needs them.
+"""The Streamer: one loaded model's slab, expert cache and I/O lanes, and what holds them together.
 
-The eval hook (bmoe.seam, through bmoe.engine.graph_stops) calls `on_route` with a layer's routed ids once its
-router weights are gathered (`ffn_moe_weights-L`), then `slot_ids` for what the expert matmuls must read
-instead. The cache (bmoe.streaming.expert_cache) pins the layer's slices and makes room; the missing ones go
-to the lanes at once, gate/up before down, largest read first onto the least-loaded lane. Serial (`overlap`
-off): the hook returns once every read landed. Overlap: it returns once the gate/up slices landed, and
-`on_down` waits for the down slices at the down matmul's input node, so those reads run while the gate/up
-matmuls compute. Reads ahead of demand (prefetch, spec-gate) are bmoe.streaming.readahead's; both send through
-bmoe.streaming.orders. This module owns the waits, the slot binding and the per-token counters; the lanes'
+It owns the slab and the slot pools llama.cpp's expert tensors are bound to (at every slot, ids
+remapped; or, for a layer resident for good, at its experts in order), the ExpertCache and its
+budget (an adaptive budget's watch included), the lanes and the waits on them (a completed read is
+committed to the cache here), the reads ahead (bmoe.streaming.readahead, the spec-gate attached to
+it), the per-token counters, and the lifecycle: settle between requests, preload, close. What happens
+at the graph's stops while a decode runs (the demand reads of a layer's routing, the remap, the down
+matmul's wait) is bmoe.streaming.graph_stops'; both send through bmoe.streaming.orders. The lanes'
 busy time is bmoe.streaming.lane_stats'.
 """
 
@@ -27,7 +26,7 @@ from bmoe.shm_cache import Slab
 from bmoe.streaming.expert_cache import ExpertCache, Region, layout
 from bmoe.streaming.lane_stats import LaneLoad, LaneStats
 from bmoe.streaming.lanes import CANCELLED, LanePool
-from bmoe.streaming.orders import Key, Order, OrdersInFlight
+from bmoe.streaming.orders import Order, OrdersInFlight
 from bmoe.streaming.readahead import ReadAhead, ReadAheadCounts
 from bmoe.streaming.speculation import SpecGate
 
@@ -94,14 +93,13 @@ class Streamer:
         for layer in self.layer_tensors:
             self._bind(layer, None)
         self.overlap = streaming.overlap
-        self.cache.defer_release = True  # pages given back while lanes read: see _wait
+        self.cache.defer_release = True  # pages given back while lanes read: see wait
         self.down_kind = {ri for ri, r in enumerate(regions) if r.kind == "ffn_down_exps"}
         self.orders = OrdersInFlight(self.pool, self.cache)
         self.replaced: dict[int, list[int]] = {}  # cancelled order -> demand orders re-reading what it held
-        self.down_orders: dict[int, list[int]] = {}
         self.counters = Counters()
         self.looked = (0, 0)  # the cache's (hits, lookups) at the last take_counters
-        self.commit_ns = 0  # committing arrived slices, ever (for _wait's split)
+        self.commit_ns = 0  # committing arrived slices, ever (for wait's split)
         self.ahead = ReadAhead(self.orders, self.cache, self.n_expert, files.n_expert_used, prefetch)
         self.lane_stats = LaneStats(streaming.io_threads)
         self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine.follow_memory's)
@@ -185,10 +183,6 @@ class Streamer:
         gate = self.ahead.gate
         return None if gate is None else (gate.recall_pct, gate.disabled_below)
 
-    def predicted_for(self, layer: int) -> set[int] | None:
-        """What the spec-gate predicted for the layer's coming routing, if anything arrived in time."""
-        return self.ahead.predictions.get(layer)
-
     def lane_load(self) -> LaneLoad:
         return self.lane_stats.load()
 
@@ -201,75 +195,10 @@ class Streamer:
             self.watched_at = self.cache.used
             self.watch()
 
-    # ---- the hook's entry points ---------------------------------------------------------------
-
-    def begin_batch(self, n_tokens: int) -> None:
-        """A llama_decode of n_tokens is about to run."""
-        t0 = time.perf_counter_ns()
-        with self.lanes.batched():
-            self.ahead.begin_batch(n_tokens)
-        self.counters.mgmt_ns += time.perf_counter_ns() - t0
-
-    def on_route(self, layer: int, ids: np.ndarray) -> None:
-        t0 = time.perf_counter_ns()
-        self.tick()
-        experts = np.unique(ids)
-        if experts.size and (experts[0] < 0 or experts[-1] >= self.n_expert):
-            raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{self.n_expert - 1}")
-        wanted = experts.tolist()
-        if self.cache.used - self.watched_at >= WATCH_STEP:
-            self.follow()  # a prefill fills the cache within one token: look before it takes more
-        self.ahead.on_route(layer, ids, wanted)
-        missing = self.cache.plan(layer, wanted)
-        self.lanes.hold()
-        try:
-            now, later = self._send_demand(layer, wanted, missing)
-            self.ahead.after_demand(layer, len(ids), wanted)
-        finally:
-            t1 = time.perf_counter_ns()
-            wrote = self.lanes.flush()  # the reads start: the lanes woken may take this CPU first
-            handed = time.perf_counter_ns() - t1 if wrote else 0
-        self.lane_stats.sample_depth(len(self.orders.inflight))
-        c = self.counters
-        c.mgmt_ns += t1 - t0
-        if self.overlap:
-            self.down_orders[layer] = later
-            c.stall_ns += handed + self._wait(now)
-        else:
-            c.io_ns += handed + self._wait(now + later)
-        if self.cache.pending_release:  # nothing to wait for: do it now
-            t2 = time.perf_counter_ns()
-            self.cache.release_evicted()
-            c.mgmt_ns += time.perf_counter_ns() - t2
-
-    def down_pending(self, layer: int) -> bool:
-        orders = self.down_orders.get(layer)
-        if orders and any(self._live(o) for o in orders):
-            return True
-        self.down_orders.pop(layer, None)
-        return False
-
-    def on_down(self, layer: int) -> None:
-        self.counters.stall_ns += self._wait(self.down_orders.pop(layer, []))
-
-    def on_router_input(self, layer: int, node: int) -> None:
-        """Hand the router input to the spec-gate, then collect what finished (cache management time)."""
-        self.ahead.on_router_input(layer, node)
-        t0 = time.perf_counter_ns()
-        self.tick()
-        self.counters.mgmt_ns += time.perf_counter_ns() - t0
-
-    def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
-        """What the layer's expert matmuls read instead of the routed ids: each expert's slot index."""
-        t0 = time.perf_counter_ns()
-        slots = self.cache.slot_ids(layer, ids)
-        self.counters.mgmt_ns += time.perf_counter_ns() - t0
-        return slots
-
-    def skip(self, layer: int) -> bool:
+    def run_through(self, layer: int) -> bool:
         """A layer whose every expert is resident under a budget that holds them all, at slots in
-        expert order, needs no stop: its tensors are bound to read the experts by their own ids.
-        A layer that stops again is bound back to the whole pool first."""
+        expert order, needs no stop: its tensors are bound to read the experts by their own ids
+        (and its lookups count as hits). A layer that stops again is bound back to the whole pool first."""
         c = self.cache
         bound = self.direct.get(layer)
         if c.layer_complete(layer):
@@ -287,30 +216,19 @@ class Streamer:
         return False
 
     def unbind(self, layer: int) -> None:
-        """The hook stops at a layer `skip` would let run through (lossy routing changes every layer):
-        it reads through the remapped ids again."""
+        """The graph stops at a layer `run_through` would let run through (lossy routing changes every
+        layer, a replay every routing): it reads through the remapped ids again."""
         if self.direct.pop(layer, None) is not None:
             self._bind(layer, None)
 
-    def spare_slot(self, layer: int) -> int:
-        """The layer's pools' spare slot (laid out with `spare`): all zeros, never an expert's."""
-        return self.cache.regions[self.cache.by_layer[layer][0]].capacity - 1
+    # ---- reads: sending, collecting, waiting ---------------------------------------------------
 
-    # ---- sending reads -------------------------------------------------------------------------
-
-    def _send_demand(self, layer: int, wanted: list[int], missing: list[Key]) -> tuple[list[int], list[int]]:
-        """Send the layer's missing reads (gate/up before down); returns (await now, await at down)."""
-        split = self.overlap and any(ri in self.down_kind for ri in self.cache.by_layer[layer])
-        now = self.orders.spread([k for k in missing if not (split and k[1] in self.down_kind)])
-        later = self.orders.spread([k for k in missing if split and k[1] in self.down_kind])
-        for key in self.cache.layer_slices(layer, wanted):
-            oid = self.orders.order_of.get(key)  # a read already under way (speculative) covers this slice
-            target = later if split and key[1] in self.down_kind else now
-            if oid is not None and oid not in target:
-                target.append(oid)
-        return now, later
-
-    # ---- completions ---------------------------------------------------------------------------
+    def begin_batch(self, n_tokens: int) -> None:
+        """A llama_decode of n_tokens is about to run."""
+        t0 = time.perf_counter_ns()
+        with self.lanes.batched():
+            self.ahead.begin_batch(n_tokens)
+        self.counters.mgmt_ns += time.perf_counter_ns() - t0
 
     def tick(self) -> None:
         """Collect what finished and keep idle lanes busy, without blocking."""
@@ -319,7 +237,7 @@ class Streamer:
             self._collect()
             self.ahead.pump()
 
-    def _wait(self, orders: list[int]) -> int:
+    def wait(self, orders: list[int]) -> int:
         """Block until these orders completed; returns the wall time blocked (ns).
 
         Pages of free slots to give back are given back here first, while the lanes read; that
@@ -327,12 +245,12 @@ class Streamer:
         live there is nothing to wait for: 0, without timing (the stall of a token whose experts
         were all resident is 0).
         """
-        if not any(self._live(o) for o in orders):
+        if not any(self.live(o) for o in orders):
             return 0
         t0 = time.perf_counter_ns()
         committed = self.commit_ns
         spent = 0
-        while any(self._live(o) for o in orders):
+        while any(self.live(o) for o in orders):
             if self.cache.pending_release:
                 r0 = time.perf_counter_ns()
                 self.cache.release_evicted()
@@ -367,15 +285,14 @@ class Streamer:
         if needed:
             self.replaced[oid] = self.orders.spread(needed)
 
-    def _live(self, oid: int) -> bool:
+    def live(self, oid: int) -> bool:
         """An order still to wait for: in flight, or cancelled and replaced by orders in flight."""
-        return oid in self.orders.inflight or any(self._live(o) for o in self.replaced.get(oid, ()))
+        return oid in self.orders.inflight or any(self.live(o) for o in self.replaced.get(oid, ()))
 
     def settle(self) -> None:
         """Finish every read in flight and drop queued ones: the cache is consistent again."""
-        self.down_orders.clear()
         self.ahead.settle()
-        self._wait(list(self.orders.inflight))
+        self.wait(list(self.orders.inflight))
         self.replaced.clear()
 
     # ---- whole-cache operations ----------------------------------------------------------------
@@ -387,7 +304,7 @@ class Streamer:
             return 0
         for layer in sorted(c.by_layer):
             experts = list(range(c.n_expert(layer)))
-            self._wait(self.orders.spread(c.plan(layer, experts)))
+            self.wait(self.orders.spread(c.plan(layer, experts)))
         c.reset_stats()
         return self.take_counters().read_bytes
 

@@ -1,0 +1,286 @@
+"""A model's load, and the streaming parts wired around it: everything `Engine` is handed.
+
+`load_engine` opens the GGUF, loads it with llama.cpp's own mmap load (mapped without being read while
+streaming: bmoe.seam.no_populate), finds the expert tensors in one warm-up graph visited but not
+computed (bmoe.seam.Capture), sizes the cache (bmoe.memory.budget), builds the Streamer (slab, slot
+pools, cache, I/O lanes), the spec-gate, the route trace, lossy routing and a replayed trace, and
+hooks them into llama.cpp's eval callback through `StreamingStops`. A new streaming mode is wired
+here, in `_stream`; what it does at the graph's stops lives in bmoe.streaming.graph_stops.
+
+What a load made is released by `Loaded.close`, also when the load fails half-way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bmoe import seam
+from bmoe.base.errors import ConfigError, ModelError
+from bmoe.base.model_files import ModelFiles, read_model_files
+from bmoe.base.settings import Naming, Settings
+from bmoe.base.units import MiB
+from bmoe.memory.budget import Adaptive, decide
+from bmoe.memory.dense import DenseReadAhead, advise_normal, dense_ranges, pin
+from bmoe.memory.probe import MemoryProbe
+from bmoe.seam import llama
+from bmoe.shm_cache import sweep_stale_segments
+from bmoe.streaming.expert_cache import working_sets
+from bmoe.streaming.graph_stops import StreamingStops
+from bmoe.streaming.lossy import Lossy
+from bmoe.streaming.route_replay import ReplayError, RouteReplay
+from bmoe.streaming.route_trace import Trace, TraceError, TraceWriter
+from bmoe.streaming.speculation import SpecGate
+from bmoe.streaming.streamer import Streamer, regions_of
+from bmoe.streaming.usage_profile import default_dir
+from bmoe.streaming.warm_fill import WarmStart
+
+
+@dataclass
+class Loaded:
+    """One load's llama.cpp objects and streaming parts (the last are None without streaming)."""
+
+    settings: Settings
+    notice: Callable[[str], None]
+    words: Naming
+    files: ModelFiles
+    hook: seam.EvalHook
+    memory: MemoryProbe = field(default_factory=MemoryProbe)
+    model: llama.Model | None = None
+    ctx: llama.Context | None = None
+    vocab: llama.Vocab | None = None
+    n_ctx: int = 0
+    load_s: float = 0.0
+    llama_load_s: float = 0.0  # of load_s, llama.cpp's own load (model, then context)
+    fixed_k: int = 0  # --no-stream --experts-per-token: llama.cpp's own expert count, set at load
+    streamer: Streamer | None = None
+    stops: StreamingStops | None = None
+    trace: TraceWriter | None = None
+    lossy: Lossy | None = None  # lossy routing while streaming (the stops')
+    replay: RouteReplay | None = None  # --replay-routes: every routing is a trace's (the stops')
+    adaptive: Adaptive | None = None
+    warm: WarmStart | None = None  # the usage profile: a background fill now, saved at close
+    dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
+
+    def close(self) -> None:
+        """Free llama.cpp's objects, then release workers and shared memory; idempotent."""
+        if self.warm is not None and self.streamer is not None:
+            self.warm.save()
+        st, self.streamer = self.streamer, None
+        self.hook.stops = None
+        try:
+            if self.ctx:
+                llama.free_context(self.ctx)
+                self.ctx = None
+            if self.model:
+                llama.free_model(self.model)
+                self.model = None
+        finally:
+            if st:
+                st.close()
+
+
+def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming) -> Loaded:
+    """Load `settings.model` as `settings` ask (validated by the edge); `notice` hears what the user
+    should know; errors name settings in `words` (the edge's)."""
+    t0 = time.perf_counter()
+    files = read_model_files(settings.model)
+    llama.init_backend(settings.verbose)
+    parts = Loaded(settings, notice, words, files, seam.EvalHook())
+    moe = files.n_expert > 1
+    if settings.streaming.enabled and not moe:
+        notice(f"{Path(settings.model).name} is not a Mixture-of-Experts model; running it plain")
+    streaming = settings.streaming.enabled and moe
+    if streaming:
+        removed = sweep_stale_segments()
+        if removed:
+            notice(f"removed {len(removed)} shared-memory segment(s) left by dead runs")
+    try:
+        parts.fixed_k = _fixed_k(parts, moe, streaming)
+        replay = _read_replay(parts, moe)
+        _load_llama(parts, streaming)
+        if streaming:
+            _stream(parts, replay)
+    except BaseException:
+        parts.close()
+        raise
+    parts.load_s = time.perf_counter() - t0
+    return parts
+
+
+def _fixed_k(p: Loaded, moe: bool, streaming: bool) -> int:
+    """The lossy settings against the model: K within its top-k; without streaming K is llama.cpp's
+    own expert count, overridden at load (the returned `fixed_k`, else 0)."""
+    lo, top_k = p.settings.lossy, p.files.n_expert_used
+    if not lo.on:
+        return 0
+    if not moe:
+        p.notice("the lossy routing settings change nothing on a model without experts")
+        return 0
+    k = lo.experts_per_token
+    if k > top_k:
+        raise ConfigError(f"{p.words.value('experts_per_token', k)}: {Path(p.settings.model).name} routes "
+                          f"each token to {top_k} experts; give at most {top_k}")
+    return k if not streaming and 0 < k < top_k else 0
+
+
+def _read_replay(p: Loaded, moe: bool) -> Trace | None:
+    """--replay-routes' trace, read before the model loads: an unreadable one fails at once."""
+    path = p.settings.replay_routes
+    if not path:
+        return None
+    if not moe:
+        p.notice(f"{p.words.name('replay_routes')} changes nothing on a model without experts")
+        return None
+    try:
+        return Trace.read(path)
+    except OSError as e:
+        raise ConfigError(f"{p.words.value('replay_routes', path)}: cannot read it ({e.strerror}); "
+                          "give a trace written by bmoe-cli --route-trace, or route_trace v1 CSV") from None
+    except (TraceError, ValueError, KeyError) as e:
+        raise ConfigError(f"{p.words.value('replay_routes', path)}: {e}") from None
+
+
+def _load_llama(p: Loaded, streaming: bool) -> None:
+    """llama.cpp's own load (model, then context), timed apart as `llama_load_s`, so that
+    `load_s - llama_load_s` is what bmoe adds to a plain llama.cpp load."""
+    s = p.settings
+    t0 = time.perf_counter()
+    ints = {f"{p.files.arch}.expert_used_count": p.fixed_k} if p.fixed_k else None
+    with seam.no_populate() if streaming else nullcontext("not streaming") as why:
+        if streaming and why is not None:
+            p.notice(f"loading the whole model file, as llama.cpp does ({why}): a slower start, the same output")
+        p.model = llama.load_model(s.model, ints)
+    if why is None:  # llama.cpp mapped the file without reading it: the dense weights are read here
+        p.dense_ahead = DenseReadAhead(p.files).start()
+    if not p.model:
+        raise ModelError(f"llama.cpp could not load {s.model}; run with --verbose to see why")
+    p.ctx = llama.new_context(p.model, s.n_ctx, s.threads, p.hook.c_callback if streaming else None,
+                              n_seq=s.parallel)
+    p.llama_load_s = time.perf_counter() - t0
+    llama.set_abort(p.ctx, p.hook.c_abort)
+    p.n_ctx = min(llama.context_size(p.ctx), s.n_ctx)
+    p.vocab = llama.Vocab(p.model)
+
+
+def _stream(p: Loaded, replay: Trace | None) -> None:
+    """A warm-up graph, visited but not computed, finds the expert tensors; they are rebound into the
+    slab's pools, and every part the settings ask for is built and hooked in. `replay`: the trace
+    --replay-routes runs on."""
+    s, files = p.settings, p.files
+    assert p.model is not None  # loaded
+    cap = _capture(p, dry=True)
+    if not cap.bad and not files.expert_names() <= {t.name for t in cap.tensors.values()}:
+        cap = _capture(p, dry=False)  # a graph in several splits: its later ones were not visited
+    if cap.bad:
+        raise ModelError("cannot stream this model's expert layout: " + "; ".join(cap.bad[:3])
+                         + "; run it with --no-stream")
+    if not cap.tensors:
+        raise ModelError("llama.cpp computed no expert matmul (MUL_MAT_ID) for this model; run it with --no-stream")
+    tensors = list(cap.tensors.values())
+    regions = regions_of(files, tensors)
+    # a token reads its routed experts: under --replay-routes, the trace's top-k where it is smaller
+    routed = min(files.n_expert_used, int(replay.header.get("top_k") or 0) or files.n_expert_used) \
+        if replay is not None else files.n_expert_used
+    need = working_sets(regions, max(1, routed))
+    # before the expert tensors are rebound: their data pointers find the mapping
+    dense = dense_ranges(files, tensors)
+    p.memory.kept = 0 if s.streaming.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
+    if s.streaming.pin_dense:
+        _dense_read(p, dense)
+        t0 = time.perf_counter()
+        n = pin(dense)
+        p.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
+    # the lanes and pinned weights are there before the budget is decided: they are in the charge
+    st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
+                               list(cap.biases.values()), spare=s.lossy.on or replay is not None)
+    if replay is not None:
+        try:
+            p.replay = RouteReplay(replay, str(s.replay_routes), st.layers, files.n_expert, files.n_expert_used,
+                                   cap.norms)
+        except ReplayError as e:
+            raise ConfigError(str(e)) from None
+        p.notice(p.replay.describe())
+    _size_cache(p, st, max(need.values()), sum(need.values()))
+    if s.speculation.gate:
+        gate = SpecGate(files, st.layers, llama.n_embd(p.model), s.speculation, s.streaming.shm_backend, p.notice)
+        if gate.active:
+            st.attach_gate(gate)
+        else:
+            gate.close()  # it said why (e.g. a quantized router); the run goes on without it
+    if s.route_trace:
+        p.trace = TraceWriter(Path(s.route_trace), {
+            "model": str(Path(s.model).resolve()), "arch": files.arch, "n_expert": files.n_expert,
+            "top_k": files.n_expert_used, "layers": st.layers, "n_layer": llama.n_layer(p.model),
+            "n_embd": llama.n_embd(p.model),
+            # one whole expert per MoE layer (its slices summed): what v1 readers charge per read
+            "expert_bytes": {layer: sum(r.expert_bytes for r in regions if r.layer == layer) for layer in st.layers}})
+    if s.lossy.on:
+        p.lossy = Lossy(s.lossy, files.n_expert_used, cap.norms, st.cache)
+    p.hook.stops = p.stops = StreamingStops(st, cap.down_inputs if s.streaming.overlap else {}, p.trace, p.lossy,
+                                            p.replay, cap.norms)
+    _dense_read(p, dense)
+    if s.streaming.preload:
+        if not st.holds_everything:
+            p.notice("--preload ignored: the cache budget does not hold every expert")
+        else:
+            t0 = time.perf_counter()
+            n = st.preload()
+            p.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
+    if s.cache.warm_start:
+        p.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), files, st, p.notice)
+
+
+def _dense_read(p: Loaded, ranges: list[tuple[int, int]]) -> None:
+    """Wait for the dense read-ahead (once) and give those ranges normal read-around again."""
+    if p.dense_ahead is not None:
+        p.dense_ahead.join()
+        p.dense_ahead = None
+        advise_normal(ranges)
+
+
+def _capture(p: Loaded, dry: bool) -> seam.Capture:
+    """Visit the graph of a one-token decode; `dry` aborts it at the first computed node, so no
+    expert is read from the file before streaming starts (the visits come before the compute
+    of a graph in one split)."""
+    assert p.ctx is not None and p.vocab is not None  # loaded
+    cap = p.hook.capture = seam.Capture(dry=dry)
+    ctx, token = p.ctx, p.vocab.warmup_token()
+    try:
+        p.hook.run(lambda: llama.decode(ctx, [(0, [token], 0)]), aborts=dry)
+    finally:
+        p.hook.capture = None
+    llama.kv_clear(p.ctx, -1)
+    return cap
+
+
+def _size_cache(p: Loaded, st: Streamer, layer_need: int, token_need: int) -> None:
+    """Decide the budget from the room the limits leave now, and make it adaptive when asked.
+
+    What holding every expert takes in the cache (its slots, page-rounded) is the ceiling, so an
+    auto budget with room to spare holds them all (and --preload can fill it)."""
+    s = p.settings
+    decided = decide(s.cache, s.reads_ahead, st.full_bytes, layer_need, token_need, p.memory.rooms(), p.words)
+    if decided.notice:
+        p.notice(decided.notice)
+    st.set_budget(decided.bytes)
+    if s.cache.adaptive:
+        most_mb = s.cache.mb if s.cache.mb is not None else s.cache.ceil_mb
+        ceiling = st.full_bytes if most_mb is None else min(st.full_bytes, int(most_mb * MiB))
+        p.adaptive = Adaptive(decided.floor, token_need, ceiling, margin=min(128 * MiB, token_need // 2))
+        st.watch = lambda: _adapt(p)  # the Streamer runs it once per token (Engine.step) and as the cache grows
+
+
+def _adapt(p: Loaded) -> None:
+    """Once per token, and whenever the cache took another WATCH_STEP: follow the room the memory
+    limits leave (Adaptive)."""
+    st, adaptive = p.streamer, p.adaptive
+    assert st is not None and adaptive is not None  # the Streamer watches only with an adaptive budget
+    change = adaptive.step(st.budget, st.resident_bytes(), p.memory.least(), p.memory.pressure())
+    if change is not None:
+        old = st.budget
+        st.set_budget(change[0])
+        p.notice(f"cache budget {old / MiB:.0f} -> {change[0] / MiB:.0f} MiB: {change[1]}")

@@ -1,0 +1,206 @@
+"""What runs inside ggml's eval callback while streaming: the graph's stops and the demand reads.
+
+At each MoE layer's routing (`ffn_moe_weights-L`, the router's weights gathered with the routed
+ids) a replayed trace or lossy routing may rewrite the routing first; then the layer's routed
+experts are looked up in the cache, which pins them and makes room, the missing slices go to the
+lanes at once (gate/up before down, largest read first onto the least-loaded lane) and the ids are
+rewritten to slot indices. Serial (`overlap` off): the stop returns once every read landed. Overlap:
+once the gate/up slices landed; the down slices are awaited at the down matmul's input node, so
+those reads run while the gate/up matmuls compute. At each layer's router input the spec-gate and
+the route trace get their rows. A layer resident for good runs through without a stop.
+
+`StreamingStops` is the eval hook's one listener (a bmoe.seam.StopListener); bmoe.engine.load builds
+it once the Streamer (bmoe.streaming.streamer: the cache, lanes, waits, binding and counters), the
+spec-gate and the trace exist.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from bmoe import seam
+from bmoe.streaming.lossy import DROPPED, Lossy
+from bmoe.streaming.orders import Key
+from bmoe.streaming.route_replay import RouteReplay
+from bmoe.streaming.route_trace import TraceWriter
+from bmoe.streaming.streamer import WATCH_STEP, Streamer
+
+
+class BatchRows:
+    """Which tokens of a llama_decode a layer's routed rows are. llama.cpp splits one sequence's
+    decode into ubatches in order and routes every row of a ubatch at the first MoE layer; a layer
+    with fewer rows (the last, which computes only the rows whose logits are asked for: one
+    sequence's last token) has the ubatch's last ones."""
+
+    def __init__(self, first_layer: int) -> None:
+        self.first = first_layer
+        self.start = 0  # the ubatch's first token, within the decode
+        self.n = 0  # the ubatch's tokens
+
+    def begin(self) -> None:
+        self.start, self.n = 0, 0
+
+    def at(self, layer: int, n: int) -> np.ndarray:
+        if layer == self.first:
+            self.start += self.n
+            self.n = n
+        return self.start + np.arange(n) + max(self.n - n, 0)
+
+
+class StreamingStops:
+    """The streaming run's answers at the graph's stops."""
+
+    def __init__(self, streamer: Streamer, down_nodes: dict[bytes, int], trace: TraceWriter | None,
+                 lossy: Lossy | None = None, replay: RouteReplay | None = None,
+                 norms: dict[int, str] | None = None) -> None:
+        """`norms`: each layer's normalisation of its top-k weights (bmoe.seam.Capture.norms), for the
+        shares the trace records."""
+        self.st = streamer
+        self.trace = trace
+        self.lossy = lossy
+        self.replay = replay
+        self.norms = norms or {}
+        self.rewrites = lossy is not None or replay is not None  # ids may hold DROPPED
+        self.rows = BatchRows(streamer.layers[0])
+        self.down_nodes = down_nodes  # empty without --overlap: every read is awaited at the routing node
+        self.router_input = streamer.gate_running or trace is not None
+        self.down_orders: dict[int, list[int]] = {}  # layer -> orders its down matmul waits for (overlap)
+        self._at = np.zeros(0, dtype=np.int64)  # the tokens of the rows at the routing node under way
+
+    def begin_batch(self, n_tokens: int) -> None:
+        """A llama_decode of `n_tokens` tokens starts (not the warm-up capture's)."""
+        self.rows.begin()
+        self.down_orders.clear()  # (settled since: none is live)
+        if self.replay is not None:
+            self.replay.begin(n_tokens)
+        if self.trace is not None:
+            self.trace.begin_batch(n_tokens)
+
+    def skip_route(self, layer: int) -> bool:
+        """A layer whose experts are all resident for good runs through (a trace sees every layer),
+        unless lossy routing changes every layer's routing in this decode or a replay every routing."""
+        if self.replay is not None or (self.lossy is not None and self.lossy.cuts and self.lossy.active):
+            self.st.unbind(layer)
+            return False
+        return self.trace is None and self.st.run_through(layer)
+
+    def reroute(self, layer: int, ids: np.ndarray, node: int) -> None:
+        """A replayed trace (bmoe.streaming.route_replay) sets the ids and weights, or lossy routing
+        (bmoe.streaming.lossy) changes them, before anything reads them; the trace records the weights."""
+        self._at = self.rows.at(layer, ids.shape[0])
+        if self.replay is not None:
+            self.replay.reroute(layer, ids, node, self._at)
+        if self.lossy is not None:
+            self.lossy.reroute(layer, ids, node)
+        if self.trace is not None and ids.shape[0]:
+            self.trace.on_weights(layer, shares(seam.moe_weights(node), self.norms.get(layer, seam.NORM_NONE)),
+                                  self._at)
+
+    def on_route(self, layer: int, ids: np.ndarray) -> None:
+        if self.trace is not None:  # before DROPPED is read as the row's best expert: the trace leaves it out
+            self.trace.on_route(layer, ids, self.st.ahead.predictions.get(layer), self._at)
+        if self.rewrites:
+            ids = _read(ids)
+        self._demand(layer, ids)
+
+    def _demand(self, layer: int, ids: np.ndarray) -> None:
+        """The layer's routed experts: hits counted and pinned, room made, the missing slices sent to
+        the lanes at once; then wait for what the next matmul reads (all of it serially; the gate/up
+        slices under overlap, the down ones at the down input)."""
+        st = self.st
+        t0 = time.perf_counter_ns()
+        st.tick()
+        experts = np.unique(ids)
+        if experts.size and (experts[0] < 0 or experts[-1] >= st.n_expert):
+            raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{st.n_expert - 1}")
+        wanted = experts.tolist()
+        if st.cache.used - st.watched_at >= WATCH_STEP:
+            st.follow()  # a prefill fills the cache within one token: look before it takes more
+        st.ahead.on_route(layer, ids, wanted)
+        missing = st.cache.plan(layer, wanted)
+        st.lanes.hold()
+        try:
+            now, later = self._send(layer, wanted, missing)
+            st.ahead.after_demand(layer, len(ids), wanted)
+        finally:
+            t1 = time.perf_counter_ns()
+            wrote = st.lanes.flush()  # the reads start: the lanes woken may take this CPU first
+            handed = time.perf_counter_ns() - t1 if wrote else 0
+        st.lane_stats.sample_depth(len(st.orders.inflight))
+        c = st.counters
+        c.mgmt_ns += t1 - t0
+        if st.overlap:
+            self.down_orders[layer] = later
+            c.stall_ns += handed + st.wait(now)
+        else:
+            c.io_ns += handed + st.wait(now + later)
+        if st.cache.pending_release:  # nothing to wait for: do it now
+            t2 = time.perf_counter_ns()
+            st.cache.release_evicted()
+            c.mgmt_ns += time.perf_counter_ns() - t2
+
+    def _send(self, layer: int, wanted: list[int], missing: list[Key]) -> tuple[list[int], list[int]]:
+        """Send the layer's missing reads (gate/up before down); returns (await now, await at down)."""
+        st = self.st
+        split = st.overlap and any(ri in st.down_kind for ri in st.cache.by_layer[layer])
+        now = st.orders.spread([k for k in missing if not (split and k[1] in st.down_kind)])
+        later = st.orders.spread([k for k in missing if split and k[1] in st.down_kind])
+        for key in st.cache.layer_slices(layer, wanted):
+            oid = st.orders.order_of.get(key)  # a read already under way (speculative) covers this slice
+            target = later if split and key[1] in st.down_kind else now
+            if oid is not None and oid not in target:
+                target.append(oid)
+        return now, later
+
+    def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """What the layer's expert matmuls read instead of the routed ids: each expert's slot index (a
+        position lossy routing dropped reads the pool's spare slot, all zeros)."""
+        st = self.st
+        t0 = time.perf_counter_ns()
+        slots = st.cache.slot_ids(layer, _read(ids) if self.rewrites else ids)
+        if self.rewrites:
+            slots[ids == DROPPED] = st.cache.spare_slot(layer)
+        st.counters.mgmt_ns += time.perf_counter_ns() - t0
+        return slots
+
+    def on_router_input(self, layer: int, node: int) -> None:
+        """Hand a layer's router input to the trace and the spec-gate; no more stops there once
+        neither wants it (the recall governor switched the gate off)."""
+        if self.trace is not None:
+            self.trace.on_router_input(layer, seam.router_input(node))
+        st = self.st
+        if st.gate_running:
+            st.ahead.on_router_input(layer, node)
+            t0 = time.perf_counter_ns()
+            st.tick()  # collect what finished (cache management time)
+            st.counters.mgmt_ns += time.perf_counter_ns() - t0
+        elif self.trace is None:
+            self.router_input = False
+
+    def down_pending(self, layer: int) -> bool:
+        """Whether the layer's down slices are still being read (the down input must stop then)."""
+        orders = self.down_orders.get(layer)
+        if orders and any(self.st.live(o) for o in orders):
+            return True
+        self.down_orders.pop(layer, None)
+        return False
+
+    def on_down(self, layer: int) -> None:
+        self.st.counters.stall_ns += self.st.wait(self.down_orders.pop(layer, []))
+
+
+def shares(w: np.ndarray, norm: str) -> np.ndarray:
+    """Each routed expert's share of its token's top-k weight, from the weights node ([n_tokens, top_k]),
+    as the layer normalises them: a softmax for NORM_SOFTMAX (the node holds logits), else w / sum
+    (bmoe.streaming.lossy computes its `full` so)."""
+    v = np.exp(w - w.max(axis=1, keepdims=True)) if norm == seam.NORM_SOFTMAX else w.astype(np.float64)
+    return v / np.maximum(v.sum(axis=1, keepdims=True), 1e-30)
+
+
+def _read(ids: np.ndarray) -> np.ndarray:
+    """The routed ids as experts to read: a dropped position as its row's best expert, which the row
+    reads anyway (its slot is the spare's: StreamingStops.slot_ids)."""
+    dropped = ids == DROPPED
+    return np.where(dropped, ids[:, :1], ids) if dropped.any() else ids
