@@ -21,7 +21,7 @@ import numpy as np
 
 from bmoe.replay import lossy_prices, policies
 from bmoe.replay import stats as route_stats
-from bmoe.replay.stats import Budget
+from bmoe.replay.stats import ReplayBudget
 from bmoe.streaming.route_trace import Trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = a.traces or sorted(str(p) for p in SHARED.glob("*.csv"))
     if not paths:
         ap.error(f"no traces given and none in {SHARED}")
-    budgets = [Budget.parse(x) for x in a.budgets.split(",")]
+    budgets = [ReplayBudget.parse(x) for x in a.budgets.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

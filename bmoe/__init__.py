@@ -6,7 +6,8 @@ The module map is in docs/architecture.md.
 
 The API's names load on first use: a worker process (`python -m bmoe.workers.io_lane`) imports
 this package first, and bmoe.api would make each lane import numpy and the engine for nothing
-(bench/reports/2026-12-01-fast-start-ab-2/ measured what that cost a start).
+(bench/reports/2026-12-01-fast-start-ab-2/ measured what that cost a start). This is the one lazy
+surface; every package below imports what it exposes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bmoe.api import Ask, Chunk, Completion, ConfigError, GenerationStats, Model, ModelStats, load, setting_names
+    from bmoe.api import *  # noqa: F403 - the type checker sees the API's names; __all__ says which are bmoe's
 
 __all__ = ["Ask", "Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "load",
            "setting_names"]

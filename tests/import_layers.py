@@ -32,7 +32,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 EDGES = LAYERS[0][1]
 SEAM = "bmoe.seam"
-SURFACE = "bmoe.base.surface"  # how a package's __init__ declares its surface: every __init__ imports it
 
 
 def module_name(path: Path) -> str:
@@ -129,9 +128,54 @@ def inner_imports_by_edges() -> list[str]:
             continue
         for mod, _, line in imports(path):
             top = owner(mod)
-            if mod != top and layer_of(mod) > 0 and mod != SURFACE:
+            if mod != top and layer_of(mod) > 0:
                 bad.append(f"{name}:{line} {mod}")
     return bad
+
+
+PACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py" and m != "bmoe")
+
+
+def surface(package: str) -> set[str]:
+    """The names a package's __init__ exposes: what it imports from bmoe's modules (its own modules,
+    imported as such, are not surface names)."""
+    names = set()
+    for node in ast.parse(MODULES[package].read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bmoe":
+            names.update(a.asname or a.name for a in node.names if f"{node.module}.{a.name}" not in MODULES)
+    return names
+
+
+def surface_uses() -> dict[str, set[str]]:
+    """package -> the names other packages' modules take through its surface: `from bmoe.x import N`
+    and `x.N` after `from bmoe import x` (N not a module of the package); bmoe's own lazy names are
+    bmoe.api's."""
+    uses: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        alias: dict[str, str] = {}  # local name -> a package it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if node.module in uses and owner(name) != node.module and not name.startswith(node.module + "."):
+                        if full not in MODULES and a.name != "*":
+                            uses[node.module].add(a.name)
+                    if full in uses and not name.startswith(full):
+                        alias[a.asname or a.name] = full
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in uses and not name.startswith(a.name) and a.asname:
+                        alias[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in alias:
+                package = alias[node.value.id]
+                if f"{package}.{node.attr}" not in MODULES:
+                    uses[package].add(node.attr)
+    for node in ast.parse(MODULES["bmoe"].read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            uses["bmoe.api"].update(ast.literal_eval(node.value))
+    return uses
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {x} -> {y}: {n}")
     for title, rows in (("climbs (an import into a layer above)", [f"{x} -> {y}" for x, y in climbs(g)]),
                         ("cycles", cycles(g)), ("private imports across modules", private_imports()),
-                        ("edges past a package's surface", inner_imports_by_edges())):
+                        ("edges past a package's surface", inner_imports_by_edges()),
+                        ("surface names nobody takes", [f"{p}.{n}" for p, used in surface_uses().items()
+                                                        for n in sorted(surface(p) - used)]),
+                        ("names taken that a surface lacks", [f"{p}.{n}" for p, used in surface_uses().items()
+                                                              for n in sorted(used - surface(p))])):
         print(f"{title}: {len(rows)}")
         for r in rows:
             print(f"  {r}")

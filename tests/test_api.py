@@ -10,8 +10,9 @@ import psutil
 import pytest
 
 import bmoe
-from bmoe.api import Ask, Chunk, Model, StopText
+from bmoe.api import Ask, Chunk, Model
 from bmoe.base.errors import ConfigError, FieldError, ModelError
+from bmoe.engine.generation import StopText
 from tests.conftest import bmoe_segments, run_cli
 
 PROMPT = "Once upon a time there was a king"

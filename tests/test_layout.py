@@ -165,9 +165,9 @@ def test_every_setting_is_a_flag_of_both_commands_and_a_keyword_of_load(entry) -
     import inspect
 
     import bmoe
-    from bmoe import server
     from bmoe.base.settings import from_keywords, names
     from bmoe.edges import flags
+    from bmoe.server import main as server
 
     for help_text in (flags.build_parser().format_help(), server.build_parser().format_help()):
         words = help_text.replace(",", " ").split()
@@ -179,12 +179,38 @@ def test_every_setting_is_a_flag_of_both_commands_and_a_keyword_of_load(entry) -
         assert entry.get(from_keywords("m.gguf", **{entry.name: entry.default})) == entry.default
 
 
-@pytest.mark.parametrize("package", sorted({layers.owner(m) for m in MODULES if layers.owner(m).count(".") == 1
-                                            and (PKG / layers.owner(m).split(".")[1]).is_dir()}))
-def test_every_name_a_surface_offers_is_there(package: str) -> None:
-    """A package's __init__ promises names (served on first use): each must resolve."""
-    import importlib
+def test_only_the_top_package_loads_its_names_lazily() -> None:
+    """Below `bmoe` a package's __init__ is its docstring and the imports of what it exposes, each name
+    written once: no lazy table, no __all__, no second list for the type checker."""
+    bad = []
+    for package in layers.PACKAGES:
+        body = ast.parse(MODULES[package].read_text()).body
+        for node in body[1:] if body and isinstance(body[0], ast.Expr) else body:
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "bmoe"):
+                bad.append(f"{package}:{node.lineno} {ast.unparse(node)[:60]}")
+    assert not bad, bad
 
-    surface = importlib.import_module(package)
-    for name in getattr(surface, "__all__", ()):
-        assert getattr(surface, name) is not None, (package, name)
+
+def test_each_surface_offers_exactly_what_other_packages_take_from_it() -> None:
+    """A package exposes a name only when another package takes it through the package, and every name
+    taken that way is exposed (the check sees both `from bmoe.x import N` and `x.N`)."""
+    uses = layers.surface_uses()
+    assert {p: sorted(layers.surface(p) - used) for p, used in uses.items() if layers.surface(p) - used} == {}
+    assert {p: sorted(used - layers.surface(p)) for p, used in uses.items() if used - layers.surface(p)} == {}
+
+
+def test_the_surface_check_sees_a_name_nobody_takes_and_one_taken_past_it() -> None:
+    """The check itself: api's `open_model` is taken (bmoe-cli), `base.Settings` too; a surface that
+    dropped one of them would be missing what a user takes."""
+    uses = layers.surface_uses()
+    assert "open_model" in uses["bmoe.api"] and "Settings" in uses["bmoe.base"]
+    assert "Ask" in uses["bmoe.api"], "bmoe's lazy names count as taken from bmoe.api"
+
+
+def test_every_name_bmoe_offers_is_the_apis() -> None:
+    """`bmoe.NAME` loads bmoe.api on first use and hands over its NAME: each one resolves to the same object."""
+    import bmoe
+    import bmoe.api
+
+    for name in bmoe.__all__:
+        assert getattr(bmoe, name) is getattr(bmoe.api, name), name

@@ -136,7 +136,7 @@ def test_a_v1_replay_is_a_whole_expert_lru_of_the_traces_sizes() -> None:
     t.expert_bytes = {layer: -(-b // PAGE) * PAGE for layer, b in t.expert_bytes.items()}
     regions = route_stats.trace_regions(t)
     for mib in (300, 1300, 1900):
-        hit, _ = route_stats.replay(t, regions, route_stats.Budget(mib=mib), "lru", prefill=True)
+        hit, _ = route_stats.replay(t, regions, route_stats.ReplayBudget(mib=mib), "lru", prefill=True)
         assert hit == pytest.approx(plain_lru(t, mib * 2**20, 2 * PAGE))
 
 

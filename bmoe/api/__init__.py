@@ -5,60 +5,21 @@ holds Model and its request types; `source.py` decides which file a run uses (a 
 via `hub.py`, or the demo model, built on first use).
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from bmoe.base.surface import lazy
-
-if TYPE_CHECKING:
-    from bmoe.api.model import (
-        TOP_LOGPROBS_MAX,
-        Alternative,
-        Ask,
-        Chunk,
-        Completion,
-        ConfigError,
-        ContentTokens,
-        ContextTooLong,
-        GenerationStats,
-        Model,
-        ModelStats,
-        Request,
-        StopText,
-        TokenLogprob,
-        content_logprobs,
-        load,
-        open_model,
-        setting_names,
-    )
-    from bmoe.api.source import resolve
-    from bmoe.coordinator import EngineStats
-
-__getattr__, __all__ = lazy(
-    __name__,
-    {
-        "bmoe.api.model": [
-            "TOP_LOGPROBS_MAX",
-            "Alternative",
-            "Ask",
-            "Chunk",
-            "Completion",
-            "ConfigError",
-            "ContentTokens",
-            "ContextTooLong",
-            "GenerationStats",
-            "Model",
-            "ModelStats",
-            "Request",
-            "StopText",
-            "TokenLogprob",
-            "content_logprobs",
-            "load",
-            "open_model",
-            "setting_names",
-        ],
-        "bmoe.api.source": ["resolve"],
-        "bmoe.coordinator": ["EngineStats"],
-    },
+from bmoe.api.model import (
+    TOP_LOGPROBS_MAX,
+    Ask,
+    Chunk,
+    Completion,
+    ConfigError,
+    ContentTokens,
+    GenerationStats,
+    Model,
+    ModelStats,
+    Request,
+    TokenLogprob,
+    content_logprobs,
+    load,
+    open_model,
+    setting_names,
 )
+from bmoe.engine.engine_stats import EngineStats

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bmoe.base.settings import DEFAULT_POLICY
 from bmoe.base.units import MiB
-from bmoe.replay.stats import Budget, regions_for, replay
+from bmoe.replay.stats import ReplayBudget, regions_for, replay
 from bmoe.streaming.expert_cache import RESIDENT, ExpertCache, Region
 from bmoe.streaming.route_trace import Trace
 
@@ -36,7 +36,7 @@ class Price:
         return 100.0 * (1 - self.mib_per_token / self.lossless_mib_per_token) if self.lossless_mib_per_token else 0.0
 
 
-def drop_cold_replay(t: Trace, regions: list[Region], budget: Budget, f: float,
+def drop_cold_replay(t: Trace, regions: list[Region], budget: ReplayBudget, f: float,
                      policy: str = DEFAULT_POLICY) -> tuple[float, float]:
     """MiB read per decode token and the mean router-weight share dropped per token and layer."""
     if t.weights is None:
@@ -67,7 +67,7 @@ def drop_cold_replay(t: Trace, regions: list[Region], budget: Budget, f: float,
     return read / MiB / n, 100.0 * dropped / max(1, visits)
 
 
-def prices(paths: list[str], budgets: list[Budget], fs: list[float], model: str | None = None) -> list[Price]:
+def prices(paths: list[str], budgets: list[ReplayBudget], fs: list[float], model: str | None = None) -> list[Price]:
     """Every trace × budget × F, each against its lossless replay (default policy)."""
     out = []
     for path in paths:

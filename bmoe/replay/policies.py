@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from bmoe.replay.bounds import Belady, NextTokenOracle
-from bmoe.replay.stats import Budget, regions_for, replay
+from bmoe.replay.stats import ReplayBudget, regions_for, replay
 from bmoe.streaming import routers
 from bmoe.streaming.cache_policy import POLICIES, Policy
 from bmoe.streaming.route_trace import Trace
@@ -94,7 +94,7 @@ def belady_future(t: Trace) -> dict[tuple[int, int], list[int]]:
     return fut
 
 
-def simulate(paths: list[str], budgets: list[Budget], model: str | None = None,
+def simulate(paths: list[str], budgets: list[ReplayBudget], model: str | None = None,
              progress: Callable[[str], None] = lambda s: None, prefill: bool = True) -> list[Row]:
     """Every policy and Belady at every budget on every trace (after the prompt or a prefill pass,
     see stats.replay). A v1 trace needs no model file; a bmoe trace reads its model's GGUF table."""

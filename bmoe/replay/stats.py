@@ -24,14 +24,14 @@ BUDGETS_PCT = (10, 25, 50, 75)
 
 
 @dataclass(frozen=True)
-class Budget:
+class ReplayBudget:
     """A cache budget as a share of the expert bank (`pct`) or in MiB (`mib`); `label` prints it."""
 
     pct: float | None = None
     mib: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> Budget:
+    def parse(cls, text: str) -> ReplayBudget:
         """`25` or `25%`: a share of all expert bytes; `1300MiB` or `1300M`: MiB."""
         t = text.strip()
         for unit in ("MiB", "M"):
@@ -124,7 +124,7 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
     return 100.0 * hit / total if total else 0.0
 
 
-def replay(t: Trace, regions: list[Region], budget: Budget | float, policy: str | Policy = "lru",
+def replay(t: Trace, regions: list[Region], budget: ReplayBudget | float, policy: str | Policy = "lru",
            predictions: list[list[list[tuple[int, list[int]]]]] | None = None,
            prefill: bool = False) -> tuple[float, float]:
     """Hit rate and MiB read per token of a cache policy over the trace's decode tokens, for a
@@ -137,7 +137,7 @@ def replay(t: Trace, regions: list[Region], budget: Budget | float, policy: str 
     traces hold decode only) gets a pass that routes every expert of every layer, as a prompt of a
     few dozen tokens does. That pass is not counted.
     """
-    b = budget if isinstance(budget, Budget) else Budget(pct=budget)
+    b = budget if isinstance(budget, ReplayBudget) else ReplayBudget(pct=budget)
     cache = ExpertCache(None, regions, b.bytes(sum(r.nbytes for r in regions)), policy)
     if prefill:
         for layer in t.layers:

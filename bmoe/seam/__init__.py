@@ -15,7 +15,6 @@ from bmoe.seam.graph import (
     ExpertBias,
     ExpertTensor,
     NodeTap,
-    StopListener,
     deliver,
     last_router_input,
     moe_weights,
@@ -24,22 +23,3 @@ from bmoe.seam.graph import (
     router_scores,
     tensor_at,
 )
-
-__all__ = [
-    "NORM_NONE",
-    "NORM_SOFTMAX",
-    "Capture",
-    "EvalHook",
-    "ExpertBias",
-    "ExpertTensor",
-    "NodeTap",
-    "StopListener",
-    "deliver",
-    "last_router_input",
-    "llama",
-    "moe_weights",
-    "no_populate",
-    "router_input",
-    "router_scores",
-    "tensor_at",
-]

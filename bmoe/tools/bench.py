@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from bmoe.base import nonneg_int, positive_float, positive_int
-from bmoe.replay import Budget
+from bmoe.replay import ReplayBudget
 from bmoe.tools import bench_config, bench_numbers, bench_quality, bench_report, bench_run, bench_sys
 
 EXIT_ERROR = 1
@@ -94,9 +94,9 @@ def _thread_list(text: str) -> list[int]:
     return xs
 
 
-def _budget_list(text: str) -> list[Budget]:
+def _budget_list(text: str) -> list[ReplayBudget]:
     try:
-        xs = [Budget.parse(x) for x in text.split(",") if x.strip()]
+        xs = [ReplayBudget.parse(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected percentages like 10,25 or sizes like 1300MiB") from None
     if not xs or any(b.pct is not None and not 0 < b.pct <= 100 for b in xs) or any(
