@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows = policies.simulate(paths, budgets, progress=lambda s: print(s, file=sys.stderr))
-    table = policies.table(rows)
+    table = policies.policy_table(rows)
     (out / "policies.md").write_text(table + "\n")
     prices = lossy_prices.prices(paths, budgets, [float(x) for x in a.drop_cold.split(",")])
     lines = ["# Cache policies on real routing\n", f"`python bench/real_routes.py --out {a.out}` "
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"Previous-token reuse {route_stats.previous_token_reuse(t):.1f} % (uniform routing: "
                   f"{route_stats.uniform_reuse(t):.1f} %); a layer's busiest quarter of experts takes "
                   f"{route_stats.busiest_quarter(t):.1f} % of its routes.\n", *reuse_by_count(t)]
-    lines += ["\n## --drop-cold on these routes (default policy)\n", lossy_prices.table(prices)]
+    lines += ["\n## --drop-cold on these routes (default policy)\n", lossy_prices.price_table(prices)]
     if chart(rows, out / "hit_by_budget.png"):
         lines.append("\n![hit % by cache size](hit_by_budget.png)")
     (out / "report.md").write_text("\n".join(lines) + "\n")

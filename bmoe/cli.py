@@ -42,7 +42,7 @@ def summary(e: EngineStats, settings: Settings, lines: list[telemetry.TokenLine]
     if stats.cache_hit_pct >= 0:
         out.append(telemetry.cache_line(stats.cache_hit_pct, e.resident_bytes))
     if e.streaming and settings.speculation.prefetch:
-        out.append(prefetch_line(stats))
+        out.append(speculation_line(stats))
     if e.spec_gate is not None:
         out.append(telemetry.spec_gate_line(*e.spec_gate))
     if stats.lossy:
@@ -50,7 +50,7 @@ def summary(e: EngineStats, settings: Settings, lines: list[telemetry.TokenLine]
     return out
 
 
-def prefetch_line(stats: GenerationStats) -> str:
+def speculation_line(stats: GenerationStats) -> str:
     return telemetry.prefetch_line(int(stats.speculative_mib * MiB), stats.useful_experts, stats.prefetched_experts)
 
 
@@ -91,7 +91,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
             out.write(line + "\n")
         out.flush()
         if e.spec_gate is not None and not settings.speculation.prefetch:
-            console.notice(prefetch_line(done.stats))  # the contract's moe-prefetch line is --prefetch's
+            console.notice(speculation_line(done.stats))  # the contract's moe-prefetch line is --prefetch's
         if csv_file:
             totals = telemetry.RunTotals.of(lines, overlap=e.streaming and settings.streaming.overlap)
             csv_file.write(telemetry.csv_summary(
@@ -99,7 +99,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
                 prefill_s=done.stats.prefill_s, load_s=e.load_s, llama_load_s=e.llama_load_s) + "\n")
         if a.profile:
             rows = profile.collect(list(e.workers))
-            print(profile.table(rows, e.resident_bytes, list(e.lanes)), file=sys.stderr)
+            print(profile.process_table(rows, e.resident_bytes, list(e.lanes)), file=sys.stderr)
             if a.csv:
                 Path(a.csv + ".procs.csv").write_text(profile.csv_text(rows, e.resident_bytes))
     finally:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.session:
         from bmoe.edges import session
 
-        return session.serve(a, settings)
+        return session.serve_session(a, settings)
     try:
         return run(a, settings)
     except (BmoeError, OSError) as e:

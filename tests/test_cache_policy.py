@@ -456,5 +456,5 @@ def test_the_settings_name_every_policy_there_is() -> None:
     the policies (the base layer imports nothing above it); this holds the two together."""
     from bmoe.base import settings
 
-    assert tuple(POLICIES) == settings.POLICIES and settings.DEFAULT_POLICY in POLICIES
+    assert tuple(POLICIES) == settings.POLICY_NAMES and settings.DEFAULT_POLICY in POLICIES
 

@@ -24,7 +24,7 @@ from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.base.user_cache import cache_dir
 from bmoe.demo import build as demo
-from bmoe.demo import routers as demo_routers
+from bmoe.demo import router_fit as demo_routers
 from bmoe.demo import write as demo_write
 from bmoe.streaming.expert_cache import file_regions, working_sets
 from tests.conftest import complete, load, slice_bytes

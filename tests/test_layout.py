@@ -214,3 +214,51 @@ def test_every_name_bmoe_offers_is_the_apis() -> None:
 
     for name in bmoe.__all__:
         assert getattr(bmoe, name) is getattr(bmoe.api, name), name
+
+
+# a command's entry point and its parser: each command module has its own, by the console-script convention
+COMMAND_NAMES = {"main", "build_parser"}
+
+
+def _public_definitions() -> dict[str, list[str]]:
+    """Public module-level names (classes, functions, assignments) -> the product modules defining them."""
+    out: dict[str, list[str]] = {}
+    for name, tree in _product_modules_and_tools().items():
+        if MODULES[name].name == "__init__.py":
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            for n in names:
+                if not n.startswith("_"):
+                    out.setdefault(n, []).append(name)
+    return out
+
+
+def _product_modules_and_tools() -> dict[str, ast.Module]:
+    return {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+
+
+def test_no_two_modules_define_the_same_public_name() -> None:
+    """One name per thing, one thing per name: a public name is defined in one module (the same thing
+    used elsewhere is imported from there), except each command's `main` and `build_parser`."""
+    twice = {n: where for n, where in _public_definitions().items() if len(where) > 1 and n not in COMMAND_NAMES}
+    assert twice == {}
+
+
+def test_the_name_check_sees_a_twin() -> None:
+    defs = _public_definitions()
+    assert defs["Settings"] == ["bmoe.base.settings"] and len(defs["main"]) > 2
+    assert "bmoe.engine.load" in defs["load_engine"]
+
+
+def test_no_two_files_share_a_name() -> None:
+    """A file's name says what it holds, so no two do (`__init__.py` and `__main__.py` aside)."""
+    names = [p.name for p in PKG.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

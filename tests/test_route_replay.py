@@ -18,7 +18,7 @@ from bmoe.base.model_files import read_model_files
 from bmoe.base.settings import from_keywords
 from bmoe.base.units import MiB
 from bmoe.streaming.expert_cache import file_regions, working_sets
-from bmoe.streaming.route_trace import V1_MAGIC, Routes, Trace
+from bmoe.streaming.route_trace import V1_MAGIC, TokenRoutes, Trace
 from bmoe.tools import bench_config, bench_run
 from tests.conftest import run_cli
 
@@ -32,7 +32,7 @@ def text(r) -> str:
     return r.stdout.split("\ngeneration:")[0]
 
 
-def rows(t: Trace) -> list[Routes]:
+def rows(t: Trace) -> list[TokenRoutes]:
     return t.prompt + t.routes
 
 

@@ -33,7 +33,7 @@ def test_trace_records_routes_and_router_inputs(synth, tmp_path, arch: str) -> N
     assert all(len(step[layer]) == 2 for step in t.routes for layer in t.layers)
     assert t.hidden.shape == (n_tokens, 4, t.header["n_embd"])
     # the captured router input reproduces the layer's own routing exactly
-    rs = routers.load([model], arch, t.layers)
+    rs = routers.load_routers([model], arch, t.layers)
     for step, r in enumerate(t.routes):
         for i, layer in enumerate(t.layers):
             logits = rs[layer].weight @ t.hidden[step, i] + (0 if rs[layer].bias is None else rs[layer].bias)

@@ -55,7 +55,7 @@ def test_a_profile_round_trips_and_stays_small_for_a_large_model(tmp_path) -> No
     path = tmp_path / "p.json"
     usage_profile.save(path, ident, usage)
     assert path.stat().st_size <= 1 << 20
-    back, why = usage_profile.load(path, ident, {layer: 128 for layer in range(48)})
+    back, why = usage_profile.read_profile(path, ident, {layer: 128 for layer in range(48)})
     assert why is None and back.routings == usage.routings
     assert all((back.counts[layer] == counts[layer]).all() for layer in counts)
     order = back.fill_order()
@@ -101,7 +101,7 @@ def test_a_run_writes_its_profile_and_the_next_start_fills_the_cache_from_it(mod
         resident = {(layer, x) for layer in c.by_layer for x in range(c.n_expert(layer))
                     if all(c.state[ri][x] == RESIDENT for ri in c.by_layer[layer])}
         assert resident and c.used <= c.budget, "it fills, and never past the budget"
-        order = usage_profile.load(path, usage_profile.identity(e.files),
+        order = usage_profile.read_profile(path, usage_profile.identity(e.files),
                                    {layer: c.n_expert(layer) for layer in c.by_layer})[0].fill_order()
         assert resident == set(order[:len(resident)]), "the most used experts, in order"
         assert any(n.startswith("warm start:") and "experts read in" in n for n in notes), notes
@@ -218,7 +218,7 @@ def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(mode
     finally:
         m.close()
     c = e.files
-    assert usage_profile.load(path, usage_profile.identity(c), {0: 16, 1: 16, 2: 16, 3: 16}) [1] is None, \
+    assert usage_profile.read_profile(path, usage_profile.identity(c), {0: 16, 1: 16, 2: 16, 3: 16}) [1] is None, \
         "rewritten at exit for the file as it is now"
 
 

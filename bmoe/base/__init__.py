@@ -5,7 +5,7 @@ files. It imports nothing of bmoe above it.
 
 from bmoe.base.argtypes import nonneg_int, number, positive_float, positive_int
 from bmoe.base.errors import BmoeError, ConfigError, ContextTooLong, FieldError, ModelError
-from bmoe.base.model_files import shard_paths
+from bmoe.base.model_files import EXPERT_TENSOR, shard_paths
 from bmoe.base.settings import (
     FLAGS,
     N_PREDICT,
@@ -20,4 +20,4 @@ from bmoe.base.settings import (
     setting,
     validate,
 )
-from bmoe.base.units import MiB
+from bmoe.base.units import GB, MiB

@@ -10,10 +10,10 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
-T = TypeVar("T", int, float)
+_T = TypeVar("_T", int, float)
 
 
-def number(text: str, convert: Callable[[str], T], noun: str, ok: Callable[[T], bool], rule: str) -> T:
+def number(text: str, convert: Callable[[str], _T], noun: str, ok: Callable[[_T], bool], rule: str) -> _T:
     """`text` converted, and within its rule; otherwise an error naming the value and the rule."""
     try:
         v = convert(text)

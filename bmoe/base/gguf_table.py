@@ -22,7 +22,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # value type -> struct format of a scalar (GGUF: uint8, int8, uint16, int16, uint32, int32, float32, bool,
 # string, array, uint64, int64, float64)
@@ -145,7 +145,7 @@ def read_table(path: Path) -> GGUFTable:
 
 def _parse(buf: bytes, size: int) -> GGUFTable:
     """The table from the first bytes of a file of `size` bytes; _NeedMore when they are not enough."""
-    if len(buf) < 8 or buf[:4] != MAGIC:
+    if len(buf) < 8 or buf[:4] != GGUF_MAGIC:
         raise GGUFError(f"bad magic {bytes(buf[:4])!r}")
     version = struct.unpack_from("<I", buf, 4)[0]
     order = "<" if version & 0xFFFF else ">"  # a big-endian file reads as a huge little-endian version

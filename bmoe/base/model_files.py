@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bmoe.base.errors import ModelError
-from bmoe.base.gguf_table import MAGIC as GGUF_MAGIC
-from bmoe.base.gguf_table import GGUFError, read_table
+from bmoe.base.gguf_table import GGUF_MAGIC, GGUFError, read_table
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_\w+_exps\.weight$")

@@ -25,7 +25,7 @@ from bmoe.base.errors import ConfigError
 
 N_PREDICT = 64  # tokens a request generates when it does not say
 # the cache policies by name (bmoe.streaming.cache_policy.POLICIES makes each; a test holds the two together)
-POLICIES = ("lru", "cycle", "cycle-lfu", "next-use", "quota", "predict")
+POLICY_NAMES = ("lru", "cycle", "cycle-lfu", "next-use", "quota", "predict")
 DEFAULT_POLICY = "next-use"
 
 
@@ -49,8 +49,8 @@ def _share(text: str) -> float:
 
 
 def _policy(text: str) -> str:
-    if text not in POLICIES:
-        raise argparse.ArgumentTypeError(f"unknown cache policy {text!r}; choose one of {', '.join(POLICIES)}")
+    if text not in POLICY_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown cache policy {text!r}; choose one of {', '.join(POLICY_NAMES)}")
     return text
 
 
@@ -94,9 +94,9 @@ class CacheSettings:
              "--cache-ceil-mb, following free memory while it runs; a budget below one token's working set is "
              "refused (auto falls back to no cache) unless --force")
     policy: str = setting(
-        DEFAULT_POLICY, "--cache-policy", parse=_policy, metavar="NAME", ok=lambda v: v in POLICIES,
-        rule=f"unknown cache policy; choose one of {', '.join(POLICIES)}",
-        help=f"which experts the cache gives up first: {', '.join(POLICIES)} (default {{default}}; compare them "
+        DEFAULT_POLICY, "--cache-policy", parse=_policy, metavar="NAME", ok=lambda v: v in POLICY_NAMES,
+        rule=f"unknown cache policy; choose one of {', '.join(POLICY_NAMES)}",
+        help=f"which experts the cache gives up first: {', '.join(POLICY_NAMES)} (default {{default}}; compare them "
              "on a trace with `bmoe-bench policies`)")
     floor_mb: float | None = setting(
         None, "--cache-floor-mb", parse=_mib, ok=lambda v: v >= 0, rule="a number of MiB, 0 or more",

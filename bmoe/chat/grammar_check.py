@@ -2,7 +2,7 @@
 
 llama.cpp's grammar parser is native code that crashes the process, rather than raising, on
 inputs nobody bounded (bmoe.chat.limits bounds the ones we know of). So the first time a
-grammar is seen it goes to a checker process (bmoe.workers.grammar_check) that builds the same
+grammar is seen it goes to a checker process (bmoe.workers.grammar_worker) that builds the same
 sampler generation will build: if that process dies or takes longer than `deadline_s`, the request
 gets a GrammarError naming its grammar and the server keeps serving; the checker is started again
 for the next one. Grammars that passed are remembered (a tool list or a schema comes back with
@@ -34,7 +34,7 @@ class GrammarCheck:
     """The checker process for one model file, started on first use; thread-safe."""
 
     def __init__(self, model_path: str, deadline_s: float = CHECK_S) -> None:
-        self.cmd = [sys.executable, "-m", "bmoe.workers.grammar_check", model_path]
+        self.cmd = [sys.executable, "-m", "bmoe.workers.grammar_worker", model_path]
         self.deadline_s = deadline_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.unpacker = msgpack.Unpacker()

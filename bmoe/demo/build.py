@@ -29,12 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bmoe.base.errors import ModelError
-from bmoe.base.units import MiB
+from bmoe.base.units import GB, MiB
 from bmoe.base.user_cache import cache_dir
-from bmoe.demo import source as demo_source
+from bmoe.demo import smollm2 as demo_source
 from bmoe.demo.calibrate import calibration_states
-from bmoe.demo.routers import SEED, make_router
-from bmoe.demo.write import GB, RECIPE, check_args, experts_for_size, write
+from bmoe.demo.router_fit import SEED, make_router
+from bmoe.demo.write import RECIPE, check_args, experts_for_size, write
 
 DEFAULT_EXPERTS, DEFAULT_TOP_K = 64, 8
 DEMO_EXPERTS, DEMO_TOP_K = 16, 4  # the model a no-argument `bmoe-cli` runs
@@ -53,7 +53,7 @@ def _quiet(_msg: str) -> None:
 
 def source_model(progress: Progress = None) -> Path:
     """The dense SmolLM2 GGUF the demo is built from, in the cache dir (fetched on first use)."""
-    return demo_source.source_model(cache_dir(), progress or _quiet)
+    return demo_source.fetch_source_model(cache_dir(), progress or _quiet)
 
 
 def default_path(experts: int = DEFAULT_EXPERTS, top_k: int = DEFAULT_TOP_K) -> Path:

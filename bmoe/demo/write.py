@@ -2,7 +2,7 @@
 
 The output is a `llama`-arch MoE (Mixtral layout). Each expert is the layer's dense FFN (Q4_1
 dequantized, requantized to Q8_0) whose down projection carries the expert's signature
-(`bmoe.demo.routers.signature_gain`) in its Q8_0 block scales. llama.cpp's llama arch
+(`bmoe.demo.router_fit.signature_gain`) in its Q8_0 block scales. llama.cpp's llama arch
 renormalises the top-k routing weights (`build_moe_ffn(..., norm_w = true, ...)` in
 src/models/llama.cpp), so any routing yields the dense FFN up to the signature.
 
@@ -25,12 +25,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from bmoe.base.gguf_table import read_table
-from bmoe.demo.routers import signature_gain
+from bmoe.base.units import GB
+from bmoe.demo.router_fit import signature_gain
 
 ARCH = "llama"
 RECIPE = 2  # bump whenever the bytes a given (experts, top_k) produce change (it is in the file name)
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
-GB = 1_000_000_000
 Q8 = QT.Q8_0
 Q8_BLOCK, Q8_BYTES = gguf.GGML_QUANT_SIZES[Q8]
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from bmoe.base import FLAGS, N_PREDICT, SCHEMA, ConfigError, Entry, Settings, build, positive_int, validate
 
-EXAMPLES = """\
+CLI_EXAMPLES = """\
 examples:
   bmoe-cli                                   # built-in demo model and prompt
   bmoe-cli -m model.gguf -p "Why is the sky blue?" -n 128 --cache-mb 2000 --io-threads 4
@@ -84,7 +84,7 @@ def add_n_predict(ap: argparse.ArgumentParser, help: str = f"tokens to generate 
 def build_parser() -> argparse.ArgumentParser:
     """bmoe-cli's parser."""
     ap = argparse.ArgumentParser(
-        prog="bmoe-cli", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="bmoe-cli", epilog=CLI_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a Mixture-of-Experts GGUF larger than RAM: routed experts are read from "
                     "flash into a bounded shared-memory cache; output equals plain llama.cpp.")
 

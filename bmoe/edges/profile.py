@@ -65,7 +65,7 @@ def collect(workers: list[tuple[str, int]]) -> list[ProcRow]:
 COLUMNS = [f.name for f in fields(ProcRow)]
 
 
-def table(rows: list[ProcRow], slab_resident: int, lanes: Sequence[str] = ()) -> str:
+def process_table(rows: list[ProcRow], slab_resident: int, lanes: Sequence[str] = ()) -> str:
     """The rows, the slab's resident bytes, then `lanes` (Engine.lane_lines: busy time, queue depth)."""
     head = f"{'role':<12} {'pid':>7} {'user_s':>8} {'sys_s':>8} {'peak_rss_MiB':>13} {'shared_MiB':>11} " \
            f"{'read_MiB':>9} {'ctx_sw':>8}"

@@ -231,7 +231,7 @@ class Session:
     def profile(self) -> None:
         """The per-process table (coordinator, workers) on stderr, on demand; stdout stays protocol-only."""
         e = self.model.stats.engine
-        print(profile.table(profile.collect(list(e.workers)), e.resident_bytes, list(e.lanes)), file=sys.stderr,
+        print(profile.process_table(profile.collect(list(e.workers)), e.resident_bytes, list(e.lanes)), file=sys.stderr,
               flush=True)
 
     # -- main thread --
@@ -331,7 +331,7 @@ def _fatal(out: Output, rid: int, exc: BaseException) -> int:
     return code
 
 
-def serve(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
+def serve_session(a: argparse.Namespace, settings: Settings, stdin_fd: int = 0) -> int:
     """`bmoe-cli --session`: load once, then serve requests until close, EOF or a signal."""
     try:
         # typeshed's TextIO has no reconfigure; a replaced stdout may lack it (AttributeError)

@@ -18,7 +18,7 @@ class SessionError(RuntimeError):
     """The session process ended, or answered something other than the protocol expects."""
 
 
-Event = tuple[str, dict[str, Any]]
+SessionEvent = tuple[str, dict[str, Any]]
 
 
 class SessionClient:
@@ -42,7 +42,7 @@ class SessionClient:
         self.lines: list[str] = []
         self.stray: list[str] = []
         self._stderr: list[bytes] = []
-        self._events: queue.Queue[Event | None] = queue.Queue()
+        self._events: queue.Queue[SessionEvent | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._read_stdout, daemon=True),
                          threading.Thread(target=self._read_stderr, daemon=True)]
         for t in self._threads:
@@ -78,7 +78,7 @@ class SessionClient:
     def stderr(self) -> str:
         return b"".join(self._stderr).decode("utf-8", errors="replace")
 
-    def next_event(self, timeout: float | None = 300.0) -> Event:
+    def next_event(self, timeout: float | None = 300.0) -> SessionEvent:
         """The next protocol line; SessionError when the process ended or nothing came in time."""
         try:
             ev = self._events.get(timeout=timeout)
@@ -102,20 +102,20 @@ class SessionClient:
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
 
-    def generate(self, id: int, prompt: str, timeout: float | None = 300.0, **opts: Any) -> Iterator[Event]:
+    def generate(self, id: int, prompt: str, timeout: float | None = 300.0, **opts: Any) -> Iterator[SessionEvent]:
         """Send a generate request; iterate its events up to and including its DONE or ERROR
         (or a fatal ERROR). Options: n_predict, think, clear_kv, lossless."""
         self.send({"cmd": "generate", "id": id, "prompt": prompt, **opts})
         return self.events_until(id, timeout)
 
-    def events_until(self, id: int, timeout: float | None = 300.0) -> Iterator[Event]:
+    def events_until(self, id: int, timeout: float | None = 300.0) -> Iterator[SessionEvent]:
         while True:
             tag, obj = self.next_event(timeout)
             yield tag, obj
             if (tag in ("DONE", "ERROR") and obj.get("id") == id) or (tag == "ERROR" and obj.get("fatal")):
                 return
 
-    def ask(self, id: int, prompt: str, **opts: Any) -> tuple[list[Event], Event]:
+    def ask(self, id: int, prompt: str, **opts: Any) -> tuple[list[SessionEvent], SessionEvent]:
         """generate() collected: (all events, the final DONE/ERROR event)."""
         evs = list(self.generate(id, prompt, **opts))
         return evs, evs[-1]

@@ -4,3 +4,4 @@ one request's life on a KV sequence (`generation`, with its `logprobs`) and the 
 """
 
 from bmoe.engine.generation import Completion, Generation
+from bmoe.engine.logprobs import log_softmax

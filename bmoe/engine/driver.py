@@ -22,7 +22,7 @@ from bmoe.engine.generation import Completion, Generation
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 class Driver:
@@ -108,7 +108,7 @@ class Driver:
             if self._decoding and all(g.cancelled for g in self._decoding):
                 self.engine.interrupt()
 
-    def _decode(self, gens: list[Generation], call: Callable[[], T]) -> T:
+    def _decode(self, gens: list[Generation], call: Callable[[], _T]) -> _T:
         """Run an engine call for `gens`, interruptible by `cancel` while it runs."""
         with self._lock:
             self._decoding = gens

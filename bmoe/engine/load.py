@@ -49,7 +49,7 @@ class Loaded:
     files: ModelFiles
     hook: seam.EvalHook
     memory: MemoryProbe = field(default_factory=MemoryProbe)
-    model: llama.Model | None = None
+    model: llama.LlamaModel | None = None
     ctx: llama.Context | None = None
     vocab: llama.Vocab | None = None
     n_ctx: int = 0

@@ -45,7 +45,7 @@ import numpy as np
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine
 
-MAGIC = b"BMOEKV\x00\x01"
+KV_MAGIC = b"BMOEKV\x00\x01"
 _HEAD = struct.Struct("<8s32sIQ32s")
 SUFFIX = ".kv"
 _SAMPLES = 16  # 4 KiB blocks read from each model file for its identity
@@ -98,7 +98,7 @@ def cut(n: int, prefix: int, n_ubatch: int) -> int:
 
 
 @dataclass(frozen=True)
-class Entry:
+class KeptPrefix:
     path: Path
     tokens: tuple[int, ...]
     size: int  # bytes on disk
@@ -114,7 +114,7 @@ def _read_head(f: BinaryIO, size: int) -> tuple[bytes, tuple[int, ...], int, byt
     if len(raw) < _HEAD.size:
         raise CorruptEntry(f"cut short ({size} bytes)")
     magic, ident, n, length, digest = _HEAD.unpack(raw)
-    if magic != MAGIC:
+    if magic != KV_MAGIC:
         raise CorruptEntry("not a bmoe prompt-cache file (bad magic)")
     toks = f.read(4 * n)
     if len(toks) < 4 * n or _HEAD.size + 4 * n + length != size:
@@ -132,7 +132,7 @@ class PromptCache:
         self.identity = identity
         self.notice = notice
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.entries: dict[Path, Entry] = {}
+        self.entries: dict[Path, KeptPrefix] = {}
         for p in sorted(self.folder.glob(f"*{SUFFIX}")):
             try:
                 size = p.stat().st_size
@@ -144,7 +144,7 @@ class PromptCache:
             except OSError:
                 continue  # gone meanwhile (another process evicted it)
             if ident == identity:
-                self.entries[p] = Entry(p, tokens, size)
+                self.entries[p] = KeptPrefix(p, tokens, size)
 
     def _drop(self, path: Path, why: str) -> None:
         self.notice(f"prompt cache: {path.name} is {why}; ignored and removed")
@@ -155,7 +155,7 @@ class PromptCache:
         h = hashlib.sha256(self.identity + np.asarray(tokens, "<i4").tobytes())
         return self.folder / f"{h.hexdigest()[:40]}{SUFFIX}"
 
-    def match(self, tokens: Sequence[int], shorter_than: int | None = None) -> Entry | None:
+    def match(self, tokens: Sequence[int], shorter_than: int | None = None) -> KeptPrefix | None:
         """The longest entry `tokens` begin with, of fewer than `shorter_than` tokens (default: all of
         them; one token at least must be left to decode, for its logits)."""
         limit = len(tokens) if shorter_than is None else shorter_than
@@ -166,7 +166,7 @@ class PromptCache:
                 best = e
         return best
 
-    def load(self, entry: Entry) -> bytes | None:
+    def load(self, entry: KeptPrefix) -> bytes | None:
         """The entry's KV state, checked whole; None (with a notice) when it fails a check."""
         try:
             with open(entry.path, "rb") as f:
@@ -189,18 +189,18 @@ class PromptCache:
         os.utime(entry.path)  # last use
         return payload
 
-    def refused(self, entry: Entry) -> None:
+    def refused(self, entry: KeptPrefix) -> None:
         """llama.cpp would not take the entry's state (made by another build or context): forget it."""
         self._drop(entry.path, "not accepted by llama.cpp (another build or context made it)")
 
-    def save(self, tokens: Sequence[int], payload: bytes) -> Entry | None:
+    def save(self, tokens: Sequence[int], payload: bytes) -> KeptPrefix | None:
         """Keep `payload`, the KV state of exactly `tokens`; then trim the folder to the bound.
         None when one entry alone would not fit it."""
         path = self._key(tokens)
         if path in self.entries and path.exists():
             os.utime(path)
             return self.entries[path]
-        head = _HEAD.pack(MAGIC, self.identity, len(tokens), len(payload), hashlib.sha256(payload).digest())
+        head = _HEAD.pack(KV_MAGIC, self.identity, len(tokens), len(payload), hashlib.sha256(payload).digest())
         body = np.asarray(tokens, "<i4").tobytes()
         size = len(head) + len(body) + len(payload)
         if size > self.limit:
@@ -217,7 +217,7 @@ class PromptCache:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        entry = self.entries[path] = Entry(path, tuple(tokens), size)
+        entry = self.entries[path] = KeptPrefix(path, tuple(tokens), size)
         self._trim(keep=path)
         return entry
 

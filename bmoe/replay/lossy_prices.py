@@ -82,7 +82,7 @@ def prices(paths: list[str], budgets: list[ReplayBudget], fs: list[float], model
     return out
 
 
-def table(rows: list[Price]) -> str:
+def price_table(rows: list[Price]) -> str:
     """Markdown: per trace and budget, reads saved against router weight dropped for each F."""
     out = ["| trace | budget | --drop-cold | MiB/token (lossless) | reads saved | router weight dropped |",
            "| --- | --- | --- | --- | --- | --- |"]

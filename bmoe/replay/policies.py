@@ -64,7 +64,7 @@ def spec_gate_hints(t: Trace, model: str | Path | None) -> Hints | None:
     if t.hidden is None or model is None or not Path(model).exists():
         return None
     try:
-        pred = routers.Predictor(routers.load([model], t.header["arch"], t.layers), int(t.header["top_k"]))
+        pred = routers.Predictor(routers.load_routers([model], t.header["arch"], t.layers), int(t.header["top_k"]))
     except routers.RouterError:
         return None
     out: Hints = [[[] for _ in t.layers] for _ in t.routes]
@@ -124,7 +124,7 @@ def simulate(paths: list[str], budgets: list[ReplayBudget], model: str | None = 
     return rows
 
 
-def table(rows: list[Row]) -> str:
+def policy_table(rows: list[Row]) -> str:
     """One block per trace: hit rate and MiB/token per policy and budget, and the distance to Belady."""
     out = []
     for name in dict.fromkeys(r.trace for r in rows):

@@ -22,7 +22,7 @@ from bmoe.base.errors import GrammarError, ModelError
 from bmoe.base.settings import SamplerSettings
 
 BINDINGS_VERSION: str = llama_cpp.__version__  # llama-cpp-python's version (keys caches of computed states)
-Model = llama_cpp.llama_model_p
+LlamaModel = llama_cpp.llama_model_p
 Context = llama_cpp.llama_context_p
 if TYPE_CHECKING:
     Sampler = llama_cpp.llama_sampler_p
@@ -54,7 +54,7 @@ def init_backend(verbose: bool = False) -> None:
         _backend_ready = True
 
 
-def load_model(path: object, ints: dict[str, int] | None = None) -> Model | None:
+def load_model(path: object, ints: dict[str, int] | None = None) -> LlamaModel | None:
     """llama.cpp's default mmap load, without repacking: a repacked (extra buffer type) weight
     would no longer match the file layout that expert streaming and the demo builder rely on.
     `ints` override integer keys of the file's metadata (llama.cpp's kv_overrides, e.g.
@@ -69,7 +69,7 @@ def load_model(path: object, ints: dict[str, int] | None = None) -> Model | None
     return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
 
 
-def load_vocab(path: object) -> Model | None:
+def load_vocab(path: object) -> LlamaModel | None:
     """The file's vocabulary alone (no weights are read): what parsing a grammar needs."""
     mp = llama_cpp.llama_model_default_params()
     mp.vocab_only = True
@@ -239,19 +239,19 @@ def free_context(ctx: Context) -> None:
     llama_cpp.llama_free(ctx)
 
 
-def free_model(model: Model) -> None:
+def free_model(model: LlamaModel) -> None:
     llama_cpp.llama_model_free(model)
 
 
-def n_embd(model: Model) -> int:
+def n_embd(model: LlamaModel) -> int:
     return int(llama_cpp.llama_model_n_embd(model))
 
 
-def n_layer(model: Model) -> int:
+def n_layer(model: LlamaModel) -> int:
     return int(llama_cpp.llama_model_n_layer(model))
 
 
-def chat_template(model: Model) -> bytes | None:
+def chat_template(model: LlamaModel) -> bytes | None:
     """The chat template stored in the GGUF, if any."""
     return llama_cpp.llama_model_chat_template(model, None) or None
 

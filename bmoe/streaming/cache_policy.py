@@ -47,7 +47,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
 Key = tuple[int, int, int]
-Entry = tuple[float, int, Key]  # (weight, tick of last use, key): a slice's rank in its layer
+Rank = tuple[float, int, Key]  # (weight, tick of last use, key): a slice's rank in its layer
 
 _UNUSED = (0.0, -1)  # an expert never used: no count, no token
 
@@ -235,9 +235,9 @@ class CycleLFU(Policy):
         self.clock = 0  # order of last use: a use takes the next tick, a speculative admit the lowest
         self.cold = 0
         self.swept = 0  # clock - cold when the heaps were last cleared of stale entries
-        self.entry: dict[Key, Entry] = {}  # resident key -> its live entry (any other entry is stale)
-        self.heap: dict[int, list[Entry]] = {layer: [] for layer in self.layers}
-        self.held: list[Entry] = []  # live entries the last walk passed over (kept by the caller), off their heap
+        self.entry: dict[Key, Rank] = {}  # resident key -> its live entry (any other entry is stale)
+        self.heap: dict[int, list[Rank]] = {layer: [] for layer in self.layers}
+        self.held: list[Rank] = []  # live entries the last walk passed over (kept by the caller), off their heap
         self.tensors: dict[int, set[int]] = {layer: set() for layer in self.layers}  # region indices seen
         # slices whose use changed their expert's count since the last walk (its other slices may lag)
         self.stale: list[Key] = []
@@ -279,7 +279,7 @@ class CycleLFU(Policy):
         self.swept = self.clock - self.cold
         self.moved.update(self.layers)
 
-    def _push(self, e: Entry) -> None:
+    def _push(self, e: Rank) -> None:
         self.entry[e[2]] = e
         heapq.heappush(self.heap[e[2][0]], e)
         self.moved.add(e[2][0])
@@ -350,7 +350,7 @@ class CycleLFU(Policy):
                 self.held.append(e)  # kept by the caller: off the heap for the rest of the walk
             heapq.heappop(heap)
 
-    def _first(self, layer: int) -> Entry | None:
+    def _first(self, layer: int) -> Rank | None:
         """The layer's live entry ranked first (stale ones on top are dropped)."""
         heap = self.heap[layer]
         while heap:

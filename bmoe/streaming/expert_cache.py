@@ -43,7 +43,7 @@ import numpy as np
 from bmoe.base.model_files import EXPERT_TENSOR, ModelFiles
 from bmoe.base.settings import DEFAULT_POLICY
 from bmoe.shm_cache import PAGE, Slab
-from bmoe.streaming.cache_policy import Policy, make_policy
+from bmoe.streaming.cache_policy import Key, Policy, make_policy
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
@@ -150,9 +150,6 @@ class CacheStats:
     def hit_pct(self) -> float:
         total = self.hits + self.misses
         return 100.0 * self.hits / total if total else 0.0
-
-
-Key = tuple[int, int, int]  # (layer, region index, expert)
 
 
 class ExpertCache:

@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 __all__ = ["CANCELLED", "Lane", "LanePool", "ReadOrder", "merge_keyed", "spread"]
 
 ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
-def merge_keyed(items: list[tuple[ReadOrder, T]], max_len: int) -> list[tuple[ReadOrder, list[T]]]:
+def merge_keyed(items: list[tuple[ReadOrder, _T]], max_len: int) -> list[tuple[ReadOrder, list[_T]]]:
     """Fewer, larger reads: in file order, reads that touch or overlap in one file at the same
     file-to-slab distance become one (never longer than max_len unless a single read is); each
     merged read comes with the items it covers."""
-    out: list[tuple[ReadOrder, list[T]]] = []
+    out: list[tuple[ReadOrder, list[_T]]] = []
     for (fi, off, length, slab_off, needed), key in sorted(items, key=lambda x: x[0]):
         if out:
             (pfi, poff, plen, pslab, pneed), keys = out[-1]
@@ -43,10 +43,10 @@ def merge_keyed(items: list[tuple[ReadOrder, T]], max_len: int) -> list[tuple[Re
     return out
 
 
-def spread(items: list[tuple[ReadOrder, T]], load: list[int]) -> list[list[tuple[ReadOrder, T]]]:
+def spread(items: list[tuple[ReadOrder, _T]], load: list[int]) -> list[list[tuple[ReadOrder, _T]]]:
     """Reads shared out over lanes already holding `load` bytes: largest first onto the least loaded."""
     load = list(load)
-    shares: list[list[tuple[ReadOrder, T]]] = [[] for _ in load]
+    shares: list[list[tuple[ReadOrder, _T]]] = [[] for _ in load]
     for item in sorted(items, key=lambda x: -x[0][2]):
         i = load.index(min(load))
         shares[i].append(item)

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from bmoe.base.units import MiB
+from bmoe.streaming.cache_policy import Key
 from bmoe.streaming.expert_cache import ExpertCache
 from bmoe.streaming.lanes import LanePool, ReadOrder, merge_keyed, spread
 
 MAX_MERGED_READ = 4 * MiB
-Key = tuple[int, int, int]  # (layer, region index, expert)
 
 
 @dataclass

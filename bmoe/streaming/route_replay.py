@@ -27,7 +27,7 @@ import numpy as np
 
 from bmoe import seam
 from bmoe.streaming.lossy import DROPPED
-from bmoe.streaming.route_trace import Routes, Trace, Weights
+from bmoe.streaming.route_trace import TokenRoutes, Trace, Weights
 
 
 class ReplayError(ValueError):
@@ -41,7 +41,7 @@ class RouteReplay:
                  norms: dict[int, str]) -> None:
         """`layers` are the model's MoE layers (the trace's are matched to them in order); `norms`
         each layer's normalisation (bmoe.seam.Capture.norms). ReplayError when the trace does not fit."""
-        rows: list[Routes] = trace.prompt + trace.routes
+        rows: list[TokenRoutes] = trace.prompt + trace.routes
         none: Weights = {}
         weights: list[Weights] = (list(trace.prompt_weights or [none] * len(trace.prompt))
                                   + list(trace.weights or [none] * len(trace.routes)))

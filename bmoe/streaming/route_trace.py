@@ -21,7 +21,7 @@ V1_MAGIC = "# route_trace v1"
 V1_COLUMNS = "turn,phase,step,layer,slot,expert,weight,residency,expert_bytes"
 PROMPT, DECODE = 0, 1  # v1's phase column
 
-Routes = dict[int, list[int]]  # MoE layer -> the token's routed experts there, best first
+TokenRoutes = dict[int, list[int]]  # MoE layer -> the token's routed experts there, best first
 Weights = dict[int, list[float]]  # MoE layer -> their router weights, as the layer applies them
 
 
@@ -30,14 +30,14 @@ class TraceWriter:
     path: Path
     header: dict
     active: bool = False
-    routes: Routes = field(default_factory=dict)
+    routes: TokenRoutes = field(default_factory=dict)
     weights: Weights = field(default_factory=dict)
     predicted: dict[int, list[int]] = field(default_factory=dict)
     hidden: dict[int, np.ndarray] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)
     hidden_rows: list[np.ndarray] = field(default_factory=list)
     prompting: bool = False  # a prompt is being prefilled (Engine.begin / prefill)
-    prompt: list[Routes] = field(default_factory=list)  # the first prompt's tokens' routing (v1 writes it)
+    prompt: list[TokenRoutes] = field(default_factory=list)  # the first prompt's tokens' routing (v1 writes it)
     prompt_weights: list[Weights] = field(default_factory=list)
     prompt_base: int = -1  # the prompt row of the decode under way's first token; -1: not recording it
 
@@ -116,7 +116,7 @@ class TraceWriter:
                 f.write(json.dumps({"kind": "token", **s}) + "\n")
 
 
-def _experts_only(routes: Routes, weights: Weights) -> tuple[Routes, Weights]:
+def _experts_only(routes: TokenRoutes, weights: Weights) -> tuple[TokenRoutes, Weights]:
     """One token's routing without the positions that read no expert (ids below 0), weights aligned."""
     kept = {layer: [i for i, e in enumerate(ids) if e >= 0] for layer, ids in routes.items()}
     return ({layer: [routes[layer][i] for i in ix] for layer, ix in kept.items()},
@@ -140,9 +140,9 @@ class Trace:
 
     header: dict
     layers: list[int]
-    routes: list[Routes]
+    routes: list[TokenRoutes]
     hidden: np.ndarray | None
-    prompt: list[Routes] = field(default_factory=list)
+    prompt: list[TokenRoutes] = field(default_factory=list)
     weights: list[Weights] | None = None
     prompt_weights: list[Weights] | None = None
     expert_bytes: dict[int, int] = field(default_factory=dict)
@@ -183,7 +183,7 @@ class Trace:
         header: dict = {}
         expert_bytes: dict[int, int] = {}
         dense_bytes: dict[int, int] = {}
-        steps: dict[tuple[int, int], tuple[Routes, Weights]] = {}
+        steps: dict[tuple[int, int], tuple[TokenRoutes, Weights]] = {}
         with open(path) as f:
             for n, line in enumerate(f, 1):
                 line = line.strip()

@@ -42,7 +42,7 @@ class Router:
     norm: np.ndarray | None  # the RMS-norm weight applied to this router's input
 
 
-def load(paths: list[str | Path], arch: str, layers: list[int]) -> dict[int, Router]:
+def load_routers(paths: list[str | Path], arch: str, layers: list[int]) -> dict[int, Router]:
     """Each layer's router as F32 arrays, from the model file(s) (any shard). Only the tensor
     table is parsed (bmoe.base.gguf_table): gguf.GGUFReader would parse every field, the tokenizer's
     arrays included, which took seconds of the spec-gate's start on the 64-expert demo model."""

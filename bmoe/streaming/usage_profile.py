@@ -106,7 +106,7 @@ def _checksum(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def load(path: Path, model: dict, layers: dict[int, int]) -> tuple[Usage | None, str | None]:
+def read_profile(path: Path, model: dict, layers: dict[int, int]) -> tuple[Usage | None, str | None]:
     """The profile at `path` for this model (identity `model`, `layers`: layer -> experts), or None
     and why it was ignored (None, None: there is none yet)."""
     if not path.exists():

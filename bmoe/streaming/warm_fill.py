@@ -133,7 +133,7 @@ class WarmStart:
         self.path = usage_profile.profile_path(directory, files)
         self.model = usage_profile.identity(files)
         cache = streamer.cache
-        self.before, why = usage_profile.load(self.path, self.model,
+        self.before, why = usage_profile.read_profile(self.path, self.model,
                                               {layer: cache.n_expert(layer) for layer in cache.by_layer})
         if why:
             notice(why)

@@ -47,7 +47,7 @@ model file dropped from the page cache. The baseline configuration 'mmap' = '--n
 (plain llama.cpp) is always included unless --no-baseline.
 """
 
-EXAMPLES = """\
+BENCH_EXAMPLES = """\
 commands:
   run        benchmark bmoe-cli configurations against each other and plain llama.cpp
   quality    what lossy settings cost on your model and text: KL, top-1 agreement, perplexity, speed
@@ -118,7 +118,7 @@ def _fraction_list(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="bmoe-bench", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="bmoe-bench", epilog=BENCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmark bmoe: the one way performance numbers in this project are produced.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     r = sub.add_parser(
@@ -181,18 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
     """`bmoe-bench run`: check, run the plan, then write results.json, report.md and the chart."""
     b = bench_run.prepare(a, argv)
-    bench_run.run(b, a)
+    bench_run.run_bench(b, a)
     summary = bench_numbers.summarize(b.configs, b.records, b.bandwidth, a.compute_ref, a.common)
-    chart_note = bench_report.write_chart(b.out / bench_report.CHART, summary)
+    chart_note = bench_report.write_speed_chart(b.out / bench_report.SPEED_CHART, summary)
     if chart_note:
-        bench_run.notice(chart_note)
+        bench_run.say(chart_note)
         b.meta["chart_note"] = chart_note
     results_path, report_path = b.out / bench_report.RESULTS, b.out / bench_report.REPORT
     bench_report.write_results(results_path, b.meta, b.records, summary)
     report_path.write_text(bench_report.render_report(b.meta, b.records, summary,
-                                                      None if chart_note else bench_report.CHART))
+                                                      None if chart_note else bench_report.SPEED_CHART))
     bench_report.print_summary(summary)
-    bench_run.notice(f"wrote {report_path} and {results_path}")
+    bench_run.say(f"wrote {report_path} and {results_path}")
     if b.interrupted:
         return EXIT_SIGINT
     return 0 if all(r["ok"] for r in b.records) else EXIT_ERROR
@@ -214,10 +214,10 @@ def cmd_policies(a: argparse.Namespace) -> int:
     from bmoe.replay import policies as policy_sim
 
     try:
-        rows = policy_sim.simulate(a.traces, a.budgets, a.model, progress=bench_run.notice, prefill=not a.no_prefill)
+        rows = policy_sim.simulate(a.traces, a.budgets, a.model, progress=bench_run.say, prefill=not a.no_prefill)
     except (OSError, ValueError, KeyError) as e:
         raise bench_run.BenchError(f"cannot replay the traces: {e}") from e
-    text = policy_sim.table(rows)
+    text = policy_sim.policy_table(rows)
     if a.drop_cold:
         from bmoe.replay import lossy_prices
 
@@ -225,7 +225,7 @@ def cmd_policies(a: argparse.Namespace) -> int:
             prices = lossy_prices.prices(a.traces, a.budgets, a.drop_cold, a.model)
         except (OSError, ValueError, KeyError) as e:
             raise bench_run.BenchError(f"cannot price --drop-cold on the traces: {e}") from e
-        text += "\n## --drop-cold on these routes (default policy)\n\n" + lossy_prices.table(prices) + "\n"
+        text += "\n## --drop-cold on these routes (default policy)\n\n" + lossy_prices.price_table(prices) + "\n"
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import mmap
 import os
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -19,14 +18,12 @@ from pathlib import Path
 
 import gguf
 
-from bmoe.base import MiB
-
-PAGE = 4096
-EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_\w+_exps\.weight$")
+from bmoe.base import EXPERT_TENSOR, MiB
+from bmoe.shm_cache import PAGE
 
 
 @dataclass(frozen=True)
-class ExpertTensor:
+class ExpertSpan:
     file_index: int
     name: str
     offset: int
@@ -46,13 +43,13 @@ class ExpertTensor:
         return a, b - a
 
 
-def expert_tensors(paths: list[Path]) -> list[ExpertTensor]:
+def expert_tensors(paths: list[Path]) -> list[ExpertSpan]:
     out = []
     for i, p in enumerate(paths):
         r = gguf.GGUFReader(p)
         for t in r.tensors:
             if EXPERT_TENSOR.match(t.name) and len(t.shape) >= 3 and int(t.shape[-1]) > 0:
-                out.append(ExpertTensor(i, t.name, int(t.data_offset), int(t.n_bytes), int(t.shape[-1])))
+                out.append(ExpertSpan(i, t.name, int(t.data_offset), int(t.n_bytes), int(t.shape[-1])))
         del r
     return out
 
@@ -89,7 +86,7 @@ def _open(path: Path) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
-def measure(paths: list[Path], tensors: list[ExpertTensor], total_mb: float, threads: int,
+def measure(paths: list[Path], tensors: list[ExpertSpan], total_mb: float, threads: int,
             seed: int = 0) -> Bandwidth:
     """Read about `total_mb` MiB of random expert-slice requests with `threads` threads."""
     if not tensors:

@@ -71,7 +71,7 @@ def machine_info(model: Path) -> dict:
             "hostname": platform.node()}
 
 
-def model_info(model: Path, shards: list[Path], tensors: list[bench_io.ExpertTensor]) -> dict:
+def model_info(model: Path, shards: list[Path], tensors: list[bench_io.ExpertSpan]) -> dict:
     """The model's size, expert and other bytes, and the expert slice sizes the runs read."""
     expert, total = bench_io.tensor_bytes(shards)
     slices: dict[int, int] = {}

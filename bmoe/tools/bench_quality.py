@@ -37,10 +37,10 @@ from bmoe.tools.bench_config import Config
 from bmoe.tools.quality_text import PROMPTS, TEXT
 
 REFERENCE = "lossless"
-CHART = "quality.png"
+QUALITY_CHART = "quality.png"
 ENTRY = "bmoe.tools.bench_quality_run"
 
-EXAMPLES = """\
+QUALITY_EXAMPLES = """\
 examples:
   # the price of each lossy mode on the demo model, under a 2500 MiB limit
   bmoe-bench quality -m model.gguf --mem-limit-mb 2500 --common '--cache-mb 1300 --io-threads 4 -t 2' \\
@@ -57,7 +57,7 @@ log-probabilities, then first in every round like a configuration; the text's fi
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     q = sub.add_parser(
-        "quality", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "quality", epilog=QUALITY_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         help="what lossy settings cost: KL, top-1 agreement, perplexity and speed against the lossless reference",
         description="Score a text teacher-forced through the decode path with the lossless reference and each "
                     "configuration (round-robin, cold page cache, optional memory limit): KL divergence, top-1 "
@@ -101,17 +101,17 @@ def cmd_quality(a: argparse.Namespace, argv: list[str]) -> int:
                          "--gen-prompts", json.dumps(prompts), "--gen-tokens", str(a.gen_tokens)]
     b.meta.update(prompt_desc=("bmoe's own text (bmoe/tools/quality_text.py)" if a.text is None else f"`{a.text}`"),
                   context=a.context, gen_tokens=a.gen_tokens, prompts=prompts)
-    bench_run.run(b, a)
+    bench_run.run_bench(b, a)
     speed = bench_numbers.summarize(b.configs, b.records, {}, None, a.common)
     rows = score(b.configs, b.records, b.env.runs_dir, speed)
-    chart_note = write_chart(b.out / CHART, rows)
+    chart_note = write_quality_chart(b.out / QUALITY_CHART, rows)
     if chart_note:
-        bench_run.notice(chart_note)
+        bench_run.say(chart_note)
     results, report = b.out / bench_report.RESULTS, b.out / bench_report.REPORT
     bench_report.write_results(results, b.meta, b.records, rows)
-    report.write_text(render(b.meta, b.records, rows, None if chart_note else CHART))
+    report.write_text(render(b.meta, b.records, rows, None if chart_note else QUALITY_CHART))
     print_rows(rows)
-    bench_run.notice(f"wrote {report} and {results}")
+    bench_run.say(f"wrote {report} and {results}")
     if b.interrupted:
         return 130
     return 0 if all(r["ok"] for r in b.records) else 1
@@ -256,7 +256,7 @@ def render(meta: dict, records: list[dict], rows: list[dict], chart: str | None)
     return "\n".join(L)
 
 
-def write_chart(path: Path, rows: list[dict]) -> str | None:
+def write_quality_chart(path: Path, rows: list[dict]) -> str | None:
     """tok/s (median, min–max) against mean KL, one labelled point per configuration; None when written."""
     plt = bench_report.pyplot()
     if plt is None:

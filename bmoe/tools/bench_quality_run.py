@@ -30,14 +30,9 @@ import numpy as np
 
 from bmoe.base import BmoeError, ConfigError, telemetry
 from bmoe.edges import console, exits, flags
+from bmoe.engine import log_softmax
 
 LOGP_FLOOR = -16.0  # llama-perplexity skips reference tokens at or below this log-probability
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max()
-    return x - np.log(np.exp(x).sum())
 
 
 def kl_divergence(base_ids: np.ndarray, base_logp: np.ndarray, logp: np.ndarray) -> float:
@@ -118,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = flags.settings_from(ap, a)
     exits.install_signal_handlers()
     try:
-        return run(a, settings)
+        return run_quality(a, settings)
     except (BmoeError, OSError) as e:
         console.error(str(e))
         return exits.EXIT_ERROR
@@ -126,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return exits.EXIT_SIGINT
 
 
-def run(a: argparse.Namespace, settings: flags.Settings) -> int:
+def run_quality(a: argparse.Namespace, settings: flags.Settings) -> int:
     from bmoe import cli
     from bmoe.api import Ask, Chunk, Request, open_model
 

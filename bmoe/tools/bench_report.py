@@ -12,7 +12,7 @@ from typing import Any
 
 RESULTS = "results.json"
 REPORT = "report.md"
-CHART = "tok_s.png"
+SPEED_CHART = "tok_s.png"
 
 
 def _f(x: float | None, fmt: str = ".2f", none: str = "–") -> str:
@@ -197,7 +197,7 @@ def pyplot() -> Any:
     return plt
 
 
-def write_chart(path: Path, summary: list[dict]) -> str | None:
+def write_speed_chart(path: Path, summary: list[dict]) -> str | None:
     """A bar chart of median tok/s (min–max whiskers); returns a notice when skipped."""
     plt = pyplot()
     if plt is None:

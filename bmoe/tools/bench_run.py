@@ -36,7 +36,7 @@ class Interrupted(Exception):
     """SIGTERM: stop the current run and write the partial results, as Ctrl-C does."""
 
 
-def notice(msg: str) -> None:
+def say(msg: str) -> None:
     """Progress and warnings go to stderr: stdout holds only the summary table."""
     print(f"bmoe-bench: {msg}", file=sys.stderr, flush=True)
 
@@ -111,11 +111,11 @@ def setup_limit(a: argparse.Namespace) -> Limit:
             return lim
         if a.limit_method == "cgroup":
             raise BenchError(f"cannot apply the memory limit with a cgroup: {why}")
-        notice(f"cgroup not usable ({why}); falling back to a balloon process")
+        say(f"cgroup not usable ({why}); falling back to a balloon process")
         lim.notes = f"cgroup not usable: {why}"
     lim.method = "balloon"
     avail = bench_sys.available_bytes() / MiB
-    notice(f"balloon: about {avail - a.mem_limit_mb:.0f} MiB of the machine's {avail:.0f} MiB available "
+    say(f"balloon: about {avail - a.mem_limit_mb:.0f} MiB of the machine's {avail:.0f} MiB available "
            "will be held during each run (this squeezes every process on the machine, not just bmoe)")
     return lim
 
@@ -174,7 +174,7 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
         if env.drop == "all" and env.drop_all_ok is not False:
             env.drop_all_ok = bench_sys.drop_all_caches()
             if not env.drop_all_ok:
-                notice("/proc/sys/vm/drop_caches is not writable: only the model file is dropped "
+                say("/proc/sys/vm/drop_caches is not writable: only the model file is dropped "
                        "from the page cache before each run")
     rec["loadavg_1m"] = os.getloadavg()[0]
 
@@ -242,14 +242,14 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
 
 # ---- the benchmark -----------------------------------------------------------------------------
 
-def measure_bandwidth(a: argparse.Namespace, shards: list[Path], tensors: list[bench_io.ExpertTensor],
+def measure_bandwidth(a: argparse.Namespace, shards: list[Path], tensors: list[bench_io.ExpertSpan],
                       when: str, seed: int) -> tuple[dict[int, float], str]:
     """O_DIRECT MiB/s at each --bw-threads count (and the read mode used), for the I/O-bound limits."""
     res, mode = {}, "?"
     for t in a.bw_threads:
         b = bench_io.measure(shards, tensors, a.bw_mb, t, seed=seed + t)
         res[t], mode = b.mib_s, b.mode
-        notice(f"O_DIRECT bandwidth ({when}), {t} thread(s): {b.mib_s:.1f} MiB/s "
+        say(f"O_DIRECT bandwidth ({when}), {t} thread(s): {b.mib_s:.1f} MiB/s "
                f"({b.requests} reads, {b.bytes / MiB:.0f} MiB in {b.seconds:.2f} s, {b.mode})")
     return res, mode
 
@@ -261,7 +261,7 @@ class Bench:
     configs: list[Config]
     plan: list[tuple[str, int, Config]]
     env: RunEnv
-    tensors: list[bench_io.ExpertTensor]
+    tensors: list[bench_io.ExpertSpan]
     out: Path
     meta: dict
     records: list[dict] = field(default_factory=list)
@@ -334,7 +334,7 @@ def prepare(a: argparse.Namespace, argv: list[str]) -> Bench:
                                  if "--no-warm-start" in (helptext if t is None else cli_help(t)))
     csv_ok = "--csv" in helptext
     if not csv_ok:
-        notice("bmoe-cli has no --csv: s/token median and p95 fall back to each run's summary line"
+        say("bmoe-cli has no --csv: s/token median and p95 fall back to each run's summary line"
                + ("; --skip-tokens has no effect" if a.skip_tokens else ""))
     if a.skip_tokens >= a.n_predict:
         raise BenchError(f"--skip-tokens {a.skip_tokens} leaves none of the {a.n_predict} tokens; lower it "
@@ -392,7 +392,7 @@ def _outcome(rec: dict) -> str:
     return msg
 
 
-def run(b: Bench, a: argparse.Namespace) -> None:
+def run_bench(b: Bench, a: argparse.Namespace) -> None:
     """Bandwidth, every run of the plan with a progress line before and after, bandwidth again.
 
     Ctrl-C or SIGTERM stop the current run (its whole process group) and set b.interrupted; the
@@ -436,7 +436,7 @@ def run(b: Bench, a: argparse.Namespace) -> None:
             bw_after, _ = measure_bandwidth(a, shards, tensors, "after", seed=101)
     except (KeyboardInterrupt, Interrupted):
         b.interrupted = True
-        notice("interrupted: the current run was stopped; writing partial results")
+        say("interrupted: the current run was stopped; writing partial results")
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)

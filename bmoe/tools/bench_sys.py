@@ -31,9 +31,8 @@ from pathlib import Path
 import psutil
 
 from bmoe.base import MiB
+from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
 
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "bmoe-"  # bmoe.shm_cache.SHM_PREFIX; segments are named bmoe-<owner pid>-<random>
 CGROUP_PREFIX = "bmoe-bench-"
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 _JOIN = 'echo $$ > "$1" && shift && exec "$@"'

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from bmoe.base import GB
 from bmoe.tools.synth_vocab import VOCAB
 
 ARCHES: tuple[str, ...] = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
@@ -31,7 +32,6 @@ GGML_TYPE = {
 BLOCK = {name: GGML_QUANT_SIZES[t] for name, t in GGML_TYPE.items()}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
-GB = 1_000_000_000
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class Vocab(NamedTuple):
+class TokenizerArrays(NamedTuple):
     """The tokenizer's tables, index = token id."""
 
     tokens: list[str]
@@ -67,7 +67,7 @@ class Vocab(NamedTuple):
     word_ids: list[int]  # whole words: the only normal tokens the model is made to emit
 
 
-def _vocab() -> Vocab:
+def _vocab() -> TokenizerArrays:
     """SPM vocab: specials, 256 byte-fallback tokens, then word pieces with all their prefixes.
 
     llama.cpp's SPM tokenizer only builds a piece by merging adjacent pieces that are themselves
@@ -108,7 +108,7 @@ def _vocab() -> Vocab:
         types.append(_TT_NORMAL)
         scores.append(score)
     word_ids = [i for i, tok in enumerate(tokens) if tok in whole and len(tok) > 2]
-    return Vocab(tokens, scores, types, word_ids)
+    return TokenizerArrays(tokens, scores, types, word_ids)
 
 
 VOCAB = _vocab()

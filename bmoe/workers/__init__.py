@@ -1,4 +1,4 @@
 """The worker processes the coordinator starts (`python -m bmoe.workers.NAME`): I/O lanes that read
 expert slices into the slab (`io_lane`), the spec-gate that predicts the next layer's routing
-(`spec_gate`) and the throwaway process that checks a new grammar (`grammar_check`). They import
+(`spec_gate`) and the throwaway process that checks a new grammar (`grammar_worker`). They import
 only what moves bytes or predicts."""

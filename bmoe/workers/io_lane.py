@@ -84,7 +84,7 @@ def read_with_retry(reader: Reader, view: memoryview, offset: int, needed: int) 
                           f"(first: {first.strerror or first}); check the file and the device") from e
 
 
-def serve(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
+def serve_lane(index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
     """Read orders as they come, demand before speculative; queued speculative orders can be cancelled.
 
     Between two reads the lane takes in whatever arrived, so a demand order waits
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-odirect", action="store_true")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args(argv)
-    serve(a.index, a.shm, a.files, not a.no_odirect)
+    serve_lane(a.index, a.shm, a.files, not a.no_odirect)
     return 0
 
 

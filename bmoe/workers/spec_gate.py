@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout.buffer
     try:
         layers = [int(x) for x in a.layers.split(",")]
-        predictor = routers.Predictor(routers.load(a.files, a.arch, layers), a.top_k, not a.no_rescale)
+        predictor = routers.Predictor(routers.load_routers(a.files, a.arch, layers), a.top_k, not a.no_rescale)
     except (routers.RouterError, OSError, ValueError) as e:
         out.write(msgpack.packb(["hello", False, str(e)]))
         out.flush()

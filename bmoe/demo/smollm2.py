@@ -32,7 +32,7 @@ def source_path(cache: Path) -> Path:
     return cache / FILE
 
 
-def source_model(cache: Path, say: Callable[[str], None]) -> Path:
+def fetch_source_model(cache: Path, say: Callable[[str], None]) -> Path:
     """The dense SmolLM2 GGUF in `cache`, fetched and verified on first use.
 
     A file that is there with the pinned size is trusted: it only ever appears whole (extracted

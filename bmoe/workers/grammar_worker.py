@@ -1,6 +1,6 @@
 """Grammar check: llama.cpp parses each grammar here first, in a process that may die.
 
-Run as `python -m bmoe.workers.grammar_check MODEL.gguf` so `ps` shows its role. It loads only
+Run as `python -m bmoe.workers.grammar_worker MODEL.gguf` so `ps` shows its role. It loads only
 the model's vocabulary, then for each request `[text, root, triggers]` (msgpack, stdin) builds
 llama.cpp's grammar sampler exactly as generation will and answers `[ok, why]` on stdout. A
 grammar that crashes llama.cpp's native parser takes down this process, not the server
