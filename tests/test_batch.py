@@ -12,7 +12,7 @@ import bmoe
 from bmoe.api import Ask, Chunk, Model
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
-from bmoe.server.errors import QueueFull
+from bmoe.server.http_errors import QueueFull
 from bmoe.server.scheduler import Batching, Job, Position, Scheduler
 from tests.conftest import SlabCheck
 from tests.test_server import FLAGS, KEY, Server, auth, metric

@@ -158,3 +158,25 @@ def test_a_bias_on_a_token_the_vocab_lacks_is_refused_by_name(demo: str) -> None
         with pytest.raises(bmoe.ConfigError, match=r"presence_penalty 3: it is from -2 to 2"):
             m.generate(PROMPT, max_tokens=2, presence_penalty=3)
 
+
+
+def test_the_sampling_names_are_the_settings_one_list_everywhere() -> None:
+    """bmoe.base.settings.SAMPLING_FIELDS names every sampler setting once; `Ask`, the OpenAI bodies and the
+    other wires take exactly those names (the server reads them through the list), so a setting added to the
+    sampler without its request name, or a body field spelled its own way, fails here."""
+    from dataclasses import fields
+
+    from bmoe.api import Ask
+    from bmoe.base.settings import SAMPLING_FIELDS
+    from bmoe.server.anthropic_wire import MessagesBody, translated
+    from bmoe.server.wire import ChatBody, SamplingFields, sampling_of
+
+    assert sorted(SAMPLING_FIELDS.values()) == sorted(f.name for f in fields(SamplerSettings))
+    assert set(SAMPLING_FIELDS) <= {f.name for f in fields(Ask)}
+    assert set(SamplingFields.model_fields) == set(SAMPLING_FIELDS)
+    assert issubclass(ChatBody, SamplingFields)
+    # Anthropic's body takes its own few, by the same names, and hands each to the chat request
+    sent = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3}
+    body = MessagesBody.model_validate({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **sent})
+    assert sampling_of(body) == sent
+    assert {k: v for k, v in sampling_of(translated(body)).items() if v is not None} == sent

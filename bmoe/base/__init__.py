@@ -9,6 +9,7 @@ from bmoe.base.model_files import EXPERT_TENSOR, shard_paths
 from bmoe.base.settings import (
     FLAGS,
     N_PREDICT,
+    SAMPLING_FIELDS,
     SCHEMA,
     Entry,
     Settings,

@@ -108,7 +108,8 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
     from bmoe.streaming import routers
 
     try:
-        pred = routers.Predictor(routers.load_routers([model], t.header["arch"], t.layers), int(t.header["top_k"]), rescale)
+        found = routers.load_routers([model], t.header["arch"], t.layers)
+        pred = routers.Predictor(found, int(t.header["top_k"]), rescale)
     except routers.RouterError as e:
         raise ValueError(f"{e}; offline recall needs F32/F16 routers") from None
     hit = total = 0

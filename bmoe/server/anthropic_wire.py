@@ -36,11 +36,11 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from bmoe.api import GenerationStats
-from bmoe.base import check_sampling
+from bmoe.api import Chunk, GenerationStats
 from bmoe.chat import STOPS_MAX, Delta, Reply
-from bmoe.server.errors import ServeError
-from bmoe.server.wire import BmoeOptions, ChatBody
+from bmoe.server.answer_shape import SSE, Finished, sse_comment
+from bmoe.server.http_errors import ServeError
+from bmoe.server.wire import BmoeOptions, ChatBody, in_bounds, sampling_of
 
 PREFIX = "/v1/messages"
 REFUSED = {"container": "bmoe-server runs no code containers", "mcp_servers": "bmoe-server connects to no MCP servers"}
@@ -59,7 +59,7 @@ def speaks(path: str) -> bool:
 # ---- request bodies --------------------------------------------------------------------------------
 
 
-class Turn(BaseModel):
+class AnthropicMessage(BaseModel):
     """A message as Anthropic writes it; its blocks are read by `translated`, which names a bad one."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -73,7 +73,7 @@ class CountBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None  # one model is served; the field is not checked (as on the OpenAI routes)
-    messages: list[Turn] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
@@ -103,13 +103,10 @@ class MessagesBody(CountBody):
     seed: int | None = None  # bmoe's extension
     bmoe: BmoeOptions = BmoeOptions()
 
-    @field_validator("temperature", "top_p", "top_k")
+    @field_validator("*")
     @classmethod
-    def _in_bounds(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v is not None:
-            assert info.field_name is not None
-            check_sampling(info.field_name, v)
-        return v
+    def _in_bounds(cls, v: Any, info: ValidationInfo) -> Any:
+        return in_bounds(v, info)
 
 
 # ---- the translation -------------------------------------------------------------------------------
@@ -256,8 +253,7 @@ def translated(body: CountBody) -> ChatBody:
         parallel_tool_calls=parallel, response_format=_response_format(body.output_config),
         tools=[_tool(t, f"tools.{i}") for i, t in enumerate(body.tools)] if body.tools else None)
     if isinstance(body, MessagesBody):
-        chat.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
-                    top_p=body.top_p, top_k=body.top_k, seed=body.seed, bmoe=body.bmoe)
+        chat.update(max_tokens=body.max_tokens, stop=body.stop_sequences, bmoe=body.bmoe, **sampling_of(body))
     else:
         chat.update(max_tokens=1)  # counting: the prompt alone must fit
     try:
@@ -269,7 +265,7 @@ def translated(body: CountBody) -> ChatBody:
 # ---- responses -------------------------------------------------------------------------------------
 
 
-def usage(s: GenerationStats) -> dict[str, int]:
+def anthropic_usage(s: GenerationStats) -> dict[str, int]:
     return {"input_tokens": s.prompt_tokens, "output_tokens": s.completion_tokens}
 
 
@@ -287,9 +283,12 @@ def _event(kind: str, obj: dict[str, Any]) -> bytes:
 
 
 class MessageShape:
-    """One answer in Anthropic's shapes: a whole message, or the events of a stream (start, deltas
-    as content blocks open and close, end). A text block opens only once its text is more than
-    whitespace (whitespace before a tool call is no block), as a whole message's is."""
+    """One answer in Anthropic's shapes for the answer loop (bmoe.server.answer_shape): a whole message,
+    or the events of a stream (start, deltas as content blocks open and close, end). A text block
+    opens only once its text is more than whitespace (whitespace before a tool call is no block), as
+    a whole message's is."""
+
+    media_type = SSE
 
     def __init__(self, model: str, input_tokens: int) -> None:
         self.model = model
@@ -305,6 +304,9 @@ class MessageShape:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": sequence, "usage": used}
 
+    def whole(self, done: Finished) -> dict[str, Any]:
+        return self.message(done.reply, done.stats, done.stop, done.ahead)
+
     def message(self, m: Reply, s: GenerationStats, stop: str | None, ahead: int) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
         if m.reasoning:
@@ -314,9 +316,12 @@ class MessageShape:
         content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
                     for c in m.calls]
         reason, sequence = stop_reason(s, bool(m.calls), stop)
-        return {**self._head(content, reason, sequence, usage(s)), "bmoe": _telemetry(s, ahead)}
+        return {**self._head(content, reason, sequence, anthropic_usage(s)), "bmoe": _telemetry(s, ahead)}
 
     # -- a stream --
+
+    def comment(self, text: str) -> bytes:
+        return sse_comment(text)
 
     def start(self) -> bytes:
         used = {"input_tokens": self.input_tokens, "output_tokens": 0}
@@ -340,7 +345,13 @@ class MessageShape:
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return _event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def delta(self, d: Delta) -> bytes:
+    def token(self, c: Chunk, d: Delta | None) -> bytes:
+        return self._blocks(d if d is not None else Delta(content=c.text))
+
+    def finish(self, d: Delta) -> bytes:
+        return self._blocks(d)
+
+    def _blocks(self, d: Delta) -> bytes:
         """The events of a piece of the read answer (bmoe.chat.output's Delta): none, or some."""
         out = b""
         if d.reasoning:
@@ -367,12 +378,16 @@ class MessageShape:
     def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
         reason, sequence = stop_reason(s, self.called, stop)
         return self._close() + _event("message_delta", {
-            "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(s),
+            "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": anthropic_usage(s),
             "bmoe": _telemetry(s, ahead)}) + _event("message_stop", {})
 
     @staticmethod
     def error(e: ServeError) -> bytes:
         return format_sse_event(event="error", data_str=json.dumps(error_body(e), ensure_ascii=False))
+
+    @staticmethod
+    def close() -> bytes:
+        return b""  # message_stop (or an error event) was the last
 
 
 def _telemetry(s: GenerationStats, ahead: int) -> dict[str, Any]:

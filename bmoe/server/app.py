@@ -18,19 +18,19 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bmoe.api import Ask, Chunk, ContentTokens, GenerationStats, Model, Request, content_logprobs
+from bmoe.api import Ask, Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError, ContextTooLong, FieldError
-from bmoe.chat import Delta, Reply
 from bmoe.server import anthropic_wire
+from bmoe.server.answer_shape import AnswerShape, Finished
 from bmoe.server.anthropic_wire import CountBody, MessagesBody, MessageShape
 from bmoe.server.connections import ClosingStream, SlowReader
-from bmoe.server.errors import (
+from bmoe.server.events import EVENTS, Feed
+from bmoe.server.http_errors import (
     QueueFull,
     ServeError,
     ShuttingDown,
@@ -39,12 +39,11 @@ from bmoe.server.errors import (
     shutting_down,
     validation_error,
 )
-from bmoe.server.events import EVENTS, Feed
-from bmoe.server.scheduler import Event, Job, Position, Scheduler
+from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
 from bmoe.server.webui import PAGES, add_pages
-from bmoe.server.wire import ChatBody, CompletionBody, ReplyShape, RequestBody, sse
+from bmoe.server.wire import ChatBody, CompletionBody, OpenAIAnswer, ReplyShape, RequestBody, sampling_of
 
-CONTEXT_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
+TOO_LONG_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
           "/v1/messages/count_tokens", EVENTS, *PAGES)
 
@@ -190,14 +189,14 @@ async def _on_bug(r: HttpRequest, exc: Exception) -> JSONResponse:
                                                   "server_error", "internal_error"))
 
 
-# every error a route can meet, as the error object a client receives (bmoe.server.errors; Anthropic's
+# every error a route can meet, as the error object a client receives (bmoe.server.http_errors; Anthropic's
 # shape on its routes)
 HANDLERS = ((ServeError, _on_serve_error), (RequestValidationError, _on_invalid), (HTTPException, _on_http),
             (Exception, _on_bug))
 _BEARER = HTTPBearer(auto_error=False)
 
 
-class Routes:
+class Endpoints:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
     def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, api_key: str | None, n_predict: int,
@@ -250,11 +249,11 @@ class Routes:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         req = await self.prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
                                  grammar=body.grammar, logprobs=body.logprobs)
-        return await self.answer(request, body, req, self.reply_shape(False, body))
+        return await self.answer(request, req, OpenAIAnswer(self.reply_shape(False, body), req), body.stream)
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
         req = await self.chat_request(body)
-        return await self.answer(request, body, req, self.reply_shape(True, body))
+        return await self.answer(request, req, OpenAIAnswer(self.reply_shape(True, body), req), body.stream)
 
     def reply_shape(self, chat: bool, body: RequestBody) -> ReplyShape:
         return ReplyShape(chat, self.model_id, body.stream_options is not None and body.stream_options.include_usage)
@@ -270,15 +269,7 @@ class Routes:
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
         req = await self.chat_request(anthropic_wire.translated(body))
-        shape = MessageShape(self.model_id, len(req.tokens))
-        job, events, ahead = self.enqueue(req)
-        headers = {"X-Queue-Position": str(ahead)}
-        if body.stream:
-            return ClosingStream(self.message_stream(job, events, shape, ahead), media_type="text/event-stream",
-                                     headers=headers)
-        text, stats, stop = await self.whole(request, job, events)
-        reply = req.reading.read(text) if req.reading is not None else Reply(text, "", ())
-        return JSONResponse(shape.message(reply, stats, stop, ahead), headers=headers)
+        return await self.answer(request, req, MessageShape(self.model_id, len(req.tokens)), body.stream)
 
     async def count_tokens(self, body: CountBody) -> dict[str, int]:
         """The prompt tokens a Messages request with this conversation would decode."""
@@ -288,18 +279,14 @@ class Routes:
     async def prepare(self, body: RequestBody, max_tokens: int | None, **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
         model = self.model
-        sampling: dict[str, Any] = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                        min_p=body.min_p, seed=body.seed, frequency_penalty=body.frequency_penalty,
-                                        presence_penalty=body.presence_penalty, repeat_penalty=body.repeat_penalty,
-                                        repeat_last_n=body.repeat_last_n, logit_bias=body.logit_bias)
         if body.bmoe.lossless:
             try:
                 model.check_lossless("restart bmoe-server without one of them for lossless requests")
             except ConfigError as e:
                 raise ServeError(400, str(e), param="bmoe.lossless") from None
         try:
-            ask = Ask(**what, **sampling, max_tokens=max_tokens or self.n_predict, stop=body.stop, fix=CONTEXT_FIX,
-                      lossless=body.bmoe.lossless)
+            ask = Ask(**what, **sampling_of(body), max_tokens=max_tokens or self.n_predict, stop=body.stop,
+                      fix=TOO_LONG_FIX, lossless=body.bmoe.lossless)
             return await asyncio.to_thread(model.prepare, ask)
         except FieldError as e:  # a stop, schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
@@ -308,28 +295,22 @@ class Routes:
             raise ServeError(400, str(e), code="context_length_exceeded" if too_long else None,
                              param="messages" if "messages" in what else "prompt") from None
 
-    async def answer(self, request: HttpRequest, body: RequestBody, req: Request, shape: ReplyShape) -> Response:
-        """Queue `req` and answer it: streamed, or whole once it ends."""
+    async def answer(self, request: HttpRequest, req: Request, shape: AnswerShape, stream: bool) -> Response:
+        """Queue `req` and answer it in `shape`: streamed, or whole once it ends."""
         job, events, ahead = self.enqueue(req)
         headers = {"X-Queue-Position": str(ahead)}
-        if body.stream:
-            return ClosingStream(self.stream(job, events, shape, ahead), media_type="text/event-stream",
-                                     headers=headers)
+        if stream:
+            return ClosingStream(self.stream(job, events, shape, ahead), media_type=shape.media_type, headers=headers)
         chunks: list[Chunk] = []
-        text, stats, _ = await self.whole(request, job, events, chunks)
-        asked = req.logprobs is not None
-        if req.reading is not None:
-            lp = content_logprobs(req.reading, [(c.text, c.logprobs) for c in chunks]) if asked else None
-            return JSONResponse(shape.message(req.reading.read(text), stats, ahead, lp), headers=headers)
-        lp = [t for c in chunks for t in c.logprobs] if asked else None
-        return JSONResponse(shape.whole(text, stats, ahead, lp), headers=headers)
+        text, stats, stop = await self.whole(request, job, events, chunks)
+        return JSONResponse(shape.whole(Finished(req, text, stats, stop, chunks, ahead)), headers=headers)
 
-    def enqueue(self, req: Request) -> tuple[Job, asyncio.Queue[Event], int]:
+    def enqueue(self, req: Request) -> tuple[Job, asyncio.Queue[JobEvent], int]:
         """`req` submitted to the scheduler: its job, the queue its events arrive on, the requests ahead."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[JobEvent] = asyncio.Queue()
 
-        def deliver(item: Event) -> None:  # on the scheduler's thread
+        def deliver(item: JobEvent) -> None:  # on the scheduler's thread
             loop.call_soon_threadsafe(events.put_nowait, item)
 
         job = Job(req, deliver)
@@ -338,7 +319,7 @@ class Routes:
         except (QueueFull, ShuttingDown) as e:
             raise serve_error(e) from None
 
-    async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[Event],
+    async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[JobEvent],
                     chunks: list[Chunk] | None = None) -> tuple[str, GenerationStats, str | None]:
         """The whole answer: its text, its stats, and the stop string that ended it (if one did);
         `chunks` gets every chunk (their logprobs)."""
@@ -364,80 +345,38 @@ class Routes:
         finally:
             gone.cancel()
 
-    async def stream(self, job: Job, events: asyncio.Queue[Event], shape: ReplyShape, ahead: int
+    async def stream(self, job: Job, events: asyncio.Queue[JobEvent], shape: AnswerShape, ahead: int
                      ) -> AsyncIterator[bytes]:
+        """The one stream loop: `job`'s events in `shape`, a chat answer read as it comes (reasoning,
+        content, tool calls); a client that leaves cancels the job."""
         reader = job.req.reading.parser() if job.req.reading is not None else None
-        asked = job.req.logprobs is not None
-        content = ContentTokens() if asked else None
-        called = False
         try:
-            if ahead:
-                yield format_sse_event(comment=f"queue position {ahead}")
-            if shape.chat:
-                yield sse(shape.chunk({"role": "assistant", "content": ""}))
+            if ahead and (out := shape.comment(f"queue position {ahead}")):
+                yield out
+            if out := shape.start():
+                yield out
             while True:
                 item = await events.get()
                 if isinstance(item, Position):
-                    yield format_sse_event(comment=f"queue position {item.ahead}" if item.ahead else "running")
-                    continue
-                if isinstance(item, Exception):
-                    yield sse(serve_error(item).body())
-                    break
-                if item.stats is None:  # a token: its chunk (a read answer's only when it hands something out)
-                    if reader is None:
-                        yield sse(shape.token(item, asked))
-                        continue
-                    d = reader.push(item.text)
-                    lp = content.push(item.text, item.logprobs, d) if content is not None else None
-                    if d or lp:
-                        called = called or bool(d.calls)
-                        yield sse(shape.delta(d, item, lp))
-                    continue
-                if reader is not None:
-                    d = reader.finish()
-                    lp = content.push("", (), d, final=True) if content is not None else None
-                    if d or lp:
-                        called = called or bool(d.calls)
-                        yield sse(shape.delta(d, logprobs=lp))
-                try:
-                    stats = _ended(item.stats)
-                    yield sse(shape.last(stats, ahead, called))
-                    if (u := shape.usage_chunk(stats)) is not None:
-                        yield sse(u)
-                except ServeError as e:
-                    yield sse(e.body())
-                break
-            yield sse("[DONE]")
-        finally:
-            self.sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
-
-    async def message_stream(self, job: Job, events: asyncio.Queue[Event], shape: MessageShape, ahead: int
-                             ) -> AsyncIterator[bytes]:
-        """An Anthropic Messages stream: the answer read as the chat route reads it, in Anthropic's events."""
-        reader = job.req.reading.parser() if job.req.reading is not None else None
-        try:
-            if ahead:
-                yield format_sse_event(comment=f"queue position {ahead}")
-            yield shape.start()
-            while True:
-                item = await events.get()
-                if isinstance(item, Position):
-                    yield format_sse_event(comment=f"queue position {item.ahead}" if item.ahead else "running")
+                    if out := shape.comment(f"queue position {item.ahead}" if item.ahead else "running"):
+                        yield out
                     continue
                 if isinstance(item, Exception):
                     yield shape.error(serve_error(item))
-                    return
-                if item.stats is None:
-                    if out := shape.delta(reader.push(item.text) if reader is not None else Delta(content=item.text)):
+                    break
+                if item.stats is None:  # a token
+                    if out := shape.token(item, reader.push(item.text) if reader is not None else None):
                         yield out
                     continue
-                if reader is not None and (out := shape.delta(reader.finish())):
+                if reader is not None and (out := shape.finish(reader.finish())):
                     yield out
                 try:
                     yield shape.end(_ended(item.stats), item.stop, ahead)
                 except ServeError as e:
                     yield shape.error(e)
-                return
+                break
+            if out := shape.close():
+                yield out
         finally:
             self.sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
 
@@ -450,7 +389,7 @@ def _ended(s: GenerationStats) -> GenerationStats:
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int,
                alias: str | None = None, webui: bool = True, write_timeout: float = 30.0) -> FastAPI:
-    """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Routes),
+    """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key, errors as OpenAI's or
     Anthropic's error objects (HANDLERS), the body limit and metrics (Gate), the events feed
     (bmoe.server.events) and the page (bmoe.server.webui)."""
@@ -465,7 +404,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
 
     sched.on_generation = generated
     sched.on_close = feed.close
-    routes = Routes(model, sched, metrics, api_key, n_predict, alias)
+    routes = Endpoints(model, sched, metrics, api_key, n_predict, alias)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
     app.add_middleware(Gate, metrics=metrics, limit=max_body, write_timeout=write_timeout)
     for exc, handler in HANDLERS:

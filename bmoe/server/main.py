@@ -95,7 +95,7 @@ from bmoe.edges import console, exits, flags
 from bmoe.server.scheduler import MODES, Scheduler
 
 PROG = "bmoe-server"
-RELOAD_FIX = "restart bmoe-server to load it again"
+RESTART_FIX = "restart bmoe-server to load it again"
 
 EXAMPLES = """\
 examples:
@@ -236,7 +236,7 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket) -> int:
+def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket) -> int:
     """Serve until a signal (which re-raises here: exit 143/130) or a fatal error (exit 1)."""
     fatal: list[BaseException] = []
     server: Server | None = None
@@ -246,7 +246,7 @@ def serve(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket
         assert server is not None  # the scheduler starts after the server exists
         server.end()
 
-    sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RELOAD_FIX, batching=opts.batching)
+    sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RESTART_FIX, batching=opts.batching)
     app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict,
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout)
     host, port = sock.getsockname()[:2]
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         sock = listen(opts.host, opts.port)
         try:
             model = open_model(settings, console.notice)
-            return serve(model, opts, a.n_predict, sock)
+            return run_server(model, opts, a.n_predict, sock)
         finally:
             sock.close()
             if model is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError
 from bmoe.engine import Completion, Generation
-from bmoe.server.errors import GenerationFailed, QueueFull, ShuttingDown
+from bmoe.server.http_errors import GenerationFailed, QueueFull, ShuttingDown
 
 MODES = ("auto", "batch", "turns")
 
@@ -39,13 +39,13 @@ class Position:
     ahead: int
 
 
-Event = Chunk | Position | Exception
+JobEvent = Chunk | Position | Exception
 
 
 class Job:
     """One admitted request, where its events go, and (once it runs) its Generation (with its slot)."""
 
-    def __init__(self, req: Request, deliver: Callable[[Event], None]) -> None:
+    def __init__(self, req: Request, deliver: Callable[[JobEvent], None]) -> None:
         self.req = req
         self.deliver = deliver
         self.gen: Generation | None = None

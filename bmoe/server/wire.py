@@ -1,6 +1,7 @@
 """The OpenAI HTTP API's shapes, as bmoe-server speaks them: request bodies (pydantic, strict
-types) and response objects and stream chunks (`ReplyShape`); errors are bmoe.server.errors'. No engine
-and no routes here: bmoe.server.app joins these to the scheduler.
+types), response objects and stream chunks (`ReplyShape`), and an answer in them for the answer loop
+(`OpenAIAnswer`); errors are bmoe.server.http_errors'. No engine and no routes here: bmoe.server.app
+joins these to the scheduler.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from bmoe.api import TOP_LOGPROBS_MAX, Chunk, GenerationStats, TokenLogprob
-from bmoe.base import FieldError, check_sampling, logit_bias_of, telemetry
+from bmoe.api import TOP_LOGPROBS_MAX, Chunk, ContentTokens, GenerationStats, Request, TokenLogprob, content_logprobs
+from bmoe.base import SAMPLING_FIELDS, FieldError, check_sampling, logit_bias_of, telemetry
 from bmoe.chat import STOPS_MAX, Delta, Reply
+from bmoe.server.answer_shape import SSE, Finished, sse_comment
+from bmoe.server.http_errors import ServeError
 
 # Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
 # that ask for nothing (accepted as sent): any other value is a 400 naming the field, never silently
@@ -54,14 +57,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk of its own, `choices: []`, with the usage
 
 
-class RequestBody(BaseModel):
-    """What /v1/completions and /v1/chat/completions share; unknown fields are ignored, but those of
-    UNIMPLEMENTED are refused unless they ask for nothing."""
+class SamplingFields(BaseModel):
+    """A request's sampling fields, by bmoe.base.settings.SAMPLING_FIELDS' names (a test holds the two
+    together); None takes the server's flag. Bounded by the settings' own declarations."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, le=2)  # OpenAI's own cap; the bounds below are the settings'
     top_p: float | None = None
     top_k: int | None = None
@@ -72,21 +73,37 @@ class RequestBody(BaseModel):
     repeat_penalty: float | None = None  # an extension, as llama-server's
     repeat_last_n: int | None = None  # an extension, as llama-server's
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _in_bounds(cls, v: Any, info: ValidationInfo) -> Any:
+        return in_bounds(v, info)
+
+
+def in_bounds(v: Any, info: ValidationInfo) -> Any:
+    """A body's field `v`: when it is a sampling field, within its setting's own bounds
+    (bmoe.base.settings.check_sampling), not a copy of them."""
+    if v is not None and info.field_name in SAMPLING_FIELDS:
+        check_sampling(info.field_name, logit_bias_of(v) if info.field_name == "logit_bias" else v)
+    return v
+
+
+def sampling_of(body: BaseModel) -> dict[str, Any]:
+    """The sampling fields a body declares (of SAMPLING_FIELDS), as bmoe.api.Ask and ChatBody take them."""
+    return {name: getattr(body, name) for name in SAMPLING_FIELDS if name in type(body).model_fields}
+
+
+class RequestBody(SamplingFields):
+    """What /v1/completions and /v1/chat/completions share; unknown fields are ignored, but those of
+    UNIMPLEMENTED are refused unless they ask for nothing."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     bmoe: BmoeOptions = BmoeOptions()
-
-    @field_validator("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "repeat_penalty", "repeat_last_n", "logit_bias")
-    @classmethod
-    def _in_bounds(cls, v: Any, info: ValidationInfo) -> Any:
-        """The sampler settings' own bounds (bmoe.base.settings.check_sampling), not a copy of them."""
-        if v is not None:
-            assert info.field_name is not None
-            check_sampling(info.field_name, logit_bias_of(v) if info.field_name == "logit_bias" else v)
-        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -196,7 +213,7 @@ class ReplyShape:
         else:
             choice["text"] = text
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(s), "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
+                "usage": openai_usage(s), "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
 
     def chunk(self, delta: dict[str, Any] | str, finish: str | None = None,
               logprobs: Sequence[TokenLogprob] | None = None, **extra: Any) -> dict[str, Any]:
@@ -273,10 +290,63 @@ class ReplyShape:
         if not self.include_usage:
             return None
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(s)}
+                "usage": openai_usage(s)}
 
 
-def usage(s: GenerationStats) -> dict[str, int]:
+class OpenAIAnswer:
+    """A completion or chat answer in OpenAI's shapes for the answer loop (bmoe.server.answer_shape):
+    whole, or as chunks (a chat's first with the role; with logprobs asked for, each chunk those of
+    the tokens it completes; `[DONE]` last)."""
+
+    media_type = SSE
+
+    def __init__(self, shape: ReplyShape, req: Request) -> None:
+        self.shape = shape
+        self.asked = req.logprobs is not None  # logprobs
+        self.content = ContentTokens() if self.asked and req.reading is not None else None
+        self.called = False  # the answer made tool calls: finish_reason tool_calls
+
+    def whole(self, done: Finished) -> dict[str, Any]:
+        req, shape = done.req, self.shape
+        if req.reading is not None:
+            lp = content_logprobs(req.reading, [(c.text, c.logprobs) for c in done.chunks]) if self.asked else None
+            return shape.message(done.reply, done.stats, done.ahead, lp)
+        return shape.whole(done.text, done.stats, done.ahead,
+                           [t for c in done.chunks for t in c.logprobs] if self.asked else None)
+
+    def comment(self, text: str) -> bytes:
+        return sse_comment(text)
+
+    def start(self) -> bytes:
+        return sse(self.shape.chunk({"role": "assistant", "content": ""})) if self.shape.chat else b""
+
+    def token(self, c: Chunk, d: Delta | None) -> bytes:
+        if d is None:
+            return sse(self.shape.token(c, self.asked))
+        return self._delta(d, c, self.content.push(c.text, c.logprobs, d) if self.content is not None else None)
+
+    def finish(self, d: Delta) -> bytes:
+        return self._delta(d, None, self.content.push("", (), d, final=True) if self.content is not None else None)
+
+    def _delta(self, d: Delta, c: Chunk | None, lp: Sequence[TokenLogprob] | None) -> bytes:
+        """A read answer's chunk, only when it hands something out."""
+        if not (d or lp):
+            return b""
+        self.called = self.called or bool(d.calls)
+        return sse(self.shape.delta(d, c, lp))
+
+    def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
+        used = self.shape.usage_chunk(s)
+        return sse(self.shape.last(s, ahead, self.called)) + (sse(used) if used is not None else b"")
+
+    def error(self, e: ServeError) -> bytes:
+        return sse(e.body())
+
+    def close(self) -> bytes:
+        return sse("[DONE]")
+
+
+def openai_usage(s: GenerationStats) -> dict[str, int]:
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
             "total_tokens": s.prompt_tokens + s.completion_tokens}
 
