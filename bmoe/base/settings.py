@@ -167,12 +167,11 @@ class SpecSettings:
     prefetch: int = setting(
         0, "--prefetch", parse=positive_int, metavar="K", ok=lambda v: v >= 0, rule="a number of layers, 0 or more",
         help="after a layer routes, read ahead the experts the previous token routed at the next K layers (needs a "
-             "cache; off by default: a third of its reads are used, it measured 3-13%% slower)")
+             "cache; off by default: docs/levers.md has what it measured)")
     gate: bool = setting(
         False, "--spec-gate", toggle=True,
         help="predict the next layer's experts from this layer's router input in a separate process and read them "
-             "ahead (needs a cache and F32/F16 routers; off by default: it measured 4-5%% faster with a cache of a "
-             "third of the experts, 4-5%% slower with a sixth)")
+             "ahead (needs a cache and F32/F16 routers; off by default: docs/levers.md has what it measured)")
     warmup: int = setting(
         512, "--spec-warmup", parse=positive_int, metavar="N", ok=lambda v: v >= 1, rule="1 or more predictions",
         help="predictions scored before the recall governor may switch --spec-gate off (default {default})")

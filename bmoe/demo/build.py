@@ -150,8 +150,7 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
       budget of 25 % / 50 % of all expert bytes. The cache holds page-aligned slices, so this is
       not an LRU over (layer, expert) pairs holding a quarter / half of them: where a quarter is
       one token's routed set (top-2 of 8, top-4 of 16), page rounding puts 25 % of the bytes just
-      below that set and LRU, cycling through the layers, thrashes there (35 % instead of 51 %
-      on the 8-expert demo; 50 % gives 76 % either way).
+      below that set and LRU, cycling through the layers, thrashes there.
     """
     from bmoe.base.model_files import read_model_files
     from bmoe.replay import stats as route_stats

@@ -2,8 +2,10 @@
 
 A Generation is one request from prefill to its last chunk: the KV prefix it can reuse, its
 tokens as text (UTF-8 held back until whole, stop strings cut), its telemetry, its finish reason
-and the KV it leaves. It never drives the engine itself: bmoe.engine.driver's Driver, the one loop,
-begins it, steps it with others and finishes it, for every caller.
+and the KV it leaves. bmoe.engine.driver's Driver, the one loop, decides when: it calls a
+Generation's `begin` (which keeps the reusable KV prefix and prefills the rest through Engine.begin),
+decodes its tokens with others in one Engine.step, and calls its `finish` (Engine.end, the KV kept),
+for every caller.
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ kernel reclaimed later comes back with its neighbours, not 4 KiB at a time.
 
 They stay in llama.cpp's own mapping of the file, as page cache. Under a tight memory limit the
 kernel reclaims page cache before the cache's shared-memory slots (which it cannot drop without
-swap), so every token faults the dense weights back in from flash: measured on the 64-expert
-demo model under a 1500 MiB cgroup with a cold page cache and `--cache-mb 1300`, 594 major faults
-per token and 0.33-0.56 tok/s (bench/reports/2026-11-30-issue14/). `--pin-dense` locks their
+swap), so every token faults the dense weights back in from flash (docs/memory.md has what that
+cost, bench/memory_squeeze.py measures it). `--pin-dense` locks their
 pages (mlock) so they stay, and their bytes join the charge the cache budget is measured against.
 """
 

@@ -368,7 +368,7 @@ class NextUse(CycleLFU):
     current layer: a whole token) + N × the tokens it is expected to wait for its expert, 1/p − 1,
     with p the expert's routing frequency per token (its decayed count over the decayed token
     count). `cycle` and `cycle-lfu` order layers by position alone, so a prefill that read every
-    expert of a few layers locks them in: measured live, cycle-lfu then hit less than LRU. Here a
+    expert of a few layers locks them in (cycle-lfu then hit less than LRU live: docs/cache-policies.md). Here a
     rarely routed expert of a near layer goes before a hot one of a far layer.
 
     Within a layer the order is `cycle-lfu`'s (least frequent first); across layers each layer's
@@ -380,9 +380,8 @@ class NextUse(CycleLFU):
     """
 
     name = "next-use"
-    # Faster than cycle-lfu's: on the real models' traces (bench/reports/2026-12-02-real-routing)
-    # 0.95, chosen on the gemma-4 trace alone, beat 0.98 at every budget on the gpt-oss one it was
-    # not tuned to and is what lets next-use beat LRU there at 4000 MiB.
+    # Faster than cycle-lfu's, chosen on one real model's trace and checked on another it was not tuned to
+    # (bench/reports/2026-12-02-real-routing has both; `bmoe-bench policies` replays them)
     DECAY = 0.95
 
     def __init__(self, layers: Sequence[int]) -> None:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from bmoe.streaming.streamer import Streamer
 
 BUSY_DEPTH = 1  # fill orders a lane may hold while a decode runs
-IDLE_DEPTH = 32  # ... and between requests: idle ticks come 0.5 s apart; 32 experts of the 64-expert demo
-# are 86 MiB, about 0.4 s of one lane's reads here
+IDLE_DEPTH = 32  # ... and between requests: idle ticks come 0.5 s apart (Engine.follow_memory), and a tick's
+# orders should keep a lane reading until the next one (bench/restart_with_usage_profile.py measures a fill)
 
 
 class WarmFill:
