@@ -4,13 +4,13 @@
 around them): `begin` prefills one KV sequence and samples its first token, `step` decodes one token
 for each of several sequences in one llama.cpp batch (`--parallel`), `end` frees one; it keeps the
 KV, stops a decode on request, and holds the facts every edge prints about the load (`stats`).
-Requests reach `begin`/`step`/`end` only through the one generation loop, bmoe.engine.driver.
+Requests reach `begin`/`step`/`end` only through the one generation loop, bmoe.generation.driver.
 
 While a decode runs, llama.cpp's graph stops at each MoE layer's routing for
 bmoe.streaming.graph_stops, which has the routed experts read into the cache and the ids
 rewritten to their slots: output is computed from exactly the bytes plain llama.cpp would use.
 
-Its users (bmoe.api.model, bmoe.engine.driver, bmoe.engine.generation, bmoe.engine.prompt_cache)
+Its users (bmoe.api.model, bmoe.generation.driver, bmoe.generation.request_life, bmoe.generation.prompt_cache)
 use only the Engine's public methods and properties (tests/test_layout.py checks that no product
 module reads another's private attributes).
 """
@@ -184,7 +184,7 @@ class Engine:
             raise ContextTooLong(f"the prompt ({n_tokens} tokens) plus {n_predict} tokens to generate exceeds "
                                  f"the context of {self.n_ctx} tokens; {fix}", n_tokens + n_predict, self.n_ctx)
 
-    # ---- KV and cancel (a Slot's tokens are the KV sequence's: bmoe.engine.generation) ----------------
+    # ---- KV and cancel (a Slot's tokens are the KV sequence's: bmoe.generation.request_life) ----------------
 
     def clear_kv(self, seq: int = -1) -> None:
         """Empty sequence `seq`'s KV (-1: every sequence's)."""
@@ -211,7 +211,7 @@ class Engine:
         Like a signal (seam.deliver), the Cancelled is parked on the hook: the eval and abort
         callbacks stop the running graph and `_decode` raises it. An error already parked (a lane
         failure, a signal) is left in place, so it is not mistaken for a cancel. Only the
-        generation driver (bmoe.engine.driver) calls it, when every generation in the decode is cancelled.
+        generation driver (bmoe.generation.driver) calls it, when every generation in the decode is cancelled.
         """
         if self.hook.error is None:
             self.hook.error = Cancelled()
@@ -225,7 +225,7 @@ class Engine:
 
     def prefill(self, seq: int, tokens: list[int]) -> float:
         """Decode `tokens` after what sequence `seq`'s KV holds, sampling nothing (a prompt decoded in
-        parts: bmoe.engine.prompt_cache); the seconds it took. Cancelled when interrupted. No lossy routing:
+        parts: bmoe.generation.prompt_cache); the seconds it took. Cancelled when interrupted. No lossy routing:
         the KV kept from it serves lossless and lossy requests alike."""
         st = self.streamer
         t0 = time.perf_counter()

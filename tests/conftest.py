@@ -117,7 +117,7 @@ def load(model: object, *cli_flags: object, notice: Callable[[str], None] = lamb
 
 def complete(model: Model, prompt: str, n: int, chat: bool = False,
              on_chunk: Callable[[Chunk], None] | None = None) -> Completion:
-    """One answer of `n` tokens at most, through Model.run and bmoe.engine.driver: the path users run."""
+    """One answer of `n` tokens at most, through Model.run and bmoe.generation.driver: the path users run."""
     req = (model.prepare(Ask(messages=[{"role": "user", "content": prompt}], max_tokens=n)) if chat
            else model.prepare(Ask(prompt=prompt, max_tokens=n)))
     return model.run(req, on_chunk)

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("bmoe.api",)),
     ("demo", ("bmoe.demo",)),
     ("replay", ("bmoe.replay",)),
+    ("generation", ("bmoe.generation",)),
     ("engine", ("bmoe.coordinator", "bmoe.engine")),
     ("chat", ("bmoe.chat",)),
     ("memory", ("bmoe.memory",)),

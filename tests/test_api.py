@@ -12,7 +12,7 @@ import pytest
 import bmoe
 from bmoe.api import Ask, Chunk, Model
 from bmoe.base.errors import ConfigError, FieldError, ModelError
-from bmoe.engine.generation import StopText
+from bmoe.generation.request_life import StopText
 from tests.conftest import bmoe_segments, run_cli
 
 PROMPT = "Once upon a time there was a king"

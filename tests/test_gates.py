@@ -27,7 +27,7 @@ FLAGS = ("-c", 256, "-t", 2)
 
 
 def generate(path: str, *flags: object) -> tuple[Completion, SpecGate | None]:
-    """One greedy answer with these bmoe-cli flags through the one generation loop (bmoe.engine.driver);
+    """One greedy answer with these bmoe-cli flags through the one generation loop (bmoe.generation.driver);
     with it the run's spec-gate (closed), for its counters."""
     with load(path, *FLAGS, *flags) as m:
         gate = m.engine.streamer.ahead.gate if m.engine.streamer else None
@@ -44,7 +44,7 @@ def reference(path: str) -> Completion:
 @pytest.mark.parametrize("arch", ARCHES)
 def test_the_reference_is_what_llama_cpp_pythons_own_loop_generates(synth, monkeypatch, arch: str) -> None:
     """Every gate compares with `reference`, which runs through bmoe's one generation loop
-    (bmoe.engine.driver) like the streamed runs do; so that a bug in that loop cannot hide in both sides,
+    (bmoe.generation.driver) like the streamed runs do; so that a bug in that loop cannot hide in both sides,
     the reference itself must equal llama-cpp-python's own generation loop (`Llama.generate`,
     greedy) on the same file with the same context: no repacked weights (as bmoe loads them),
     flash attention as llama.cpp's default chooses it on this CPU, one ubatch for the prompt."""

@@ -39,7 +39,7 @@ def test_no_import_cycles(graph: str) -> None:
 
 
 def test_no_import_climbs_against_the_layers() -> None:
-    """edges → api → demo → replay → engine → chat → memory → streaming → seam → base: a module
+    """edges → api → demo → replay → generation → engine → chat → memory → streaming → seam → base: a module
     imports its own layer or one below (type-checking imports included)."""
     assert not layers.climbs(TYPED_GRAPH)
 

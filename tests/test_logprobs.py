@@ -1,4 +1,4 @@
-"""logprobs: each generated token's log-probability and its likeliest alternatives (bmoe.engine.logprobs),
+"""logprobs: each generated token's log-probability and its likeliest alternatives (bmoe.generation.logprobs),
 through a real bmoe-server with the openai client in OpenAI's shapes (chat's `content` list, the legacy
 completions' parallel lists), streamed and not, and through bmoe.load. Exact: the tokens' text joined is
 the answer's text (a stop string's cut and split UTF-8 characters included) and, of a chat answer read

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bmoe.base.telemetry import TokenLine
 from bmoe.chat.output import Delta
-from bmoe.engine.generation import Chunk
+from bmoe.generation.request_life import Chunk
 from bmoe.server.wire import ReplyShape
 
 
@@ -27,7 +27,7 @@ def test_a_token_chunk_carries_its_progress_fields() -> None:
 
 
 def test_logprobs_take_openais_shapes_and_only_when_asked() -> None:
-    from bmoe.engine.logprobs import Alternative, TokenLogprob
+    from bmoe.generation.logprobs import Alternative, TokenLogprob
 
     e = "\u00e9".encode()
     toks = (TokenLogprob(1, "", e[:1], -0.5, (Alternative(1, "\ufffd", e[:1], -0.5),), 3),

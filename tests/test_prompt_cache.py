@@ -1,4 +1,4 @@
-"""The prompt cache's store (bmoe.engine.prompt_cache) and llama.cpp's per-sequence state API under it:
+"""The prompt cache's store (bmoe.generation.prompt_cache) and llama.cpp's per-sequence state API under it:
 a prefix's KV saved, checked and put back gives the same logits as prefilling it, and nothing
 read from disk is trusted."""
 
@@ -12,7 +12,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from bmoe.engine.prompt_cache import FA_TILE, PromptCache, cut, model_identity, pieces, usable
+from bmoe.generation.prompt_cache import FA_TILE, PromptCache, cut, model_identity, pieces, usable
 from bmoe.seam.llama import seq_state, set_seq_state
 from tests.plain_llama import Plain
 
@@ -190,7 +190,7 @@ def pinned(synth) -> Plain:
 
 @pytest.mark.parametrize("p", [512, 100, 420, 300, 500, 580])
 def test_llama_cpp_computes_a_usable_cut_exactly_and_another_not(pinned: Plain, p: int) -> None:
-    """Pins the kernel regimes `usable` relies on (see bmoe.engine.prompt_cache): decoded as [0, p) and its
+    """Pins the kernel regimes `usable` relies on (see bmoe.generation.prompt_cache): decoded as [0, p) and its
     pieces, a cut it accepts gives the logits of one call exactly; one it refuses does not."""
     toks = pinned.spell(" ".join(f"word{i % 97} the keeper of the light" for i in range(200)))[:600]
     mem = llama_cpp.llama_get_memory(pinned.ctx)

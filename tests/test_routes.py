@@ -11,9 +11,9 @@ import pytest
 
 from bmoe.replay import stats as route_stats
 from bmoe.shm_cache import PAGE
-from bmoe.streaming import routers
 from bmoe.streaming.cache_policy import POLICIES
 from bmoe.streaming.route_trace import Trace
+from bmoe.workers import routers
 from tests.conftest import run_cli
 
 PROMPT = "The engineers tested the bridge with heavy trucks and measured how far the deck would bend"

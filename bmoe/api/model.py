@@ -18,7 +18,7 @@ once in bmoe.base.settings, so the API, `bmoe-cli` and `bmoe-server` reach the s
 also be given as its flag's text (`cache_mb="auto"`). `setting_names()` lists them. Errors name
 the keywords; notices go to the `bmoe` logger.
 
-Every generation is a bmoe.engine.generation.Generation: `Model.run` drives one on the first KV sequence
+Every generation is a bmoe.generation.request_life.Generation: `Model.run` drives one on the first KV sequence
 (the CLI and the session use it), `Model.batch` several in one llama.cpp batch per step (load with
 `parallel=N`), bmoe.server.scheduler the server's. Each tracks exactly which tokens its KV sequence
 holds. A chat whose messages extend the sequence's conversation (that conversation and its
@@ -60,15 +60,15 @@ from bmoe.base.settings import names as setting_names
 from bmoe.base.units import MiB
 from bmoe.chat.grammar_check import GrammarCheck
 from bmoe.chat.limits import check_stops
-from bmoe.engine.generation import Chunk, Completion, Generation, GenerationStats, Request, Slot, StopText, Turn
-from bmoe.engine.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
+from bmoe.generation.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
+from bmoe.generation.request_life import Chunk, Completion, Generation, GenerationStats, Request, Slot, StopText, Turn
 
 if TYPE_CHECKING:
     from bmoe.chat.output import Reply
     from bmoe.chat.request import ChatFormat
     from bmoe.chat.template import Renderer
     from bmoe.coordinator import Engine, EngineStats
-    from bmoe.engine.prompt_cache import PromptKV
+    from bmoe.generation.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 
 __all__ = ["TOP_LOGPROBS_MAX", "Alternative", "Ask", "Chunk", "Completion", "ConfigError", "ContentTokens",
@@ -123,7 +123,7 @@ class Ask:
     generate instead of sampled ones (teacher forcing, as `bmoe-bench quality` scores a text;
     max_tokens is then their number), and `logits` puts on each Chunk the distribution its token
     was chosen from. `logprobs` N puts on each Chunk (and the Completion) its tokens' log-probabilities
-    with the N likeliest alternatives at each step (0 to 20; bmoe.engine.logprobs); None: none.
+    with the N likeliest alternatives at each step (0 to 20; bmoe.generation.logprobs); None: none.
     The sampling options besides temperature, top_p, top_k and seed (min_p, the penalties,
     logit_bias: OpenAI's token id -> bias map) are the load's settings of the same names.
     """
@@ -181,10 +181,10 @@ class Model:
     """A loaded model. `run` serves one generation at a time on the first KV sequence (calls from
     several threads take turns); `batch` decodes several prompts together, one KV sequence each
     (load with `parallel=N`), and bmoe.server.scheduler does so for a server's concurrent requests. Every
-    one goes through the one loop, bmoe.engine.driver.Driver (`driver`)."""
+    one goes through the one loop, bmoe.generation.driver.Driver (`driver`)."""
 
     def __init__(self, engine: Engine) -> None:
-        from bmoe.engine.driver import Driver
+        from bmoe.generation.driver import Driver
 
         self.engine = engine
         self.driver = Driver(engine)
@@ -193,9 +193,9 @@ class Model:
         self.notice = engine.notice
         self._renderer: Renderer | None = None
         self._chat_format: ChatFormat | None = None
-        self.prompt_cache: PromptKV | None = None  # --prompt-cache (bmoe.engine.prompt_cache)
+        self.prompt_cache: PromptKV | None = None  # --prompt-cache (bmoe.generation.prompt_cache)
         if engine.settings.prompt_cache:
-            from bmoe.engine.prompt_cache import PromptKV
+            from bmoe.generation.prompt_cache import PromptKV
 
             self.prompt_cache = PromptKV(engine, engine.settings.prompt_cache, engine.settings.prompt_cache_mb)
         self._lock = threading.Lock()  # guards _live

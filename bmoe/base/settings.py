@@ -336,7 +336,7 @@ class Settings:
         None, "--chat-template-file", metavar="FILE",
         help="render chats with this jinja chat template instead of the model's own (e.g. one with tools for a "
              "model whose template has none)")
-    prompt_cache: str | None = setting(  # bmoe.engine.prompt_cache
+    prompt_cache: str | None = setting(  # bmoe.generation.prompt_cache
         None, "--prompt-cache", metavar="DIR",
         help="keep the KV of each prompt's prefix (a chat's system prompt, tools and earlier turns) in DIR and, "
              "for a later prompt that starts with a kept prefix, even after a restart, load it instead of "

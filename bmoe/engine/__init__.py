@@ -1,7 +1,3 @@
-"""The engine: the load and its parts (`load`), `Engine` itself (bmoe.coordinator: KV sequences,
-decode), what an edge prints about the load (`engine_stats`), the one generation loop (`driver`),
-one request's life on a KV sequence (`generation`, with its `logprobs`) and the prompt cache.
+"""The engine's parts: the load and everything wired around it (`load`) and what an edge prints about
+it (`engine_stats`). `Engine` itself, which runs them (KV sequences, decode), is bmoe.coordinator.
 """
-
-from bmoe.engine.generation import Completion, Generation
-from bmoe.engine.logprobs import log_softmax

@@ -24,9 +24,9 @@ import numpy as np
 
 from bmoe.replay.bounds import Belady, NextTokenOracle
 from bmoe.replay.stats import ReplayBudget, regions_for, replay
-from bmoe.streaming import routers
 from bmoe.streaming.cache_policy import POLICIES, Policy
 from bmoe.streaming.route_trace import Trace
+from bmoe.workers import routers
 
 PREDICT_AHEAD = 2
 BELADY = "belady"

@@ -105,7 +105,7 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
     """Share of layer l+1's routed experts that the spec-gate's predictor picks from layer l's router input."""
     if t.hidden is None:
         raise ValueError("the trace has no hidden states (.hidden.npy); re-record it with --route-trace")
-    from bmoe.streaming import routers
+    from bmoe.workers import routers
 
     try:
         found = routers.load_routers([model], t.header["arch"], t.layers)

@@ -7,7 +7,7 @@ Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`, 
 translated into the chat route's request, so one engine, scheduler, grammar and prompt cache answer
 both), `GET /metrics` (Prometheus text), `GET /v1/bmoe/events` (the live telemetry as server-sent
 events, bmoe.server.events) and the chat page at `/` (bmoe.server.webui; off with `--no-webui`). Every
-generation goes through bmoe.engine.generation.Generation.
+generation goes through bmoe.generation.request_life.Generation.
 
 Decisions:
 

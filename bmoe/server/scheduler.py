@@ -1,5 +1,5 @@
 """Many clients, one engine: a worker thread admits requests into the model's KV sequences
-(`--parallel N`, bmoe.engine.generation.Slot) and decodes them step by step, batched or in turns,
+(`--parallel N`, bmoe.generation.request_life.Slot) and decodes them step by step, batched or in turns,
 while a bounded queue waits behind (bmoe-server's requests).
 
 Each step either decodes every running request together in one llama.cpp batch (each layer
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError
-from bmoe.engine import Completion, Generation
+from bmoe.generation import Completion, Generation
 from bmoe.server.http_errors import GenerationFailed, QueueFull, ShuttingDown
 
 MODES = ("auto", "batch", "turns")

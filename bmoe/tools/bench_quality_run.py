@@ -30,7 +30,7 @@ import numpy as np
 
 from bmoe.base import BmoeError, ConfigError, telemetry
 from bmoe.edges import console, exits, flags
-from bmoe.engine import log_softmax
+from bmoe.generation import log_softmax
 
 LOGP_FLOOR = -16.0  # llama-perplexity skips reference tokens at or below this log-probability
 

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 from bmoe.shm_cache import open_segment
-from bmoe.streaming import routers
+from bmoe.workers import routers
 
 
 def _newest(fd: int, unpacker: msgpack.Unpacker) -> list | None:

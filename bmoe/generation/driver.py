@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from bmoe.base.errors import Cancelled
-from bmoe.engine.generation import Completion, Generation
+from bmoe.generation.request_life import Completion, Generation
 
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine

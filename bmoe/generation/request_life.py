@@ -2,7 +2,7 @@
 
 A Generation is one request from prefill to its last chunk: the KV prefix it can reuse, its
 tokens as text (UTF-8 held back until whole, stop strings cut), its telemetry, its finish reason
-and the KV it leaves. bmoe.engine.driver's Driver, the one loop, decides when: it calls a
+and the KV it leaves. bmoe.generation.driver's Driver, the one loop, decides when: it calls a
 Generation's `begin` (which keeps the reusable KV prefix and prefills the rest through Engine.begin),
 decodes its tokens with others in one Engine.step, and calls its `finish` (Engine.end, the KV kept),
 for every caller.
@@ -22,13 +22,13 @@ import numpy as np
 from bmoe.base import telemetry
 from bmoe.base.errors import Cancelled
 from bmoe.base.settings import SamplerSettings
-from bmoe.engine.logprobs import TokenLogprob, TokenSpans
+from bmoe.generation.logprobs import TokenLogprob, TokenSpans
 
 if TYPE_CHECKING:
     from bmoe.chat.grammar import Grammar
     from bmoe.chat.output import Reading
     from bmoe.coordinator import Engine, EngineSequence
-    from bmoe.engine.prompt_cache import PromptKV
+    from bmoe.generation.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 
 Turn = dict[str, str]  # one message of a conversation as the engine keeps it (role, content)
@@ -88,7 +88,7 @@ class Completion:
     stats: GenerationStats
     ids: tuple[int, ...] = ()  # the generated tokens (an end-of-generation token is not one)
     tokens: tuple[telemetry.TokenLine, ...] = ()  # each generated token's telemetry, in order
-    logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the text's tokens (bmoe.engine.logprobs)
+    logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the text's tokens (bmoe.generation.logprobs)
 
     @property
     def finish_reason(self) -> str:
@@ -107,7 +107,7 @@ class Request:
     grammar: Grammar | None = None  # holds sampling to a JSON schema or a tool call (bmoe.chat.grammar)
     specials: frozenset[int] = frozenset()  # tokens written as their special text (a chat syntax's markers)
     reading: Reading | None = None  # how a chat's answer splits into reasoning, content, tool calls
-    cache_prefix: int = 0  # the prompt's first tokens worth keeping in a prompt cache (bmoe.engine.prompt_cache)
+    cache_prefix: int = 0  # the prompt's first tokens worth keeping in a prompt cache (bmoe.generation.prompt_cache)
     lossless: bool = False  # no lossy routing, whatever the load's settings (bmoe.streaming.lossy)
     forced: tuple[int, ...] = ()  # teacher forcing: the tokens generated, in order, instead of sampled ones
     logits: bool = False  # each Chunk carries the distribution its token was chosen from
@@ -256,7 +256,7 @@ OnEnd = Callable[[telemetry.Tally, str, int, int, int, float, "ReadAheadCounts |
 class Generation:
     """`req` on `slot`: `begin` prefills, `take` adds each decoded token, `finish` ends it.
 
-    Only the driver (bmoe.engine.driver) calls these. A chat that extends the slot's conversation
+    Only the driver (bmoe.generation.driver) calls these. A chat that extends the slot's conversation
     prefills only the tokens past the prefix the KV already holds. Afterwards the KV holds the
     prompt and the answer; a cancelled generation is rolled back to the reused prefix, one cut by
     a stop string to its prompt. `on_end` hears the stats of every generation that finishes.

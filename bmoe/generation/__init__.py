@@ -1,0 +1,7 @@
+"""Generations on the engine: the one generation loop (`driver`), one request's life on a KV sequence
+(`request_life`: its prefix reuse, text, stops, telemetry and KV), a request's logprobs (`logprobs`)
+and the prompt cache (`prompt_cache`). They drive bmoe.coordinator's Engine; nothing below imports them.
+"""
+
+from bmoe.generation.logprobs import log_softmax
+from bmoe.generation.request_life import Completion, Generation
