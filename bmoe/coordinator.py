@@ -63,7 +63,6 @@ class Engine:
         self.words = parts.words
         self.files = parts.files
         self.hook = parts.hook
-        self.memory = parts.memory
         self.fixed_k = parts.fixed_k
         self.lossy = parts.lossy
         self.replay = parts.replay
@@ -126,7 +125,7 @@ class Engine:
             budget_bytes=st.budget if st else 0, resident_bytes=st.resident_bytes() if st else 0,
             holds_every_expert=self.holds_every_expert, spec_gate=st.gate_recall() if st else None,
             lanes=tuple(st.lane_load().lines()) if st else (), workers=tuple(st.worker_pids()) if st else (),
-            full_bytes=st.full_bytes if st else 0, memory=self.memory.least(),
+            full_bytes=st.full_bytes if st else 0, memory=self.parts.memory.least(),
             residency=tuple(st.residency()) if st else ())
 
     def chat_template(self) -> bytes | None:
