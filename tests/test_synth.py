@@ -3,7 +3,6 @@ reproducible byte for byte: the streaming tests elsewhere build on all three."""
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,112 +12,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from bmoe.seam.llama import new_context
 from bmoe.tools import synth, synth_blocks, synth_like, synth_shape
 from tests.conftest import run_cli
-
-PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away into the dark forest."
-N_GEN = 32
-TOPK_NODE = b"ffn_moe_topk-0"  # routing ids of layer 0, [n_expert_used, n_tokens] int32
-
-
-class _GgmlTensor(ctypes.Structure):
-    """Public `struct ggml_tensor` (ggml/include/ggml.h), enough to read a node's ids."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-class _Run:
-    """Greedy decode through llama.cpp's C API, recording layer 0's expert choice per token."""
-
-    def __init__(self, path: Path) -> None:
-        llama_cpp.llama_backend_init()
-        self.routes: list[tuple[int, ...]] = []
-        self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_node)
-        self.model = llama_cpp.llama_model_load_from_file(
-            str(path).encode(), llama_cpp.llama_model_default_params())
-        assert self.model, f"llama.cpp refused {path}"
-        self.ctx = new_context(self.model, 256, threads=2, eval_cb=self._cb)
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-
-    def close(self) -> None:
-        llama_cpp.llama_free(self.ctx)
-        llama_cpp.llama_model_free(self.model)
-
-    def _on_node(self, t: int, ask: bool, _user: int) -> bool:
-        node = _GgmlTensor.from_address(t)
-        if ask:
-            return node.name == TOPK_NODE
-        k, n_tokens, row = node.ne[0], node.ne[1], node.nb[1]
-        for j in range(n_tokens):  # a strided view of the argsort: rows are nb[1] apart
-            ids = (ctypes.c_int32 * k).from_address(node.data + j * row)
-            self.routes.append(tuple(sorted(ids)))
-        return True
-
-    def tokenize(self, text: str, add_bos: bool) -> list[int]:
-        data = text.encode()
-        buf = (llama_cpp.llama_token * (len(data) + 8))()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, len(buf), add_bos, False)
-        assert n >= 0
-        return list(buf[:n])
-
-    def detokenize(self, tokens: list[int]) -> str:
-        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        buf = ctypes.create_string_buffer(64 * len(tokens) + 64)
-        n = llama_cpp.llama_detokenize(self.vocab, arr, len(tokens), buf, len(buf), False, False)
-        assert n >= 0
-        return buf.raw[:n].decode("utf-8", errors="replace")
-
-    def decode(self, tokens: list[int]) -> np.ndarray:
-        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        batch = llama_cpp.llama_batch_get_one(arr, len(tokens))
-        assert llama_cpp.llama_decode(self.ctx, batch) == 0
-        logits = llama_cpp.llama_get_logits_ith(self.ctx, -1)
-        return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
-
-
-def _check_runs(path: Path) -> list[int]:
-    """Load, prefill PROMPT, greedily generate N_GEN tokens; return the generated ids."""
-    run = _Run(path)
-    try:
-        prompt = run.tokenize(PROMPT, add_bos=True)
-        assert len(prompt) >= 13 and prompt[0] == llama_cpp.llama_vocab_bos(run.vocab)
-        assert run.detokenize(prompt[1:]) == PROMPT  # llama.cpp drops the SPM space prefix
-        logits = run.decode(prompt)
-        n_prefill_routes = len(run.routes)
-        assert n_prefill_routes == len(prompt)
-        generated = []
-        for _ in range(N_GEN):
-            assert np.isfinite(logits).all()
-            generated.append(int(np.argmax(logits)))
-            logits = run.decode(generated[-1:])
-        assert np.isfinite(logits).all()
-        text = run.detokenize(generated)
-        assert text.strip()
-        assert run.detokenize(run.tokenize(text, add_bos=False)) == text
-        assert len(set(generated)) > N_GEN // 2, "greedy decoding is stuck on a few tokens"
-        decode_routes = run.routes[n_prefill_routes:]
-        assert len(decode_routes) == N_GEN
-        assert len(set(decode_routes)) > 2, "the router picks the same experts for every token"
-    finally:
-        run.close()
-    return generated
+from tests.routed_run import check_runs
 
 
 def _expert_tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
@@ -141,7 +37,7 @@ def test_every_arch_loads_generates_and_routes(tmp_path: Path, arch: str) -> Non
             t = experts[f"blk.{layer}.ffn_{kind}_exps.weight"]
             assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
             assert t.shape[-1] == 8  # ggml order: the expert index is the last dimension
-    _check_runs(path)
+    check_runs(path)
 
 
 @pytest.mark.parametrize(("arch", "quant", "ggml_type"), [
@@ -153,7 +49,7 @@ def test_quant_types(tmp_path: Path, arch: str, quant: str, ggml_type: int) -> N
     path = synth.write_model(tmp_path / "m.gguf", arch=arch, quant=quant, layers=2)
     types = {t.tensor_type for t in _expert_tensors(path).values() if t.name.endswith(".weight")}
     assert types == {ggml_type}
-    _check_runs(path)
+    check_runs(path)
 
 
 def test_same_seed_same_bytes(tmp_path: Path) -> None:

@@ -18,14 +18,11 @@ class Like:
     """A published model's shape at Q4_K_M and the real GGUF it is checked against.
 
     `real_bytes` is that file's size and `source` says where the number and the shape come from.
-    `runs_here` is False when bmoe cannot stream the architecture (the pinned llama.cpp may still
-    load it with --no-stream).
     """
 
     shape: Shape
     real_bytes: int
     source: str
-    runs_here: bool = True
 
 
 LIKES: dict[str, Like] = {
@@ -53,7 +50,6 @@ LIKES: dict[str, Like] = {
                "dense bytes are 4-8 MB a layer short of the trace's, which this table cannot explain "
                "from the config and llama.cpp's rules (ggml-org's Q4_K_M of the model is 16.80 GB on "
                "its Hugging Face page, 0.1 % from this table)",
-        runs_here=False,
     ),
     "gpt-oss-20b": Like(
         Shape("gpt-oss", layers=24, experts=32, top_k=4, embd=2880, ff=2880, quant="q4_k_m",
