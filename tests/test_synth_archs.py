@@ -32,7 +32,8 @@ PARTS = {
     "qwen3next": ["blk.0.attn_qkv.weight", "blk.0.ssm_ba.weight", "blk.F.attn_q_norm.weight",
                   "blk.L.ffn_gate_inp_shexp.weight", "blk.L.ffn_down_shexp.weight"],
     "qwen4exp": ["output_hc_norm.weight", "blk.0.hc_attn_inject.weight", "blk.0.hc_ffn_down.weight",
-                 "blk.0.ssm_alpha.weight", "blk.F.indexer.q_proj.weight", "blk.L.ffn_gate_inp_shexp.weight"],
+                 "blk.0.ssm_alpha.weight", "blk.F.indexer.q_proj.weight", "blk.L.ffn_gate_inp_shexp.weight",
+                 "per_layer_token_embd.weight", "blk.0.ple_key.weight", "blk.0.ple_conv1d.weight"],
     "glm4moe": ["blk.0.ffn_gate.weight", "blk.L.exp_probs_b.bias", "blk.L.ffn_down_shexp.weight",
                 "blk.0.attn_q.bias"],
     "deepseek2": ["blk.0.ffn_gate.weight", "blk.L.exp_probs_b.bias", "blk.L.ffn_down_shexp.weight",
@@ -78,6 +79,10 @@ def test_arch_runs_in_plain_llama_cpp_and_routes(tmp_path: Path, arch: str, quan
     if mtp:
         assert f"blk.{shape.layers}.nextn.eh_proj.weight" in names
         assert _field(reader, f"{arch}.nextn_predict_layers") == [1]
+    for t in reader.tensors:  # per-expert scales differ, so reading another expert's row shows in the text
+        if t.name.endswith("_exps.scale"):
+            v = np.asarray(t.data, dtype=np.float32)
+            assert (v > 0).all() and len(np.unique(v)) == v.size, t.name
     exps = {t.tensor_type for t in reader.tensors if t.name.endswith("_exps.weight")}
     assert exps == ({gguf.GGMLQuantizationType.Q8_0} if quant == "q8_0" else
                     {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from gguf import GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
 
 from bmoe.tools.synth_shape import (
     ARCHES,
@@ -25,6 +25,7 @@ from bmoe.tools.synth_shape import (
     Dsv4,
     Indexer,
     Mla,
+    Ple,
     Recurrent,
     Shape,
     Tensor,
@@ -206,7 +207,7 @@ def _table_old(s: Shape, tb: _Table) -> None:
             t("ffn_up.weight", (s.dense_ff, e), "ffn_up", std=e**-0.5)
             t("ffn_down.weight", (e, s.dense_ff), "ffn_down", std=s.dense_ff**-0.5)
             t("post_ffw_norm.weight", (e,), fill="ones")
-            t("ffn_gate_inp.scale", (e,), fill="ones")
+            t("ffn_gate_inp.scale", (e,), fill="positive", std=0.3)
             t("pre_ffw_norm_2.weight", (e,), fill="ones")
             t("post_ffw_norm_1.weight", (e,), fill="ones")
             t("post_ffw_norm_2.weight", (e,), fill="ones")
@@ -218,8 +219,9 @@ def _table_old(s: Shape, tb: _Table) -> None:
             t("ffn_gate_exps.weight", (s.experts, s.ff, e), "exps_gate", std=e**-0.5)
             t("ffn_up_exps.weight", (s.experts, s.ff, e), "exps_up", std=e**-0.5)
         t("ffn_down_exps.weight", (s.experts, e, s.ff), "exps_down", std=s.ff**-0.5)
-        if gemma:  # the per-expert scale of the down projection (its generic .scale slot)
-            t("ffn_down_exps.scale", (s.experts,), fill="ones")
+        if gemma:  # the per-expert scale of the down projection (its generic .scale slot): each expert its
+            # own, so that reading another expert's scale changes the output
+            t("ffn_down_exps.scale", (s.experts,), fill="positive", std=0.3)
         if gpt_oss:
             t("ffn_gate_inp.bias", (s.experts,), std=0.1)
             t("ffn_gate_exps.bias", (s.experts, s.ff), std=0.02)
@@ -263,15 +265,24 @@ def _table_qwen_gdn(s: Shape, tb: _Table) -> None:
 
 def _table_qwen4exp(s: Shape, tb: _Table) -> None:
     """qwen4exp (src/models/qwen4exp.cpp): qwen35moe's layers with hyper-connections in place of every
-    norm (two mixers a layer and one before the output), and an indexer on the attention layers."""
-    e, hc, lr, ix = s.embd, s.hyper, s.hyper_rank, s.indexer
+    norm (two mixers a layer and one before the output), an indexer on the attention layers, and
+    n-gram hash embeddings (Ple) on one recurrent layer."""
+    e, hc, lr, ix, ple = s.embd, s.hyper, s.hyper_rank, s.indexer, s.ple
     assert ix is not None
     tb.add("token_embd.weight", (s.n_vocab, e), "token_embd", std=1.0)
     tb.add("output_hc_norm.weight", (hc, e), fill="ones")
     tb.add("output_hc_down.weight", (lr, hc * e), "matrix", std=(hc * e) ** -0.5)
     tb.add("output_hc_up.weight", (hc * e, lr), "matrix", std=lr**-0.5)
+    if ple:  # a token embedding table by name (llama-quant types it as one)
+        tb.add("per_layer_token_embd.weight", (ple.rows, ple.dim), "token_embd", std=1.0)
     for i in range(s.layers):
         t = tb.block(i)
+        if ple and i == ple.layer:
+            t("ple_key.weight", (hc * e, e), "matrix", std=e**-0.5)
+            t("ple_value.weight", (e, e), "matrix", std=e**-0.5)
+            for part in ("key", "query", "conv"):
+                t(f"ple_norm_{part}.weight", (hc, e), fill="ones")
+            t("ple_conv1d.weight", (hc * e, ple.conv), std=0.5)
         for part in ("attn", "ffn"):
             t(f"hc_{part}_norm.weight", (hc, e), fill="ones")
             t(f"hc_{part}_down.weight", (lr, hc * e), "matrix", std=(hc * e) ** -0.5)
@@ -644,6 +655,26 @@ def _keys_qwen_gdn(w: GGUFWriter, s: Shape, a: str) -> None:
         w.add_uint32(f"{a}.attention.indexer.key_length", ix.head_dim)
         w.add_uint32(f"{a}.attention.indexer.top_k", ix.top_k)
         w.add_array(f"{a}.attention.compress_ratios", list(ix.ratios))
+        if s.ple:
+            _ple_keys(w, s.ple, s.n_vocab, a)
+
+
+def _ple_keys(w: GGUFWriter, ple: Ple, n_vocab: int, a: str) -> None:
+    """qwen4exp's n-gram hash constants: head h reads rows offset[h] + hash % vocab[h] of the table
+    (the rows split evenly between the heads)."""
+    u32, u64 = GGUFValueType.UINT32, GGUFValueType.UINT64
+    per_head = ple.rows // ple.heads
+    w.add_key_value(f"{a}.ple.layers", [ple.layer], GGUFValueType.ARRAY, sub_type=u32)
+    w.add_uint32(f"{a}.ple.ngram_size", ple.ngram)
+    w.add_uint32(f"{a}.ple.heads_per_ngram", ple.heads_per_ngram)
+    w.add_uint32(f"{a}.ple.conv_kernel", ple.conv)
+    w.add_uint32(f"{a}.ple.eos_token_id", 2)
+    w.add_uint32(f"{a}.embedding_length_per_layer_input", ple.dim)
+    w.add_key_value(f"{a}.ple.layer_multipliers", [1 + 2 * n for n in range(ple.ngram)], GGUFValueType.ARRAY,
+                    sub_type=u64)
+    w.add_key_value(f"{a}.ple.head_offsets", [h * per_head for h in range(ple.heads)], GGUFValueType.ARRAY,
+                    sub_type=u64)
+    w.add_key_value(f"{a}.ple.head_vocab_sizes", [per_head] * ple.heads, GGUFValueType.ARRAY, sub_type=u64)
 
 
 def _keys_glm4moe(w: GGUFWriter, s: Shape, a: str) -> None:
@@ -791,9 +822,10 @@ def defaults(s: Shape) -> Shape:
     if a in ("qwen35moe", "qwen3next", "qwen4exp"):
         s = replace(s, shared_ff=f, full_every=4, rope_dims=hd // 4,
                     recurrent=Recurrent(conv=4, head_dim=hd, k_heads=2, v_heads=4))
-        if a == "qwen4exp":
+        if a == "qwen4exp":  # n-gram embeddings of 4 heads on layer 0, 4 x 32 rows per head
             s = replace(s, hyper=4, hyper_rank=8, indexer=Indexer(
-                heads=2, head_dim=hd, top_k=2048, ratios=tuple(4 if s.is_full(i) else 0 for i in range(s.layers))))
+                heads=2, head_dim=hd, top_k=2048, ratios=tuple(4 if s.is_full(i) else 0 for i in range(s.layers))),
+                ple=Ple(rows=4 * 4 * 32, dim=s.embd // 4, layer=0, ngram=3, heads_per_ngram=2, conv=4))
         return s
     if a == "glm4moe":
         return replace(s, shared_ff=f, dense_lead=1, dense_ff=2 * f, rope_dims=hd // 2)

@@ -119,6 +119,8 @@ def _float_data(t: Tensor, rng: np.random.Generator, token_embd: np.ndarray | No
     data *= t.std
     if t.fill == "negative":  # a recurrent layer's decay: below zero, around -1
         data = -np.exp(data)
+    if t.fill == "positive":  # a scale: above zero, around 1, different per element
+        data = np.exp(data)
     if t.fill == "output":
         assert token_embd is not None, "an f16 output.weight is derived from an f16 token_embd"
         # The residual stream is dominated by the current token's embedding; subtracting the

@@ -50,7 +50,8 @@ class Tensor:
 
     `fill` says what its values are: "ones" (norms), "normal" (std `std`), "output" (the output
     projection, synth_blocks), "negative" (a recurrent layer's decay, -exp of a normal of std
-    `std`) or "expert_ids" (deepseek4's token -> expert table: distinct experts per row)."""
+    `std`), "positive" (a scale, exp of a normal of std `std`: each element its own) or
+    "expert_ids" (deepseek4's token -> expert table: distinct experts per row)."""
 
     name: str
     shape: tuple[int, ...]
@@ -99,6 +100,24 @@ class Indexer:
     top_k: int
     full: tuple[bool, ...] = ()
     ratios: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Ple:
+    """qwen4exp's n-gram hash embeddings on one recurrent layer: a `rows` x `dim` table
+    (per_layer_token_embd, read lazily by llama.cpp) of which each token gathers one row per head,
+    (ngram - 1) x heads_per_ngram heads of `dim` that together span embd."""
+
+    rows: int
+    dim: int
+    layer: int
+    ngram: int
+    heads_per_ngram: int
+    conv: int
+
+    @property
+    def heads(self) -> int:
+        return (self.ngram - 1) * self.heads_per_ngram
 
 
 @dataclass(frozen=True)
@@ -154,6 +173,7 @@ class Shape:
     indexer: Indexer | None = None
     hyper: int = 0  # hyper-connection streams (qwen4exp, deepseek4)
     hyper_rank: int = 0  # qwen4exp's low-rank hyper-connection mixer
+    ple: Ple | None = None
     dsv4: Dsv4 | None = None
 
     def __post_init__(self) -> None:
