@@ -3,6 +3,7 @@ reproducible byte for byte: the streaming tests elsewhere build on all three."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,6 +138,7 @@ REAL_Q4_K_M = {
     "gemma-4-26b-a4b": 16_413_650_040 + 262144 * 2816 * 210 // 256,  # the trace's layers + Q6_K token_embd
     "gpt-oss-20b": 11.6e9,
     "gpt-oss-120b": 58.46 * 2**30,    # 58.46 GiB
+    "qwen3.6-35b-a3b": 21.3e9,         # a same-shape finetune's static Q4_K_M
 }
 
 
@@ -144,6 +146,51 @@ REAL_Q4_K_M = {
 def test_like_is_within_2_percent_of_the_real_file(name: str) -> None:
     plan = synth.plan_model(like=name)
     assert abs(plan.tensor_bytes / REAL_Q4_K_M[name] - 1) < 0.02, (plan.tensor_bytes, REAL_Q4_K_M[name])
+
+
+def test_likes_without_a_published_q4_k_m() -> None:
+    """Where no Q4_K_M of the model has a published size, the table is pinned against what its source
+    names instead: the nearest published file (its recipe named) and the parameter count."""
+    def plan(name: str) -> synth_shape.Plan:
+        return synth.plan_model(like=name)
+
+    flash = plan("qwen3.8-flash-next")
+    assert flash.tensor_bytes == 118_448_697_344
+    assert synth_like.LIKES["qwen3.8-flash-next"].real_recipe == "UD-Q4_K_XL"
+    assert round(100 * (flash.tensor_bytes / 111.3e9 - 1), 1) == 6.4  # unsloth's UD-Q4_K_XL, 111.3 GB
+    ple = next(t for t in flash.tensors if t.name == "per_layer_token_embd.weight")
+    assert (ple.qtype, ple.nbytes) == ("q5_0", 35_200_168_960)  # 160-wide rows: Q4_K's Q5_0 fallback
+    v4 = plan("deepseek-v4-flash")
+    assert v4.tensor_bytes == 171_916_194_140
+    assert abs(v4.tensor_bytes / (163 * 2**30) - 1) < 0.02  # teamblobfish's Q4_K_M-XL, ~163 GiB
+    glm = plan("glm-5.2")
+    assert glm.tensor_bytes == 454_542_815_232 and synth_like.LIKES["glm-5.2"].real_bytes == 0
+    params = sum(math.prod(t.shape) for t in glm.tensors)
+    assert abs(params / 753e9 - 1) < 0.002  # unsloth/GLM-5.2-GGUF's 753B
+
+
+@pytest.mark.parametrize("name", [n for n, like in synth_like.LIKES.items()
+                                  if like.shape.arch in synth_shape.UNSTREAMED_ARCHES])
+def test_like_table_loads_in_llama_cpp(tmp_path: Path, name: str) -> None:
+    """The full-size tables of the architectures only plain llama.cpp runs are what its loader asks
+    for: each written sparse (the table, no data: a few MB on disk), loaded with no_alloc (shapes
+    checked, nothing read) and given a context (its graphs built and reserved)."""
+    path = synth.write_model(tmp_path / f"{name}.gguf", like=name, sparse=True)
+    st = path.stat()
+    assert 0 <= st.st_size - synth.plan_model(like=name).tensor_bytes < 20e6  # the header
+    assert st.st_blocks * 512 < 20e6
+    mp = llama_cpp.llama_model_default_params()
+    mp.no_alloc, mp.use_extra_bufts, mp.load_mode = True, False, 0  # no_alloc needs the non-mmap load
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    assert model, name
+    try:
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_threads = 256, 256, 2
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        assert ctx, name
+        llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
 
 
 def test_like_tensor_tables() -> None:
@@ -179,6 +226,18 @@ def test_like_tensor_tables() -> None:
     assert gemma["blk.0.ffn_down.weight"] == ("q8_0", [2112, 2816])
     assert gemma["blk.0.ffn_down_exps.weight"] == ("q8_0", [704, 2816, 128])
     assert gemma["blk.7.ffn_down_exps.weight"] == ("q5_0", [704, 2816, 128])
+    qwen36 = table("qwen3.6-35b-a3b")
+    assert qwen36["blk.0.attn_qkv.weight"] == ("q6_k", [2048, 8192])  # attention-v-like: Q6_K on 'more bits'
+    assert qwen36["blk.3.attn_q.weight"] == ("q4_k", [2048, 8192])  # full attention: 16 gated heads of 256
+    assert qwen36["blk.3.attn_k.weight"] == ("q4_k", [2048, 512])
+    assert qwen36["blk.0.ffn_gate_exps.weight"] == ("q4_k", [2048, 512, 256])
+    assert qwen36["blk.0.ffn_down_shexp.weight"] == ("q6_k", [512, 2048])
+    assert qwen36["blk.0.ssm_conv1d.weight"] == ("f32", [4, 8192])
+    assert sum(name.endswith("attn_qkv.weight") for name in qwen36) == 30
+    v4 = table("deepseek-v4-flash")
+    assert v4["blk.0.ffn_gate_tid2eid.weight"] == ("i32", [6, 129280])
+    assert "blk.3.exp_probs_b.bias" in v4 and "blk.2.exp_probs_b.bias" not in v4  # 3 hash-routed layers
+    assert "blk.2.indexer.proj.weight" in v4 and "blk.3.indexer.proj.weight" not in v4  # ratio 4, then 128
 
 
 # The route traces' headers (../shared/traces), copied: one expert's bytes per layer, and

@@ -131,6 +131,7 @@ def write_model(
     mtp: bool = False,
     chat_template: str = CHAT_TEMPLATE,
     progress: bool = False,
+    sparse: bool = False,
 ) -> Path:
     """Write a random-weight MoE GGUF that llama.cpp can load and run; return its path.
 
@@ -147,6 +148,9 @@ def write_model(
     ffn_gate_up_exps (the loaders of FUSED_ARCHES take either layout); `mtp` adds the trailing
     multi-token-prediction layer of MTP_ARCHES. Tensors are generated and written in chunks of
     whole rows, so memory stays at about 64 MiB (one f16 matrix for the small f16 models).
+    `sparse` writes the metadata and tensor table but no tensor data: a sparse file of the full
+    size whose weights are all zero, a few MB on disk, for checking that llama.cpp loads a table
+    too large to write (its text is meaningless).
     """
     if seed < 0:
         raise ValueError("seed must be >= 0")
@@ -190,7 +194,10 @@ def write_model(
                     print(f"bmoe-synth: {done / 1e6:.0f}/{total / 1e6:.0f} MB ({100 * done / total:.0f}%) "
                           f"{now - start:.1f}s", file=sys.stderr)
 
-        for chunks in tensor_data(shape, tensors, seed):
+        if sparse:
+            for _ in tensors:
+                w.skip_tensor_data()
+        for chunks in () if sparse else tensor_data(shape, tensors, seed):
             w.write_tensor_chunks(counted(chunks))
         w.close()
         written = sorted(scratch.iterdir())
@@ -233,10 +240,12 @@ about X GB (1 GB = 1e9 bytes); pass a realistic --layers/--experts/--embd with i
 size, expert width, heads and vocabulary, every tensor named, shaped and typed as in the real GGUF
 (llama.cpp's Q4_K_M rules: Q6_K output and every few layers' ffn_down and attn_v, 32-weight
 fallbacks for rows that are not whole 256-blocks; gpt-oss keeps its experts in MXFP4), within 2 %
-of the real file's size. The weights are random and the tokenizer is bmoe-synth's own, padded with
-unused tokens to the real vocabulary size. Known: {names}.
-gemma-4-26b-a4b (arch gemma4) is written with its real table and the pinned llama.cpp runs it
-(bmoe-cli --no-stream), but bmoe does not stream gemma4 yet.
+of the real file's size where one was published (--plan prints the file it is compared with). The
+weights are random and the tokenizer is bmoe-synth's own, padded with unused tokens to the real
+vocabulary size. Known: {names}.
+gemma-4-26b-a4b, qwen3.6-35b-a3b, qwen3.8-flash-next, glm-5.2 and deepseek-v4-flash are written
+with their real architectures' tables, which the pinned llama.cpp loads (bmoe-cli --no-stream),
+but bmoe does not stream those architectures yet.
 --like TRACE.csv takes the shape from a route_trace v1 header: a known model (by the file name in
 the header) with the trace's top-k, else a shape whose experts have the header's bytes per layer.
 
@@ -259,9 +268,10 @@ def _print_plan(plan: Plan, like: str) -> None:
         print(f"layer={layer} expert_bytes={plan.expert_bytes(layer)} dense_bytes={plan.dense_bytes(layer)}")
     print(f"tensor bytes: {plan.tensor_bytes:,} ({plan.tensor_bytes / GB:.2f} GB)")
     if like in LIKES:
-        real = LIKES[like].real_bytes
-        print(f"real Q4_K_M file: {real:,} ({real / GB:.2f} GB, {100 * (plan.tensor_bytes / real - 1):+.2f} %); "
-              f"{LIKES[like].source}")
+        real, recipe = LIKES[like].real_bytes, LIKES[like].real_recipe
+        size = (f"real {recipe} file: {real:,} ({real / GB:.2f} GB, {100 * (plan.tensor_bytes / real - 1):+.2f} %)"
+                if real else f"real file: {recipe}")
+        print(f"{size}; {LIKES[like].source}")
     _warn_if_not_streamed(plan.shape.arch)
 
 

@@ -170,3 +170,14 @@ class ChunkWriter(GGUFWriter):
         assert written == info.nbytes, (written, info.nbytes)
         self.write_padding(fout, written)
         self.state = WriterState.WEIGHTS
+
+    def skip_tensor_data(self) -> None:
+        """Leave the next tensor's bytes unwritten: a hole of zeros in a sparse file."""
+        assert self.fout is not None and self.state in (WriterState.TI_DATA, WriterState.WEIGHTS)
+        file_id = next(i for i, tensors in enumerate(self.tensors) if tensors)
+        fout = self.fout[file_id]
+        info = self.tensors[file_id].pop(next(iter(self.tensors[file_id])))
+        self.write_padding(fout, fout.tell())
+        fout.seek(self.ggml_pad(info.nbytes, self.data_alignment), 1)
+        fout.truncate()  # the file ends after the hole, even the last one
+        self.state = WriterState.WEIGHTS
