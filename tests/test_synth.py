@@ -3,7 +3,7 @@ reproducible byte for byte: the streaming tests elsewhere build on all three."""
 
 from __future__ import annotations
 
-import ctypes
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,112 +13,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from bmoe.seam.llama import new_context
 from bmoe.tools import synth, synth_blocks, synth_like, synth_shape
 from tests.conftest import run_cli
-
-PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away into the dark forest."
-N_GEN = 32
-TOPK_NODE = b"ffn_moe_topk-0"  # routing ids of layer 0, [n_expert_used, n_tokens] int32
-
-
-class _GgmlTensor(ctypes.Structure):
-    """Public `struct ggml_tensor` (ggml/include/ggml.h), enough to read a node's ids."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-class _Run:
-    """Greedy decode through llama.cpp's C API, recording layer 0's expert choice per token."""
-
-    def __init__(self, path: Path) -> None:
-        llama_cpp.llama_backend_init()
-        self.routes: list[tuple[int, ...]] = []
-        self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_node)
-        self.model = llama_cpp.llama_model_load_from_file(
-            str(path).encode(), llama_cpp.llama_model_default_params())
-        assert self.model, f"llama.cpp refused {path}"
-        self.ctx = new_context(self.model, 256, threads=2, eval_cb=self._cb)
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-
-    def close(self) -> None:
-        llama_cpp.llama_free(self.ctx)
-        llama_cpp.llama_model_free(self.model)
-
-    def _on_node(self, t: int, ask: bool, _user: int) -> bool:
-        node = _GgmlTensor.from_address(t)
-        if ask:
-            return node.name == TOPK_NODE
-        k, n_tokens, row = node.ne[0], node.ne[1], node.nb[1]
-        for j in range(n_tokens):  # a strided view of the argsort: rows are nb[1] apart
-            ids = (ctypes.c_int32 * k).from_address(node.data + j * row)
-            self.routes.append(tuple(sorted(ids)))
-        return True
-
-    def tokenize(self, text: str, add_bos: bool) -> list[int]:
-        data = text.encode()
-        buf = (llama_cpp.llama_token * (len(data) + 8))()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, len(buf), add_bos, False)
-        assert n >= 0
-        return list(buf[:n])
-
-    def detokenize(self, tokens: list[int]) -> str:
-        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        buf = ctypes.create_string_buffer(64 * len(tokens) + 64)
-        n = llama_cpp.llama_detokenize(self.vocab, arr, len(tokens), buf, len(buf), False, False)
-        assert n >= 0
-        return buf.raw[:n].decode("utf-8", errors="replace")
-
-    def decode(self, tokens: list[int]) -> np.ndarray:
-        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        batch = llama_cpp.llama_batch_get_one(arr, len(tokens))
-        assert llama_cpp.llama_decode(self.ctx, batch) == 0
-        logits = llama_cpp.llama_get_logits_ith(self.ctx, -1)
-        return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
-
-
-def _check_runs(path: Path) -> list[int]:
-    """Load, prefill PROMPT, greedily generate N_GEN tokens; return the generated ids."""
-    run = _Run(path)
-    try:
-        prompt = run.tokenize(PROMPT, add_bos=True)
-        assert len(prompt) >= 13 and prompt[0] == llama_cpp.llama_vocab_bos(run.vocab)
-        assert run.detokenize(prompt[1:]) == PROMPT  # llama.cpp drops the SPM space prefix
-        logits = run.decode(prompt)
-        n_prefill_routes = len(run.routes)
-        assert n_prefill_routes == len(prompt)
-        generated = []
-        for _ in range(N_GEN):
-            assert np.isfinite(logits).all()
-            generated.append(int(np.argmax(logits)))
-            logits = run.decode(generated[-1:])
-        assert np.isfinite(logits).all()
-        text = run.detokenize(generated)
-        assert text.strip()
-        assert run.detokenize(run.tokenize(text, add_bos=False)) == text
-        assert len(set(generated)) > N_GEN // 2, "greedy decoding is stuck on a few tokens"
-        decode_routes = run.routes[n_prefill_routes:]
-        assert len(decode_routes) == N_GEN
-        assert len(set(decode_routes)) > 2, "the router picks the same experts for every token"
-    finally:
-        run.close()
-    return generated
+from tests.routed_run import check_runs
 
 
 def _expert_tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
@@ -141,7 +38,7 @@ def test_every_arch_loads_generates_and_routes(tmp_path: Path, arch: str) -> Non
             t = experts[f"blk.{layer}.ffn_{kind}_exps.weight"]
             assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
             assert t.shape[-1] == 8  # ggml order: the expert index is the last dimension
-    _check_runs(path)
+    check_runs(path)
 
 
 @pytest.mark.parametrize(("arch", "quant", "ggml_type"), [
@@ -153,7 +50,7 @@ def test_quant_types(tmp_path: Path, arch: str, quant: str, ggml_type: int) -> N
     path = synth.write_model(tmp_path / "m.gguf", arch=arch, quant=quant, layers=2)
     types = {t.tensor_type for t in _expert_tensors(path).values() if t.name.endswith(".weight")}
     assert types == {ggml_type}
-    _check_runs(path)
+    check_runs(path)
 
 
 def test_same_seed_same_bytes(tmp_path: Path) -> None:
@@ -241,6 +138,7 @@ REAL_Q4_K_M = {
     "gemma-4-26b-a4b": 16_413_650_040 + 262144 * 2816 * 210 // 256,  # the trace's layers + Q6_K token_embd
     "gpt-oss-20b": 11.6e9,
     "gpt-oss-120b": 58.46 * 2**30,    # 58.46 GiB
+    "qwen3.6-35b-a3b": 21.3e9,         # a same-shape finetune's static Q4_K_M
 }
 
 
@@ -248,6 +146,51 @@ REAL_Q4_K_M = {
 def test_like_is_within_2_percent_of_the_real_file(name: str) -> None:
     plan = synth.plan_model(like=name)
     assert abs(plan.tensor_bytes / REAL_Q4_K_M[name] - 1) < 0.02, (plan.tensor_bytes, REAL_Q4_K_M[name])
+
+
+def test_likes_without_a_published_q4_k_m() -> None:
+    """Where no Q4_K_M of the model has a published size, the table is pinned against what its source
+    names instead: the nearest published file (its recipe named) and the parameter count."""
+    def plan(name: str) -> synth_shape.Plan:
+        return synth.plan_model(like=name)
+
+    flash = plan("qwen3.8-flash-next")
+    assert flash.tensor_bytes == 118_448_697_344
+    assert synth_like.LIKES["qwen3.8-flash-next"].real_recipe == "UD-Q4_K_XL"
+    assert round(100 * (flash.tensor_bytes / 111.3e9 - 1), 1) == 6.4  # unsloth's UD-Q4_K_XL, 111.3 GB
+    ple = next(t for t in flash.tensors if t.name == "per_layer_token_embd.weight")
+    assert (ple.qtype, ple.nbytes) == ("q5_0", 35_200_168_960)  # 160-wide rows: Q4_K's Q5_0 fallback
+    v4 = plan("deepseek-v4-flash")
+    assert v4.tensor_bytes == 171_916_194_140
+    assert abs(v4.tensor_bytes / (163 * 2**30) - 1) < 0.02  # teamblobfish's Q4_K_M-XL, ~163 GiB
+    glm = plan("glm-5.2")
+    assert glm.tensor_bytes == 454_542_815_232 and synth_like.LIKES["glm-5.2"].real_bytes == 0
+    params = sum(math.prod(t.shape) for t in glm.tensors)
+    assert abs(params / 753e9 - 1) < 0.002  # unsloth/GLM-5.2-GGUF's 753B
+
+
+@pytest.mark.parametrize("name", [n for n, like in synth_like.LIKES.items()
+                                  if like.shape.arch in synth_shape.UNSTREAMED_ARCHES])
+def test_like_table_loads_in_llama_cpp(tmp_path: Path, name: str) -> None:
+    """The full-size tables of the architectures only plain llama.cpp runs are what its loader asks
+    for: each written sparse (the table, no data: a few MB on disk), loaded with no_alloc (shapes
+    checked, nothing read) and given a context (its graphs built and reserved)."""
+    path = synth.write_model(tmp_path / f"{name}.gguf", like=name, sparse=True)
+    st = path.stat()
+    assert 0 <= st.st_size - synth.plan_model(like=name).tensor_bytes < 20e6  # the header
+    assert st.st_blocks * 512 < 20e6
+    mp = llama_cpp.llama_model_default_params()
+    mp.no_alloc, mp.use_extra_bufts, mp.load_mode = True, False, 0  # no_alloc needs the non-mmap load
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    assert model, name
+    try:
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_threads = 256, 256, 2
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        assert ctx, name
+        llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
 
 
 def test_like_tensor_tables() -> None:
@@ -283,6 +226,18 @@ def test_like_tensor_tables() -> None:
     assert gemma["blk.0.ffn_down.weight"] == ("q8_0", [2112, 2816])
     assert gemma["blk.0.ffn_down_exps.weight"] == ("q8_0", [704, 2816, 128])
     assert gemma["blk.7.ffn_down_exps.weight"] == ("q5_0", [704, 2816, 128])
+    qwen36 = table("qwen3.6-35b-a3b")
+    assert qwen36["blk.0.attn_qkv.weight"] == ("q6_k", [2048, 8192])  # attention-v-like: Q6_K on 'more bits'
+    assert qwen36["blk.3.attn_q.weight"] == ("q4_k", [2048, 8192])  # full attention: 16 gated heads of 256
+    assert qwen36["blk.3.attn_k.weight"] == ("q4_k", [2048, 512])
+    assert qwen36["blk.0.ffn_gate_exps.weight"] == ("q4_k", [2048, 512, 256])
+    assert qwen36["blk.0.ffn_down_shexp.weight"] == ("q6_k", [512, 2048])
+    assert qwen36["blk.0.ssm_conv1d.weight"] == ("f32", [4, 8192])
+    assert sum(name.endswith("attn_qkv.weight") for name in qwen36) == 30
+    v4 = table("deepseek-v4-flash")
+    assert v4["blk.0.ffn_gate_tid2eid.weight"] == ("i32", [6, 129280])
+    assert "blk.3.exp_probs_b.bias" in v4 and "blk.2.exp_probs_b.bias" not in v4  # 3 hash-routed layers
+    assert "blk.2.indexer.proj.weight" in v4 and "blk.3.indexer.proj.weight" not in v4  # ratio 4, then 128
 
 
 # The route traces' headers (../shared/traces), copied: one expert's bytes per layer, and

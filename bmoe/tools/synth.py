@@ -20,6 +20,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,6 +29,15 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 
 from bmoe.base import positive_float, positive_int
+from bmoe.tools.synth_archs import (
+    FUSED_ARCHES,
+    MTP_ARCHES,
+    add_arch_metadata,
+    feed_forward_length,
+    rope_dims,
+    shape_from_flags,
+    tensor_table,
+)
 from bmoe.tools.synth_blocks import ChunkWriter, tensor_data
 from bmoe.tools.synth_like import LIKES, shape_from_like
 from bmoe.tools.synth_shape import (
@@ -37,10 +47,9 @@ from bmoe.tools.synth_shape import (
     K_QUANTS,
     QUANTS,
     ROUTER_TYPES,
+    SYNTH_ARCHES,
     Plan,
     Shape,
-    shape_from_flags,
-    tensor_table,
 )
 from bmoe.tools.synth_vocab import CHAT_TEMPLATE, add_tokenizer
 
@@ -70,6 +79,8 @@ def plan_model(
     quant: str = "q8_0",
     size_gb: float | None = None,
     router: str = "f32",
+    fused: bool = False,
+    mtp: bool = False,
 ) -> Plan:
     """The tensors `write_model` writes for these arguments, without writing anything.
 
@@ -78,7 +89,7 @@ def plan_model(
     """
     shape = shape_from_like(like) if like is not None else shape_from_flags(
         arch=arch, layers=layers, experts=experts, top_k=top_k, embd=embd, ff=ff, quant=quant,
-        size_gb=size_gb, router=router)
+        size_gb=size_gb, router=router, fused=fused, mtp=mtp)
     return Plan(shape, tuple(tensor_table(shape)))
 
 
@@ -90,36 +101,13 @@ def _add_metadata(w: GGUFWriter, s: Shape, seed: int, chat_template: str) -> Non
     w.add_uint32("general.quantization_version", 2)
     w.add_uint32(f"{a}.context_length", _CONTEXT_LENGTH)
     w.add_uint32(f"{a}.embedding_length", s.embd)
-    w.add_uint32(f"{a}.block_count", s.layers)
-    w.add_uint32(f"{a}.feed_forward_length", s.dense_ff or s.ff)
+    w.add_uint32(f"{a}.block_count", s.all_layers)
+    w.add_uint32(f"{a}.feed_forward_length", feed_forward_length(s))
     w.add_uint32(f"{a}.expert_count", s.experts)
     w.add_uint32(f"{a}.expert_used_count", s.top_k)
-    if a in ("qwen3moe", "qwen2moe", "gpt-oss", "gemma4"):
-        w.add_uint32(f"{a}.expert_feed_forward_length", s.ff)
-    if a == "qwen2moe":
-        w.add_uint32(f"{a}.expert_shared_feed_forward_length", s.ff)
-    if a in ("gpt-oss", "gemma4"):
-        w.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
-    w.add_uint32(f"{a}.attention.head_count", s.n_head)
-    if a == "gemma4":  # per-layer head shapes: sliding layers, then every full_every-th
-        full = [s.is_full(i) for i in range(s.layers)]
-        w.add_array(f"{a}.attention.head_count_kv", [s.full_kv_heads if f else s.n_head_kv for f in full])
-        w.add_array(f"{a}.attention.sliding_window_pattern", [not f for f in full])
-        w.add_uint32(f"{a}.attention.key_length", s.full_head_dim)
-        w.add_uint32(f"{a}.attention.value_length", s.full_head_dim)
-        w.add_uint32(f"{a}.attention.key_length_swa", s.head_dim)
-        w.add_uint32(f"{a}.attention.value_length_swa", s.head_dim)
-        w.add_uint32(f"{a}.attention.shared_kv_layers", 0)
-        w.add_uint32(f"{a}.embedding_length_per_layer_input", 0)
-        w.add_uint32(f"{a}.rope.dimension_count_swa", s.head_dim)
-        w.add_float32(f"{a}.rope.freq_base_swa", 10000.0)
-        w.add_float32(f"{a}.final_logit_softcapping", 30.0)
-    else:
-        w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
-        w.add_uint32(f"{a}.attention.key_length", s.head_dim)
-        w.add_uint32(f"{a}.attention.value_length", s.head_dim)
+    add_arch_metadata(w, s)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", _RMS_EPS)
-    w.add_uint32(f"{a}.rope.dimension_count", s.full_head_dim or s.head_dim)
+    w.add_uint32(f"{a}.rope.dimension_count", rope_dims(s))
     w.add_float32(f"{a}.rope.freq_base", s.rope_base)
     add_tokenizer(w, s.n_vocab, chat_template)
 
@@ -139,8 +127,11 @@ def write_model(
     size_gb: float | None = None,
     splits: int = 1,
     router: str = "f32",
+    fused: bool = False,
+    mtp: bool = False,
     chat_template: str = CHAT_TEMPLATE,
     progress: bool = False,
+    sparse: bool = False,
 ) -> Path:
     """Write a random-weight MoE GGUF that llama.cpp can load and run; return its path.
 
@@ -153,15 +144,20 @@ def write_model(
     recipe types it); the router uses `router` (F32 by default: a quantized router is what real
     files sometimes ship, and what --spec-gate cannot use); norms are F32, other matrices F16.
     `chat_template` is the jinja template stored (ChatML by default; another model's, e.g.
-    Qwen3's, to test what it renders and parses). Tensors are generated and written in chunks of
+    Qwen3's, to test what it renders and parses). `fused` writes the experts' gate and up as one
+    ffn_gate_up_exps (the loaders of FUSED_ARCHES take either layout); `mtp` adds the trailing
+    multi-token-prediction layer of MTP_ARCHES. Tensors are generated and written in chunks of
     whole rows, so memory stays at about 64 MiB (one f16 matrix for the small f16 models).
+    `sparse` writes the metadata and tensor table but no tensor data: a sparse file of the full
+    size whose weights are all zero, a few MB on disk, for checking that llama.cpp loads a table
+    too large to write (its text is meaningless).
     """
     if seed < 0:
         raise ValueError("seed must be >= 0")
     if splits < 1:
         raise ValueError("splits must be >= 1")
     plan = plan_model(like=like, arch=arch, layers=layers, experts=experts, top_k=top_k, embd=embd,
-                      ff=ff, quant=quant, size_gb=size_gb, router=router)
+                      ff=ff, quant=quant, size_gb=size_gb, router=router, fused=fused, mtp=mtp)
     shape, tensors = plan.shape, plan.tensors
     total = plan.tensor_bytes
 
@@ -198,7 +194,10 @@ def write_model(
                     print(f"bmoe-synth: {done / 1e6:.0f}/{total / 1e6:.0f} MB ({100 * done / total:.0f}%) "
                           f"{now - start:.1f}s", file=sys.stderr)
 
-        for chunks in tensor_data(shape, tensors, seed):
+        if sparse:
+            for _ in tensors:
+                w.skip_tensor_data()
+        for chunks in () if sparse else tensor_data(shape, tensors, seed):
             w.write_tensor_chunks(counted(chunks))
         w.close()
         written = sorted(scratch.iterdir())
@@ -211,6 +210,15 @@ def write_model(
     return finals[0]
 
 
+_ARCH_NOTE = (
+    "--arch NAME writes a small model of any of {arches}: the metadata and tensors the pinned llama.cpp's "
+    "loader asks for, with each architecture's own parts (shared experts and their gates, leading dense "
+    "layers, selection biases and sigmoid or group-limited routing, recurrent layers, hyper-connections, "
+    "sparse-attention indexers, hash-routed layers), sized from --embd, --ff and --layers. bmoe streams "
+    "{streamed}; plain llama.cpp runs the others (bmoe-cli --no-stream), and docs/architectures.md says what "
+    "streaming each of them needs.\n--fused-gate-up writes the experts' gate and up as one ffn_gate_up_exps "
+    "({fused}); --mtp adds a trailing multi-token-prediction layer ({mtp})."
+)
 _EPILOG = """\
 examples:
   bmoe-synth -o tiny.gguf                          # qwen3moe, 4 layers, 8 experts, top-2, q8_0
@@ -222,6 +230,8 @@ examples:
   bmoe-synth --like qwen3-30b-a3b -o ~/.cache/bmoe/synth/qwen3-30b-a3b-like-q4_k_m.gguf
   bmoe-synth --like ../shared/traces/gpt-oss-120b-q4_k_m.route.csv -o oss120.gguf
   bmoe-synth --like gemma-4-26b-a4b --plan               # its tensor table and size, no file
+  bmoe-synth --arch qwen35moe -o q35.gguf               # Gated DeltaNet + attention, shared expert
+  bmoe-synth --arch deepseek2 --fused-gate-up --mtp -o ds2.gguf   # fused gate_up experts, an MTP layer
 
 --size-gb X keeps --layers/--experts/--embd and picks the expert FFN width (--ff) so the file is
 about X GB (1 GB = 1e9 bytes); pass a realistic --layers/--experts/--embd with it.
@@ -230,12 +240,16 @@ about X GB (1 GB = 1e9 bytes); pass a realistic --layers/--experts/--embd with i
 size, expert width, heads and vocabulary, every tensor named, shaped and typed as in the real GGUF
 (llama.cpp's Q4_K_M rules: Q6_K output and every few layers' ffn_down and attn_v, 32-weight
 fallbacks for rows that are not whole 256-blocks; gpt-oss keeps its experts in MXFP4), within 2 %
-of the real file's size. The weights are random and the tokenizer is bmoe-synth's own, padded with
-unused tokens to the real vocabulary size. Known: {names}.
-gemma-4-26b-a4b (arch gemma4) is written with its real table and the pinned llama.cpp runs it
-(bmoe-cli --no-stream), but bmoe does not stream gemma4 yet.
+of the real file's size where one was published (--plan prints the file it is compared with). The
+weights are random and the tokenizer is bmoe-synth's own, padded with unused tokens to the real
+vocabulary size. Known: {names}.
+gemma-4-26b-a4b, qwen3.6-35b-a3b, qwen3.8-flash-next, glm-5.2 and deepseek-v4-flash are written
+with their real architectures' tables, which the pinned llama.cpp loads (bmoe-cli --no-stream),
+but bmoe does not stream those architectures yet.
 --like TRACE.csv takes the shape from a route_trace v1 header: a known model (by the file name in
 the header) with the trace's top-k, else a shape whose experts have the header's bytes per layer.
+
+{arch_note}
 """
 
 
@@ -250,20 +264,21 @@ def _print_plan(plan: Plan, like: str) -> None:
     """--plan: every tensor with its ggml shape and type, then per-layer and total bytes."""
     for t in plan.tensors:
         print(f"{t.name:36} {t.qtype:6} {list(reversed(t.shape))!s:22} {t.nbytes:>13,}")
-    for layer in range(plan.shape.layers):
+    for layer in range(plan.shape.all_layers):
         print(f"layer={layer} expert_bytes={plan.expert_bytes(layer)} dense_bytes={plan.dense_bytes(layer)}")
     print(f"tensor bytes: {plan.tensor_bytes:,} ({plan.tensor_bytes / GB:.2f} GB)")
     if like in LIKES:
-        real = LIKES[like].real_bytes
-        print(f"real Q4_K_M file: {real:,} ({real / GB:.2f} GB, {100 * (plan.tensor_bytes / real - 1):+.2f} %); "
-              f"{LIKES[like].source}")
-    _warn_if_not_streamed(like)
+        real, recipe = LIKES[like].real_bytes, LIKES[like].real_recipe
+        size = (f"real {recipe} file: {real:,} ({real / GB:.2f} GB, {100 * (plan.tensor_bytes / real - 1):+.2f} %)"
+                if real else f"real file: {recipe}")
+        print(f"{size}; {LIKES[like].source}")
+    _warn_if_not_streamed(plan.shape.arch)
 
 
-def _warn_if_not_streamed(like: str | None) -> None:
-    if like in LIKES and not LIKES[like].runs_here:
-        print(f"bmoe-synth: note: bmoe does not stream {LIKES[like].shape.arch} yet; plain llama.cpp runs "
-              f"it (bmoe-cli --no-stream)", file=sys.stderr)
+def _warn_if_not_streamed(arch: str) -> None:
+    if arch not in ARCHES:
+        print(f"bmoe-synth: note: bmoe does not stream {arch} yet; plain llama.cpp runs it (bmoe-cli --no-stream); "
+              f"docs/architectures.md says what streaming it needs", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="bmoe-synth",
         description="Write a random-weight Mixture-of-Experts GGUF model that llama.cpp can run.",
-        epilog=_EPILOG.format(names=", ".join(LIKES)),
+        epilog=_EPILOG.format(names=", ".join(LIKES), arch_note="\n".join(
+            textwrap.fill(part, 100) for part in _ARCH_NOTE.format(
+                arches=", ".join(SYNTH_ARCHES), streamed=", ".join(ARCHES), fused=", ".join(FUSED_ARCHES),
+                mtp=", ".join(MTP_ARCHES)).split("\n"))),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--like", metavar="NAME|TRACE.csv", default=None,
@@ -279,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                          "shape in a route_trace v1 header; sets every shape flag")
     ap.add_argument("--plan", action="store_true",
                     help="print the tensors (name, type, ggml shape, bytes) and sizes instead of writing")
-    ap.add_argument("--arch", choices=ARCHES, default=None, help="llama.cpp architecture (default qwen3moe)")
+    ap.add_argument("--arch", choices=SYNTH_ARCHES, default=None, metavar="ARCH",
+                    help="llama.cpp architecture (default qwen3moe; the others are listed below)")
     ap.add_argument("--layers", type=positive_int, default=None, help="transformer blocks (default 4)")
     ap.add_argument("--experts", type=positive_int, default=None, help="experts per layer (default 8)")
     ap.add_argument("--top-k", type=positive_int, default=None, help="experts used per token (default 2)")
@@ -292,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                          "llama.cpp's Q4_K_M does")
     ap.add_argument("--router", choices=ROUTER_TYPES, default=None,
                     help="type of the router tensors (default f32; q8_0 makes a model --spec-gate refuses)")
+    ap.add_argument("--fused-gate-up", dest="fused", action="store_true", default=None,
+                    help="the experts' gate and up as one ffn_gate_up_exps tensor (loaders that take either)")
+    ap.add_argument("--mtp", action="store_true", default=None,
+                    help="add a trailing multi-token-prediction (NextN) layer (loaders that have one)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
     ap.add_argument("--size-gb", type=positive_float, default=None,
                     help="target file size in GB: chooses --ff (cannot be combined with --ff)")
@@ -301,9 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="store this jinja chat template (default: ChatML without tools)")
     ap.add_argument("-o", "--output", help="output .gguf path (required unless --plan)")
     args = ap.parse_args(argv)
-    shape_flags = ("arch", "layers", "experts", "top_k", "embd", "ff", "quant", "router", "size_gb")
+    shape_flags = {"arch": "--arch", "layers": "--layers", "experts": "--experts", "top_k": "--top-k",
+                   "embd": "--embd", "ff": "--ff", "quant": "--quant", "router": "--router", "size_gb": "--size-gb",
+                   "fused": "--fused-gate-up", "mtp": "--mtp"}
     if args.like is not None:
-        given = [f"--{f.replace('_', '-')}" for f in shape_flags if getattr(args, f) is not None]
+        given = [flag for f, flag in shape_flags.items() if getattr(args, f) is not None]
         if given:
             ap.error(f"--like sets the shape; drop {', '.join(given)}")
     if args.size_gb is not None and args.ff is not None:
@@ -314,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(arch=args.arch or "qwen3moe", layers=args.layers or 4, experts=args.experts or 8,
                  top_k=args.top_k or 2, embd=args.embd or (256 if k_quant else 128),
                  ff=args.ff or 256, quant=args.quant or "q8_0", size_gb=args.size_gb,
-                 router=args.router or "f32")
+                 router=args.router or "f32", fused=bool(args.fused), mtp=bool(args.mtp))
     try:
         if args.plan:
             _print_plan(plan_model(like=args.like, **shape), args.like or "")
@@ -326,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         ap.error(str(exc))
-    _warn_if_not_streamed(args.like)
+    _warn_if_not_streamed(shape_from_like(args.like).arch if args.like else str(shape["arch"]))
     print(path)
     return 0
 

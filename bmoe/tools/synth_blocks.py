@@ -106,11 +106,21 @@ def quantized_chunks(t: Tensor, rng: np.random.Generator) -> Iterator[np.ndarray
         yield blocks
 
 
+def _expert_ids(t: Tensor, n_expert: int, rng: np.random.Generator) -> np.ndarray:
+    """deepseek4's token -> expert table: each token's row holds distinct experts."""
+    rows, k = t.shape
+    return np.argsort(rng.random((rows, n_expert)), axis=1)[:, :k].astype(np.int32)
+
+
 def _float_data(t: Tensor, rng: np.random.Generator, token_embd: np.ndarray | None) -> np.ndarray:
     if t.fill == "ones":
         return np.ones(t.shape, np.float32)
     data = rng.standard_normal(t.shape, np.float32)
     data *= t.std
+    if t.fill == "negative":  # a recurrent layer's decay: below zero, around -1
+        data = -np.exp(data)
+    if t.fill == "positive":  # a scale: above zero, around 1, different per element
+        data = np.exp(data)
     if t.fill == "output":
         assert token_embd is not None, "an f16 output.weight is derived from an f16 token_embd"
         # The residual stream is dominated by the current token's embedding; subtracting the
@@ -133,7 +143,9 @@ def tensor_data(shape: Shape, tensors: Sequence[Tensor], seed: int) -> Iterator[
     for index, t in enumerate(tensors):
         # One stream per tensor: the bytes of a tensor depend only on (seed, its index).
         rng = np.random.Generator(bit_generator([seed, index]))
-        if t.qtype in ("f16", "f32"):
+        if t.qtype == "i32":
+            yield [_expert_ids(t, shape.experts, rng)]
+        elif t.qtype in ("f16", "f32"):
             data = _float_data(t, rng, token_embd)
             if t.name == "token_embd.weight":
                 token_embd = data
@@ -157,4 +169,15 @@ class ChunkWriter(GGUFWriter):
             written += chunk.nbytes
         assert written == info.nbytes, (written, info.nbytes)
         self.write_padding(fout, written)
+        self.state = WriterState.WEIGHTS
+
+    def skip_tensor_data(self) -> None:
+        """Leave the next tensor's bytes unwritten: a hole of zeros in a sparse file."""
+        assert self.fout is not None and self.state in (WriterState.TI_DATA, WriterState.WEIGHTS)
+        file_id = next(i for i, tensors in enumerate(self.tensors) if tensors)
+        fout = self.fout[file_id]
+        info = self.tensors[file_id].pop(next(iter(self.tensors[file_id])))
+        self.write_padding(fout, fout.tell())
+        fout.seek(self.ggml_pad(info.nbytes, self.data_alignment), 1)
+        fout.truncate()  # the file ends after the hole, even the last one
         self.state = WriterState.WEIGHTS

@@ -1,6 +1,7 @@
 """Published models' shapes for bmoe-synth --like: the tables `LIKES` (each checked against the real
-Q4_K_M file's size), and the shape a route_trace v1 header describes (a known model, or one derived
-from its expert bytes), so streaming reads what it would read from the real file."""
+Q4_K_M file's size where one is published), and the shape a route_trace v1 header describes (a known
+model, or one derived from its expert bytes), so streaming reads what it would read from the real
+file."""
 
 from __future__ import annotations
 
@@ -10,22 +11,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bmoe.streaming import Trace
-from bmoe.tools.synth_shape import ARCHES, K_QUANTS, Shape, one_expert_bytes
+from bmoe.tools.synth_shape import ARCHES, K_QUANTS, Dsv4, Indexer, Mla, Ple, Recurrent, Shape, one_expert_bytes
 
 
 @dataclass(frozen=True)
 class Like:
     """A published model's shape at Q4_K_M and the real GGUF it is checked against.
 
-    `real_bytes` is that file's size and `source` says where the number and the shape come from.
-    `runs_here` is False when bmoe cannot stream the architecture (the pinned llama.cpp may still
-    load it with --no-stream).
+    `real_bytes` is that file's size, `real_recipe` its quantization where no Q4_K_M file's size
+    could be found (the nearest published file; 0 bytes: none), and `source` says where the number
+    and the shape come from.
     """
 
     shape: Shape
     real_bytes: int
     source: str
-    runs_here: bool = True
+    real_recipe: str = "Q4_K_M"
+
+
+# GLM-5.2's indexer types (llama.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES, src/models/glm-dsa.cpp, from the
+# model's config.json): layers 0-2 and every 4th after compute their own top-k, the others reuse it.
+_GLM_5_2_FULL_INDEXERS = tuple(i < 3 or (i - 2) % 4 == 0 for i in range(78))
 
 
 LIKES: dict[str, Like] = {
@@ -53,7 +59,6 @@ LIKES: dict[str, Like] = {
                "dense bytes are 4-8 MB a layer short of the trace's, which this table cannot explain "
                "from the config and llama.cpp's rules (ggml-org's Q4_K_M of the model is 16.80 GB on "
                "its Hugging Face page, 0.1 % from this table)",
-        runs_here=False,
     ),
     "gpt-oss-20b": Like(
         Shape("gpt-oss", layers=24, experts=32, top_k=4, embd=2880, ff=2880, quant="q4_k_m",
@@ -71,6 +76,76 @@ LIKES: dict[str, Like] = {
                "size: unsloth/gpt-oss-120b-GGUF Q4_K_M, 58.46 GiB (ailocalcheck.com's listing; its "
                "F16 60.88 matches the 60.87 GiB llama-bench prints for that repository's F16). The "
                "table gives the trace's (../shared/traces) expert and dense bytes at every layer",
+    ),
+    "qwen3.6-35b-a3b": Like(
+        Shape("qwen35moe", layers=40, experts=256, top_k=8, embd=2048, ff=512, quant="q4_k_m", n_head=16,
+              n_head_kv=2, head_dim=256, vocab=248320, rope_base=1e7, shared_ff=512, full_every=4, rope_dims=64,
+              recurrent=Recurrent(conv=4, head_dim=128, k_heads=16, v_heads=32), name="qwen3.6-35b-a3b"),
+        real_bytes=21_300_000_000,
+        source="shape: the Qwen3.6-35B-A3B model card (hidden 2048, 40 layers as 10 x (3 Gated DeltaNet + 1 "
+               "gated attention), DeltaNet 32 V and 16 QK heads of 128, attention 16 Q and 2 KV heads of 256, "
+               "rotary 64, 256 experts of 512, 8 routed + 1 shared, vocab 248320; as quoted on mera.a-ai.ru and "
+               "chaobro.com) and the llama.cpp load logs of its GGUFs in ggml-org/llama.cpp PRs #22673 and "
+               "#23269 (qwen35moe.ssm.* = conv 4, state 128, groups 16, rank 32, inner 4096; shared expert 512; "
+               "rope sections [11, 11, 10, 0], freq base 1e7); no MTP layer (the converter's MTP variant adds "
+               "blk.40, block_count 41); size: 21.3 GB, the static Q4_K_M of the same-shape finetune "
+               "Qwen3.6-35B-A3B-uncensored-heretic (mradermacher's quant table, Kyonbyte's bucket on "
+               "huggingface.co); no plain Q4_K_M of the original with a byte count was found (unsloth's "
+               "UD-Q4_K_M: 21 GB, mudler's APEX table)",
+    ),
+    "qwen3.8-flash-next": Like(
+        Shape("qwen4exp", layers=48, experts=512, top_k=10, embd=2560, ff=640, quant="q4_k_m", n_head=24,
+              n_head_kv=2, head_dim=256, vocab=248320, rope_base=1e7, shared_ff=640, full_every=4, rope_dims=64,
+              recurrent=Recurrent(conv=4, head_dim=128, k_heads=16, v_heads=32), hyper=4, hyper_rank=16,
+              indexer=Indexer(heads=8, head_dim=128, top_k=2048,
+                              ratios=tuple(4 if (i + 1) % 4 == 0 else 0 for i in range(48))),
+              ple=Ple(rows=320_001_536, dim=160, layer=0, ngram=3, heads_per_ngram=8, conv=4),
+              name="qwen3.8-flash-next"),
+        real_bytes=111_300_000_000,
+        real_recipe="UD-Q4_K_XL",
+        source="shape: Qwen/Qwen3.8-Flash-Next's config as quoted in jundot/omlx#3170 and anthony-chaudhary/"
+               "fak#9122 (48 layers, 36 linear + 12 full attention every 4th, hidden 2560, 24 Q and 2 KV heads "
+               "of 256, rotary 0.25, 512 experts top-10), ROCm/aiter#5379 (expert width 640, 512 + 1 shared), "
+               "lvyufeng/PocketLLM#88 (4 hyper-connection streams) and Tanguille/cluster#4764 (the n-gram table "
+               "per_layer_token_embd [160, 320001536], 51.2B of 176.9B parameters; this table has 175.8B); "
+               "not found, so assumed: the DeltaNet heads (16 QK, 32 V of 128 as Qwen3.6-35B), vocab 248320, "
+               "hyper-connection rank 16, the indexer's 8 heads of 128 and ratio 4, the n-gram heads (2 x 8) "
+               "and layer 0 (all a few hundred MB at most); size: no Q4_K_M with a byte count was found; the "
+               "nearest is unsloth's UD-Q4_K_XL, 111.3 GB (unslothai/unsloth#11098), which this table exceeds "
+               "by 6.4 %: the n-gram table alone is 35.2 GB here (Q4_K falls back to Q5_0 on 160-wide rows, "
+               "llama-quant's tensor_type_fallback) where an IQ4_NL table is 28.8 GB (Helldez/BigMoeOnEdge#172)",
+    ),
+    "glm-5.2": Like(
+        Shape("glm-dsa", layers=78, experts=256, top_k=8, embd=6144, ff=2048, quant="q4_k_m", n_head=64,
+              n_head_kv=1, head_dim=192, vocab=154880, shared_ff=2048, dense_lead=3, dense_ff=12288,
+              mtp=1, rope_dims=64, mla=Mla(q_lora=2048, kv_lora=512, qk_nope=192, qk_rope=64, v_head=256),
+              indexer=Indexer(heads=32, head_dim=128, top_k=2048, full=_GLM_5_2_FULL_INDEXERS), name="glm-5.2"),
+        real_bytes=0,
+        real_recipe="none found",
+        source="shape: the GLM-5 family's GlmMoeDsaConfig (hidden 6144, 78 layers, 3 dense of 12288, 256 experts "
+               "of 2048, top-8, 1 shared, 64 heads, q_lora 2048, kv_lora 512, qk 192 + 64 rope, v 256, indexer 32 "
+               "heads of 128, top-k 2048, vocab 154880), which GLM-5.2 keeps (744B, 256 experts, 8 active: "
+               "betagouv/ComparIA#540), its indexer types (llama.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES) and its "
+               "MTP layer (mtp_num_layers 1, converted by default: block_count 79); the table's 753.3B "
+               "parameters match the 753B xinference lists for unsloth/GLM-5.2-GGUF (xorbitsai/inference#5404); "
+               "size: no Q4_K_M file size of GLM-5.2 was found",
+    ),
+    "deepseek-v4-flash": Like(
+        Shape("deepseek4", layers=43, experts=256, top_k=6, embd=4096, ff=2048, quant="q4_k_m", n_head=64,
+              n_head_kv=1, head_dim=512, vocab=129280, rope_base=10000.0, shared_ff=2048, hyper=4, rope_dims=64,
+              dsv4=Dsv4(q_lora=1024, o_groups=8, o_lora=1024, window=128, hash_layers=3),
+              indexer=Indexer(heads=64, head_dim=128, top_k=512,
+                              ratios=(0, 0, *(4 if i % 2 == 0 else 128 for i in range(2, 43)))),
+              name="deepseek-v4-flash"),
+        real_bytes=175_019_917_312,
+        real_recipe="Q4_K_M-XL",
+        source="shape: DeepSeek-V4-Flash's config as quoted in tenstorrent/tt-metal#45408 and anthony-chaudhary/"
+               "fak#12635 (43 layers, hidden 4096, 64 heads of 512, one KV head, rope 64, q_lora 1024, 8 output "
+               "groups of rank 1024, window 128, compress ratios 0, 0 then 4 and 128 alternating, indexer 64 "
+               "heads of 128 top-512, 4 hyper-connection streams, 256 experts of 2048, top-6, 1 shared, the "
+               "first 3 layers hash-routed, vocab 129280; 284B parameters, this table 284.3B); no MTP layer; "
+               "size: no plain Q4_K_M was found; the nearest is teamblobfish's Q4_K_M-XL, ~163 GiB at 4.92 BPW "
+               "(ggml-org/llama.cpp#22319), which this table is 1.8 % under",
     ),
 }
 

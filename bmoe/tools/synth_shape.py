@@ -1,17 +1,26 @@
 """What bmoe-synth writes, computed without writing: a model's Shape, every Tensor with the type
-llama.cpp's loader expects (Q4_K_M's typing rules included), and the Plan of them all."""
+llama.cpp's loader expects (Q4_K_M's typing rules included), and the Plan of them all. Which
+tensors an architecture has is synth_archs'."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from bmoe.base import GB
 from bmoe.tools.synth_vocab import VOCAB
 
+# The architectures bmoe streams (the gates run over all of them) ...
 ARCHES: tuple[str, ...] = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
+# ... and those bmoe-synth writes for the pinned llama.cpp, which bmoe does not stream yet
+# (docs/architectures.md says what each needs).
+UNSTREAMED_ARCHES: tuple[str, ...] = (
+    "gemma4", "qwen35moe", "qwen4exp", "glm-dsa", "deepseek4", "deepseek2", "glm4moe", "qwen3next", "llama4",
+    "lfm2moe", "bailingmoe2", "bailingmoe3", "minimax-m2",
+)
+SYNTH_ARCHES: tuple[str, ...] = ARCHES + UNSTREAMED_ARCHES
 # Expert types; q4_k_m is llama.cpp's Q4_K_M recipe applied to every matrix of the model.
 QUANTS: tuple[str, ...] = ("f16", "q8_0", "q4_0", "mxfp4", "q4_k", "q5_k", "q6_k", "q4_k_m")
 ROUTER_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
@@ -19,6 +28,7 @@ ROUTER_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
 GGML_TYPE = {
     "f32": GGMLQuantizationType.F32,
     "f16": GGMLQuantizationType.F16,
+    "i32": GGMLQuantizationType.I32,  # deepseek4's token -> expert table
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
     "q5_0": GGMLQuantizationType.Q5_0,  # Q4_K's stand-in for rows that are not whole 256-blocks
@@ -28,7 +38,7 @@ GGML_TYPE = {
     "q5_k": GGMLQuantizationType.Q5_K,
     "q6_k": GGMLQuantizationType.Q6_K,
 }
-# (elements per block, bytes per block); f16/f32 are "blocks" of one element.
+# (elements per block, bytes per block); f16/f32/i32 are "blocks" of one element.
 BLOCK = {name: GGML_QUANT_SIZES[t] for name, t in GGML_TYPE.items()}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
@@ -36,12 +46,17 @@ K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
 @dataclass(frozen=True)
 class Tensor:
-    """One tensor to write: `shape` is numpy order (GGUF/ggml `ne` is the reverse)."""
+    """One tensor to write: `shape` is numpy order (GGUF/ggml `ne` is the reverse).
+
+    `fill` says what its values are: "ones" (norms), "normal" (std `std`), "output" (the output
+    projection, synth_blocks), "negative" (a recurrent layer's decay, -exp of a normal of std
+    `std`), "positive" (a scale, exp of a normal of std `std`: each element its own) or
+    "expert_ids" (deepseek4's token -> expert table: distinct experts per row)."""
 
     name: str
     shape: tuple[int, ...]
     qtype: str  # key of BLOCK
-    fill: str  # "ones", "normal" or "output"
+    fill: str
     std: float = 0.0
 
     @property
@@ -51,8 +66,77 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class Recurrent:
+    """The recurrent layers' widths: Gated DeltaNet (qwen35moe, qwen3next, qwen4exp: `head_dim` is
+    ssm.state_size, `k_heads` ssm.group_count, `v_heads` ssm.time_step_rank), Kimi delta attention
+    (bailingmoe3: `head_dim` is kda.head_dim, one head per attention head) or a short convolution
+    (lfm2moe: only `conv`, shortconv.l_cache)."""
+
+    conv: int
+    head_dim: int = 0
+    k_heads: int = 0
+    v_heads: int = 0
+
+
+@dataclass(frozen=True)
+class Mla:
+    """Multi-head latent attention (deepseek2, glm-dsa, bailingmoe3's attention layers)."""
+
+    q_lora: int  # 0: a plain attn_q
+    kv_lora: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """A sparse attention's indexer: glm-dsa's DSA (`full`: the layers that compute their own top-k,
+    the others reuse it), qwen4exp's QSA and deepseek4's compressed attention (`ratios`: each
+    layer's compress ratio, 0 = dense)."""
+
+    heads: int
+    head_dim: int
+    top_k: int
+    full: tuple[bool, ...] = ()
+    ratios: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Ple:
+    """qwen4exp's n-gram hash embeddings on one recurrent layer: a `rows` x `dim` table
+    (per_layer_token_embd, read lazily by llama.cpp) of which each token gathers one row per head,
+    (ngram - 1) x heads_per_ngram heads of `dim` that together span embd."""
+
+    rows: int
+    dim: int
+    layer: int
+    ngram: int
+    heads_per_ngram: int
+    conv: int
+
+    @property
+    def heads(self) -> int:
+        return (self.ngram - 1) * self.heads_per_ngram
+
+
+@dataclass(frozen=True)
+class Dsv4:
+    """deepseek4's attention and routing widths besides its indexer."""
+
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    window: int
+    hash_layers: int  # the first layers route by a token -> expert table (ffn_gate_tid2eid)
+
+
+@dataclass(frozen=True)
 class Shape:
-    """A model's shape. Zero means derived: heads from `embd`, the synth's own vocabulary."""
+    """A model's shape. Zero means derived: heads from `embd`, the synth's own vocabulary.
+
+    `ff` is one routed expert's width. The other fields are what some architectures add (each says
+    which); synth_archs.defaults fills them for a small model of an architecture."""
 
     arch: str
     layers: int
@@ -68,13 +152,29 @@ class Shape:
     vocab: int = 0  # a real model's vocabulary size: the synth's tokens padded with unused ones
     rope_base: float = 10000.0
     sliding_window: int = 128  # gpt-oss: every other layer; gemma4: all but the full-attention ones
-    # gemma4 only: a dense FFN beside the experts, and every `full_every`-th layer attends to the
-    # whole context with wider heads and fewer KV heads.
+    # Dense FFNs: gemma4's beside the experts in every layer; the leading dense layers' (deepseek2,
+    # glm4moe, glm-dsa, lfm2moe, bailingmoe2/3) and llama4's interleaved dense layers'.
     dense_ff: int = 0
+    # Every `full_every`-th layer attends to the whole context; the others are sliding-window (gemma4,
+    # where the full ones have `full_head_dim`-wide heads and `full_kv_heads` KV heads) or recurrent
+    # (qwen35moe, qwen3next, qwen4exp, lfm2moe, bailingmoe3).
     full_every: int = 0
     full_head_dim: int = 0
     full_kv_heads: int = 0
     name: str = ""  # the published model it is shaped like
+    fused: bool = False  # experts' gate and up as one ffn_gate_up_exps (the loaders that take either)
+    shared_ff: int = 0  # the shared expert(s)' width, 0: none
+    dense_lead: int = 0  # leading dense layers
+    moe_every: int = 1  # llama4: every moe_every-th layer is MoE, the others dense
+    mtp: int = 0  # trailing multi-token-prediction (NextN) layers
+    rope_dims: int = 0  # rotated dimensions of a head (0: all)
+    recurrent: Recurrent | None = None
+    mla: Mla | None = None
+    indexer: Indexer | None = None
+    hyper: int = 0  # hyper-connection streams (qwen4exp, deepseek4)
+    hyper_rank: int = 0  # qwen4exp's low-rank hyper-connection mixer
+    ple: Ple | None = None
+    dsv4: Dsv4 | None = None
 
     def __post_init__(self) -> None:
         def derive(attr: str, value: int) -> None:
@@ -92,11 +192,22 @@ class Shape:
 
     @property
     def tied(self) -> bool:
-        """gemma4 reads its output projection from token_embd, as the real model does."""
-        return self.arch == "gemma4"
+        """A published gemma4 shape reads its output projection from token_embd, as the real model
+        does. A small model has its own (the loaders take either): an output tied to the embeddings
+        makes a random model's greedy text one token repeated (synth_blocks' "output" fill)."""
+        return self.arch == "gemma4" and bool(self.name)
+
+    @property
+    def all_layers(self) -> int:
+        """block_count: the trunk's layers and the MTP layers after them."""
+        return self.layers + self.mtp
 
     def is_full(self, layer: int) -> bool:
         return bool(self.full_every) and (layer + 1) % self.full_every == 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer` routes to experts (the others have a dense FFN)."""
+        return layer >= self.dense_lead and (layer + 1) % self.moe_every == 0
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -113,127 +224,61 @@ def _fit(qtype: str, ncols: int) -> str:
     return fallback if ncols % BLOCK[fallback][0] == 0 else "f16"
 
 
-def _q4_k_m(s: Shape, role: str, layer: int, n_down: int) -> str:
-    """The type llama.cpp's Q4_K_M gives a matrix (src/llama-quant.cpp, llama_tensor_get_type_impl,
-    no imatrix), before the fallback for row lengths.
+# Roles of a tensor (synth_archs), for the types its matrices get: "" is F32 (norms, vectors, the
+# weights llama.cpp's quantizer and the converters keep in F32); "f16" a matrix llama-quant keeps as
+# converted; "i32" integers; "router" the router (`--router`); "matrix" any other matrix.
+_ATTN_V = "attn_v"  # attn_v, attn_qkv, attn_kv_b: llama-quant's attention-v-like tensors
+_DOWNS = ("ffn_down", "exps_down")
 
-    One difference from the pinned llama.cpp, on purpose: a layer's ffn_down is placed among
-    `n_down` = the number of ffn_down tensors, as the llama.cpp that made the published files did;
-    the pinned one counts layers. It matters only where a layer has two (gemma4's dense FFN and its
+
+def _q4_k_m(s: Shape, role: str, layer: int, n_down: int, v_index: tuple[int, int]) -> str:
+    """The type llama.cpp's Q4_K_M gives a matrix (src/llama-quant.cpp, llama_tensor_get_type_impl,
+    no imatrix), before the fallback for row lengths. `v_index` is (this tensor's place among the
+    attention-v-like tensors, their count), as llama-quant counts them in file order.
+
+    One difference from the pinned llama.cpp, on purpose, for the architectures bmoe streamed before
+    issue 39: a layer's ffn_down is placed among `n_down` = the number of ffn_down tensors, as the
+    llama.cpp that made the published files did; the pinned one counts layers (`n_down` is the
+    layer count for the others). It matters only where a layer has two (gemma4's dense FFN and its
     experts), and the gemma-4 trace's expert_bytes show the published file was made this way.
     """
     if s.arch == "gpt-oss" and role.startswith("exps_"):
         return "mxfp4"  # gpt-oss ships its experts in MXFP4 and Q4_K_M files keep them so
     if role == "output" or (role == "token_embd" and s.tied):
         return "q6_k"
-    if role == "attn_v":
-        return "q8_0" if s.experts == 8 else "q6_k" if _more_bits(layer, s.layers) else "q4_k"
+    if role == _ATTN_V:
+        return "q8_0" if s.experts == 8 else "q6_k" if _more_bits(*v_index) else "q4_k"
     if role == "attn_k":
         return "q8_0" if s.experts == 8 else "q4_k"
     if role == "attn_output":
         return "q5_k" if s.experts == 8 else "q4_k"
-    if role in ("ffn_down", "exps_down"):
+    if role in _DOWNS:
         return "q6_k" if _more_bits(layer, n_down) else "q4_k"
     return "q4_k"
 
 
-def _matrix_type(s: Shape, role: str, layer: int, ncols: int, n_down: int) -> str:
+def matrix_type(s: Shape, role: str, layer: int, ncols: int, n_down: int, v_index: tuple[int, int]) -> str:
+    """The type a tensor of `role` gets in a file of `s.quant` (see the roles above)."""
+    if role in ("", "f16", "i32"):
+        return role or "f32"
     if role == "router":
         return s.router
     if s.quant == "q4_k_m":
-        return _fit(_q4_k_m(s, role, layer, n_down), ncols)
+        return _fit(_q4_k_m(s, role, layer, n_down, v_index), ncols)
     return s.quant if role.startswith("exps_") else "f16"
 
 
-def _n_down(s: Shape) -> int:
-    """How many ffn_down matrices the model has (see _q4_k_m)."""
-    return s.layers * (2 if s.dense_ff or s.arch == "qwen2moe" else 1)
-
-
-def tensor_table(s: Shape) -> list[Tensor]:
-    """Every tensor llama.cpp's loader requires for `s.arch` (see src/models/<arch>.cpp), with
-    the type `s.quant` gives it."""
-    e, v = s.embd, s.n_vocab
-    gpt_oss, gemma = s.arch == "gpt-oss", s.arch == "gemma4"
-    n_down = _n_down(s)
-    out: list[Tensor] = []
-
-    def add(name: str, shape: tuple[int, ...], role: str = "", layer: int = -1, fill: str = "normal",
-            std: float = 0.0) -> None:
-        qtype = _matrix_type(s, role, layer, shape[-1], n_down) if role else "f32"
-        out.append(Tensor(name, shape, qtype, fill, std))
-
-    add("token_embd.weight", (v, e), "token_embd", fill="normal", std=1.0)
-    if gemma:  # proportional RoPE of the full-attention layers: one table for all of them
-        add("rope_freqs.weight", (s.full_head_dim // 2,), fill="ones")
-    for i in range(s.layers):
-        p = f"blk.{i}."
-        hd = s.full_head_dim if s.is_full(i) else s.head_dim
-        q_dim = s.n_head * hd
-        kv_dim = (s.full_kv_heads if s.is_full(i) else s.n_head_kv) * hd
-
-        def t(name: str, shape: tuple[int, ...], role: str = "", fill: str = "normal",
-              std: float = 0.0) -> None:
-            add(p + name, shape, role, i, fill, std)  # noqa: B023 - called only in this iteration
-
-        t("attn_norm.weight", (e,), fill="ones")
-        t("attn_q.weight", (q_dim, e), "attn_q", std=e**-0.5)
-        t("attn_k.weight", (kv_dim, e), "attn_k", std=e**-0.5)
-        t("attn_v.weight", (kv_dim, e), "attn_v", std=e**-0.5)
-        t("attn_output.weight", (e, q_dim), "attn_output", std=q_dim**-0.5)
-        if s.arch in ("qwen2moe", "gpt-oss"):
-            t("attn_q.bias", (q_dim,), std=0.02)
-            t("attn_k.bias", (kv_dim,), std=0.02)
-            t("attn_v.bias", (kv_dim,), std=0.02)
-        if s.arch in ("qwen3moe", "gemma4"):
-            t("attn_q_norm.weight", (hd,), fill="ones")
-            t("attn_k_norm.weight", (hd,), fill="ones")
-        if s.arch == "olmoe":
-            t("attn_q_norm.weight", (q_dim,), fill="ones")
-            t("attn_k_norm.weight", (kv_dim,), fill="ones")
-        if gpt_oss:
-            t("attn_output.bias", (e,), std=0.02)
-            t("attn_sinks.weight", (s.n_head,), std=1.0)
-            t("post_attention_norm.weight", (e,), fill="ones")
-        else:
-            t("ffn_norm.weight", (e,), fill="ones")
-        if gemma:
-            t("post_attention_norm.weight", (e,), fill="ones")
-            t("layer_output_scale.weight", (1,), fill="ones")
-            t("ffn_gate.weight", (s.dense_ff, e), "ffn_gate", std=e**-0.5)
-            t("ffn_up.weight", (s.dense_ff, e), "ffn_up", std=e**-0.5)
-            t("ffn_down.weight", (e, s.dense_ff), "ffn_down", std=s.dense_ff**-0.5)
-            t("post_ffw_norm.weight", (e,), fill="ones")
-            t("ffn_gate_inp.scale", (e,), fill="ones")
-            t("pre_ffw_norm_2.weight", (e,), fill="ones")
-            t("post_ffw_norm_1.weight", (e,), fill="ones")
-            t("post_ffw_norm_2.weight", (e,), fill="ones")
-        # Router logits with std ~2 make top-k sharp yet token-dependent.
-        t("ffn_gate_inp.weight", (s.experts, e), "router", std=2.0 * e**-0.5)
-        t("ffn_gate_exps.weight", (s.experts, s.ff, e), "exps_gate", std=e**-0.5)
-        t("ffn_up_exps.weight", (s.experts, s.ff, e), "exps_up", std=e**-0.5)
-        t("ffn_down_exps.weight", (s.experts, e, s.ff), "exps_down", std=s.ff**-0.5)
-        if gemma:
-            t("ffn_down_exps.scale", (s.experts,), fill="ones")
-        if gpt_oss:
-            t("ffn_gate_inp.bias", (s.experts,), std=0.1)
-            t("ffn_gate_exps.bias", (s.experts, s.ff), std=0.02)
-            t("ffn_up_exps.bias", (s.experts, s.ff), std=0.02)
-            t("ffn_down_exps.bias", (s.experts, e), std=0.02)
-        if s.arch == "qwen2moe":
-            t("ffn_gate_inp_shexp.weight", (e,), std=e**-0.5)
-            t("ffn_gate_shexp.weight", (s.ff, e), "ffn_gate", std=e**-0.5)
-            t("ffn_up_shexp.weight", (s.ff, e), "ffn_up", std=e**-0.5)
-            t("ffn_down_shexp.weight", (e, s.ff), "ffn_down", std=s.ff**-0.5)
-    out.append(Tensor("output_norm.weight", (e,), "f32", "ones"))
-    if not s.tied:
-        add("output.weight", (v, e), "output", fill="output", std=3.0 * e**-0.5)
-    return out
+def n_down(s: Shape) -> int:
+    """The `n_down` of _q4_k_m: how many ffn_down matrices the model has for the architectures bmoe
+    streamed before issue 39, its layer count (block_count) for the others."""
+    if s.arch in ARCHES or s.arch == "gemma4":
+        return s.layers * (2 if s.dense_ff or s.arch == "qwen2moe" else 1)
+    return s.all_layers
 
 
 def one_expert_bytes(s: Shape, layer: int) -> int:
     """One expert's bytes at `layer` (gate, up, down), without building the whole table."""
-    return sum(Tensor("", shape, _matrix_type(s, role, layer, shape[-1], _n_down(s)), "normal").nbytes
+    return sum(Tensor("", shape, matrix_type(s, role, layer, shape[-1], n_down(s), (0, 1)), "normal").nbytes
                for role, shape in (("exps_gate", (s.ff, s.embd)), ("exps_up", (s.ff, s.embd)),
                                    ("exps_down", (s.embd, s.ff))))
 
@@ -262,66 +307,3 @@ class Plan:
     def dense_bytes(self, layer: int) -> int:
         """The layer's other tensors, expert biases included (route_trace v1's dense_bytes)."""
         return self._layer(layer, False)
-
-
-def _resolve_ff(base: Shape, size_gb: float) -> int:
-    """Expert FFN width that makes the file about `size_gb` GB (1 GB = 1e9 bytes).
-
-    File size is linear in ff, so two trial shapes give the exact slope; ff is rounded to a
-    multiple of one quant block (32 weights, 256 for the K-quants).
-    """
-    step = 256 if base.quant in K_QUANTS else 32
-
-    def total(ff: int) -> int:
-        return sum(t.nbytes for t in tensor_table(replace(base, ff=ff)))
-
-    smallest = total(step)
-    slope = total(2 * step) - smallest
-    ff = step + round((size_gb * GB - smallest) / slope) * step
-    if ff < step:
-        raise ValueError(
-            f"--size-gb {size_gb} is below the size of the non-expert tensors plus the smallest "
-            f"experts ({smallest / GB:.3f} GB); use fewer layers or a smaller --embd"
-        )
-    return ff
-
-
-def shape_from_flags(
-    *,
-    arch: str,
-    layers: int,
-    experts: int,
-    top_k: int,
-    embd: int,
-    ff: int,
-    quant: str,
-    size_gb: float | None,
-    router: str,
-) -> Shape:
-    """The shape bmoe-synth's flags ask for, checked against what llama.cpp and the block sizes allow;
-    with `size_gb`, `ff` is chosen so the file is about that many GB."""
-    if arch not in ARCHES:
-        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHES)}")
-    if quant not in QUANTS:
-        raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(QUANTS)}")
-    if not 1 <= layers <= 512:
-        raise ValueError("layers must be in 1..512 (llama.cpp's LLAMA_MAX_LAYERS)")
-    if not 2 <= experts <= 1024:
-        raise ValueError("experts must be in 2..1024 (llama.cpp's LLAMA_MAX_EXPERTS)")
-    if not 1 <= top_k <= experts:
-        raise ValueError("top_k must be in 1..experts")
-    if embd < 64 or embd % 32:
-        raise ValueError("embd must be a multiple of 32 and at least 64 (one quant block per row)")
-    if size_gb is None and (ff < 32 or ff % 32):
-        raise ValueError("ff must be a positive multiple of 32 (one quant block per row)")
-    if quant in K_QUANTS and (embd % 256 or (size_gb is None and ff % 256)):
-        raise ValueError(f"{quant} blocks hold 256 weights: embd and ff must be multiples of 256 "
-                         f"(q4_k_m falls back to 32-weight blocks where they are not)")
-    if router not in ROUTER_TYPES:
-        raise ValueError(f"unknown router type {router!r}; choose from {', '.join(ROUTER_TYPES)}")
-    shape = Shape(arch, layers, experts, top_k, embd, ff, quant, router)
-    if size_gb is not None:
-        shape = replace(shape, ff=_resolve_ff(shape, size_gb))
-    return shape
-
-
