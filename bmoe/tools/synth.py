@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 
-from bmoe.base import positive_float, positive_int
+from bmoe.base import GB, positive_float, positive_int
 from bmoe.tools.synth_archs import (
     FUSED_ARCHES,
     MTP_ARCHES,
@@ -42,7 +42,6 @@ from bmoe.tools.synth_blocks import ChunkWriter, tensor_data
 from bmoe.tools.synth_like import LIKES, shape_from_like
 from bmoe.tools.synth_shape import (
     ARCHES,
-    GB,
     GGML_TYPE,
     K_QUANTS,
     QUANTS,

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 from gguf import GGUFValueType, GGUFWriter
 
+from bmoe.base import GB
 from bmoe.tools.synth_shape import (
     ARCHES,
-    GB,
     K_QUANTS,
     QUANTS,
     ROUTER_TYPES,

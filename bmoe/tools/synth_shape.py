@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from bmoe.base import GB
 from bmoe.tools.synth_vocab import VOCAB
 
 # The architectures bmoe streams (the gates run over all of them) ...
