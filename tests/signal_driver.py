@@ -26,7 +26,7 @@ import psutil
 
 from bmoe import cli
 from bmoe.seam import graph as seam
-from bmoe.streaming import speculation, streamer
+from bmoe.streaming import graph_stops, speculation
 
 
 def workers() -> list[int]:
@@ -71,14 +71,14 @@ def arm(phase: str, sig: int) -> None:
 
         speculation.SpecGate._hello = fire_then_hello
     elif phase == "prefill":
-        on_route = streamer.Streamer.on_route
+        on_route = graph_stops.StreamingStops.on_route
 
-        def route_and_fire(self: streamer.Streamer, layer: int, ids: object) -> None:
+        def route_and_fire(self: graph_stops.StreamingStops, layer: int, ids: object) -> None:
             on_route(self, layer, ids)
             if len(ids) > 1:
                 fire()
 
-        streamer.Streamer.on_route = route_and_fire
+        graph_stops.StreamingStops.on_route = route_and_fire
     elif phase != "idle":
         raise SystemExit(f"unknown phase {phase}")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bmoe import coordinator
 from bmoe.base.units import MiB
+from bmoe.engine import load as engine_load
 from bmoe.memory.budget import Adaptive
 from bmoe.memory.probe import V1_UNLIMITED, MemoryProbe, Room
 from bmoe.tools import bench_sys
@@ -238,13 +238,13 @@ def test_the_cache_shrinks_and_grows_back_with_the_limit_and_the_output_stays_ex
 
 def test_pinned_dense_weights_are_the_files_bytes_and_the_output_is_exact(model: str, monkeypatch) -> None:
     seen: list[list[tuple[int, int]]] = []
-    real_pin = coordinator.pin
+    real_pin = engine_load.pin
 
     def pin_and_keep(ranges: list[tuple[int, int]]) -> int:
         seen.append(ranges)
         return real_pin(ranges)
 
-    monkeypatch.setattr(coordinator, "pin", pin_and_keep)
+    monkeypatch.setattr(engine_load, "pin", pin_and_keep)
     notices: list[str] = []
     m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1, "--pin-dense", notice=notices.append)
     e = m.engine
