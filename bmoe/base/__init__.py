@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         LaneError,
         ModelError,
     )
+    from bmoe.base.gguf_table import read_table
     from bmoe.base.model_files import shard_paths
     from bmoe.base.settings import (
         FLAGS,
@@ -78,6 +79,7 @@ __getattr__, __all__ = lazy(
             "validate",
         ],
         "bmoe.base.argtypes": ["nonneg_int", "number", "percent", "positive_float", "positive_int"],
+        "bmoe.base.gguf_table": ["read_table"],
         "bmoe.base.model_files": ["shard_paths"],
         "bmoe.base.telemetry": ["telemetry"],
     },
