@@ -3,7 +3,9 @@
 Starts `bmoe-server` (the 16-expert demo model unless -m; `--cache-mb 400 -t 2 --io-threads 2
 --parallel 2`, as issue 32 found the crash), starts one long streamed completion and, once its
 tokens flow, sends each hostile request of tests/test_server.py's HOSTILE list (a JSON schema
-with `maxItems` 100000, a 1 MB stop string, 100000 nested GBNF groups, ...) one after another.
+with `maxItems` 100000, a 1 MB stop string, 100000 nested GBNF groups, ...) one after another, to
+every route that takes its fields (chat or completions, /v1/responses, Ollama's /api/chat or
+/api/generate: tests/test_server.py's hostile_requests).
 It reports each one's status and seconds to its answer, the longest gap between two chunks of the
 stream beside them (against its longest gap before they began), and whether the server answers
 the next request.
@@ -29,7 +31,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bmoe.demo import build as demo_build  # noqa: E402
-from tests.test_server import HOSTILE  # noqa: E402 - the same requests the test sends
+from tests.test_server import hostile_requests  # noqa: E402 - the same requests the test sends
 
 DEMO16 = demo_build.default_path()  # the 16-expert demo, where bmoe keeps it (honours $XDG_CACHE_HOME)
 
@@ -81,17 +83,14 @@ def main() -> int:
     flowing.wait(600)
     if not arrivals:
         raise SystemExit("the stream beside the hostile requests never started")
-    base = {"chat": {"messages": [{"role": "user", "content": "Hi"}]},
-            "completions": {"prompt": "Once upon a time"}}
     rows = []
     began = time.monotonic()
     with httpx.Client(timeout=600) as h:
-        for endpoint, body, param, _words in HOSTILE:
-            path = "chat/completions" if endpoint == "chat" else endpoint
+        for path, body, param, _words in hostile_requests():
             t0 = time.monotonic()
-            r = h.post(f"{url}/v1/{path}", json={**base[endpoint], "max_tokens": 4, **body})
-            rows.append((param, r.status_code, time.monotonic() - t0))
-            note(f"{param}: {r.status_code} in {rows[-1][2]:.3f} s")
+            r = h.post(url + path, json=body)
+            rows.append((path, param, r.status_code, time.monotonic() - t0))
+            note(f"{path} {param}: {r.status_code} in {rows[-1][3]:.3f} s")
         ended = time.monotonic()
         n_after = len(arrivals)
         while len(arrivals) < n_after + 20 and t.is_alive():
@@ -109,8 +108,8 @@ def main() -> int:
     during = max_gap(began - 1, ended + 1)
     lines = [f"# Hostile requests against bmoe-server ({a.model.name})", "",
              "`python bench/hostile_requests.py" + (f" -m {a.model}" if a.model != DEMO16 else "") + "`", "",
-             "| request (the param its 400 names) | status | seconds to the answer |", "|---|---:|---:|"]
-    lines += [f"| `{p}` | {s} | {d:.3f} |" for p, s, d in rows]
+             "| route | request (the field its 400 names) | status | seconds to the answer |", "|---|---|---:|---:|"]
+    lines += [f"| `{r}` | `{p}` | {s} | {d:.3f} |" for r, p, s, d in rows]
     lines += ["", f"- the stream beside them: longest gap between chunks {during:.3f} s while they were sent "
               f"({ended - began:.2f} s), {before:.3f} s in its first {len([x for x in arrivals if x <= began])} "
               "chunks before", f"- the next request: HTTP {nxt}",

@@ -1,7 +1,8 @@
 """The client matrix: agent libraries nobody here wrote, with their default settings, against a real
-`bmoe-server` on the 16-expert demo model — instructor (Mode.TOOLS), litellm, the OpenAI Agents SDK,
-langchain-openai and the official `openai` client's tool loop, streamed and not, `parallel_tool_calls`
-left unset (OpenAI's default, true) as they all leave it. The next regression in a client's path fails here.
+`bmoe-server` on the 16-expert demo model — instructor (Mode.TOOLS), litellm, the OpenAI Agents SDK (its
+chat-completions model and its default, the Responses API), langchain-openai and the official `openai`
+client's tool loop, streamed and not, `parallel_tool_calls` left unset (OpenAI's default, true) as they all
+leave it. The next regression in a client's path fails here.
 
 The libraries are heavy (litellm alone pulls boto3, aiohttp, tokenizers) and pin an older `openai`
 than the test extra's, so they live in their own venv and extra, and this module is opt-in:
@@ -10,7 +11,8 @@ than the test extra's, so they live in their own venv and extra, and this module
     .venv-clients/bin/python -m pytest -q tests/test_clients.py
 
 In the default suite (without the extra) the module is skipped, saying so; the openai client's own
-tool loop with parallel_tool_calls unset runs there too (tests/test_server_agents.py).
+tool loop with parallel_tool_calls unset runs there too (tests/test_server_agents.py), and so do its
+Responses API and the `ollama` client (tests/test_server_responses_ollama.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel
 
-from tests.test_server import KEY, Server
+from tests.test_server import KEY, Server, metric
 from tests.test_server_agents import ASK, FLAGS, TEMPLATES, TIME, WEATHER, args_ok
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list from GitHub
@@ -163,6 +165,47 @@ def test_agents_sdk_calls_the_tool_and_answers(server: Server, stream: bool) -> 
             no_markup(text)
             assert text.strip(), "no empty assistant message"
     assert isinstance(result.final_output, str)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
+def test_agents_sdk_default_responses_model_runs_the_tool_loop(server: Server, stream: bool) -> None:
+    """The SDK's default model (OpenAI's Responses API), nothing changed but the client's base URL: the
+    agent calls its tool, reads the result and answers. A response cut by max_output_tokens
+    (`incomplete`) would fail the run, as it fails against OpenAI."""
+    import agents
+    import openai
+
+    agents.set_tracing_disabled(True)
+    seen: list[dict] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Rome"], days: int) -> str:
+        """Current weather in a city."""
+        seen.append({"city": city, "days": days})
+        return json.dumps({"temp_c": 21, "sky": "clear"})
+
+    agent = agents.Agent(name="weather", instructions="You are a helpful assistant.", tools=[get_weather],
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200))
+
+    async def run() -> Any:
+        agents.set_default_openai_client(openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY,
+                                                            max_retries=0))
+        if not stream:
+            return await agents.Runner.run(agent, ASK[-1]["content"], max_turns=3)
+        result = agents.Runner.run_streamed(agent, ASK[-1]["content"], max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    answered = metric(server, 'bmoe_requests_total{route="/v1/responses",status="200"}')
+    result = asyncio.run(run())
+    assert metric(server, 'bmoe_requests_total{route="/v1/responses",status="200"}') >= answered + 2, \
+        "the SDK's default model asks the Responses API: the call, then the answer after its result"
+    assert seen and seen[0]["city"] in ("Paris", "Oslo", "Rome"), "the agent called its tool with valid arguments"
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    no_markup(result.final_output)
 
 
 # ---- langchain-openai ---------------------------------------------------------------------------------

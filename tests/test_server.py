@@ -278,19 +278,61 @@ HOSTILE = [
 ]
 
 
+def hostile_requests() -> list[tuple[str, dict, str, str]]:
+    """HOSTILE as each route takes it, the Responses API's and Ollama's too: (path, body, the field its
+    400 names as that route's API does, words of its message). `n` is the chat route's alone."""
+    out = []
+    for endpoint, body, param, words in HOSTILE:
+        chat = endpoint == "chat"
+        base = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": PROMPT}
+        out.append((f"/v1/{'chat/completions' if chat else 'completions'}", {**base, "max_tokens": 4, **body},
+                    param, words))
+        if "n" in body:
+            continue
+        responses: dict = {"input": "Hi", "max_output_tokens": 4}
+        ollama: dict = {**base, "stream": False, "options": {"num_predict": 4}}
+        if not chat:
+            ollama["raw"] = True
+        for key, value in body.items():
+            if key == "response_format":
+                schema = value["json_schema"]["schema"]
+                responses["text"] = {"format": {"type": "json_schema", "name": "n", "schema": schema}}
+                ollama["format"] = schema
+            elif key == "tools":
+                responses["tools"] = [{"type": "function", **t["function"]} for t in value]
+                ollama["tools"] = value
+            elif key in ("stop", "max_tokens"):
+                responses["max_output_tokens" if key == "max_tokens" else key] = value
+                ollama["options"]["num_predict" if key == "max_tokens" else key] = value
+            else:
+                responses[key] = ollama[key] = value
+        out.append(("/v1/responses", responses, param.replace("response_format.json_schema.schema",
+                                                              "text.format.schema")
+                    .replace("tools[0].function.", "tools[0].").replace("prompt", "input"), words))
+        out.append(("/api/chat" if chat else "/api/generate", ollama,
+                    param.replace("response_format.json_schema.schema", "format").replace("stop", "options.stop"),
+                    words))
+    return out
+
+
 def test_hostile_grammars_and_stops_get_400s_while_another_stream_goes_on(server: Server) -> None:
-    """Each request of HOSTILE gets its 400 naming the bound while another client's stream runs,
-    which goes on generating; the server answers the next request as before."""
+    """Each request of HOSTILE, on every route that takes its fields, gets its 400 naming the bound while
+    another client's stream runs, which goes on generating; the server answers the next request as before.
+    Ollama's error object is the message alone, which names the field first (or, for the context, in it)."""
     want = completion(server)
-    base = {"chat": {"messages": [{"role": "user", "content": "Hi"}]}, "completions": {"prompt": PROMPT}}
     with httpx.Client(headers=auth(), timeout=120) as other, httpx.Client(headers=auth(), timeout=120) as h:
         with _stream(other, server, LONG) as running:
             tokens = running.iter_lines()
             _first_token(tokens)
-            for endpoint, body, param, words in HOSTILE:
-                url = f"{server.url}/v1/{'chat/completions' if endpoint == 'chat' else endpoint}"
-                err = error_of(h.post(url, json={**base[endpoint], "max_tokens": 4, **body}), 400)
-                assert err["param"] == param and words in err["message"], (param, err)
+            for path, body, param, words in hostile_requests():
+                r = h.post(server.url + path, json=body)
+                if path.startswith("/api/"):
+                    assert r.status_code == 400, (path, r.text)
+                    message = r.json()["error"]
+                    assert param in message and words in message, (path, param, message)
+                    continue
+                err = error_of(r, 400)
+                assert err["param"] == param and words in err["message"], (path, param, err)
             _first_token(tokens)  # the stream beside them goes on
     assert completion(server) == want
     assert server.proc.poll() is None

@@ -1,7 +1,8 @@
 """Clients built to hold bmoe-server: connections that never send a request or send it a byte at a
 time, a reader that stops reading a stream, a body of tens of megabytes and `model` names that look like
 paths. Each ends in a clear refusal or a closed connection, and another client is served as before.
-(Requests whose fields ask too much are tests/test_server.py's HOSTILE, sent beside a running stream.)"""
+(Requests whose fields ask too much are tests/test_server.py's HOSTILE, sent to every route that takes
+them beside a running stream.)"""
 
 from __future__ import annotations
 
@@ -110,10 +111,15 @@ def test_a_reader_that_stops_reading_is_cut_and_its_slot_freed(server: Server) -
 
 
 def test_a_body_of_tens_of_megabytes_is_refused_before_it_is_read(server: Server) -> None:
+    """On every route that takes a body, in its API's error shape (Ollama's: the message alone)."""
     big = b'{"prompt": "' + b"x" * (20 << 20) + b'"}'
-    err = error_of(httpx.post(server.url + "/v1/completions", headers={**auth(), "Content-Type": "application/json"},
-                              content=big, timeout=60), 413)
-    assert "--max-body-kb" in err["message"]
+    for path in ("/v1/completions", "/v1/responses", "/api/chat", "/api/generate"):
+        r = httpx.post(server.url + path, headers={**auth(), "Content-Type": "application/json"}, content=big,
+                       timeout=60)
+        if path.startswith("/api/"):
+            assert r.status_code == 413 and "--max-body-kb" in r.json()["error"], (path, r.text)
+        else:
+            assert "--max-body-kb" in error_of(r, 413)["message"]
 
 
 def test_a_model_name_is_never_a_path(server: Server, tmp_path) -> None:

@@ -472,3 +472,8 @@ class Model:
     def holds_every_expert(self) -> bool:
         """Every expert is in memory for good (no reads to share among requests: bmoe.server.scheduler)."""
         return self.engine.holds_every_expert
+
+    @property
+    def settings(self) -> Settings:
+        """What it was loaded with: its file, the sampler's defaults, the context (bmoe-server's Ollama facts)."""
+        return self.engine.settings

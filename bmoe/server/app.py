@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psutil
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.api import Ask, Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError, ContextTooLong, FieldError
-from bmoe.server import anthropic_wire
+from bmoe.server import anthropic_wire, ollama_wire, responses_wire
 from bmoe.server.answer_shape import AnswerShape, Finished
 from bmoe.server.anthropic_wire import CountBody, MessagesBody, MessageShape
 from bmoe.server.connections import ClosingStream, SlowReader
@@ -35,17 +36,21 @@ from bmoe.server.http_errors import (
     ServeError,
     ShuttingDown,
     http_error,
+    renamed,
     serve_error,
     shutting_down,
     validation_error,
 )
+from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
+from bmoe.server.responses_wire import ResponsesBody, ResponseShape, ResponseStore
 from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
 from bmoe.server.webui import PAGES, add_pages
 from bmoe.server.wire import ChatBody, CompletionBody, OpenAIAnswer, ReplyShape, RequestBody, sampling_of
 
 TOO_LONG_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
-          "/v1/messages/count_tokens", EVENTS, *PAGES)
+          "/v1/messages/count_tokens", responses_wire.PATH, "/api/chat", "/api/generate", "/api/tags", "/api/ps",
+          "/api/show", "/api/version", EVENTS, *PAGES)
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
@@ -165,8 +170,11 @@ async def _disconnected(request: HttpRequest) -> None:
 
 
 def _error_response(path: str, e: ServeError) -> JSONResponse:
-    """The error as the object the route's clients read: Anthropic's under /v1/messages, else OpenAI's."""
-    return anthropic_wire.error_response(e) if anthropic_wire.speaks(path) else e.response()
+    """The error as the object the route's clients read: Anthropic's under /v1/messages, Ollama's under
+    /api/, else OpenAI's."""
+    if anthropic_wire.speaks(path):
+        return anthropic_wire.error_response(e)
+    return ollama_wire.error_response(e) if ollama_wire.speaks(path) else e.response()
 
 
 async def _on_serve_error(r: HttpRequest, exc: Exception) -> JSONResponse:
@@ -204,6 +212,8 @@ class Endpoints:
         self.model, self.sched, self.metrics = model, sched, metrics
         self.api_key, self.n_predict = api_key, n_predict
         self.model_id = alias or model.name  # what /v1/models lists and responses name
+        self.kept = ResponseStore()  # /v1/responses' stored responses (previous_response_id)
+        self.facts: ModelFacts | None = None  # the model as Ollama's clients see it (read on first use)
 
     async def authorized(self, creds: HTTPAuthorizationCredentials | None = Depends(_BEARER),
                          x_api_key: str | None = Header(None)) -> None:
@@ -244,12 +254,17 @@ class Endpoints:
                 "owned_by": "bmoe"}
 
     async def completions(self, body: CompletionBody, request: HttpRequest) -> Response:
+        req = await self.completion_request(body)
+        return await self.answer(request, req, OpenAIAnswer(self.reply_shape(False, body), req), body.stream)
+
+    async def completion_request(self, body: CompletionBody, fix: str = TOO_LONG_FIX) -> Request:
+        """A plain prompt as the engine's request: the completions route's, and a raw Ollama generate's
+        (`fix`: what to do about a prompt too long, in the words of the route's API)."""
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        req = await self.prepare(body, body.max_tokens, prompt=prompt, response_format=body.response_format,
-                                 grammar=body.grammar, logprobs=body.logprobs)
-        return await self.answer(request, req, OpenAIAnswer(self.reply_shape(False, body), req), body.stream)
+        return await self.prepare(body, body.max_tokens, fix, prompt=prompt, response_format=body.response_format,
+                                  grammar=body.grammar, logprobs=body.logprobs)
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
         req = await self.chat_request(body)
@@ -258,9 +273,10 @@ class Endpoints:
     def reply_shape(self, chat: bool, body: RequestBody) -> ReplyShape:
         return ReplyShape(chat, self.model_id, body.stream_options is not None and body.stream_options.include_usage)
 
-    async def chat_request(self, body: ChatBody) -> Request:
-        """A chat as the engine's request: OpenAI's chat route's, and Anthropic's translated to it."""
-        return await self.prepare(body, body.max_tokens or body.max_completion_tokens,
+    async def chat_request(self, body: ChatBody, fix: str = TOO_LONG_FIX) -> Request:
+        """A chat as the engine's request: OpenAI's chat route's, and the other APIs' translated to it
+        (`fix`: what to do about a conversation too long, in the words of the route's API)."""
+        return await self.prepare(body, body.max_tokens or body.max_completion_tokens, fix,
                                   messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
                                   tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                                   response_format=body.response_format, grammar=body.grammar,
@@ -271,12 +287,93 @@ class Endpoints:
         req = await self.chat_request(anthropic_wire.translated(body))
         return await self.answer(request, req, MessageShape(self.model_id, len(req.tokens)), body.stream)
 
+    async def responses(self, body: ResponsesBody, request: HttpRequest) -> Response:
+        """OpenAI's Responses API: the chat request, after the conversation of the response it goes on
+        from (previous_response_id), answered as a Response or its events."""
+        earlier = self.kept.items(body.previous_response_id) if body.previous_response_id is not None else ()
+        try:
+            req = await self.chat_request(responses_wire.translated(body, earlier), responses_wire.TOO_LONG_FIX)
+        except (ServeError, FieldError) as e:
+            raise renamed(e, responses_wire.NAMES) from None
+        shape = ResponseShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept)
+        return await self.answer(request, req, shape, body.stream)
+
+    async def response_by_id(self, response_id: str) -> dict[str, Any]:
+        return self.kept.get(response_id)
+
+    async def drop_response(self, response_id: str) -> dict[str, Any]:
+        self.kept.drop(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def ollama_chat(self, body: OllamaChatBody, request: HttpRequest) -> Response:
+        """Ollama's chat: the chat request, answered in Ollama's shapes (JSON lines when streamed)."""
+        try:
+            t = ollama_wire.chat_translated(body) if body.messages else None
+            shape = OllamaShape(self.model_id, True, t.warnings if t is not None else ())
+            if t is None:  # Ollama's way to load a model
+                return JSONResponse(shape.loaded())
+            assert isinstance(t.body, ChatBody)
+            req = await self.chat_request(t.body, ollama_wire.TOO_LONG_FIX)
+        except (ServeError, FieldError) as e:
+            raise renamed(e, ollama_wire.NAMES) from None
+        return await self.answer(request, req, shape, body.stream)
+
+    async def ollama_generate(self, body: OllamaGenerateBody, request: HttpRequest) -> Response:
+        """Ollama's generate: a chat of one user message (or, raw, the prompt as it is)."""
+        try:
+            t = ollama_wire.generate_translated(body)
+            shape = OllamaShape(self.model_id, False, t.warnings)
+            if not body.prompt and not body.system:  # Ollama's way to load a model
+                return JSONResponse(shape.loaded())
+            fix = ollama_wire.TOO_LONG_FIX
+            req = await (self.chat_request(t.body, fix) if isinstance(t.body, ChatBody) else
+                         self.completion_request(t.body, fix))
+        except (ServeError, FieldError) as e:
+            raise renamed(e, ollama_wire.NAMES) from None
+        return await self.answer(request, req, shape, body.stream)
+
+    async def model_facts(self) -> ModelFacts:
+        if self.facts is None:
+            self.facts = await asyncio.to_thread(ModelFacts.of, self.model, self.model_id)
+        return self.facts
+
+    async def ollama_tags(self) -> dict[str, Any]:
+        return (await self.model_facts()).tags()
+
+    async def ollama_ps(self) -> dict[str, Any]:
+        return (await self.model_facts()).ps(psutil.Process().memory_info().rss)
+
+    async def ollama_show(self, body: ShowBody) -> dict[str, Any]:
+        facts = await self.model_facts()
+        if not facts.serves(body.model):
+            raise ServeError(404, f"model {body.model!r} not found; this server serves {self.model_id!r}",
+                             code="model_not_found", param="model")
+        return facts.show()
+
+    async def ollama_version(self) -> dict[str, str]:
+        return ollama_wire.version()
+
+    async def ollama_pull(self, body: NamedBody) -> dict[str, str]:
+        name = body.model or body.name or ""
+        if (await self.model_facts()).serves(name):
+            return {"status": "success"}  # it is here already
+        raise ollama_wire.one_model("pulls none", self.model_id)
+
+    async def ollama_refused(self, request: HttpRequest) -> None:
+        """What would change the models the server has, or is not generation: a 400 saying so."""
+        verb = request.url.path.removeprefix(ollama_wire.PREFIX).split("/")[0]
+        if verb in ("embed", "embeddings"):
+            raise ServeError(400, "bmoe-server computes no embeddings; it generates text", code="one_model")
+        what = {"delete": "deletes none", "create": "creates none", "copy": "copies none", "push": "pushes none",
+                "blobs": "takes no model files"}[verb]
+        raise ollama_wire.one_model(what, self.model_id)
+
     async def count_tokens(self, body: CountBody) -> dict[str, int]:
         """The prompt tokens a Messages request with this conversation would decode."""
         req = await self.chat_request(anthropic_wire.translated(body))
         return {"input_tokens": len(req.tokens)}
 
-    async def prepare(self, body: RequestBody, max_tokens: int | None, **what: Any) -> Request:
+    async def prepare(self, body: RequestBody, max_tokens: int | None, fix: str, **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
         model = self.model
         if body.bmoe.lossless:
@@ -286,7 +383,7 @@ class Endpoints:
                 raise ServeError(400, str(e), param="bmoe.lossless") from None
         try:
             ask = Ask(**what, **sampling_of(body), max_tokens=max_tokens or self.n_predict, stop=body.stop,
-                      fix=TOO_LONG_FIX, lossless=body.bmoe.lossless)
+                      fix=fix, lossless=body.bmoe.lossless)
             return await asyncio.to_thread(model.prepare, ask)
         except FieldError as e:  # a stop, schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
@@ -420,6 +517,20 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     api.post("/v1/chat/completions")(routes.chat)
     api.post("/v1/messages")(routes.messages)
     api.post("/v1/messages/count_tokens")(routes.count_tokens)
+    api.post(responses_wire.PATH)(routes.responses)
+    api.get(responses_wire.PATH + "/{response_id}")(routes.response_by_id)
+    api.delete(responses_wire.PATH + "/{response_id}")(routes.drop_response)
+    api.post("/api/chat")(routes.ollama_chat)
+    api.post("/api/generate")(routes.ollama_generate)
+    api.get("/api/tags")(routes.ollama_tags)
+    api.get("/api/ps")(routes.ollama_ps)
+    api.post("/api/show")(routes.ollama_show)
+    api.get("/api/version")(routes.ollama_version)
+    api.post("/api/pull")(routes.ollama_pull)
+    api.delete("/api/delete")(routes.ollama_refused)
+    for refused in ("/api/create", "/api/copy", "/api/push", "/api/embed", "/api/embeddings"):
+        api.post(refused)(routes.ollama_refused)
+    api.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"])(routes.ollama_refused)
     api.get(EVENTS)(feed.route)
     app.include_router(api)
     return app

@@ -7,6 +7,8 @@ request field's own error (a bmoe.base.FieldError) becomes a 400 naming that fie
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -71,14 +73,37 @@ def http_error(exc: HTTPException) -> ServeError:
 
 
 def validation_error(exc: RequestValidationError) -> ServeError:
-    first = exc.errors()[0]
+    return invalid(exc.errors(), skip=1)
+
+
+def invalid(errors: Sequence[Any], skip: int = 0) -> ServeError:
+    """The 400 of pydantic's `errors` (the first named; `skip`: leading parts of its location that are
+    not the body's fields, fastapi's "body")."""
+    first = errors[0]
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):  # a check of several fields, or of one the body does not declare
         return ServeError(400, str(cause), param=cause.param)
-    where = ".".join(str(x) for x in first.get("loc", ())[1:])
+    where = ".".join(str(x) for x in first.get("loc", ())[skip:])
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return ServeError(400, f"the body is not valid JSON ({detail}); send a JSON object", code="invalid_json")
     msg = f"{where}: {first.get('msg')}" if where else f"the body: {first.get('msg')}"
-    more = len(exc.errors()) - 1
+    more = len(errors) - 1
     return ServeError(400, msg + (f" (and {more} more)" if more else ""), param=where or None)
+
+
+def renamed(e: ServeError | FieldError, names: Sequence[tuple[str, str]]) -> ServeError:
+    """`e` (a FieldError: its 400), which names a field of the chat request another API's request was
+    translated into, naming it as that API does: the first of `names` (a pattern of the chat request's
+    name, the other API's name, as re.sub takes them) that matches the start of its param, in the param
+    and the message."""
+    if isinstance(e, FieldError):
+        e = ServeError(400, str(e), param=e.param)
+    if e.param is None:
+        return e
+    for pattern, name in names:
+        param, n = re.subn("^" + pattern, name, e.param, count=1)
+        if n:
+            message = re.sub("^" + pattern, name, e.message, count=1)
+            return ServeError(e.status, message, e.type, e.code, param)
+    return e

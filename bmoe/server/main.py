@@ -1,13 +1,17 @@
 """`bmoe-server`: an OpenAI-compatible HTTP server over one loaded model (FastAPI + uvicorn), which
-also speaks Anthropic's Messages API.
+also speaks OpenAI's Responses API, Anthropic's Messages API and Ollama's API.
 
 Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
 `POST /v1/chat/completions` (`"stream": true` gives server-sent events ending `data: [DONE]`),
-`POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's, bmoe.server.anthropic_wire:
-translated into the chat route's request, so one engine, scheduler, grammar and prompt cache answer
-both), `GET /metrics` (Prometheus text), `GET /v1/bmoe/events` (the live telemetry as server-sent
-events, bmoe.server.events) and the chat page at `/` (bmoe.server.webui; off with `--no-webui`). Every
-generation goes through bmoe.generation.request_life.Generation.
+`POST /v1/responses` and `GET`/`DELETE /v1/responses/{id}` (OpenAI's Responses API,
+bmoe.server.responses_wire), `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's,
+bmoe.server.anthropic_wire), Ollama's `/api/chat`, `/api/generate`, `/api/tags`, `/api/ps`,
+`/api/show`, `/api/version` (bmoe.server.ollama_wire; `pull`, `delete`, `create`, `copy`, `push`
+answer that one model is served) — each translated into the chat route's request, so one engine,
+scheduler, grammar and prompt cache answer them all, through one answer loop (bmoe.server.app's
+Endpoints.answer) —, `GET /metrics` (Prometheus text), `GET /v1/bmoe/events` (the live telemetry as
+server-sent events, bmoe.server.events) and the chat page at `/` (bmoe.server.webui; off with
+`--no-webui`). Every generation goes through bmoe.generation.request_life.Generation.
 
 Decisions:
 
@@ -51,7 +55,8 @@ Decisions:
   get 413. Every error is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`;
   in a stream that has begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
-  a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own).
+  a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own);
+  under /api/ it is Ollama's `{"error": "..."}` (an `{"error": ...}` line in a stream).
 - SIGTERM / SIGINT: the running generation is cancelled, waiting requests get 503, and the
   process exits 143 / 130 with its I/O lanes stopped and its shared memory freed. A lane that
   keeps failing or a model file changed under the server is fatal: the request gets a 500 and
@@ -169,9 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, usage="%(prog)s [-m MODEL] [options]", epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve a Mixture-of-Experts GGUF larger than RAM over the OpenAI HTTP API (completions, chat "
-                    "completions, streaming) and Anthropic's Messages API, streaming its experts from flash; one "
-                    "model, up to --parallel "
-                    "generations at a time, more requests queue.")
+                    "completions, responses, streaming), Anthropic's Messages API and Ollama's API, streaming its "
+                    "experts from flash; one model, up to --parallel generations at a time, more requests queue.")
     flags.add_options(ap, SCHEMA, before={"threads": lambda ap: flags.add_n_predict(
         ap, f"max_tokens of a request that does not say (default {N_PREDICT})")})
     flags.add_options(ap.add_argument_group("server"), SERVE)

@@ -108,12 +108,18 @@ class RequestBody(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _implemented(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, nothing in UNIMPLEMENTED.items():
-                if name in data and not any(_same(data[name], v) for v in nothing):
-                    raise FieldError(f"{name}: bmoe-server does not implement it; leave it out "
-                                     f"(or send {json.dumps(nothing[-1])})", param=name)
-        return data
+        return implemented(data, UNIMPLEMENTED)
+
+
+def implemented(data: Any, unimplemented: dict[str, tuple[Any, ...]], prefix: str = "") -> Any:
+    """`data` (a body, or one of its objects at `prefix`), whose fields of `unimplemented` ask for
+    nothing (one of the values listed with each); else a FieldError naming the first that asks for more."""
+    if isinstance(data, dict):
+        for name, nothing in unimplemented.items():
+            if name in data and not any(_same(data[name], v) for v in nothing):
+                raise FieldError(f"{prefix}{name}: bmoe-server does not implement it; leave it out "
+                                 f"(or send {json.dumps(nothing[-1])})", param=prefix + name)
+    return data
 
 
 class CompletionBody(RequestBody):
