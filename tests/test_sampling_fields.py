@@ -168,7 +168,7 @@ def test_the_sampling_names_are_the_settings_one_list_everywhere() -> None:
 
     from bmoe.api import Ask
     from bmoe.base.settings import SAMPLING_FIELDS
-    from bmoe.server.anthropic_wire import MessagesBody, translated
+    from bmoe.server.anthropic_wire import MessagesBody, chat_body_of_messages
     from bmoe.server.wire import ChatBody, SamplingFields, sampling_of
 
     assert sorted(SAMPLING_FIELDS.values()) == sorted(f.name for f in fields(SamplerSettings))
@@ -179,4 +179,4 @@ def test_the_sampling_names_are_the_settings_one_list_everywhere() -> None:
     sent = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3}
     body = MessagesBody.model_validate({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **sent})
     assert sampling_of(body) == sent
-    assert {k: v for k, v in sampling_of(translated(body)).items() if v is not None} == sent
+    assert {k: v for k, v in sampling_of(chat_body_of_messages(body)).items() if v is not None} == sent

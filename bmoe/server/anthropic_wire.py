@@ -1,8 +1,8 @@
-"""Anthropic's Messages API as bmoe-server speaks it: the request bodies of `POST /v1/messages` and
+"""Anthropic's Messages API as bmoe-server is_messages_path it: the request bodies of `POST /v1/messages` and
 `/v1/messages/count_tokens`, their translation into the OpenAI chat request the chat route runs
-(`translated`: one request model inside, so the engine, scheduler, grammar, tool-call reading and
+(`chat_body_of_messages`: one request model inside, so the engine, scheduler, grammar, tool-call reading and
 prompt cache are the same), and the answer in Anthropic's shapes (`MessageShape`: a message, or a
-stream of `message_start … message_stop` events) and errors (`error_response`).
+stream of `message_start … message_stop` events) and errors (`anthropic_error`).
 
 What is taken and what is not (docs/server.md says the same for users):
 - `system` (text or text blocks), `user`/`assistant` turns of text, `tool_use` and `tool_result`
@@ -42,7 +42,7 @@ from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.wire import BmoeOptions, ChatBody, in_bounds, sampling_of
 
-PREFIX = "/v1/messages"
+_PREFIX = "/v1/messages"
 REFUSED = {"container": "bmoe-server runs no code containers", "mcp_servers": "bmoe-server connects to no MCP servers"}
 SIGNATURE = ""  # a thinking block's: bmoe signs nothing (and checks nothing sent back)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -51,16 +51,16 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 OVERLOADED = 529  # the status Anthropic's clients read as "overloaded, try again" (a full queue here)
 
 
-def speaks(path: str) -> bool:
+def is_messages_path(path: str) -> bool:
     """Whether a request to `path` gets Anthropic's shapes (errors included)."""
-    return path == PREFIX or path.startswith(PREFIX + "/")
+    return path == _PREFIX or path.startswith(_PREFIX + "/")
 
 
 # ---- request bodies --------------------------------------------------------------------------------
 
 
 class AnthropicMessage(BaseModel):
-    """A message as Anthropic writes it; its blocks are read by `translated`, which names a bad one."""
+    """A message as Anthropic writes it; its blocks are read by `chat_body_of_messages`, which names a bad one."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["user", "assistant"]
@@ -230,7 +230,7 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def translated(body: CountBody) -> ChatBody:
+def chat_body_of_messages(body: CountBody) -> ChatBody:
     """The Anthropic request as the OpenAI chat request the chat route runs (see the module notes);
     a 400 naming the Anthropic field that cannot be taken."""
     messages: list[dict[str, Any]] = []
@@ -406,6 +406,6 @@ def error_body(e: ServeError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
-def error_response(e: ServeError) -> JSONResponse:
+def anthropic_error(e: ServeError) -> JSONResponse:
     """The error as Anthropic's error object, with the status its clients expect (a full queue: 529)."""
     return JSONResponse(error_body(e), status_code=_status(e))

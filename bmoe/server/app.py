@@ -172,9 +172,9 @@ async def _disconnected(request: HttpRequest) -> None:
 def _error_response(path: str, e: ServeError) -> JSONResponse:
     """The error as the object the route's clients read: Anthropic's under /v1/messages, Ollama's under
     /api/, else OpenAI's."""
-    if anthropic_wire.speaks(path):
-        return anthropic_wire.error_response(e)
-    return ollama_wire.error_response(e) if ollama_wire.speaks(path) else e.response()
+    if anthropic_wire.is_messages_path(path):
+        return anthropic_wire.anthropic_error(e)
+    return ollama_wire.ollama_error(e) if ollama_wire.is_ollama_path(path) else e.response()
 
 
 async def _on_serve_error(r: HttpRequest, exc: Exception) -> JSONResponse:
@@ -284,7 +284,7 @@ class Endpoints:
 
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
-        req = await self.chat_request(anthropic_wire.translated(body))
+        req = await self.chat_request(anthropic_wire.chat_body_of_messages(body))
         return await self.answer(request, req, MessageShape(self.model_id, len(req.tokens)), body.stream)
 
     async def responses(self, body: ResponsesBody, request: HttpRequest) -> Response:
@@ -292,9 +292,10 @@ class Endpoints:
         from (previous_response_id), answered as a Response or its events."""
         earlier = self.kept.items(body.previous_response_id) if body.previous_response_id is not None else ()
         try:
-            req = await self.chat_request(responses_wire.translated(body, earlier), responses_wire.TOO_LONG_FIX)
+            req = await self.chat_request(responses_wire.chat_body_of_response(body, earlier),
+                                          responses_wire.RESPONSES_TOO_LONG_FIX)
         except (ServeError, FieldError) as e:
-            raise renamed(e, responses_wire.NAMES) from None
+            raise renamed(e, responses_wire.RESPONSES_FIELD_NAMES) from None
         shape = ResponseShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept)
         return await self.answer(request, req, shape, body.stream)
 
@@ -313,9 +314,9 @@ class Endpoints:
             if t is None:  # Ollama's way to load a model
                 return JSONResponse(shape.loaded())
             assert isinstance(t.body, ChatBody)
-            req = await self.chat_request(t.body, ollama_wire.TOO_LONG_FIX)
+            req = await self.chat_request(t.body, ollama_wire.OLLAMA_TOO_LONG_FIX)
         except (ServeError, FieldError) as e:
-            raise renamed(e, ollama_wire.NAMES) from None
+            raise renamed(e, ollama_wire.OLLAMA_FIELD_NAMES) from None
         return await self.answer(request, req, shape, body.stream)
 
     async def ollama_generate(self, body: OllamaGenerateBody, request: HttpRequest) -> Response:
@@ -325,11 +326,11 @@ class Endpoints:
             shape = OllamaShape(self.model_id, False, t.warnings)
             if not body.prompt and not body.system:  # Ollama's way to load a model
                 return JSONResponse(shape.loaded())
-            fix = ollama_wire.TOO_LONG_FIX
+            fix = ollama_wire.OLLAMA_TOO_LONG_FIX
             req = await (self.chat_request(t.body, fix) if isinstance(t.body, ChatBody) else
                          self.completion_request(t.body, fix))
         except (ServeError, FieldError) as e:
-            raise renamed(e, ollama_wire.NAMES) from None
+            raise renamed(e, ollama_wire.OLLAMA_FIELD_NAMES) from None
         return await self.answer(request, req, shape, body.stream)
 
     async def model_facts(self) -> ModelFacts:
@@ -361,7 +362,7 @@ class Endpoints:
 
     async def ollama_refused(self, request: HttpRequest) -> None:
         """What would change the models the server has, or is not generation: a 400 saying so."""
-        verb = request.url.path.removeprefix(ollama_wire.PREFIX).split("/")[0]
+        verb = request.url.path.removeprefix(ollama_wire.OLLAMA_PREFIX).split("/")[0]
         if verb in ("embed", "embeddings"):
             raise ServeError(400, "bmoe-server computes no embeddings; it generates text", code="one_model")
         what = {"delete": "deletes none", "create": "creates none", "copy": "copies none", "push": "pushes none",
@@ -370,7 +371,7 @@ class Endpoints:
 
     async def count_tokens(self, body: CountBody) -> dict[str, int]:
         """The prompt tokens a Messages request with this conversation would decode."""
-        req = await self.chat_request(anthropic_wire.translated(body))
+        req = await self.chat_request(anthropic_wire.chat_body_of_messages(body))
         return {"input_tokens": len(req.tokens)}
 
     async def prepare(self, body: RequestBody, max_tokens: int | None, fix: str, **what: Any) -> Request:

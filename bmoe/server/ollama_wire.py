@@ -1,4 +1,4 @@
-"""Ollama's API as bmoe-server speaks it, on the same port: `POST /api/chat` and `/api/generate`
+"""Ollama's API as bmoe-server is_ollama_path it, on the same port: `POST /api/chat` and `/api/generate`
 translated into the chat route's request (or, for a raw prompt, the completions route's), so the
 engine, scheduler, grammars, tool-call reading, prompt cache, limits and errors are theirs; the
 answer as one JSON object or as JSON lines (`OllamaShape`); and what Ollama's clients ask of the
@@ -58,29 +58,30 @@ from bmoe.server.answer_shape import Finished
 from bmoe.server.http_errors import ServeError, invalid
 from bmoe.server.wire import BmoeOptions, ChatBody, CompletionBody, implemented
 
-PREFIX = "/api/"
+OLLAMA_PREFIX = "/api/"
 NDJSON = "application/x-ndjson"
-TOO_LONG_FIX = "shorten the messages (or prompt), lower options.num_predict, or restart bmoe-server with a larger -c"
+OLLAMA_TOO_LONG_FIX = ("shorten the messages (or prompt), lower options.num_predict, or restart bmoe-server with a "
+                       "larger -c")
 # Ollama's options that a loaded server cannot change (its load-time ones, and two it no longer reads)
 FIXED = ("numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
          "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep", "penalize_newline")
-UNIMPLEMENTED_OPTIONS: dict[str, tuple[Any, ...]] = {"mirostat": (None, 0), "typical_p": (None, 1), "tfs_z": (None, 1)}
+_UNIMPLEMENTED_OPTIONS: dict[str, tuple[Any, ...]] = {"mirostat": (None, 0), "typical_p": (None, 1), "tfs_z": (None, 1)}
 MIROSTAT_ONLY = ("mirostat_tau", "mirostat_eta")  # read only by mirostat: with it off, they change nothing
-UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "template": (None, ""), "context": (None, []), "images": (None, []),
     "logprobs": (None, False), "top_logprobs": (None, 0), "width": (None,), "height": (None,), "steps": (None,)}
 # a field of the chat or completions request a 400 names, as Ollama's request names it
-NAMES = ((r"response_format\.json_schema\.schema", "format"), (r"response_format", "format"),
-         (r"max_tokens", "options.num_predict"), (r"stop", "options.stop"),
-         *((rf"{name}\b", f"options.{name}") for name in SAMPLING_FIELDS))
+OLLAMA_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "format"), (r"response_format", "format"),
+                      (r"max_tokens", "options.num_predict"), (r"stop", "options.stop"),
+                      *((rf"{name}\b", f"options.{name}") for name in SAMPLING_FIELDS))
 
 
-def speaks(path: str) -> bool:
+def is_ollama_path(path: str) -> bool:
     """Whether a request to `path` gets Ollama's shapes (errors included)."""
-    return path.startswith(PREFIX)
+    return path.startswith(OLLAMA_PREFIX)
 
 
-def error_response(e: ServeError) -> JSONResponse:
+def ollama_error(e: ServeError) -> JSONResponse:
     return JSONResponse({"error": e.message}, status_code=e.status)
 
 
@@ -92,7 +93,7 @@ def _bad(where: str, message: str) -> ServeError:
 
 
 class GenerateBody(BaseModel):
-    """What `/api/chat` and `/api/generate` share; unknown fields are ignored, those of UNIMPLEMENTED
+    """What `/api/chat` and `/api/generate` share; unknown fields are ignored, those of _UNIMPLEMENTED
     refused unless they ask for nothing."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -109,7 +110,7 @@ class GenerateBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _implemented(cls, data: Any) -> Any:
-        return implemented(data, UNIMPLEMENTED)
+        return implemented(data, _UNIMPLEMENTED)
 
 
 class OllamaChatBody(GenerateBody):
@@ -149,7 +150,7 @@ def _options(options: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]
     """Ollama's options as the chat request's fields (sampling, max_tokens, stop), and the warnings of
     those a loaded server cannot follow; a 400 names one it does not implement or know."""
     opts = dict(options or {})
-    implemented(opts, UNIMPLEMENTED_OPTIONS, "options.")
+    implemented(opts, _UNIMPLEMENTED_OPTIONS, "options.")
     fields: dict[str, Any] = {}
     warnings: list[str] = []
     for name, value in opts.items():
@@ -164,7 +165,7 @@ def _options(options: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]
             warnings.append(f"options.{name}: bmoe-server's load sets it (its flags); ignored")
         elif name in MIROSTAT_ONLY:
             warnings.append(f"options.{name}: read only by mirostat, which is off; ignored")
-        elif name not in UNIMPLEMENTED_OPTIONS:
+        elif name not in _UNIMPLEMENTED_OPTIONS:
             raise _bad(f"options.{name}", "not an option bmoe-server knows; leave it out (the sampling options are "
                                           f"{', '.join(SAMPLING_FIELDS)}, num_predict and stop)")
     return fields, warnings

@@ -1,5 +1,5 @@
 """OpenAI's Responses API as bmoe-server speaks it: the body of `POST /v1/responses`, its
-translation into the chat request the chat route runs (`translated`: one request inside, so the
+translation into the chat request the chat route runs (`chat_body_of_response`: one request inside, so the
 engine, scheduler, grammars, tool-call reading, prompt cache, limits and errors are the chat
 route's), the answer as a Response object or its stream of events (`ResponseShape`), and the
 responses kept for `previous_response_id` (`ResponseStore`).
@@ -64,17 +64,18 @@ PATH = "/v1/responses"
 KEPT = 100  # responses kept for previous_response_id
 KEPT_CHARS = 32 * 2**20  # the JSON text of their conversations, together at most
 # fields of the Responses API bmoe does not implement, each with the values that ask for nothing
-UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
     "truncation": (None, "disabled"), "top_logprobs": (None, 0), "context_management": (None,),
 }
 INCLUDABLE = ("reasoning.encrypted_content",)
-TOO_LONG_FIX = "shorten the input, lower max_output_tokens, or restart bmoe-server with a larger -c"
+RESPONSES_TOO_LONG_FIX = "shorten the input, lower max_output_tokens, or restart bmoe-server with a larger -c"
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # a field of the chat request a 400 names, as this API names it (bmoe.server.http_errors.renamed)
-NAMES = ((r"response_format\.json_schema\.schema", "text.format.schema"), (r"response_format", "text.format"),
-         (r"tools\[(\d+)\]\.function\.", r"tools[\1]."), (r"max_tokens", "max_output_tokens"),
-         (r"messages$", "input"))
+RESPONSES_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "text.format.schema"),
+                         (r"response_format", "text.format"),
+                         (r"tools\[(\d+)\]\.function\.", r"tools[\1]."), (r"max_tokens", "max_output_tokens"),
+                         (r"messages$", "input"))
 
 
 def _bad(where: str, message: str) -> ServeError:
@@ -85,7 +86,7 @@ def _bad(where: str, message: str) -> ServeError:
 
 
 class ResponsesBody(SamplingFields):
-    """`POST /v1/responses`; unknown fields are ignored, those of UNIMPLEMENTED refused unless they ask
+    """`POST /v1/responses`; unknown fields are ignored, those of _UNIMPLEMENTED refused unless they ask
     for nothing (as on the chat route)."""
 
     model: str | None = None  # one model is served; not checked
@@ -109,7 +110,7 @@ class ResponsesBody(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _implemented(cls, data: Any) -> Any:
-        return implemented(data, UNIMPLEMENTED)
+        return implemented(data, _UNIMPLEMENTED)
 
 
 def input_items(body: ResponsesBody) -> list[dict[str, Any]]:
@@ -119,7 +120,7 @@ def input_items(body: ResponsesBody) -> list[dict[str, Any]]:
     return list(body.input or ())
 
 
-def translated(body: ResponsesBody, earlier: Sequence[dict[str, Any]]) -> ChatBody:
+def chat_body_of_response(body: ResponsesBody, earlier: Sequence[dict[str, Any]]) -> ChatBody:
     """The request as the chat request the chat route runs, its conversation `earlier` (a kept
     response's, for previous_response_id) and then its own input; a 400 naming the field that
     cannot be taken (see the module notes)."""
