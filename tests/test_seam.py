@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import os
 import re
+import time
 from pathlib import Path
 
 import gguf
@@ -27,6 +28,86 @@ PROMPT = "The old lighthouse keeper climbed the stairs every evening to light th
 
 def engine(path, *flags: object) -> Engine:
     return engine_for(path, "-c", 256, "-t", 2, *flags)
+
+
+def test_the_compiled_filter_is_built_here_and_mirrors_its_struct() -> None:
+    """The README's install compiles the filter (a machine without a C compiler falls back to Python:
+    BMOE_PY_HOOK=1 stands for it below); its ctypes mirror has the C struct's size, checked at load."""
+    from bmoe.seam import eval_filter
+
+    lib = eval_filter.compiled()
+    assert lib is not None, "bmoe/seam/_eval_filter.c was not built by pip install -e ."
+    assert lib.bmoe_filter_size() == ctypes.sizeof(eval_filter.EvalFilter)
+    assert seam.EvalHook().user_data is not None
+
+
+@pytest.mark.parametrize("arch,flags", [("qwen3moe", ("--overlap", "--spec-gate", "--spec-recall-min", 0)),
+                                        ("gpt-oss", ("--no-overlap",))])
+def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch: str, flags: tuple) -> None:
+    """With the compiled filter Python is asked about the nodes it stops at and no others, and answers
+    them as it does when it is asked about every node (BMOE_PY_HOOK=1): the same stops, in the same
+    order, the same text; the abort check reaches Python at most once per ABORT_CHECK_NS."""
+    from bmoe.seam import eval_filter
+
+    path = synth(arch=arch, layers=3, experts=8, top_k=2)
+    seen: list[list[tuple[str, bool, bool]]] = []
+    aborts: list[int] = []
+    callback, abort = seam.EvalHook._callback, seam.EvalHook._abort
+
+    def recorded(self, t, ask, user):
+        answer = callback(self, t, ask, user)
+        seen[-1].append((seam.tensor_name(t), ask, answer))
+        return answer
+
+    def counted(self, user):
+        aborts[-1] += 1
+        return abort(self, user)
+
+    monkeypatch.setattr(seam.EvalHook, "_callback", recorded)
+    monkeypatch.setattr(seam.EvalHook, "_abort", counted)
+    texts, walls = [], []
+    for python_only in ("1", "0"):
+        monkeypatch.setenv("BMOE_PY_HOOK", python_only)
+        seen.append([])
+        aborts.append(0)
+        m = load_model(path, "-c", 256, "-t", 2, "--cache-mb", 1, "--force", "--io-threads", 2, *flags)
+        try:
+            assert (m.engine.hook.filter is None) == (python_only == "1")
+            seen[-1].clear()  # (the warm-up capture: every node either way)
+            aborts[-1] = 0
+            t0 = time.perf_counter_ns()
+            texts.append(complete(m, PROMPT, 12).ids)
+            walls.append(time.perf_counter_ns() - t0)
+        finally:
+            m.close()
+    python, filtered = seen
+    assert texts[0] == texts[1]
+    # the routing and router-input stops do not depend on timing (a 1 MiB cache never completes a layer);
+    # whether a down input stops depends on whether its reads are still in flight
+    timed = ("ffn_moe_swiglu",)
+    assert [x for x in python if x[2] and not x[0].startswith(timed)] == \
+        [x for x in filtered if x[2] and not x[0].startswith(timed)], "the same stops, in order"
+    assert {n for n, _, answer in python if answer} <= {n for n, _, _ in filtered}, "every node it stops at"
+    assert len(filtered) < len(python) / 4, "Python is not asked about the other nodes"
+    assert {n.split("-")[0] for n, _, _ in filtered} <= {"ffn_moe_weights", "ffn_moe_logits", "ffn_moe_swiglu",
+                                                          "ffn_moe_swiglu_oai"}
+    assert aborts[1] <= walls[1] // eval_filter.ABORT_CHECK_NS + 1 < aborts[0]
+
+
+@pytest.mark.parametrize("user", [None, "ACTIVE"])
+def test_openmps_idle_threads_sleep_unless_the_user_says_otherwise(user: str | None) -> None:
+    """The seam sets OMP_WAIT_POLICY=PASSIVE before llama_cpp (and so libgomp, which reads it when it
+    loads) is imported; a value the user set is kept."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": user} if user else {})
+    code = ("import os, sys, bmoe.seam; mods = list(sys.modules); "
+            "print(os.environ['OMP_WAIT_POLICY'], mods.index('bmoe.seam.omp_wait') < mods.index('llama_cpp'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [user or "PASSIVE", "True"]
 
 
 def test_struct_layout_matches_ggml() -> None:

@@ -159,9 +159,9 @@ def _load_llama(p: Loaded, streaming: bool) -> None:
     if not p.model:
         raise ModelError(f"llama.cpp could not load {s.model}; run with --verbose to see why")
     p.ctx = llama.new_context(p.model, s.n_ctx, s.threads, p.hook.c_callback if streaming else None,
-                              n_seq=s.parallel)
+                              n_seq=s.parallel, eval_user=p.hook.user_data)
     p.llama_load_s = time.perf_counter() - t0
-    llama.set_abort(p.ctx, p.hook.c_abort)
+    llama.set_abort(p.ctx, p.hook.c_abort, p.hook.user_data)
     p.n_ctx = min(llama.context_size(p.ctx), s.n_ctx)
     p.vocab = llama.Vocab(p.model)
 

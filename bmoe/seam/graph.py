@@ -19,6 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from bmoe.seam import eval_filter, omp_wait  # noqa: F401 (omp_wait: before llama_cpp loads libgomp)
+
+# isort: split
 import llama_cpp
 import numpy as np
 from llama_cpp._ggml import libggml
@@ -390,12 +393,66 @@ class EvalHook:
     """
 
     def __init__(self) -> None:
-        self.capture: Capture | None = None
-        self.stops: StopListener | None = None
-        self.error: BaseException | None = None
+        self._capture: Capture | None = None
+        self._stops: StopListener | None = None
+        self._error: BaseException | None = None
         self._layers: dict[bytes, int | None] = {}
-        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
-        self.c_abort = llama_cpp.ggml_abort_callback(self._abort)
+        self.py_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+        self.py_abort = llama_cpp.ggml_abort_callback(self._abort)
+        # llama.cpp calls these on every node: the compiled filter (bmoe.seam.eval_filter) answers those
+        # whose answer is known and hands the rest to the two above; without it, they are called directly
+        self.filter_lib = eval_filter.compiled()
+        self.filter: eval_filter.EvalFilter | None = None
+        self.c_callback: object = self.py_callback
+        self.c_abort: object = self.py_abort
+        self.user_data: int | None = None
+        if self.filter_lib is not None:
+            f = self.filter = eval_filter.EvalFilter()
+            f.forward = ctypes.cast(self.py_callback, eval_filter.EvalFn)
+            f.forward_abort = ctypes.cast(self.py_abort, eval_filter.AbortFn)
+            f.abort_ns, f.name_offset = eval_filter.ABORT_CHECK_NS, NAME_OFFSET
+            self.c_callback = ctypes.cast(self.filter_lib.bmoe_eval_filter, llama_cpp.ggml_backend_sched_eval_callback)
+            self.c_abort = ctypes.cast(self.filter_lib.bmoe_abort_filter, llama_cpp.ggml_abort_callback)
+            self.user_data = ctypes.addressof(f)
+
+    # what the filter needs to know, kept in step with the hook's own state
+
+    @property
+    def error(self) -> BaseException | None:
+        """An exception parked during a decode (raised by `run` once llama_decode returns); while one
+        is parked, every callback answers so that the graph stops."""
+        return self._error
+
+    @error.setter
+    def error(self, exc: BaseException | None) -> None:
+        self._error = exc
+        if self.filter is not None:
+            self.filter.stop = exc is not None
+
+    @property
+    def capture(self) -> Capture | None:
+        """The warm-up capture under way: every node is visited (a dry one stops at the first computed)."""
+        return self._capture
+
+    @capture.setter
+    def capture(self, cap: Capture | None) -> None:
+        self._capture = cap
+        if self.filter is not None:
+            self.filter.every = cap is not None
+            self.filter.halt = cap is not None and cap.dry
+
+    @property
+    def stops(self) -> StopListener | None:
+        """The streaming run's listener at the graph's stops (None: nothing stops)."""
+        return self._stops
+
+    @stops.setter
+    def stops(self, stops: StopListener | None) -> None:
+        self._stops = stops
+        if self.filter is not None:
+            self.filter.routing = stops is not None
+            self.filter.router_input = stops is not None and stops.router_input
+            self.filter.set_stems(sorted({name.rsplit(b"-", 1)[0] for name in stops.down_nodes}) if stops else [])
 
     def _callback(self, t: int, ask: bool, _user: int) -> bool:
         try:
@@ -427,6 +484,8 @@ class EvalHook:
                 layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _LOGITS_NAME)
                 if layer is not None:
                     stops.on_router_input(layer, t)
+                if self.filter is not None:
+                    self.filter.router_input = stops.router_input  # (the recall governor may have turned it off)
                 return True
             if stops.down_nodes and prefix[:8] == DOWN_INPUT_PREFIX:
                 layer = stops.down_nodes.get(ctypes.string_at(t + NAME_OFFSET))

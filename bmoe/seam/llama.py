@@ -15,6 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bmoe.seam import omp_wait  # noqa: F401 - before llama_cpp loads libgomp
+
+# isort: split
 import llama_cpp
 import numpy as np
 
@@ -77,10 +80,10 @@ def load_vocab(path: object) -> LlamaModel | None:
 
 
 def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, eval_cb: object = None,
-                n_ubatch: int | None = None, n_seq: int = 1) -> llama_cpp.llama_context_p:
+                n_ubatch: int | None = None, n_seq: int = 1, eval_user: int | None = None) -> llama_cpp.llama_context_p:
     """The one way bmoe makes a llama.cpp context: a batch as large as the context (a prompt is one
     `llama_decode`), ubatches of at most 512 unless asked, `threads` 0 = every core, and the eval
-    callback (a ggml_backend_sched_eval_callback) when one is given.
+    callback (a ggml_backend_sched_eval_callback, called with `eval_user`) when one is given.
 
     `n_seq` sequences each get a KV of their own of `n_ctx` cells (llama.cpp's non-unified KV), so
     sequence 0 computes as it does in a one-sequence context."""
@@ -93,7 +96,7 @@ def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, ev
     cp.n_threads = cp.n_threads_batch = threads or os.cpu_count() or 1
     if eval_cb is not None:
         cp.cb_eval = eval_cb
-        cp.cb_eval_user_data = None
+        cp.cb_eval_user_data = eval_user
     ctx = llama_cpp.llama_init_from_model(model, cp)
     if not ctx:
         raise ModelError(f"llama.cpp could not create a context of {n_ctx} tokens; lower -c")
@@ -182,9 +185,9 @@ def ubatch_size(ctx: Context) -> int:
     return int(llama_cpp.llama_n_ubatch(ctx))
 
 
-def set_abort(ctx: Context, callback: object) -> None:
-    """llama.cpp's abort callback (a ggml_abort_callback), asked between graph nodes."""
-    llama_cpp.llama_set_abort_callback(ctx, callback, None)
+def set_abort(ctx: Context, callback: object, user: int | None = None) -> None:
+    """llama.cpp's abort callback (a ggml_abort_callback, called with `user`), asked after every graph node."""
+    llama_cpp.llama_set_abort_callback(ctx, callback, user)
 
 
 def kv_clear(ctx: Context, seq: int = -1) -> None:
