@@ -149,28 +149,28 @@ def test_belady_bounds_every_policy_and_budgets_hold(seed: int, budget: int) -> 
         assert run(name, steps, budget, kinds=2).stats.hits <= best, name
 
 
-def test_speculative_slices_go_first_until_a_demand_hit() -> None:
+def test_speculative_experts_go_first_until_a_demand_hit() -> None:
     for name in POLICIES:
         p = make_policy(name, [0, 1])
         p.begin(0)
         for e in range(3):
-            p.admit((0, 0, e))
-        p.admit((0, 0, 7), speculative=True)
-        assert next(iter(p.victims(0))) == (0, 0, 7), name
+            p.admit((0, e))
+        p.admit((0, 7), speculative=True)
+        assert next(iter(p.victims(0))) == (0, 7), name
         p.begin(1)
         p.begin(0)
-        p.touch((0, 0, 7))
-        assert next(iter(p.victims(0))) != (0, 0, 7), name
-        p.forget((0, 0, 7))
-        assert (0, 0, 7) not in list(p.victims(0)), name
+        p.touch((0, 7))
+        assert next(iter(p.victims(0))) != (0, 7), name
+        p.forget((0, 7))
+        assert (0, 7) not in list(p.victims(0)), name
 
 
-def test_predicted_slices_go_last_and_expire_when_their_layer_passed() -> None:
+def test_predicted_experts_go_last_and_expire_when_their_layer_passed() -> None:
     p = Predictive([0, 1, 2])
     p.begin(0)
     for layer in (1, 2):
         for e in range(3):
-            p.admit((layer, 0, e))
+            p.admit((layer, e))
     first = next(iter(p.victims(0)))
     p.predict([first])
     order = list(p.victims(0))
@@ -238,9 +238,9 @@ class Reference:
         self.pos = {lay: i for i, lay in enumerate(self.layers)}
         self.layer = self.start = None
         self.token = 0
-        self.lru: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # oldest first; speculative at the front
+        self.lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # oldest first; speculative at the front
         self.count: dict[tuple[int, int], tuple[float, int]] = {}  # (layer, expert) -> (decayed count, token)
-        self.predicted: dict[tuple[int, int, int], int] = {}
+        self.predicted: dict[tuple[int, int], int] = {}
 
     def begin(self, layer: int) -> None:
         if self.layer is None or self.pos[layer] <= self.pos[self.layer]:
@@ -252,9 +252,9 @@ class Reference:
             del self.predicted[k]
 
     def _use(self, key) -> None:
-        c, t = self.count.get((key[0], key[2]), (0.0, self.token))
+        c, t = self.count.get(key, (0.0, self.token))
         if not (t == self.token and c):
-            self.count[key[0], key[2]] = (c * self.DECAY ** (self.token - t) + 1.0, self.token)
+            self.count[key] = (c * self.DECAY ** (self.token - t) + 1.0, self.token)
 
     def touch(self, key) -> None:
         self.lru.move_to_end(key)
@@ -275,7 +275,7 @@ class Reference:
             self.predicted[k] = self.token
 
     def score(self, key) -> float:
-        c, t = self.count.get((key[0], key[2]), (0.0, self.token))
+        c, t = self.count.get(key, (0.0, self.token))
         return c * self.DECAY ** (self.token - t)
 
     def wait(self, key, cur: int) -> float:
@@ -307,8 +307,8 @@ class Reference:
         return self._quota_walk()
 
     def _quota_walk(self):
-        """The layer holding most slices not passed over first (the lower position on a tie), counted
-        afresh at every step: the caller may forget more than the key it was given (a whole expert)."""
+        """The layer holding most experts not passed over first (the lower position on a tie), counted
+        afresh at every step."""
         passed = set()
         while True:
             left = {lay: [k for k in self.in_layer(lay) if k not in passed] for lay in self.layers}
@@ -320,13 +320,12 @@ class Reference:
                 passed.add(left[best][0])
 
 
-def lockstep(name: str, seed: int, ops: int = 3000, n_layers: int = 4, kinds: int = 2, experts: int = 6) -> int:
+def lockstep(name: str, seed: int, ops: int = 3000, n_layers: int = 4, experts: int = 6) -> int:
     """Random calls on a policy and its reference alike; every walk must yield the same keys, whichever
-    the walk keeps (pinned) or evicts. Uses may touch only some slices of an expert. Returns the
-    number of victims compared."""
+    the walk keeps (pinned) or evicts. Returns the number of victims compared."""
     rng = random.Random(seed)
     fast, ref = make_policy(name, range(n_layers)), Reference(name, range(n_layers))
-    resident: set[tuple[int, int, int]] = set()
+    resident: set[tuple[int, int]] = set()
     layer, compared = None, 0
     for _ in range(ops):
         r = rng.random()
@@ -335,24 +334,21 @@ def lockstep(name: str, seed: int, ops: int = 3000, n_layers: int = 4, kinds: in
             for p in (fast, ref):
                 p.begin(layer)
         elif r < 0.5:  # demand use at the current layer
-            e = rng.randrange(experts)
-            for ri in range(kinds):
-                key = (layer, ri, e)
-                if rng.random() < 0.7:
-                    for p in (fast, ref):
-                        p.touch(key) if key in resident else p.admit(key)
-                    resident.add(key)
+            key = (layer, rng.randrange(experts))
+            for p in (fast, ref):
+                p.touch(key) if key in resident else p.admit(key)
+            resident.add(key)
         elif r < 0.6:  # a speculative read, any layer
-            key = (rng.randrange(n_layers), rng.randrange(kinds), rng.randrange(experts))
+            key = (rng.randrange(n_layers), rng.randrange(experts))
             if key not in resident:
                 for p in (fast, ref):
                     p.admit(key, speculative=True)
                 resident.add(key)
         elif r < 0.65:
-            hint = [(rng.randrange(n_layers), rng.randrange(kinds), rng.randrange(experts)) for _ in range(3)]
+            hint = [(rng.randrange(n_layers), rng.randrange(experts)) for _ in range(3)]
             for p in (fast, ref):
                 p.predict(hint)
-        elif r < 0.72 and resident:  # a speculative read cancelled
+        elif r < 0.72 and resident:  # evicted outside a walk (a speculative read dropped, a budget cut)
             key = rng.choice(sorted(resident))
             for p in (fast, ref):
                 p.forget(key)
@@ -381,11 +377,11 @@ def lockstep(name: str, seed: int, ops: int = 3000, n_layers: int = 4, kinds: in
 class Recording(ExpertCache):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.evicted: list[tuple[int, int, int]] = []
+        self.evicted: list[tuple[int, int]] = []
 
-    def _evict(self, key: tuple[int, int, int], protect_expected: bool = False) -> None:
+    def _evict(self, key: tuple[int, int]) -> None:
         self.evicted.append(key)
-        super()._evict(key, protect_expected)
+        super()._evict(key)
 
 
 def drive_cache(policy, seed: int, n_layers: int = 5, kinds: int = 3, budget: int = 14) -> Recording:
@@ -438,16 +434,16 @@ def test_a_cache_that_never_evicts_keeps_its_bookkeeping_bounded(name: str) -> N
     p = make_policy(name, layers)
     for layer in layers:
         for e in experts:
-            p.admit((layer, 0, e))
+            p.admit((layer, e))
     rng = random.Random(0)
     for _ in range(5000):
         for layer in layers:
             p.begin(layer)
             for e in rng.sample(list(experts), 2):
-                p.touch((layer, 0, e))
+                p.touch((layer, e))
     assert isinstance(p, CycleLFU)
-    kept = sum(len(h) for h in p.heap.values()) + len(p.stale)
-    assert kept < 4 * len(p.entry) + 4096, f"{kept} entries kept for {len(p.entry)} resident slices"
+    kept = sum(len(h) for h in p.heap.values())
+    assert kept < 4 * len(p.entry) + 4096, f"{kept} entries kept for {len(p.entry)} resident experts"
     assert list(p.victims(0)), "and the order still works"
 
 

@@ -133,7 +133,7 @@ def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders
     pool, slab, data = one_lane
     lane = pool.lanes[0]
     lane.proc.send_signal(signal.SIGSTOP)
-    page = lambda i: [(0, i * 4096, 4096, i * 4096, 4096)]  # noqa: E731
+    page = lambda i: [(0, i * 4096, 4096, i * 4096, 4096, 0, 0, 0)]  # noqa: E731
     spec = [pool.send(0, page(i), speculative=True) for i in range(5)]
     demand = pool.send(0, page(8))
     lane.cancel([spec[2], spec[3]])
@@ -169,7 +169,7 @@ def test_answers_that_come_with_a_replacements_hello_are_taken(one_lane) -> None
     pool, slab, data = one_lane
     lane = pool.lanes[0]
     lane.proc.send_signal(signal.SIGSTOP)  # the order stays unanswered until the lane is replaced
-    order = pool.send(0, [(0, 4096, 4096, 4096, 4096)])
+    order = pool.send(0, [(0, 4096, 4096, 4096, 4096, 0, 0, 0)])
     os.kill(lane.pid, signal.SIGKILL)
     hello = pool._hello
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from bmoe.streaming.cache_policy import Key, NextUse, Policy
+from bmoe.streaming.cache_policy import ExpertKey, NextUse, Policy
 
 
 class Future:
@@ -42,7 +42,7 @@ class Future:
 
 
 class Belady(Policy):
-    """Belady's MIN: evict the slice whose next use is furthest in the future (offline bound).
+    """Belady's MIN: evict the expert whose next use is furthest in the future (offline bound).
 
     `future` as in `Future`. Simulator only.
     """
@@ -53,32 +53,32 @@ class Belady(Policy):
                  prefill_tokens: int = 0) -> None:
         super().__init__(layers)
         self.future = Future(future, prefill_tokens)
-        self.resident: set[Key] = set()
+        self.resident: set[ExpertKey] = set()
 
     def begin(self, layer: int) -> None:
         super().begin(layer)
         self.future.at(self.token, len(self.layers), self.pos[layer])
 
-    def next_use(self, key: Key) -> float:
-        return self.future.next_use(key[0], key[2])
+    def next_use(self, key: ExpertKey) -> float:
+        return self.future.next_use(key[0], key[1])
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: ExpertKey) -> None:
         pass
 
-    def admit(self, key: Key, speculative: bool = False) -> None:
+    def admit(self, key: ExpertKey, speculative: bool = False) -> None:
         self.resident.add(key)
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: ExpertKey) -> None:
         self.resident.discard(key)
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         return iter(sorted(self.resident, key=self.next_use, reverse=True))
 
 
 class NextTokenOracle(NextUse):
     """`next-use` told the next token's routing exactly: a bound for any next-token predictor.
 
-    A slice its expert is routed at within the next N layer steps gets its true distance; any
+    An expert routed within the next N layer steps gets its true distance; any
     other is known to wait past its layer's next visit, d + N/p (N(1/p - 1) more steps expected
     after that visit, as in `next-use`). Its distance to Belady is what knowing more than one
     token ahead is worth. Simulator only (`future` as in `Future`).
@@ -95,14 +95,14 @@ class NextTokenOracle(NextUse):
         super().begin(layer)
         self.future.at(self.token, len(self.layers), self.pos[layer])
 
-    def _wait(self, key: Key, cur: int) -> float:
+    def _wait(self, key: ExpertKey, cur: int) -> float:
         n = len(self.layers)
-        soon = self.future.next_use(key[0], key[2]) - self.future.now
+        soon = self.future.next_use(key[0], key[1]) - self.future.now
         if soon <= n:
             return soon
-        return ((self.pos[key[0]] - cur) % n or n) + n / self.frequency(key[0], key[2])
+        return ((self.pos[key[0]] - cur) % n or n) + n / self.frequency(key[0], key[1])
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         cur = self.pos.get(layer, 0) if layer is not None else 0
         # by layer, least recently used first
         keys = sorted(self.entry, key=lambda k: (self.pos[k[0]], self.entry[k][1]))

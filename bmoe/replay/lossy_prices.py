@@ -61,7 +61,7 @@ def drop_cold_replay(t: Trace, regions: list[Region], budget: ReplayBudget, f: f
                     keep.append(e)
             visits += 1
             missing = cache.plan(layer, sorted(set(keep)))
-            read += sum(cache.charge(ri, e) for _, ri, e in missing)
+            read += sum(cache.read_bytes(k) for k in missing)
             cache.commit(missing)
     n = max(1, len(t.routes))
     return read / MiB / n, 100.0 * dropped / max(1, visits)

@@ -154,7 +154,7 @@ def replay(t: Trace, regions: list[Region], budget: ReplayBudget | float, policy
             for hint_layer, experts in predictions[step][i] if predictions else ():
                 cache.predict(hint_layer, experts)
             missing = cache.plan(layer, sorted(set(routes.get(layer, ()))))
-            read += sum(cache.charge(ri, e) for _, ri, e in missing)
+            read += sum(cache.read_bytes(k) for k in missing)
             cache.commit(missing)
     return cache.stats.hit_pct, read / MiB / max(1, len(t.routes))
 

@@ -1,39 +1,38 @@
-"""Eviction policies of the expert cache: which resident slice goes first when room is needed.
+"""Eviction policies of the expert cache: which resident expert goes first when room is needed.
 
 `ExpertCache` owns residency, bytes and pinning; a policy owns only the *order* in which
-resident slices are given up. The live cache and the trace simulator (`bmoe-bench policies`)
+resident experts are given up. The live cache and the trace simulator (`bmoe-bench policies`)
 run the same policy objects, so what the simulator says is what the cache does.
 
-A key is a slice `(layer, region index, expert)`. The interface, all on the decode thread:
+A key is an expert, `(layer, expert)`: the cache reads, holds and evicts an expert whole (its
+gate, up and down slices together). The interface, all on the decode thread:
 
 - `begin(layer)`: the decode reached this MoE layer's routing (once per `plan`). Policies that
   count tokens or need the position in the layer cycle take it from here.
-- `touch(key)`: a demand use of a resident slice at the current layer (a hit).
-- `admit(key, speculative=False)`: a slice became resident. A demand insert (`speculative=False`)
+- `touch(key)`: a demand use of a resident expert at the current layer (a hit).
+- `admit(key, speculative=False)`: an expert became resident. A demand insert (`speculative=False`)
   is a use, like `touch`. A speculative read (prefetch, spec-gate) is admitted *at the cold end*:
   it is the first candidate to go until a real demand `touch` promotes it.
-- `forget(key)`: the slice is no longer resident (evicted, or a speculative read cancelled).
+- `forget(key)`: the expert is no longer resident (evicted).
 - `victims(layer)`: resident keys in eviction order while the current layer is `layer`. The
-  caller skips keys it pins (the current layer's routed slices) and `forget`s each key it evicts
-  before asking for the next one, with the expert's other slices `(layer, *, expert)` it evicts
-  alongside (an expert leaves whole; a walk passes over keys forgotten that way); it stops as
-  soon as it has room, and once it has called anything else it never resumes that walk (the
-  policies keep their orders across walks).
-- `predict(keys)`: optional hints, the slices expected within the next few layers (spec-gate or
+  caller skips keys it pins (the current layer's routed experts) and `forget`s each key it evicts
+  before asking for the next one; it stops as soon as it has room, and once it has called
+  anything else it never resumes that walk (the policies keep their orders across walks).
+- `predict(keys)`: optional hints, the experts expected within the next few layers (spec-gate or
   temporal prefetcher). Prediction-aware policies keep them; others ignore the call.
 
-Policies here (`POLICIES`): `next-use` (the default: evict the slice whose next use is expected
+Policies here (`POLICIES`): `next-use` (the default: evict the expert whose next use is expected
 furthest away over all layers, from the layer cycle and each expert's decayed routing frequency),
 `lru` (global least-recently-used: the cache's historical behaviour, exactly), `cycle` (evict
 from the layer whose next use in the 0..N-1 layer cycle is furthest ahead of the current layer;
 least recently used first within it), `cycle-lfu` (the same layer order, least frequently used
 first within the layer, with decaying counts), `quota` (equal per-layer shares: evict from the
-layer holding most slices) and `predict` (`cycle-lfu` that never gives up a predicted slice while
+layer holding most experts) and `predict` (`cycle-lfu` that never gives up a predicted expert while
 another candidate is left). The bounds that need the future (Belady's MIN, a next-token oracle)
 live with the simulator, in bmoe.replay.bounds.
 
 Cost: a policy keeps its order as it goes, so `touch`, `admit` and `forget` cost O(1) or O(log n)
-and each key a walk yields O(log n), amortized; nothing passes over every slice per eviction or per
+and each key a walk yields O(log n), amortized; nothing passes over every expert per eviction or per
 token (`next-use` re-ranks each layer's first candidate once a token, O(layers); `predict` drops
 expired predictions by scanning the live ones, a window of a few layers).
 """
@@ -46,13 +45,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
-Key = tuple[int, int, int]
-Rank = tuple[float, int, Key]  # (weight, tick of last use, key): a slice's rank in its layer
+Key = tuple[int, int, int]  # a slice: (layer, region index, expert), what a read fills
+ExpertKey = tuple[int, int]  # an expert: (layer, expert), what the policies rank
+Rank = tuple[float, int, ExpertKey]  # (weight, tick of last use, key): an expert's rank in its layer
 
 _UNUSED = (0.0, -1)  # an expert never used: no count, no token
 
 
-def _drain(od: OrderedDict[Key, None]) -> Iterator[Key]:
+def _drain(od: OrderedDict[ExpertKey, None]) -> Iterator[ExpertKey]:
     """`od`'s keys oldest first while the caller forgets them; a key it keeps (pinned) is passed over.
 
     Keys are copied in chunks that double, each from just after the keys passed over so far (the
@@ -122,19 +122,19 @@ class Policy:
             self.token += 1
         self.layer = layer
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: ExpertKey) -> None:
         raise NotImplementedError
 
-    def admit(self, key: Key, speculative: bool = False) -> None:
+    def admit(self, key: ExpertKey, speculative: bool = False) -> None:
         raise NotImplementedError
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: ExpertKey) -> None:
         raise NotImplementedError
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         raise NotImplementedError
 
-    def predict(self, keys: Iterable[Key]) -> None:
+    def predict(self, keys: Iterable[ExpertKey]) -> None:
         """Policies that do not use predictions ignore them."""
 
     def prior(self, frequencies: dict[tuple[int, int], float], tokens: int) -> None:
@@ -156,54 +156,54 @@ class LRU(Policy):
 
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
-        self.order: OrderedDict[Key, None] = OrderedDict()
+        self.order: OrderedDict[ExpertKey, None] = OrderedDict()
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: ExpertKey) -> None:
         self.order.move_to_end(key)
 
-    def admit(self, key: Key, speculative: bool = False) -> None:
+    def admit(self, key: ExpertKey, speculative: bool = False) -> None:
         self.order[key] = None
         if speculative:
             self.order.move_to_end(key, last=False)
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: ExpertKey) -> None:
         del self.order[key]
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         return _drain(self.order)
 
 
 class Cycle(Policy):
     """Evict from the layer needed furthest ahead in the layer cycle; LRU inside a layer.
 
-    A decode step visits the MoE layers 0..N-1 in turn, so the slice global LRU gives up (the
+    A decode step visits the MoE layers 0..N-1 in turn, so the expert global LRU gives up (the
     oldest) belongs to the layer that comes next: the cyclic worst case. Here the current layer's
-    unpinned slices go first (its next use is a whole token away), then the layer just behind it.
+    unpinned experts go first (its next use is a whole token away), then the layer just behind it.
     """
 
     name = "cycle"
 
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
-        self.by_layer: dict[int, OrderedDict[Key, None]] = {layer: OrderedDict() for layer in self.layers}
+        self.by_layer: dict[int, OrderedDict[ExpertKey, None]] = {layer: OrderedDict() for layer in self.layers}
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: ExpertKey) -> None:
         self.by_layer[key[0]].move_to_end(key)
 
-    def admit(self, key: Key, speculative: bool = False) -> None:
+    def admit(self, key: ExpertKey, speculative: bool = False) -> None:
         od = self.by_layer[key[0]]
         od[key] = None
         if speculative:
             od.move_to_end(key, last=False)
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: ExpertKey) -> None:
         del self.by_layer[key[0]][key]
 
-    def in_layer(self, layer: int) -> Iterator[Key]:
+    def in_layer(self, layer: int) -> Iterator[ExpertKey]:
         """One layer's resident keys, first to go first."""
         return _drain(self.by_layer[layer])
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         for lay in self.furthest_first(layer):
             if self.by_layer[lay]:
                 yield from self.in_layer(lay)
@@ -213,10 +213,10 @@ class CycleLFU(Policy):
     """`cycle`'s layer order; inside a layer the least frequently routed expert goes first.
 
     An expert's count decays by DECAY per token, so experts popular long ago fade; ties (and
-    speculative slices, which have no count) go least recently used first.
+    speculative experts, which have no count) go least recently used first.
 
-    Each layer's slices wait in a heap ranked by (count, last use), with lazy deletion: a use pushes
-    the slice's new entry and leaves the old one to be dropped when it surfaces, a forget only drops
+    Each layer's experts wait in a heap ranked by (count, last use), with lazy deletion: a use pushes
+    the expert's new entry and leaves the old one to be dropped when it surfaces, a forget only drops
     the key; each victim costs O(log n), amortized. A count is stored as its weight, count / `unit`,
     where `unit` (what one use at the current token adds) grows by 1/DECAY per token: decay then
     changes no stored number and no order. A power-of-two rescale every ~17 k tokens (exact) keeps
@@ -229,18 +229,15 @@ class CycleLFU(Policy):
 
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
-        self.count: dict[tuple[int, int], tuple[float, int]] = {}  # (layer, expert) -> (weight, token of last use)
+        self.count: dict[ExpertKey, tuple[float, int]] = {}  # expert -> (weight, token of last use)
         self.shift = 0  # weights are scaled by 2**-shift
         self.unit = 1.0
         self.clock = 0  # order of last use: a use takes the next tick, a speculative admit the lowest
         self.cold = 0
         self.swept = 0  # clock - cold when the heaps were last cleared of stale entries
-        self.entry: dict[Key, Rank] = {}  # resident key -> its live entry (any other entry is stale)
+        self.entry: dict[ExpertKey, Rank] = {}  # resident key -> its live entry (any other entry is stale)
         self.heap: dict[int, list[Rank]] = {layer: [] for layer in self.layers}
         self.held: list[Rank] = []  # live entries the last walk passed over (kept by the caller), off their heap
-        self.tensors: dict[int, set[int]] = {layer: set() for layer in self.layers}  # region indices seen
-        # slices whose use changed their expert's count since the last walk (its other slices may lag)
-        self.stale: list[Key] = []
         self.moved: set[int] = set()  # layers whose first candidate may have changed since the last walk
 
     def begin(self, layer: int) -> None:
@@ -250,8 +247,8 @@ class CycleLFU(Policy):
             self.unit = 2.0 ** (self.token * -math.log2(self.DECAY) - self.shift)
             if self.unit > 2.0 ** self.RESCALE:
                 self._rescale()
-        if len(self.stale) > len(self.entry) + 1024:  # no walk for a long while (every expert fits): tidy up
-            self._settle()
+        if self.clock - self.cold - self.swept > len(self.entry) + 1024:  # no walk for a long while (every
+            self._sweep()  # expert fits): each use pushed an entry, and nothing else would drop the old ones
 
     def prior(self, frequencies: dict[tuple[int, int], float], tokens: int) -> None:
         """Each expert's decayed count as if it had been routed at that share over `tokens` tokens."""
@@ -288,57 +285,42 @@ class CycleLFU(Policy):
         """The expert's decayed count at the current token."""
         return self.count.get((layer, expert), _UNUSED)[0] / self.unit
 
-    def touch(self, key: Key) -> None:
-        layer = key[0]
-        ek = (layer, key[2])
-        w, t = self.count.get(ek, _UNUSED)
-        if t != self.token:  # (another slice of the same expert in the same token is the same use)
+    def touch(self, key: ExpertKey) -> None:
+        w, t = self.count.get(key, _UNUSED)
+        if t != self.token:  # (used again in the same token: the same use)
             w += self.unit
-            self.count[ek] = (w, self.token)
-            self.stale.append(key)
+            self.count[key] = (w, self.token)
         self.clock += 1
         e = self.entry[key] = (w, self.clock, key)
-        heapq.heappush(self.heap[layer], e)
-        self.moved.add(layer)
+        heapq.heappush(self.heap[key[0]], e)
+        self.moved.add(key[0])
 
-    def admit(self, key: Key, speculative: bool = False) -> None:
-        self.tensors[key[0]].add(key[1])
+    def admit(self, key: ExpertKey, speculative: bool = False) -> None:
         if speculative:
             self.cold -= 1
-            self._push((self.count.get((key[0], key[2]), _UNUSED)[0], self.cold, key))
+            self._push((self.count.get(key, _UNUSED)[0], self.cold, key))
         else:
             self.touch(key)
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: ExpertKey) -> None:
         del self.entry[key]
         self.moved.add(key[0])
 
     def _settle(self) -> None:
-        """Before a walk: put back what the last walk passed over, sweep stale entries when due, and
-        re-rank the resident slices of experts used since whose own use was not seen (a count is
-        the expert's, shared by its slices; the cache touches them all, a direct caller may not).
-        Also at a layer's start when uses piled up with no walk (a cache that holds every expert
-        never evicts): each use pushes an entry and a stale key, and nothing else would drop them."""
+        """Before a walk: put back what the last walk passed over, and sweep stale entries when due."""
         for e in self.held:
             if self.entry.get(e[2]) is e:
                 self._push(e)
         self.held.clear()
         if self.clock - self.cold - self.swept > len(self.entry) + 1024:
             self._sweep()
-        for layer, used, x in self.stale:
-            w = self.count[layer, x][0]
-            for ri in self.tensors[layer]:
-                old = self.entry.get((layer, ri, x)) if ri != used else None
-                if old is not None and old[0] != w:
-                    self._push((w, old[1], old[2]))
-        self.stale.clear()
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         self._settle()
         for lay in self.furthest_first(layer):
             yield from self.in_layer(lay)
 
-    def in_layer(self, layer: int) -> Iterator[Key]:
+    def in_layer(self, layer: int) -> Iterator[ExpertKey]:
         """One layer's resident keys, first to go first; a key the caller keeps is passed over."""
         heap, entry = self.heap[layer], self.entry
         while heap:
@@ -362,7 +344,7 @@ class CycleLFU(Policy):
 
 
 class NextUse(CycleLFU):
-    """Evict the slice whose next use is expected furthest away, over all layers.
+    """Evict the expert whose next use is expected furthest away, over all layers.
 
     Expected next use, in layer steps = layers until its layer comes again in the cycle (the
     current layer: a whole token) + N × the tokens it is expected to wait for its expert, 1/p − 1,
@@ -439,7 +421,7 @@ class NextUse(CycleLFU):
             self._head(lay)
         self.moved.clear()
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         self._refresh(layer)
         while (lay := self.heads.top()) is not None:
             e = self._first(lay)
@@ -454,9 +436,9 @@ class NextUse(CycleLFU):
 
 
 class Quota(Cycle):
-    """Equal per-layer shares: evict from the layer holding the most slices, LRU inside it.
+    """Equal per-layer shares: evict from the layer holding the most experts, LRU inside it.
 
-    The layers wait in a heap (`_Heads`) by slice count, the lower position first on a tie: a
+    The layers wait in a heap (`_Heads`) by expert count, the lower position first on a tie: a
     layer is pushed again when its count changed, and an eviction costs O(log layers).
     """
 
@@ -467,23 +449,23 @@ class Quota(Cycle):
         self.heads = _Heads(self.layers)
         self.moved: set[int] = set()  # layers whose count changed since the last walk
 
-    def admit(self, key: Key, speculative: bool = False) -> None:
+    def admit(self, key: ExpertKey, speculative: bool = False) -> None:
         super().admit(key, speculative)
         self.moved.add(key[0])
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: ExpertKey) -> None:
         super().forget(key)
         self.moved.add(key[0])
 
     def _rank(self, lay: int, left: int) -> None:
         self.heads.push(lay, -left if left else None, self.pos[lay])
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         for moved in self.moved:
             self._rank(moved, len(self.by_layer[moved]))
         self.moved.clear()
-        walks: dict[int, Iterator[Key]] = {}
-        passed: dict[int, int] = {}  # a layer's slices passed over (kept) in this walk
+        walks: dict[int, Iterator[ExpertKey]] = {}
+        passed: dict[int, int] = {}  # a layer's experts passed over (kept) in this walk
         while (lay := self.heads.top()) is not None:
             if lay not in walks:
                 walks[lay] = _drain(self.by_layer[lay])
@@ -496,9 +478,9 @@ class Quota(Cycle):
 
 
 class Predictive(CycleLFU):
-    """`cycle-lfu`, but a slice predicted for the next layers goes only after every other candidate.
+    """`cycle-lfu`, but a expert predicted for the next layers goes only after every other candidate.
 
-    Predictions expire when their layer has passed; a speculative slice that was not used by then
+    Predictions expire when their layer has passed; a speculative expert that was not used by then
     (a misprediction) sits at its layer's cold end and goes first.
     """
 
@@ -507,9 +489,9 @@ class Predictive(CycleLFU):
 
     def __init__(self, layers: Sequence[int]) -> None:
         super().__init__(layers)
-        self.predicted: dict[Key, int] = {}  # key -> token of the prediction
+        self.predicted: dict[ExpertKey, int] = {}  # key -> token of the prediction
 
-    def predict(self, keys: Iterable[Key]) -> None:
+    def predict(self, keys: Iterable[ExpertKey]) -> None:
         for k in keys:
             self.predicted[k] = self.token
 
@@ -519,7 +501,7 @@ class Predictive(CycleLFU):
         for k in stale:
             del self.predicted[k]
 
-    def victims(self, layer: int | None) -> Iterator[Key]:
+    def victims(self, layer: int | None) -> Iterator[ExpertKey]:
         kept = []
         for key in super().victims(layer):
             if key in self.predicted:

@@ -1,31 +1,29 @@
-"""The expert cache: which expert slices are resident, in which slot, under a byte budget.
+"""The expert cache: which experts are resident, in which slot, under a byte budget.
 
 llama.cpp reads expert i of a tensor at `data + i * nb[2]`, with i taken from the layer's routed
 ids (`ffn_moe_topk-L`, int32). bmoe points every expert tensor at a pool of slots in the slab
 (bmoe.shm_cache) and, once the router's weights are gathered, overwrites the routed ids in place
-with slot indices (bmoe.seam), so ggml reads slot s where the model asked for expert e. Filling a
-slot is a read and a few integer writes; there is no mapping to change.
+with slot indices (bmoe.streaming.graph_stops), so ggml reads slot s where the model asked for
+expert e. Filling a slot is a read and a few integer writes; there is no mapping to change.
 
-Layout. Layers whose expert tensors have the same kinds and sizes form a group; the group's
-slot indices are shared by its layers, so a slot given up by one layer is reused by another
-without a system call. One index names one slot in each kind's pool (the gate, up and down
-matmuls of a layer read the same ids tensor, so an expert has one index for all its slices).
-A pool's stride is the expert's size plus two pages, and a tensor looks at its pool from the
-offset its first expert has within a page of the file: an O_DIRECT read of an expert's
-4 KiB-aligned superset then lands with its bytes where ggml reads them, and the supersets of
-neighbouring slots never share a page. When an expert's size is not a multiple of a page its
-experts start at different offsets within a page; an expert may then only take an index of its
-own class (index ≡ expert mod the group's `period`), which keeps those offsets. The class of a
-4 KiB-multiple expert (real K-quant models) is the one class there is.
+Layout. One pool per kind of expert tensor (gate, up, down, gate_up, ...), shared by every MoE
+layer: a slot index names one slot in each kind's pool (a layer's gate, up and down matmuls read
+one ids tensor, so an expert holds one index for all its slices), and any expert of any layer
+may take any free index. A pool's stride holds the kind's largest slice and two blocks of the
+device's direct-I/O alignment (`align`: statx's, often 512 bytes; else a page), rounded to a page
+so that no two slots share a page. A slice is read as the aligned superset of its bytes into the
+start of its slot; it lands where its layer's tensor reads it when its offset within an aligned
+block is the tensor's (every expert of a tensor whose slices are a multiple of `align`), and the
+lane that read it moves it there otherwise (`Region.read_order`). So the cache evicts in its
+policy's order alone, on every file.
 
-Memory. A slice is charged its slot from the moment its read is planned (LOADING) until it is
-evicted; eviction takes the expert's other resident slices with it, and an index freed keeps its
-pages for the next read of its class (`warm`). A read whose class has no free index evicts an
-expert of its class (the policy's first) rather than give another class's pages back, so steady
-decode neither frees nor faults in memory. Pages are given back (MADV_REMOVE) only when no expert
-of the class can go (the mix of groups shifts, the budget shrinks), so the slab's allocated blocks
-stay within the budget. The eviction order comes from bmoe.streaming.cache_policy. With
-no slab (trace replays) the same decisions run with no memory.
+Memory. An expert is charged one index (a slot of every kind) from the moment its read is planned
+until it is evicted; evicting takes all its slices, and a freed index keeps its pages for the
+next expert (`warm`). Pages are given back (MADV_REMOVE) only when slices in use plus kept pages
+would pass the budget (it shrinks, or it was never filled), so the slab's allocated blocks stay
+within the budget while steady decode neither frees nor faults in memory. The eviction order
+comes from bmoe.streaming.cache_policy, which ranks experts (`(layer, expert)`). With no slab
+(trace replays) the same decisions run with no memory.
 
 Safety. `slot_ids` translates through a per-layer table that holds an index only while that
 layer's expert holds it: a routed expert without an index raises (the graph is aborted) instead
@@ -36,29 +34,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import gcd
 
 import numpy as np
 
-from bmoe.base.model_files import EXPERT_TENSOR, ModelFiles
+from bmoe.base.model_files import EXPERT_TENSOR, PAGE, ModelFiles, dio_alignment
 from bmoe.base.settings import DEFAULT_POLICY
-from bmoe.shm_cache import PAGE, Slab
-from bmoe.streaming.cache_policy import Key, Policy, make_policy
+from bmoe.shm_cache import Slab
+from bmoe.streaming.cache_policy import ExpertKey, Key, Policy, make_policy
+from bmoe.streaming.lanes import ReadOrder
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
 
 
-def _down(x: int) -> int:
-    return x - x % PAGE
-
-
-def _up(x: int) -> int:
-    return -(-x // PAGE) * PAGE
+def _up(x: int, to: int) -> int:
+    return -(-x // to) * to
 
 
 @dataclass
 class Region:
-    """One expert tensor's place in the file and in its group's pool (set by `layout`)."""
+    """One expert tensor's place in the file and in its kind's pool (set by `layout`)."""
 
     name: str
     layer: int
@@ -67,72 +61,66 @@ class Region:
     file_offset: int
     n_expert: int
     expert_bytes: int
-    group: int = 0
-    pool_offset: int = 0  # slab offset of the pool this tensor's kind has in its group
-    period: int = 1  # the group's: index s may hold expert e only when s % period == e % period
-    capacity: int = 1  # the group's slot indices
+    pool_offset: int = 0  # slab offset of its kind's pool
+    stride: int = 0  # its kind's slot stride
+    align: int = PAGE  # the direct-I/O alignment reads keep
+    capacity: int = 1  # slot indices
 
     @property
     def nbytes(self) -> int:
         return self.n_expert * self.expert_bytes
 
     @property
-    def slot_bytes(self) -> int:
-        """Pool stride: the expert and two pages, so that whatever in-page offset the group's tensors
-        of this kind start at, the aligned supersets of neighbouring slots never share a page."""
-        return self.expert_bytes + 2 * PAGE
-
-    @property
     def data_offset(self) -> int:
-        """Slab offset of slot 0's expert bytes: the pool plus the in-page offset of the file's expert 0."""
-        return self.pool_offset + self.file_offset % PAGE
+        """Slab offset of slot 0's expert bytes: the pool plus the offset of the tensor's first expert
+        within an aligned block of the file."""
+        return self.pool_offset + self.file_offset % self.align
 
     def slot_pages(self, index: int) -> tuple[int, int]:
-        """Slab bytes [start, end) that reads into slot `index` of this pool can touch, whichever tensor."""
-        at = self.pool_offset + index * self.slot_bytes
-        return _down(at), _up(at + self.expert_bytes + PAGE)
+        """Slab bytes [start, end) of slot `index` (whole pages, shared with no other slot)."""
+        at = self.pool_offset + index * self.stride
+        return at, at + self.stride
 
-    def read_order(self, e: int, at: int) -> tuple[int, int, int, int, int]:
-        """(file index, file offset, length, slab offset, needed) of expert e's aligned superset, read
-        so that its bytes land at slab offset `at`.
+    def read_order(self, e: int, index: int) -> ReadOrder:
+        """Expert e's aligned superset read into the start of slot `index`, and the move that puts its
+        bytes where the tensor reads them when its offset within an aligned block is not the tensor's.
 
-        `needed` is how many of those bytes must exist in the file: the superset
-        may run past end of file, the slice itself may not.
-        """
+        The superset may run past end of file; `needed` (the fifth field) says how much of it must exist."""
         fo = self.file_offset + e * self.expert_bytes
-        head = fo % PAGE
-        if at % PAGE != head:
-            raise RuntimeError(f"{self.name} expert {e}: slot at {at} is not at the file's in-page offset {head}")
-        return self.file_index, fo - head, _up(head + self.expert_bytes), at - head, head + self.expert_bytes
+        head = fo % self.align
+        at = self.pool_offset + index * self.stride
+        want = head + self.expert_bytes
+        data = at + self.file_offset % self.align
+        move = (at + head, data, self.expert_bytes) if head != self.file_offset % self.align else (0, 0, 0)
+        return (self.file_index, fo - head, _up(want, self.align), at, want, *move)
+
+    def read_bytes(self, e: int) -> int:
+        """What reading expert e's slice costs: its aligned superset."""
+        head = (self.file_offset + e * self.expert_bytes) % self.align
+        return _up(head + self.expert_bytes, self.align)
 
 
-def layout(regions: list[Region], spare: bool = False) -> int:
-    """Group the layers by their tensors' kinds and sizes and give each kind of each group a pool in
-    the slab, room for every (layer, expert) of the group at once; returns the slab size (sparse:
-    only the pages reads fill cost memory).
+def layout(regions: list[Region], spare: bool = False, align: int = PAGE) -> int:
+    """Give each kind of expert tensor a pool in the slab, room for every (layer, expert) at once;
+    returns the slab size (sparse: only the pages reads fill cost memory).
 
-    With `spare`, each pool has one slot more, its last (`capacity - 1`): no expert ever takes it
-    (indices are handed out per class below it), so it stays all zeros, what a position lossy
-    routing dropped reads (bmoe.streaming.lossy)."""
-    by_layer: dict[int, list[Region]] = {}
+    With `spare`, each pool has one slot more, its last (`capacity - 1`): no expert ever takes it,
+    so it stays all zeros, what a position lossy routing dropped reads (bmoe.streaming.lossy)."""
+    experts: dict[int, int] = {}
+    largest: dict[str, int] = {}
     for r in regions:
-        by_layer.setdefault(r.layer, []).append(r)
-    groups: dict[tuple, list[int]] = {}
-    for layer, regs in sorted(by_layer.items()):
-        sig = (regs[0].n_expert, *sorted((r.kind, r.expert_bytes) for r in regs))
-        groups.setdefault(sig, []).append(layer)
+        experts[r.layer] = max(experts.get(r.layer, 0), r.n_expert)
+        largest[r.kind] = max(largest.get(r.kind, 0), r.expert_bytes)
+    capacity = sum(experts.values()) + int(spare)
+    pools: dict[str, tuple[int, int]] = {}  # kind -> (offset, stride)
     cursor = 0
-    for g, (group_sig, layers) in enumerate(groups.items()):
-        n_expert, kinds = group_sig[0], group_sig[1:]
-        period = max(PAGE // gcd(size, PAGE) for _, size in kinds)
-        capacity = len(layers) * period * -(-n_expert // period) + int(spare)
-        pools: dict[str, int] = {}
-        for kind, size in kinds:
-            pools[kind] = cursor
-            cursor = _up(cursor + capacity * (size + 2 * PAGE) + PAGE)
-        for layer in layers:
-            for r in by_layer[layer]:
-                r.group, r.pool_offset, r.period, r.capacity = g, pools[r.kind], period, capacity
+    for kind in sorted(largest):
+        stride = _up(largest[kind] + 2 * align, PAGE)
+        pools[kind] = (cursor, stride)
+        cursor += capacity * stride
+    for r in regions:
+        r.pool_offset, r.stride = pools[r.kind]
+        r.align, r.capacity = align, capacity
     return max(cursor, PAGE)
 
 
@@ -153,23 +141,18 @@ class CacheStats:
 
 
 class ExpertCache:
-    """(layer, tensor, expert) slices under a byte budget; a policy (bmoe.streaming.cache_policy) picks what goes.
+    """Experts (their slices) under a byte budget; a policy (bmoe.streaming.cache_policy) picks what goes.
 
-    A slice is charged its slot from the moment its read is planned (LOADING)
-    until it is evicted. An expert holds one slot index (`index_of`, and the
-    layer's `table` the remap reads) while any of its slices is not ABSENT; a freed
-    index keeps its pages for the next read of its class, and the slab's pages
-    (slices charged + free indices kept) stay within the budget, even with reads
-    in flight. The slices the current layer is about to use are pinned: they may
-    push residency past the budget by at most one layer's routed set, never get
-    evicted under the matmul that needs them. A LOADING slice is never evicted: a
-    lane is writing its slot. Evicting a slice evicts its expert's other resident,
-    unpinned slices too: an index is freed only when the whole expert is gone.
+    An expert is charged one slot index from the moment its read is planned until it is evicted,
+    and it is RESIDENT once every slice has landed. The experts the current layer is about to use
+    are pinned: they may push residency past the budget by at most one layer's routed set, never
+    get evicted under the matmul that needs them. An expert with a slice loading is never evicted:
+    a lane is writing its slot. Hits and misses are counted per routed expert.
 
-    Slices read on a prediction (`admit_speculative`) enter the policy's order at
-    the cold end; a real hit promotes them. Until their layer next routes they are
-    "expected" and evicted only when nothing else can go; a prediction the layer
-    did not route is then left cold, so mispredictions are the first to leave.
+    Experts read on a prediction (`admit_speculative`) enter the policy's order at the cold end;
+    a real hit promotes them. Until their layer next routes they are "expected" and evicted only
+    when nothing else can go; a prediction the layer did not route is then left cold, so
+    mispredictions are the first to leave.
 
     `slab` is None in trace replays: the same decisions, no memory behind them.
     """
@@ -179,42 +162,33 @@ class ExpertCache:
         self.slab = slab
         self.regions = regions
         self.budget = budget
-        self.slot_size = [r.slot_bytes for r in regions]
         self.by_layer: dict[int, list[int]] = {}
         for i, r in enumerate(regions):
             self.by_layer.setdefault(r.layer, []).append(i)
         first = {layer: regions[idxs[0]] for layer, idxs in self.by_layer.items()}
-        self.group_of = {layer: r.group for layer, r in first.items()}
-        self.period = {r.group: r.period for r in regions}
-        # group -> one region per kind (any layer's: the pool geometry is the kind's)
-        self.pools: dict[int, list[Region]] = {}
-        self.index_bytes: dict[int, int] = {}  # group -> what a full slot index holds: one slot in each kind's pool
-        for layer, idxs in self.by_layer.items():
-            g = self.group_of[layer]
-            if g not in self.pools:
-                self.pools[g] = [regions[i] for i in idxs]
-                self.index_bytes[g] = sum(self.slot_size[i] for i in idxs)
-        self.state = [bytearray(r.n_expert) for r in regions]
+        # one slot of each kind: what an index holds, and charges
+        self.pools = list({r.kind: r for r in regions}.values())
+        self.index_bytes = sum(r.stride for r in self.pools)
+        self.capacity = regions[0].capacity if regions else 1
+        self.state = [bytearray(r.n_expert) for r in regions]  # per slice: ABSENT, LOADING or RESIDENT
         self.policy = make_policy(policy, sorted(self.by_layer)) if isinstance(policy, str) else policy
         self.used = 0
         self.stats = CacheStats()
-        self.resident_in_layer = {layer: 0 for layer in self.by_layer}
-        self.slices_in_layer = {layer: sum(regions[i].n_expert for i in idxs) for layer, idxs in self.by_layer.items()}
-        self.total = sum(self.slot_size[ri] * r.n_expert for ri, r in enumerate(regions))
+        self.resident = {layer: bytearray(r.n_expert) for layer, r in first.items()}  # 1: every slice landed
+        self.resident_in_layer = dict.fromkeys(self.by_layer, 0)  # experts resident
+        self.total = sum(len(t) for t in self.resident.values()) * self.index_bytes
         self.defer_release = False
-        self.pinned: set[Key] = set()
-        self.speculative: set[Key] = set()  # LOADING on a prediction
-        self.expected: dict[int, set[Key]] = {layer: set() for layer in self.by_layer}
-        self.index_of: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot index in its group
-        self.held: dict[tuple[int, int], int] = {}  # (layer, expert) -> its slices not ABSENT
+        self.pinned: set[ExpertKey] = set()
+        self.speculative: set[ExpertKey] = set()  # loading on a prediction
+        self.expected: dict[int, set[ExpertKey]] = {layer: set() for layer in self.by_layer}
+        self.doomed: set[ExpertKey] = set()  # a cancelled read left it part-read: dropped once nothing is loading
+        self.index_of: dict[ExpertKey, int] = {}  # expert -> slot index
         self.table = {layer: np.full(r.n_expert, -1, dtype=np.int32) for layer, r in first.items()}
         self.moved = dict.fromkeys(self.by_layer, 0)  # per layer: indices freed so far (direct binding's check)
-        self.warm: dict[tuple[int, int], list[int]] = {}  # (group, class) -> free indices whose pages are kept
-        self.warm_bytes = 0
-        self.cold: dict[tuple[int, int], list[int]] = {}  # (group, class) -> free indices whose pages were given back
-        self.fresh: dict[tuple[int, int], int] = {}  # (group, class) -> indices of the class handed out so far
-        self.giving_back: list[tuple[int, int]] = []  # (group, index): free, pages to give back
-        self.top = 0  # slab bytes handed out as slot indices so far
+        self.warm: list[int] = []  # free indices whose pages are kept
+        self.cold: list[int] = []  # free indices whose pages were given back
+        self.fresh = 0  # indices handed out so far
+        self.giving_back: list[int] = []  # free indices whose pages are to be given back
         self.on_assign: Callable[[int, int, int], None] | None = None  # (layer, expert, index): bias rows
         self.routed = {layer: np.zeros(r.n_expert, dtype=np.int64) for layer, r in first.items()}  # the usage profile:
         self.routings = dict.fromkeys(self.by_layer, 0)  # times each expert was routed, of its layer's routings
@@ -223,13 +197,16 @@ class ExpertCache:
     def holds_everything(self) -> bool:
         return self.budget >= self.total
 
+    @property
+    def warm_bytes(self) -> int:
+        return len(self.warm) * self.index_bytes
+
     def set_budget(self, budget: int) -> None:
         """A new budget, in force at once: evict in the policy's order (never a pinned or loading
-        slice) and give back the pages of free indices until slices in use and kept fit it."""
+        expert) and give back the pages of free indices until experts held and pages kept fit it."""
         self.budget = budget
         self._make_room(0, protect_expected=False)
-        while self.warm_bytes and self.used + self.warm_bytes > self.budget:
-            self._give_back_one()
+        self._fit_kept()
         self.release_evicted()
 
     def reset_stats(self) -> None:
@@ -240,17 +217,14 @@ class ExpertCache:
         self.routings = dict.fromkeys(self.routings, 0)
 
     def residency(self) -> list[tuple[int, str]]:
-        """Per layer, in order, one character per expert: '1' when every slice of it is resident, '0'
-        otherwise (what a live view draws as a heat map; read between steps, or racing one harmlessly)."""
-        out = []
-        for layer, idxs in sorted(self.by_layer.items()):
-            whole = np.logical_and.reduce([np.frombuffer(bytes(self.state[ri]), np.uint8) == RESIDENT for ri in idxs])
-            out.append((layer, (whole.astype(np.uint8) + ord("0")).tobytes().decode()))
-        return out
+        """Per layer, in order, one character per expert: '1' when it is resident, '0' otherwise (what a
+        live view draws as a heat map; read between steps, or racing one harmlessly)."""
+        return [(layer, (np.frombuffer(bytes(res), np.uint8) + ord("0")).tobytes().decode())
+                for layer, res in sorted(self.resident.items())]
 
     def layer_complete(self, layer: int) -> bool:
         """Every expert of the layer is resident and, with a budget that holds all, stays so."""
-        return self.holds_everything and self.resident_in_layer[layer] == self.slices_in_layer[layer]
+        return self.holds_everything and self.resident_in_layer[layer] == len(self.resident[layer])
 
     def direct_base(self, layer: int) -> int | None:
         """b when expert e of the layer sits at index b + e for every e: ggml may then read the
@@ -265,11 +239,7 @@ class ExpertCache:
 
     def count_hits(self, layer: int, n_experts: int) -> None:
         """Account a routing that was not looked at because the whole layer is resident."""
-        n = n_experts * len(self.by_layer[layer])
-        self.stats.hits += n
-
-    def charge(self, ri: int, e: int) -> int:
-        return self.slot_size[ri]
+        self.stats.hits += n_experts
 
     def layer_slices(self, layer: int, experts: list[int]) -> list[Key]:
         return [(layer, ri, e) for ri in self.by_layer.get(layer, ()) for e in experts]
@@ -283,169 +253,121 @@ class ExpertCache:
         return slots
 
     def spare_slot(self, layer: int) -> int:
-        """The layer's pools' spare slot (laid out with `spare`): all zeros, never an expert's."""
-        return self.regions[self.by_layer[layer][0]].capacity - 1
+        """The pools' spare slot (laid out with `spare`): all zeros, never an expert's."""
+        return self.capacity - 1
 
     def slice_offset(self, ri: int, e: int) -> int:
         """Slab offset of expert e's bytes of region ri, in the slot its expert holds."""
         r = self.regions[ri]
-        return r.data_offset + self.index_of[(r.layer, e)] * r.slot_bytes
+        return r.data_offset + self.index_of[(r.layer, e)] * r.stride
+
+    def read_order(self, key: Key) -> ReadOrder:
+        """The read that fills a LOADING slice's slot."""
+        layer, ri, e = key
+        return self.regions[ri].read_order(e, self.index_of[(layer, e)])
+
+    def read_bytes(self, key: Key) -> int:
+        """Bytes the read of a slice moves from flash."""
+        return self.regions[key[1]].read_bytes(key[2])
 
     def plan(self, layer: int, experts: list[int]) -> list[Key]:
-        """Count hits, pin the layer's slices, make room; returns the slices that must be read now.
+        """Count hits, pin the layer's experts, make room; returns the slices that must be read now.
 
-        A wanted slice already LOADING (a speculative read in flight) is counted as
-        a miss but not returned: the caller waits for the read that is under way.
-        """
-        want = self.layer_slices(layer, experts)
+        A wanted expert already loading (a speculative read in flight) is counted as a miss and
+        its slices not returned: the caller waits for the reads under way."""
         self.routed[layer][experts] += 1
         self.routings[layer] += 1
-        self.pinned = set(want)
+        self.pinned = {(layer, e) for e in experts}
         self.expected[layer].clear()
-        missing = []
         self.policy.begin(layer)
-        for key in want:
-            st = self.state[key[1]][key[2]]
-            if st == RESIDENT:
-                self.stats.hits += 1
-                self.policy.touch(key)
+        resident, touch = self.resident[layer], self.policy.touch
+        hits = 0
+        new: list[int] = []
+        missing: list[Key] = []
+        for e in experts:
+            if resident[e]:
+                hits += 1
+                touch((layer, e))
+                continue
+            key = (layer, e)
+            self.speculative.discard(key)  # demanded now: commit makes it hot
+            self.doomed.discard(key)
+            if key in self.index_of:  # loading, or part-read after a cancel: read what is absent
+                missing += [k for k in self.layer_slices(layer, [e]) if self.state[k[1]][e] == ABSENT]
             else:
-                self.stats.misses += 1
-                if st == ABSENT:
-                    missing.append(key)
-                else:
-                    self.speculative.discard(key)  # demanded now: commit makes it hot
-        self._reserve(missing)
+                new.append(e)
+        self.stats.hits += hits
+        self.stats.misses += len(experts) - hits
+        if new:
+            self._reserve(layer, new)
+            missing += self.layer_slices(layer, new)
+        for _, ri, e in missing:
+            self._loading(ri, e)
         return missing
 
     def fits(self, layer: int, expert: int) -> bool:
-        """The expert's absent slices fit the budget without evicting anything."""
-        need = sum(self.charge(ri, expert) for ri in self.by_layer[layer] if self.state[ri][expert] == ABSENT)
-        return self.used + need <= self.budget
+        """The expert can be read without evicting anything (it holds an index already, or one fits)."""
+        return (layer, expert) in self.index_of or self.used + self.index_bytes <= self.budget
 
     def admit_speculative(self, layer: int, experts: list[int]) -> list[Key]:
-        """Reserve room for a predicted read of the experts' absent slices; returns what to read.
+        """Reserve room for a predicted read of the experts that hold no index; returns what to read.
 
-        All of an expert's slices or none: room is made only from slices nobody
-        expects or pins, so a prediction never pushes out demand or another prediction.
-        """
+        Room is made only from experts nobody expects or pins, so a prediction never pushes out
+        demand or another prediction."""
         self.predict(layer, experts)
         out: list[Key] = []
         for e in experts:
-            keys = [k for k in self.layer_slices(layer, [e]) if self.state[k[1]][k[2]] == ABSENT]
-            need = sum(self.charge(ri, x) for _, ri, x in keys)
-            if not keys or not self._make_room(need, protect_expected=True):
+            key = (layer, e)
+            if key in self.index_of or not self._make_room(self.index_bytes, protect_expected=True):
                 continue
-            self._reserve(keys)
-            self.speculative.update(keys)
+            self._reserve(layer, [e])
+            self.speculative.add(key)
+            keys = self.layer_slices(layer, [e])
+            for _, ri, x in keys:
+                self._loading(ri, x)
             out += keys
         return out
 
-    def read_order(self, key: Key) -> tuple[int, int, int, int, int]:
-        """The read that fills a LOADING slice's slot."""
-        return self.regions[key[1]].read_order(key[2], self.slice_offset(key[1], key[2]))
+    def _loading(self, ri: int, e: int) -> None:
+        self.state[ri][e] = LOADING
 
-    def _reserve(self, keys: list[Key]) -> None:
-        need = sum(self.charge(ri, e) for _, ri, e in keys)
+    def _reserve(self, layer: int, experts: list[int]) -> None:
+        """Indices for these experts (which hold none), room made first: demand may go over by the pinned set."""
+        need = self.index_bytes * len(experts)
         if not self._make_room(need, protect_expected=True):
-            self._make_room(need, protect_expected=False)  # demand may go over by the pinned set
+            self._make_room(need, protect_expected=False)
         self.used += need
-        for layer, ri, e in keys:
-            self.state[ri][e] = LOADING
-            self._hold(layer, e)
+        for e in experts:
+            index = self._take()
+            self.index_of[(layer, e)] = index
+            self.table[layer][e] = index
+            if self.on_assign is not None:
+                self.on_assign(layer, e, index)
 
-    def _hold(self, layer: int, e: int) -> None:
-        """One more slice of the expert is not ABSENT: the first one takes a slot index."""
-        held = self.held.get((layer, e), 0)
-        self.held[(layer, e)] = held + 1
-        if held:
-            return
-        index = self._take(self.group_of[layer], e % self.period[self.group_of[layer]])
-        self.index_of[(layer, e)] = index
-        self.table[layer][e] = index
-        if self.on_assign is not None:
-            self.on_assign(layer, e, index)
-
-    def _unhold(self, layer: int, e: int) -> None:
-        """One slice of the expert became ABSENT: the last one frees its index, pages kept."""
-        held = self.held.pop((layer, e)) - 1
-        if held:
-            self.held[(layer, e)] = held
-            return
-        g = self.group_of[layer]
-        index = self.index_of.pop((layer, e))
-        self.table[layer][e] = -1
-        self.moved[layer] += 1
-        self.warm.setdefault((g, index % self.period[g]), []).append(index)
-        self.warm_bytes += self.index_bytes[g]
-
-    def _take(self, g: int, cls: int) -> int:
-        """A free index of the class: one that kept its pages if any, else new pages, after giving back
-        kept pages of other classes so that slices in use + kept stay within the budget."""
-        key = (g, cls)
-        size = self.index_bytes[g]
-        if not self.warm.get(key) and self.warm_bytes and self.used + self.warm_bytes > self.budget:
-            self._evict_for(g, cls)  # rather than give back another class's pages and fault in new ones
-        if self.warm.get(key):
-            self.warm_bytes -= size
-            return self.warm[key].pop()
-        while self.used + self.warm_bytes > self.budget and self.warm_bytes:
-            self._give_back_one()
-        if not self.defer_release or (not self.cold.get(key) and key in {(gb, s % self.period[gb])
-                                                                          for gb, s in self.giving_back}):
-            self.release_evicted()  # (an index of this class still on its way back: use it, the slab stays bounded)
-        if self.cold.get(key):
-            return self.cold[key].pop()
-        j = self.fresh.get(key, 0)
-        self.fresh[key] = j + 1
-        index = cls + j * self.period[g]
-        if index >= self.pools[g][0].capacity:
-            raise RuntimeError(f"slot indices of group {g} exhausted ({index})")
-        self.top += size
+    def _take(self) -> int:
+        """A free index: one that kept its pages if any, else one given back, else a new one (pages
+        kept by others are given back first when held and kept would pass the budget)."""
+        if self.warm:
+            return self.warm.pop()
+        self._fit_kept()
+        if not self.defer_release:
+            self.release_evicted()
+        if self.cold:
+            return self.cold.pop()
+        if self.giving_back:  # (an index still on its way back: use it, the slab stays bounded)
+            return self.giving_back.pop()
+        # (never more indices than experts are held at once, all of them at most: the spare laid out
+        # last, lossy routing's zeros, is never handed out)
+        index = self.fresh
+        if index >= self.capacity:
+            raise RuntimeError(f"slot indices exhausted ({index} of {self.capacity})")
+        self.fresh += 1
         return index
 
-    def _evict_for(self, g: int, cls: int) -> None:
-        """Evict, in the policy's order, the first whole expert whose index is of this class: a free
-        index of another class then stays warm for the next read of its class, where giving its
-        pages back would cost a system call now and page faults in the lane later (the cache holds
-        one expert fewer until that read). Nothing pinned or expected is taken."""
-        for key in self.policy.victims(self.policy.layer):
-            layer, ri, e = key
-            if self.group_of[layer] != g or e % self.period[g] != cls or key in self.pinned \
-                    or key in self.expected[layer] or self.state[ri][e] != RESIDENT:
-                continue
-            self._evict(key, protect_expected=True)
-            if (layer, e) not in self.index_of:
-                return
-
-    def _give_back_one(self) -> None:
-        key = next(k for k, free in self.warm.items() if free)
-        self.warm_bytes -= self.index_bytes[key[0]]
-        self.giving_back.append((key[0], self.warm[key].pop()))
-
-    def abandon(self, slices: list[Key]) -> None:
-        """Reads of these LOADING slices were cancelled before they started: absent again."""
-        for key in slices:
-            layer, ri, e = key
-            self.state[ri][e] = ABSENT
-            self.used -= self.charge(ri, e)
-            self.speculative.discard(key)
-            self._unhold(layer, e)
-
-    def commit(self, slices: list[Key]) -> None:
-        """The reads of these LOADING slices completed: they are resident now."""
-        for key in slices:
-            layer, ri, e = key
-            self.state[ri][e] = RESIDENT
-            self.policy.admit(key, speculative=key in self.speculative)
-            self.resident_in_layer[layer] += 1
-            if key in self.speculative:
-                self.speculative.discard(key)
-                self.expected[layer].add(key)
-
-    def predict(self, layer: int, experts: list[int]) -> None:
-        """Tell the policy which experts a predictor expects at `layer` soon (prediction-aware policies keep them)."""
-        self.policy.predict(self.layer_slices(layer, experts))
+    def _fit_kept(self) -> None:
+        """Give back kept pages (the most recently freed last) until held and kept fit the budget."""
+        while self.warm and self.used + self.warm_bytes > self.budget:
+            self.giving_back.append(self.warm.pop(0))
 
     def _make_room(self, need: int, protect_expected: bool) -> bool:
         """Evict in the policy's order until `need` more bytes fit; False if it cannot."""
@@ -455,67 +377,106 @@ class ExpertCache:
             if self.used + need <= self.budget:
                 break
             if key in self.pinned or (protect_expected and key in self.expected[key[0]]) \
-                    or self.state[key[1]][key[2]] != RESIDENT:  # (an expert's slice evicted with another)
+                    or not self.resident[key[0]][key[1]]:
                 continue
-            self._evict(key, protect_expected)
+            self._evict(key)
         return self.used + need <= self.budget
 
-    def _evict(self, key: Key, protect_expected: bool = False) -> None:
-        """Evict the slice and its expert's other resident slices (unless pinned or, protecting,
-        expected): an expert's index is reused only once the whole expert is gone."""
-        layer, _, e = key
-        for ri in self.by_layer[layer]:
-            k = (layer, ri, e)
-            if k == key or (self.state[ri][e] == RESIDENT and k not in self.pinned
-                            and not (protect_expected and k in self.expected[layer])):
-                self._drop(k)
-
-    def _drop(self, key: Key) -> None:
-        layer, ri, e = key
-        self.used -= self.charge(ri, e)
+    def _evict(self, key: ExpertKey) -> None:
+        layer, e = key
         self.policy.forget(key)
         self.expected[layer].discard(key)
-        self.state[ri][e] = ABSENT
+        self.resident[layer][e] = 0
         self.resident_in_layer[layer] -= 1
         self.stats.evictions += 1
-        self._unhold(layer, e)
-        if not self.defer_release:
-            self.release_evicted()
+        for ri in self.by_layer[layer]:
+            self.state[ri][e] = ABSENT
+        self._free(key)
+
+    def _free(self, key: ExpertKey) -> None:
+        """The expert holds nothing any more: its index is free, pages kept."""
+        layer, e = key
+        index = self.index_of.pop(key)
+        self.table[layer][e] = -1
+        self.moved[layer] += 1
+        self.used -= self.index_bytes
+        self.warm.append(index)
+
+    def abandon(self, slices: list[Key]) -> None:
+        """Reads of these LOADING slices were cancelled before they started: absent again. An expert
+        with nothing landed or loading any more gives its index back; one part-read waits (`doomed`)
+        for its other reads, or for a routing that reads the rest."""
+        for layer, ri, e in slices:
+            key = (layer, e)
+            self.state[ri][e] = ABSENT
+            self.doomed.add(key)
+            self._drop_if_doomed(key)
+
+    def commit(self, slices: list[Key]) -> None:
+        """The reads of these LOADING slices completed: an expert whose every slice has landed is resident."""
+        for layer, ri, e in slices:
+            self.state[ri][e] = RESIDENT
+            key = (layer, e)
+            if key in self.doomed:
+                self._drop_if_doomed(key)
+                continue
+            if all(self.state[i][e] == RESIDENT for i in self.by_layer[layer]):
+                self.resident[layer][e] = 1
+                self.resident_in_layer[layer] += 1
+                spec = key in self.speculative
+                self.policy.admit(key, speculative=spec)
+                if spec:
+                    self.speculative.discard(key)
+                    self.expected[layer].add(key)
+
+    def _drop_if_doomed(self, key: ExpertKey) -> None:
+        """A part-read expert nobody demands is dropped once none of its reads is in flight."""
+        layer, e = key
+        if any(self.state[ri][e] == LOADING for ri in self.by_layer[layer]):
+            return
+        for ri in self.by_layer[layer]:
+            self.state[ri][e] = ABSENT
+        self.doomed.discard(key)
+        self.speculative.discard(key)
+        self._free(key)
+
+    def predict(self, layer: int, experts: list[int]) -> None:
+        """Tell the policy which experts a predictor expects at `layer` soon (prediction-aware policies keep them)."""
+        self.policy.predict([(layer, e) for e in experts])
 
     @property
     def pending_release(self) -> bool:
         return bool(self.giving_back)
 
     def release_evicted(self) -> None:
-        """Give back the pages of the free indices `_give_back_one` queued (when `_take` or `set_budget`
-        had to bring the kept pages within the budget): MADV_REMOVE on every pool's slot.
+        """Give back the pages of the free indices `_fit_kept` queued: MADV_REMOVE on every pool's slot.
 
         With `defer_release` the coordinator calls this while lanes read, so the system calls
-        overlap with I/O.
-        """
-        for g, index in self.giving_back:
+        overlap with I/O."""
+        for index in self.giving_back:
             if self.slab is not None:
-                for r in self.pools[g]:
+                for r in self.pools:
                     self.slab.release(*r.slot_pages(index))
-            self.cold.setdefault((g, index % self.period[g]), []).append(index)
+            self.cold.append(index)
         self.giving_back.clear()
 
 
 def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
-    """Per MoE layer, the bytes its `top_k` experts are charged (whole slots, as the cache charges them).
+    """Per MoE layer, the bytes its `top_k` experts are charged (whole slot indices, as the cache charges them).
 
     A decode token visits the layers in a fixed cycle, so a budget below their sum evicts,
-    somewhere in the cycle, slices the next token needs again: the cache only thrashes.
+    somewhere in the cycle, experts the next token needs again: the cache only thrashes.
     """
-    need: dict[int, int] = {}
+    index_bytes = sum({r.kind: r.stride for r in regions}.values())
+    n_expert: dict[int, int] = {}
     for r in regions:
-        need[r.layer] = need.get(r.layer, 0) + min(top_k, r.n_expert) * r.slot_bytes
-    return need
+        n_expert[r.layer] = max(n_expert.get(r.layer, 0), r.n_expert)
+    return {layer: min(top_k, n) * index_bytes for layer, n in n_expert.items()}
 
 
 def file_regions(files: ModelFiles) -> list[Region]:
     """The expert regions of a model read from its GGUF table alone (no llama.cpp load), laid out as
-    a running cache lays them out."""
+    a running cache lays them out (for the files' direct-I/O alignment)."""
     regions = []
     for name, ext in sorted(files.extents.items()):
         m = EXPERT_TENSOR.match(name)
@@ -523,5 +484,5 @@ def file_regions(files: ModelFiles) -> list[Region]:
             layer, kind = int(name.split(".")[1]), name.split(".")[2]
             regions.append(Region(name, layer, kind, ext.file_index, ext.offset, files.n_expert,
                                   ext.nbytes // files.n_expert))
-    layout(regions)
+    layout(regions, align=dio_alignment(files.paths))
     return regions

@@ -22,24 +22,26 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCELLED", "Lane", "LanePool", "ReadOrder", "merge_keyed", "spread"]
 
-ReadOrder = tuple[int, int, int, int, int]  # file index, file offset, length, slab offset, needed
+# file index, file offset, length, slab offset, bytes that must exist in the file; then a move within the
+# slab once the read landed (from, to, length: 0 when the read lands in place)
+ReadOrder = tuple[int, int, int, int, int, int, int, int]
 _T = TypeVar("_T")
 
 
 def merge_keyed(items: list[tuple[ReadOrder, _T]], max_len: int) -> list[tuple[ReadOrder, list[_T]]]:
     """Fewer, larger reads: in file order, reads that touch or overlap in one file at the same
-    file-to-slab distance become one (never longer than max_len unless a single read is); each
-    merged read comes with the items it covers."""
+    file-to-slab distance become one (never longer than max_len unless a single read is), unless
+    one of them has a move to make; each merged read comes with the items it covers."""
     out: list[tuple[ReadOrder, list[_T]]] = []
-    for (fi, off, length, slab_off, needed), key in sorted(items, key=lambda x: x[0]):
-        if out:
-            (pfi, poff, plen, pslab, pneed), keys = out[-1]
-            if pfi == fi and off <= poff + plen and off - poff == slab_off - pslab \
+    for (fi, off, length, slab_off, needed, *move), key in sorted(items, key=lambda x: x[0]):
+        if out and not move[2]:
+            (pfi, poff, plen, pslab, pneed, *pmove), keys = out[-1]
+            if pfi == fi and not pmove[2] and off <= poff + plen and off - poff == slab_off - pslab \
                     and off + length - poff <= max_len:
-                out[-1] = ((pfi, poff, max(plen, off + length - poff), pslab, max(pneed, off + needed - poff)),
-                           [*keys, key])
+                out[-1] = ((pfi, poff, max(plen, off + length - poff), pslab, max(pneed, off + needed - poff),
+                            0, 0, 0), [*keys, key])
                 continue
-        out.append(((fi, off, length, slab_off, needed), [key]))
+        out.append(((fi, off, length, slab_off, needed, move[0], move[1], move[2]), [key]))
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from bmoe import seam
 from bmoe.base.errors import ModelError
-from bmoe.base.model_files import ModelFiles
+from bmoe.base.model_files import ModelFiles, dio_alignment
 from bmoe.base.settings import DEFAULT_POLICY, StreamSettings
 from bmoe.shm_cache import Slab
 from bmoe.streaming.expert_cache import ExpertCache, Region, layout
@@ -46,8 +46,9 @@ class Counters:
 
 
 def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Region]:
-    """llama.cpp's expert tensors as cache regions, checked against the GGUF table (laid out in the
-    slab by the Streamer; their slot sizes, which the budget rules need, do not depend on it)."""
+    """llama.cpp's expert tensors as cache regions, checked against the GGUF table and laid out for the
+    files' direct-I/O alignment (the slot sizes the budget rules need; the Streamer lays them out again
+    with the spare slot lossy routing wants)."""
     regions = []
     for t in sorted(tensors, key=lambda t: t.name):
         ext = files.extents.get(t.name)
@@ -55,6 +56,7 @@ def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Regi
             raise ModelError(f"expert tensor {t.name} in llama.cpp does not match the GGUF table; "
                              "the file changed while loading, reload it")
         regions.append(Region(t.name, t.layer, t.kind, ext.file_index, ext.offset, t.n_expert, t.expert_bytes))
+    layout(regions, align=dio_alignment(files.paths))
     return regions
 
 
@@ -66,7 +68,7 @@ class Streamer:
                  biases: Sequence[seam.ExpertBias] = (), spare: bool = False) -> None:
         self.files = files
         self.n_expert = max(r.n_expert for r in regions)
-        self.slab = Slab(layout(regions, spare), streaming.shm_backend)
+        self.slab = Slab(layout(regions, spare, regions[0].align), streaming.shm_backend)
         self.pool: LanePool | None = None
         try:  # a signal may land anywhere in here: what exists so far is released
             self.cache = ExpertCache(self.slab, regions, budget, policy)
@@ -80,12 +82,12 @@ class Streamer:
         for r in regions:
             self.layer_tensors.setdefault(r.layer, []).append((self.tensors[r.name], r))
         self.biases: dict[int, list[tuple[seam.ExpertBias, np.ndarray, np.ndarray]]] = {}
-        bias_pools: dict[tuple[int, str], np.ndarray] = {}  # (group, kind) -> rows by slot index
+        bias_pools: dict[tuple[str, int], np.ndarray] = {}  # (kind, row bytes) -> rows by slot index
         for b in biases:
-            r = self.cache.regions[self.cache.by_layer[b.layer][0]]
-            pool = bias_pools.get((r.group, b.kind))
+            pool = bias_pools.get((b.kind, b.row_bytes))
             if pool is None:
-                pool = bias_pools[(r.group, b.kind)] = np.zeros((r.capacity, b.row_bytes // 4), dtype=np.float32)
+                pool = bias_pools[(b.kind, b.row_bytes)] = np.zeros((self.cache.capacity, b.row_bytes // 4),
+                                                                     dtype=np.float32)
             self.biases.setdefault(b.layer, []).append((b, b.rows(), pool))
         if self.biases:
             self.cache.on_assign = self._bias_rows
@@ -112,9 +114,9 @@ class Streamer:
         for t, r in self.layer_tensors[layer]:
             at = self.slab.base + r.data_offset
             if base is None:
-                t.rebind(at, r.slot_bytes, r.capacity)
+                t.rebind(at, r.stride, r.capacity)
             else:
-                t.rebind(at + base * r.slot_bytes, r.slot_bytes, r.n_expert)
+                t.rebind(at + base * r.stride, r.stride, r.n_expert)
         for b, _, pool in self.biases.get(layer, ()):
             at = pool.ctypes.data
             if base is None:
@@ -280,8 +282,9 @@ class Streamer:
         """A cancelled order read nothing: its slices are absent again. Should a layer have come to
         need one meanwhile (its routing saw it loading), it is read now, and waits that were on
         the cancelled order follow the new one."""
-        needed = [k for k in order.keys if k in self.cache.pinned]
-        self.cache.abandon([k for k in order.keys if k not in self.cache.pinned])
+        pinned = self.cache.pinned
+        needed = [k for k in order.keys if (k[0], k[2]) in pinned]
+        self.cache.abandon([k for k in order.keys if (k[0], k[2]) not in pinned])
         if needed:
             self.replaced[oid] = self.orders.spread(needed)
 

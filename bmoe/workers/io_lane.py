@@ -2,7 +2,9 @@
 
 Run as `python -m bmoe.workers.io_lane INDEX --shm NAME FILE...` so `ps` shows
 its role. Orders arrive on stdin and completions leave on stdout, both as
-msgpack: demand order `[id, [[file, offset, length, slab_offset, needed], ...]]`,
+msgpack: demand order `[id, [[file, offset, length, slab_offset, needed, move_from, move_to, move_len], ...]]`
+(a read whose expert belongs elsewhere in its slot than the direct-I/O alignment let it land is then moved
+there: bmoe.streaming.expert_cache),
 speculative order `["s", id, [...]]`, cancel `["c", [id, ...]]` (speculative orders not
 started yet are dropped and answered with bytes = -1), completion
 `[id, bytes, busy_ns, error_or_None]`. The lane owns no cache state; it only
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import os
 import select
 import signal
@@ -90,7 +93,9 @@ def serve_lane(index: int, shm_name: str, paths: list[str], odirect: bool) -> No
     Between two reads the lane takes in whatever arrived, so a demand order waits
     for at most the one read under way, however many speculative orders are queued.
     """
-    view = memoryview(open_segment(shm_name))
+    seg = open_segment(shm_name)
+    view = memoryview(seg)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(seg))
     readers = [Reader(p, odirect) for p in paths]
     out = sys.stdout.buffer
     out.write(msgpack.packb(["hello", index, os.getpid(), all(r.odirect for r in readers)]))
@@ -126,8 +131,10 @@ def serve_lane(index: int, shm_name: str, paths: list[str], odirect: bool) -> No
         t0 = time.perf_counter_ns()
         total, err = 0, None
         try:
-            for fi, off, length, slab_off, needed in reads:
+            for fi, off, length, slab_off, needed, move_from, move_to, move_len in reads:
                 total += read_with_retry(readers[fi], view[slab_off:slab_off + length], off, needed)
+                if move_len:
+                    ctypes.memmove(base + move_to, base + move_from, move_len)
         except OSError as e:
             err = str(e)
         busy = time.perf_counter_ns() - t0
