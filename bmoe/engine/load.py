@@ -196,7 +196,10 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
         p.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
     # the lanes and pinned weights are there before the budget is decided: they are in the charge
     st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
-                               list(cap.biases.values()), spare=s.lossy.on or replay is not None)
+                               [*cap.biases.values(), *cap.scales.values()], spare=s.lossy.on or replay is not None)
+    if cap.scales:  # their graphs' REPEATs were sized for n_expert rows: build them for the pools
+        assert p.ctx is not None  # loaded
+        llama.rebuild_graphs(p.ctx, p.model)
     if replay is not None:
         try:
             p.replay = RouteReplay(replay, str(s.replay_routes), st.layers, files.n_expert, files.n_expert_used,

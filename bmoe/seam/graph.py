@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import llama_cpp
 import numpy as np
@@ -56,6 +56,7 @@ DOWN_INPUT_PREFIX = b"ffn_moe_"  # every down-matmul input seen so far (swiglu, 
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$")
 _BIAS_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.bias$")
+_SCALE_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.scale$")
 _TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
 _WEIGHTS_NAME = re.compile(r"^ffn_moe_weights-(\d+)$")
 _LOGITS_NAME = re.compile(r"^ffn_moe_logits-(\d+)$")
@@ -93,6 +94,7 @@ GGML_OP_MUL_MAT_ID = op_code("MUL_MAT_ID")
 GGML_OP_ADD_ID = op_code("ADD_ID")
 GGML_OP_GET_ROWS = op_code("GET_ROWS")
 GGML_OP_VIEW = op_code("VIEW")
+GGML_OP_REPEAT = op_code("REPEAT")
 
 
 def tensor_at(addr: int) -> GgmlTensor:
@@ -215,7 +217,8 @@ class ExpertTensor:
 @dataclass
 class ExpertBias:
     """One `blk.L.ffn_*_exps.bias` tensor (gpt-oss): F32 rows [n_out, n_expert], row e added by
-    ggml_add_id to the matmul output of the token routed to expert e."""
+    ggml_add_id to the matmul output of the token routed to expert e. ggml_add_id reads the tensor
+    itself when it computes, so it may be rebound at any time (`graph_fixed` False)."""
 
     addr: int
     name: str
@@ -224,6 +227,7 @@ class ExpertBias:
     data: int  # llama.cpp's own rows, in the model file's mapping
     n_expert: int
     row_bytes: int
+    graph_fixed: ClassVar[bool] = False
 
     def rows(self) -> np.ndarray:
         """The file's rows, one per expert (read-only, no copy)."""
@@ -241,18 +245,51 @@ class ExpertBias:
 
 
 @dataclass
+class ExpertScale:
+    """One `blk.L.ffn_*_exps.scale` tensor (gemma4's down scale): F32 [n_expert], the matmul output of
+    the token routed to expert e multiplied by element e. llama.cpp gathers it as
+    GET_ROWS(REPEAT(RESHAPE(scale) -> [1, n_expert, n_tokens]), ids) (build_lora_mm_id): the REPEAT's
+    row count and the RESHAPE's data pointer are taken when the graph is built, so the scale is bound
+    to its pool once, before the graphs that stream are built (bmoe.seam.llama.rebuild_graphs), and a
+    layer with one always reads through the remapped slot ids (`graph_fixed`)."""
+
+    addr: int
+    name: str
+    layer: int
+    kind: str  # "ffn_down_exps.scale": its own pools, apart from a bias of the same experts
+    data: int
+    n_expert: int
+    row_bytes: int = 4
+    graph_fixed: ClassVar[bool] = True
+
+    def rows(self) -> np.ndarray:
+        """The file's elements as [n_expert, 1] rows (read-only, no copy)."""
+        buf = (ctypes.c_char * (self.n_expert * 4)).from_address(self.data)
+        return np.frombuffer(buf, dtype=np.float32).reshape(self.n_expert, 1)  # type: ignore[call-overload]
+
+    def rebind(self, data_addr: int, n_rows: int) -> None:
+        """Point the scale at `n_rows` elements from data_addr (only before the graphs are built)."""
+        t = tensor_at(self.addr)
+        t.data = data_addr
+        t.ne[0] = n_rows
+        t.nb[1] = t.nb[2] = t.nb[3] = 4 * n_rows
+
+
+@dataclass
 class Capture:
     """What one warm-up decode reveals: expert tensors, the layers that route, and whether the
     routed ids may be overwritten with slot indices.
 
     Every node is visited in graph order (the ask=True calls). For the remap, each layer's
     `ffn_moe_weights-L` must be a GET_ROWS of its `ffn_moe_topk-L` ids computed before any
-    matmul that reads them, and nothing but those matmuls, the ADD_IDs of expert biases and
-    that GET_ROWS may read the ids (or the argsort they view); anything else lands in `bad`.
+    matmul that reads them, and nothing but those matmuls, the ADD_IDs of expert biases, the
+    GET_ROWS of a per-expert scale (REPEAT of a reshaped `blk.L.ffn_*_exps.scale`) and that GET_ROWS
+    may read the ids (or the argsort they view); anything else lands in `bad`.
     """
 
     tensors: dict[int, ExpertTensor] = field(default_factory=dict)
     biases: dict[int, ExpertBias] = field(default_factory=dict)
+    scales: dict[int, ExpertScale] = field(default_factory=dict)
     bad: list[str] = field(default_factory=list)
     down_inputs: dict[bytes, int] = field(default_factory=dict)  # node name -> layer
     weights_at: dict[int, int] = field(default_factory=dict)  # layer -> position of ffn_moe_weights-L
@@ -285,6 +322,8 @@ class Capture:
             if mw and t.op == GGML_OP_GET_ROWS and t.src[1] in self.ids_nodes \
                     and int(mw.group(1)) == self.ids_nodes[t.src[1]]:
                 self.weights_at[int(mw.group(1))] = self.seen
+            elif t.op == GGML_OP_GET_ROWS and t.src[1] in self.ids_nodes and t.src[0] not in self.ids_nodes:
+                self._scale(t, name)
             else:
                 self.bad.append(f"node {name} reads the routed ids of layer {read[0]} (the remap would change it)")
 
@@ -315,6 +354,24 @@ class Capture:
             name = ctypes.string_at(t.src[1] + NAME_OFFSET)
             if name.startswith(DOWN_INPUT_PREFIX) and name.endswith(f"-{m.group(1)}".encode()):
                 self.down_inputs[name] = layer
+
+    def _scale(self, t: GgmlTensor, name: str) -> None:
+        """A GET_ROWS of the ids that is not the router weights': only a per-expert scale's, gathered
+        from the REPEAT of its reshaped [n_expert] F32 tensor, may read them."""
+        layer = self.ids_nodes[t.src[1]]
+        rep = tensor_at(t.src[0])
+        shaped = tensor_at(rep.src[0]) if rep.op == GGML_OP_REPEAT and rep.src[0] else None
+        w: int = (shaped.view_src or shaped.src[0] or 0) if shaped is not None else 0
+        m = _SCALE_NAME.match(tensor_name(w)) if w else None
+        st = tensor_at(w) if w else None
+        if m is None or st is None or int(m.group(1)) != layer or st.type != 0 or st.view_src \
+                or int(st.ne[1]) * int(st.ne[2]) * int(st.ne[3]) != 1 or int(st.nb[0]) != 4 \
+                or int(rep.ne[1]) != int(st.ne[0]):
+            self.bad.append(f"node {name} reads the routed ids of layer {layer} (the remap would change it)")
+            return
+        if w not in self.scales:
+            self.scales[w] = ExpertScale(addr=w, name=tensor_name(w), layer=layer, kind=m.group(2) + ".scale",
+                                         data=st.data, n_expert=int(st.ne[0]))
 
     def _bias(self, t: GgmlTensor) -> None:
         b = t.src[1]
