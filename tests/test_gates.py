@@ -9,7 +9,7 @@ from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming.speculation import SpecGate
 from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES
-from bmoe.tools.synth_shape import ARCHES, SYNTH_ARCHES
+from bmoe.tools.synth_shape import ARCHES, STREAMED_ARCHES
 from tests import spec_lines
 from tests.conftest import complete, load, run_cli
 from tests.conftest import reference as plain
@@ -99,7 +99,7 @@ def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes:
 
 # every architecture bmoe streams, at a K-quant (llama.cpp's Q4_K_M recipe: Q4_K and Q6_K experts, with
 # the MTP layer where the loader has one) and a non-K type, in both expert layouts where the loader takes both
-ARCH_CASES = [(arch, quant, fused) for arch in SYNTH_ARCHES for quant in ("q8_0", "q4_k_m")
+ARCH_CASES = [(arch, quant, fused) for arch in STREAMED_ARCHES for quant in ("q8_0", "q4_k_m")
               for fused in (False, True) if not fused or arch in FUSED_ARCHES]
 ARCH_PREDICT = 24
 

@@ -172,7 +172,7 @@ def test_likes_without_a_published_q4_k_m() -> None:
 
 
 @pytest.mark.parametrize("name", [n for n, like in synth_like.LIKES.items()
-                                  if like.shape.arch in synth_shape.UNSTREAMED_ARCHES])
+                                  if like.shape.arch in synth_shape.NEW_ARCHES])
 def test_like_table_loads_in_llama_cpp(tmp_path: Path, name: str) -> None:
     """The full-size tables of the architectures only plain llama.cpp runs are what its loader asks
     for: each written sparse (the table, no data: a few MB on disk), loaded with no_alloc (shapes

@@ -176,10 +176,10 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     if not cap.bad and not files.expert_names() <= {t.name for t in cap.tensors.values()}:
         cap = _capture(p, dry=False)  # a graph in several splits: its later ones were not visited
     if cap.bad:
-        raise ModelError("cannot stream this model's expert layout: " + "; ".join(cap.bad[:3])
-                         + "; run it with --no-stream")
+        raise ModelError(f"bmoe cannot stream {files.arch or 'this model'}: {cap.bad[0]}; run it with --no-stream")
     if not cap.tensors:
-        raise ModelError("llama.cpp computed no expert matmul (MUL_MAT_ID) for this model; run it with --no-stream")
+        raise ModelError(f"bmoe cannot stream {files.arch or 'this model'}: llama.cpp computed no expert matmul "
+                         "(MUL_MAT_ID) for it; run it with --no-stream")
     tensors = list(cap.tensors.values())
     regions = regions_of(files, tensors)
     # a token reads its routed experts: under --replay-routes, the trace's top-k where it is smaller

@@ -325,7 +325,7 @@ class Capture:
             elif t.op == GGML_OP_GET_ROWS and t.src[1] in self.ids_nodes and t.src[0] not in self.ids_nodes:
                 self._scale(t, name)
             else:
-                self.bad.append(f"node {name} reads the routed ids of layer {read[0]} (the remap would change it)")
+                self.bad.append(_id_reader(t, name, read[0]))
 
     def _matmul(self, t: GgmlTensor) -> None:
         w, ids = t.src[0], t.src[2]
@@ -334,7 +334,8 @@ class Capture:
         wname, iname = tensor_name(w), tensor_name(ids) if ids else ""
         m, mi = _EXPERT_NAME.match(wname), _TOPK_NAME.match(iname)
         if not m or not mi or m.group(1) != mi.group(1):
-            self.bad.append(f"{wname} routed by {iname or '?'}")
+            self.bad.append(f"an expert matmul of {wname} routed by {iname or '?'}, not a blk.L.ffn_*_exps.weight "
+                            "routed by its layer's ffn_moe_topk-L")
             return
         layer = int(m.group(1))
         if layer not in self.weights_at:
@@ -367,7 +368,7 @@ class Capture:
         if m is None or st is None or int(m.group(1)) != layer or st.type != 0 or st.view_src \
                 or int(st.ne[1]) * int(st.ne[2]) * int(st.ne[3]) != 1 or int(st.nb[0]) != 4 \
                 or int(rep.ne[1]) != int(st.ne[0]):
-            self.bad.append(f"node {name} reads the routed ids of layer {layer} (the remap would change it)")
+            self.bad.append(_id_reader(t, name, layer))
             return
         if w not in self.scales:
             self.scales[w] = ExpertScale(addr=w, name=tensor_name(w), layer=layer, kind=m.group(2) + ".scale",
@@ -385,6 +386,13 @@ class Capture:
         if b not in self.biases:
             self.biases[b] = ExpertBias(addr=b, name=bname, layer=int(m.group(1)), kind=m.group(2), data=bt.data,
                                         n_expert=int(bt.ne[1]), row_bytes=int(bt.nb[1]))
+
+
+def _id_reader(t: GgmlTensor, name: str, layer: int) -> str:
+    """What `Capture.bad` says of a node the remap cannot serve: the missing piece, in one phrase."""
+    op = (libggml.ggml_op_name(t.op) or b"?").decode()
+    return (f"its {op} node '{name}' reads layer {layer}'s routed expert ids, and the slot remap serves only "
+            "expert matmuls, expert biases, per-expert scales and the router weights (the remap would change it)")
 
 
 _decoding: EvalHook | None = None
