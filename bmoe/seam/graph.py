@@ -61,6 +61,9 @@ _TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
 _WEIGHTS_NAME = re.compile(r"^ffn_moe_weights-(\d+)$")
 _LOGITS_NAME = re.compile(r"^ffn_moe_logits-(\d+)$")
 _NORM_NAME = re.compile(r"^ffn_moe_weights_(norm|softmax)-(\d+)$")
+# the nodes that say how a layer routes (build_moe_ffn): its gating op, a selection bias, a group limit,
+# weights multiplied into the experts' input (llama4)
+_GATING_NAME = re.compile(r"^ffn_moe_(probs|probs_biased|group_topk|weighted)-(\d+)$")
 # how a layer turns its gathered router weights into the experts' weights (build_moe_ffn): divided by
 # their sum (`ffn_moe_weights_norm-L`), a softmax over them (`ffn_moe_weights_softmax-L`: the weights
 # node then holds logits), or used as gathered
@@ -77,6 +80,10 @@ libggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
 libggml.ggml_nbytes.restype = ctypes.c_size_t
 libggml.ggml_tensor_overhead.argtypes = []
 libggml.ggml_tensor_overhead.restype = ctypes.c_size_t
+libggml.ggml_get_unary_op.argtypes = [ctypes.c_void_p]
+libggml.ggml_get_unary_op.restype = ctypes.c_int
+libggml.ggml_unary_op_name.argtypes = [ctypes.c_int]
+libggml.ggml_unary_op_name.restype = ctypes.c_char_p
 
 
 def op_code(name: str) -> int:
@@ -95,6 +102,15 @@ GGML_OP_ADD_ID = op_code("ADD_ID")
 GGML_OP_GET_ROWS = op_code("GET_ROWS")
 GGML_OP_VIEW = op_code("VIEW")
 GGML_OP_REPEAT = op_code("REPEAT")
+GGML_OP_UNARY = op_code("UNARY")
+
+
+def op_of(addr: int) -> str:
+    """A node's op by ggml's name, a unary op's by its own (SIGMOID, not UNARY)."""
+    t = tensor_at(addr)
+    if t.op == GGML_OP_UNARY:
+        return (libggml.ggml_unary_op_name(libggml.ggml_get_unary_op(addr)) or b"?").decode()
+    return (libggml.ggml_op_name(t.op) or b"?").decode()
 
 
 def tensor_at(addr: int) -> GgmlTensor:
@@ -295,6 +311,10 @@ class Capture:
     weights_at: dict[int, int] = field(default_factory=dict)  # layer -> position of ffn_moe_weights-L
     ids_nodes: dict[int, int] = field(default_factory=dict)  # address of ffn_moe_topk-L (and its argsort) -> layer
     norms: dict[int, str] = field(default_factory=dict)  # layer -> NORM_SUM or NORM_SOFTMAX (absent: NORM_NONE)
+    # layer -> how it routes: "probs" -> the gating node's op (SOFT_MAX, SIGMOID, SQRT of a SOFTPLUS, ...),
+    # "probs_biased"/"group_topk" present with a selection bias / group limit, "weighted" "input" where the
+    # weights scale the experts' input (llama4), "topk" the ids node's op (GET_ROWS: a hash layer's table)
+    gating: dict[int, dict[str, str]] = field(default_factory=dict)
     seen: int = 0
     dry: bool = True  # stop the graph at its first computed node: the nodes are known, the compute not needed
 
@@ -302,8 +322,15 @@ class Capture:
         t = tensor_at(addr)
         self.seen += 1
         name = tensor_name(addr)
+        mg = _GATING_NAME.match(name)
+        if mg:
+            layer = int(mg.group(2))
+            first = not any(x.layer == layer for x in self.tensors.values())
+            self.gating.setdefault(layer, {})[mg.group(1)] = (
+                ("input" if first else "output") if mg.group(1) == "weighted" else op_of(addr))
         mt = _TOPK_NAME.match(name)
         if mt:
+            self.gating.setdefault(int(mt.group(1)), {})["topk"] = op_of(addr)
             self.ids_nodes[addr] = int(mt.group(1))
             if t.op == GGML_OP_VIEW and t.src[0]:
                 self.ids_nodes[t.src[0]] = int(mt.group(1))
