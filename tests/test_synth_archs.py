@@ -141,3 +141,16 @@ def test_arch_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "bmoe cannot stream" not in got.err
     assert synth.main(["--arch", "grovemoe", "--plan"]) == 0
     assert "bmoe cannot stream grovemoe" in capsys.readouterr().err
+
+
+def test_the_router_norms_written_with_a_spread_are_the_predictors() -> None:
+    """bmoe-synth spreads the norm before each new architecture's router (a trained model's is not all
+    ones), so the spec-gate's norm swap is exercised: the tensors it spreads are those the predictor swaps."""
+    from bmoe.tools.synth_archs import SCALED_NORMS
+    from bmoe.workers.routers import ROUTER_NORM
+
+    assert all(ROUTER_NORM[a] == n for a, n in SCALED_NORMS.items())
+    assert set(SCALED_NORMS) | {"gemma4", "qwen4exp", "deepseek4"} == set(NEW_ARCHES)  # their own router scale / HC
+    norms = {t.name: t for t in synth.plan_model(arch="glm4moe").tensors if t.name.endswith("_norm.weight")}
+    assert norms["blk.1.post_attention_norm.weight"].fill == "positive"
+    assert norms["blk.1.attn_norm.weight"].fill == "ones"

@@ -38,6 +38,15 @@ FUSED_ARCHES: tuple[str, ...] = ("gemma4", "qwen35moe", "qwen3next", "qwen4exp",
 # The loaders with an optional trailing multi-token-prediction layer (nextn_predict_layers).
 MTP_ARCHES: tuple[str, ...] = ("qwen35moe", "qwen3next", "glm4moe", "glm-dsa", "deepseek2", "deepseek4",
                                "bailingmoe2", "bailingmoe3")
+# The norm weights llama.cpp applies to the router's input (src/models/<arch>.cpp; the predictor's own table
+# is bmoe.workers.routers.ROUTER_NORM): written with a spread for the architectures bmoe-synth added in issue
+# 39 (the older ones keep their bytes), see _Table.add
+SCALED_NORMS = {
+    "qwen35moe": "post_attention_norm.weight", "qwen3next": "post_attention_norm.weight",
+    "glm4moe": "post_attention_norm.weight", "glm-dsa": "ffn_norm.weight", "deepseek2": "ffn_norm.weight",
+    "llama4": "ffn_norm.weight", "lfm2moe": "ffn_norm.weight", "bailingmoe2": "ffn_norm.weight",
+    "bailingmoe3": "ffn_norm.weight", "minimax-m2": "ffn_norm.weight",
+}
 # grovemoe's chunk experts: one per GROVE_GROUP routed experts, GROVE_CHUNK_FF wide
 GROVE_GROUP, GROVE_CHUNK_FF = 2, 64
 # llama_expert_gating_func_type (src/llama-hparams.h)
@@ -55,6 +64,10 @@ class _Table:
 
     def add(self, name: str, shape: tuple[int, ...], role: str = "", layer: int = -1, fill: str = "normal",
             std: float = 0.0) -> None:
+        if fill == "ones" and layer >= 0 and name.endswith("." + SCALED_NORMS.get(self.s.arch, "-")):
+            # the norm before the router: a trained model's scales each channel its own way, and at one
+            # everywhere the spec-gate's norm swap (bmoe.workers.routers) would be an identity
+            fill, std = "positive", 0.3
         self.rows.append((name, shape, role, layer, fill, std))
 
     def block(self, i: int) -> Callable[..., None]:
