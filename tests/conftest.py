@@ -168,7 +168,8 @@ _memcmp.argtypes, _memcmp.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
 
 class SlabCheck:
     """Checks, each time llama.cpp is about to multiply with expert bytes, that what it will read
-    holds exactly the file's bytes for every expert the layer routed to.
+    holds exactly the file's bytes for every expert the layer routed to (and the expert's bias and
+    scale rows, where the model has them, at the slot's row of their pools).
 
     It wraps the hook's entry points of a streaming Engine (the remap of the routed ids to slot
     indices, the down-input node) and reads each expert at `data + slot * nb[2]` of its tensor as
@@ -219,6 +220,14 @@ class SlabCheck:
         from bmoe.seam import graph as seam
 
         c = self.st.cache
+        for b, rows, pool in self.st.biases.get(layer, ()):  # expert biases and scales follow the slots
+            if not kinds(b.kind.removesuffix(".scale")):
+                continue
+            for e, slot in self._slots.get(layer, {}).items():
+                self.checked += 1
+                want = rows[e] if e >= 0 else np.zeros_like(rows[0])
+                if not np.array_equal(pool[slot], want):
+                    self.bad.append(f"{b.name} expert {e} at the {where}: slot {slot}'s row is not the file's")
         for ri in c.by_layer[layer]:
             r = c.regions[ri]
             if not kinds(r.kind):

@@ -8,7 +8,8 @@ from bmoe.api import Completion
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming.speculation import SpecGate
-from bmoe.tools.synth_shape import ARCHES
+from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES
+from bmoe.tools.synth_shape import ARCHES, STREAMED_ARCHES
 from tests import spec_lines
 from tests.conftest import complete, load, run_cli
 from tests.conftest import reference as plain
@@ -94,6 +95,44 @@ def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes:
         assert hits > 0 and misses > 0, "a third of the experts must force misses and still hit"
     if budget == "preload":  # every layer is complete: the hook lets the graph run through
         assert misses == 0 and hits > 0 and all(s.read_bytes == 0 for s in res.tokens)
+
+
+# every architecture bmoe streams, at a K-quant (llama.cpp's Q4_K_M recipe: Q4_K and Q6_K experts, with
+# the MTP layer where the loader has one) and a non-K type, in both expert layouts where the loader takes both
+ARCH_CASES = [(arch, quant, fused) for arch in STREAMED_ARCHES for quant in ("q8_0", "q4_k_m")
+              for fused in (False, True) if not fused or arch in FUSED_ARCHES]
+ARCH_PREDICT = 24
+
+
+@pytest.mark.parametrize(("arch", "quant", "fused"), ARCH_CASES)
+def test_every_architecture_streams_what_plain_llama_cpp_computes(synth, arch: str, quant: str, fused: bool) -> None:
+    """The lossless gate over every architecture: greedy, a cache of a quarter of the experts (which
+    forces misses), two lanes; the answer equals `--no-stream`'s token for token, and every expert
+    byte the matmuls read is the file's (SlabCheck). The experts of an MTP layer are not the model's:
+    the capture finds exactly the others, and the quarter is of those."""
+    from tests.conftest import SlabCheck
+
+    mtp = quant == "q4_k_m" and arch in MTP_ARCHES
+    path = str(synth(arch=arch, quant=quant, fused=fused, mtp=mtp, embd=256 if quant == "q4_k_m" else 128))
+    for prompt in (PROMPT, PROMPT[:60], PROMPT[60:]):  # random weights: a prompt may end its answer early
+        ref = plain(path, prompt, ARCH_PREDICT, *FLAGS)
+        if len(ref.ids) == ARCH_PREDICT:
+            break
+    assert len(ref.ids) == ARCH_PREDICT, "the reference must not stop early, or the gate proves little"
+    files = read_model_files(path)
+    assert bool(files.mtp_layers) == mtp
+    with load(path, *FLAGS, "--cache-mb", files.expert_bytes / 4 / MiB, "--io-threads", 2, "--force") as m:
+        st = m.engine.streamer
+        assert {r.name for r in st.cache.regions} == files.expert_names()
+        check = SlabCheck(m.engine)
+        try:
+            res = complete(m, prompt, ARCH_PREDICT)
+        finally:
+            check.close()
+    assert res.ids == ref.ids and res.text == ref.text
+    assert check.checked > 0 and not check.bad, check.bad[:3]
+    misses = sum(s.lookups - s.hits for s in res.tokens)
+    assert misses > 0 and all(s.read_bytes > 0 for s in res.tokens[:4]), "a quarter of the experts must miss"
 
 
 def test_split_model_streams_from_every_shard(tmp_path) -> None:

@@ -237,3 +237,23 @@ def test_the_server_loads_lossy_and_a_request_asks_for_lossless(synth) -> None:
         assert bad.status_code == 400 and "bmoe.losless" in bad.json()["error"]["message"]
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize(("arch", "flags", "why"), [
+    ("llama4", ["--experts-per-token", 1], "multiplies each expert's routing weight (an unnormalised sigmoid) into"),
+    ("llama4", ["--drop-cold", 0.1, "--cache-routing", 0.2], "into the expert's input"),
+    ("deepseek4", ["--experts-per-token", 1], "hash layers [0] take their experts from a token table"),
+    ("deepseek2", ["--cache-routing", 0.2], "limits each token's experts to 2 of 4 groups"),
+])
+def test_a_lossy_mode_the_models_gating_would_change_the_meaning_of_is_refused(synth, arch: str, flags: list,
+                                                                                 why: str) -> None:
+    """Decided from the graph at load (bmoe.streaming.gating), before the slab and the workers: one line
+    naming the settings and the reason, exit 1; what the same model's gating does follow is accepted."""
+    path = synth(arch=arch, layers=4, experts=8, top_k=2)
+    r = run_cli("-m", str(path), "-p", PROMPT, "-n", "4", "-t", "2", *map(str, flags))
+    err = [line for line in r.stderr.splitlines() if line.startswith("bmoe-cli: error:")]
+    assert r.returncode == 1 and len(err) == 1, (r.returncode, r.stderr)
+    assert err[0].startswith(f"bmoe-cli: error: {flags[0]}") and why in err[0] and arch in err[0], err[0]
+    if arch == "deepseek2":  # its group limit holds --drop-cold and --experts-per-token as llama.cpp's own
+        with load(path, *FLAGS, "--cache-mb", third(path), "--force", "--drop-cold", 0.2) as m:
+            assert complete(m, PROMPT, 4).ids

@@ -17,6 +17,8 @@ from bmoe.seam.llama import seq_state, set_seq_state
 from tests.plain_llama import Plain
 
 ID = b"\x01" * 32
+# the architectures whose memory holds more than attention KV a suffix can be cut from (docs/architectures.md)
+RECURRENT = ["qwen35moe", "qwen3next", "qwen4exp", "deepseek4", "lfm2moe", "bailingmoe3"]
 
 
 def store(folder: Path, mb: float = 10.0, identity: bytes = ID) -> tuple[PromptCache, list[str]]:
@@ -106,8 +108,11 @@ def decode(p: Plain, seq: int, toks: list[int], pos: int) -> np.ndarray:
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(p.ctx, -1), shape=(n_vocab,)).copy()
 
 
-def test_a_saved_prefix_put_back_gives_the_logits_of_prefilling_it(synth, tmp_path: Path) -> None:
-    path = synth(arch="qwen3moe", layers=2, experts=4, top_k=2)
+@pytest.mark.parametrize("arch", ["qwen3moe", *RECURRENT])
+def test_a_saved_prefix_put_back_gives_the_logits_of_prefilling_it(synth, tmp_path: Path, arch: str) -> None:
+    """llama.cpp's sequence state holds what a prefix left behind, recurrent and compressed states included:
+    put back after a restart, into a sequence that held something else, it continues as the prefill did."""
+    path = synth(arch=arch, layers=2 if arch == "qwen3moe" else 4, experts=4, top_k=2)
     p = Plain(path, n_ctx=256)
     try:
         toks = p.vocab.tokenize("The keeper climbed the stairs of the old lighthouse every evening " * 3)

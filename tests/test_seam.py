@@ -19,7 +19,7 @@ from bmoe.coordinator import Engine
 from bmoe.seam import graph as seam
 from bmoe.seam.graph import ABORTED
 from bmoe.streaming.expert_cache import RESIDENT
-from bmoe.tools.synth_shape import ARCHES
+from bmoe.tools.synth_shape import ARCHES, NEW_ARCHES
 from tests.conftest import SlabCheck, complete, engine_for, generate, slice_bytes
 from tests.conftest import load as load_model
 
@@ -117,7 +117,7 @@ def test_struct_layout_matches_ggml() -> None:
     assert seam.libggml.ggml_op_name(seam.GGML_OP_MUL_MAT_ID) == b"MUL_MAT_ID"
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", [*ARCHES, "gemma4"])
 def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) -> None:
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
     reader = gguf.GGUFReader(path)
@@ -148,6 +148,14 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
                 b = biases[r.name.replace(".weight", ".bias")]
                 bt = seam.tensor_at(b.addr)
                 assert b.n_expert == r.n_expert and int(bt.ne[1]) == r.capacity and int(bt.nb[1]) == b.row_bytes
+        elif arch == "gemma4":  # the down experts' per-expert scale, bound to a pool of `capacity` elements
+            down = [r for r in regions if r.kind == "ffn_down_exps"]
+            assert set(biases) == {r.name.replace(".weight", ".scale") for r in down}
+            for r in down:
+                b = biases[r.name.replace(".weight", ".scale")]
+                bt = seam.tensor_at(b.addr)
+                assert b.graph_fixed and b.n_expert == r.n_expert and int(bt.ne[0]) == r.capacity
+            assert e.streamer.slot_bound == {r.layer for r in regions}, "a scaled layer is never bound direct"
         else:
             assert not biases
     finally:
@@ -181,19 +189,23 @@ def test_a_dry_capture_visits_the_whole_graph_without_computing_it(synth, arch: 
         e.close()
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", [*ARCHES, "gemma4"])
 def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: str) -> None:
     """The remap's facts, node by node: `ffn_moe_weights-L` gathers the router's probabilities with
     the routed expert ids; every MUL_MAT_ID and ADD_ID of the layer, when it is about to run, reads
     the slot ids the remap wrote, each below its tensor's ne[2] (ADD_ID: ne[1]), where the slab holds
-    the routed expert's file bytes. Prompt (many rows) and decode (one row) alike."""
+    the routed expert's file bytes; a per-expert scale's GET_ROWS (gemma4) reads them from a REPEAT of
+    its pool's `capacity` rows and gathers each routed expert's own scale from the file. Prompt (many
+    rows) and decode (one row) alike."""
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
+    file_scales = {t.name: np.asarray(t.data, dtype=np.float32).copy() for t in gguf.GGUFReader(path).tensors
+                   if t.name.endswith("_exps.scale")}
     e = engine(path, "--cache-mb", 0.5, "--force")
     check = SlabCheck(e)
     real: dict[int, np.ndarray] = {}
     slots: dict[int, np.ndarray] = {}
     probs: dict[int, np.ndarray] = {}
-    seen = {"weights": 0, "mul_mat_id": 0, "add_id": 0}
+    seen = {"weights": 0, "mul_mat_id": 0, "add_id": 0, "scale": 0}
     bad: list[str] = []
     route, remap = e.hook.stops.on_route, e.hook.stops.slot_ids
 
@@ -220,6 +232,21 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
                 probs[int(m.group(1))] = f32(t).copy()
             return True
         tt = seam.tensor_at(t)
+        if tt.op == seam.GGML_OP_GET_ROWS and seam.tensor_at(tt.src[0]).op == seam.GGML_OP_REPEAT:
+            rep = seam.tensor_at(tt.src[0])
+            scale = seam.tensor_at(rep.src[0]).view_src  # REPEAT(RESHAPE(blk.L.ffn_down_exps.scale))
+            layer = int(seam.tensor_name(tt.src[1]).split("-")[1])
+            if ask:
+                if not (seam.routing_ids(tt.src[1]) == slots[layer]).all() or int(rep.ne[1]) != int(
+                        seam.tensor_at(scale).ne[0]) or int(rep.ne[1]) <= slots[layer].max():
+                    bad.append(f"{name} gathers {seam.routing_ids(tt.src[1]).tolist()} from {int(rep.ne[1])} rows")
+                e.hook._callback(t, ask, u)
+                return True
+            got = f32(t).reshape(len(real[layer]), -1)
+            seen["scale"] += 1
+            if not np.array_equal(got, file_scales[seam.tensor_name(scale)][real[layer]]):
+                bad.append(f"{name} gathered {got.tolist()}, not the scales of experts {real[layer].tolist()}")
+            return True  # (False here would stop the graph)
         if ask and tt.op in (seam.GGML_OP_MUL_MAT_ID, seam.GGML_OP_ADD_ID):
             layer = int(seam.tensor_name(tt.src[2]).split("-")[1])
             now = seam.routing_ids(tt.src[2])
@@ -247,6 +274,7 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
     assert not check.bad, check.bad[:3]
     assert seen["weights"] >= 3 * 4 and seen["mul_mat_id"] >= 3 * seen["weights"] - 3 and check.checked > 0
     assert (seen["add_id"] > 0) == (arch == "gpt-oss")
+    assert (seen["scale"] >= seen["weights"] > 0) == (arch == "gemma4")
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
@@ -356,27 +384,43 @@ def _fake_graph(extra: str | None = None, late_weights: bool = False):
     nodes = [probs, argsort, topk, weights, up, biased]
     if late_weights:
         nodes = [probs, argsort, topk, up, weights, biased]
-    if extra:
+    leaves = [w, bias]
+    if extra and extra.startswith("scale"):  # GET_ROWS(REPEAT(RESHAPE(scale)), ids), as build_lora_mm_id
+        layer = 1 if extra == "scale_of_layer_1" else 0
+        scale = node(f"blk.{layer}.ffn_up_exps.{'weight' if extra == 'scale_not_named_so' else 'scale'}",
+                     ne=(8, 1, 1, 1), nb=(4, 32, 32, 32))
+        scale.data = 4096
+        shaped = node("scale (reshaped)", 0, scale, ne=(1, 8, 1, 1), nb=(4, 4, 32, 32))
+        shaped.view_src = ctypes.addressof(scale)
+        rep = node("", seam.GGML_OP_REPEAT, shaped, ne=(1, 8, 2, 1), nb=(4, 4, 32, 64))
+        nodes += [rep, node("node_9", seam.GGML_OP_GET_ROWS, rep, topk)]
+        leaves += [scale, shaped]
+    elif extra:
         nodes.append(node(extra, 0, argsort if "argsort" in extra else topk))
-    return nodes, [*nodes, w, bias]
+    return nodes, [*nodes, *leaves]
 
 
-@pytest.mark.parametrize("case", ["ok", "late_weights", "reads_ids", "reads_argsort"])
+@pytest.mark.parametrize("case", ["ok", "late_weights", "reads_ids", "reads_argsort", "scale",
+                                  "scale_of_layer_1", "scale_not_named_so"])
 def test_capture_refuses_a_graph_the_remap_would_change(case: str) -> None:
     """Load-time checks of the remap's facts: the router weights gathered before any matmul reads
-    the ids, and nothing else reading them (or the argsort they view)."""
-    extra = {"reads_ids": "ffn_moe_other-0", "reads_argsort": "ffn_moe_argsort_user-0"}.get(case)
-    nodes, _alive = _fake_graph(extra=extra, late_weights=case == "late_weights")
+    the ids, and nothing else reading them (or the argsort they view) but the GET_ROWS of a per-expert
+    scale of the same layer (gemma4's `ffn_down_exps.scale`)."""
+    extra = {"reads_ids": "ffn_moe_other-0", "reads_argsort": "ffn_moe_argsort_user-0"}.get(case, case)
+    nodes, _alive = _fake_graph(extra=None if case in ("ok", "late_weights") else extra,
+                                late_weights=case == "late_weights")
     cap = seam.Capture()
     for n in nodes:
         cap.visit(ctypes.addressof(n))
     assert len(cap.tensors) == 1 and len(cap.biases) == 1
-    if case == "ok":
+    if case in ("ok", "scale"):
         assert not cap.bad and cap.weights_at == {0: 4}
+        assert [(s.name, s.layer, s.kind, s.n_expert) for s in cap.scales.values()] == (
+            [("blk.0.ffn_up_exps.scale", 0, "ffn_up_exps.scale", 8)] if case == "scale" else [])
     elif case == "late_weights":
         assert any("multiplied before ffn_moe_weights-0" in b for b in cap.bad), cap.bad
     else:
-        assert any("reads the routed ids of layer 0" in b for b in cap.bad), cap.bad
+        assert any("reads layer 0's routed expert ids" in b for b in cap.bad), cap.bad
 
 
 def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -> None:
@@ -481,24 +525,26 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
         e2.close()
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", [*ARCHES, *(a for a in NEW_ARCHES if a not in ("llama4", "deepseek4"))])
 def test_fewer_experts_by_the_hook_is_llama_cpps_own_expert_count(synth, arch: str) -> None:
     """The pin of where bmoe.streaming.lossy changes the weights: routing a token to its K best experts by
     rewriting the weights node (and the dropped positions to the spare zero slot) before the layer's
     own normalisation computes, token for token, what llama.cpp computes with the model's
     expert_used_count set to K at load (`--no-stream --experts-per-token K`), while streaming with
-    a cache that forces misses; and it is not the model's full top-k output."""
+    a cache that forces misses; and it is not the model's full top-k output. On every architecture whose
+    gating the lossy modes follow (a selection bias, a group limit, a scale after the normalisation,
+    gemma4's per-expert scale: bmoe.streaming.gating refuses llama4's and deepseek4's)."""
     path = synth(arch=arch, layers=4, experts=8, top_k=2)
     flags = ("-c", 256, "-t", 2)
     with load_model(path, *flags, "--no-stream") as m:
-        full = complete(m, PROMPT, 32).ids
+        full = complete(m, PROMPT, 24).ids
     with load_model(path, *flags, "--no-stream", "--experts-per-token", 1) as m:
         assert m.engine.fixed_k == 1 and m.engine.lossy is None
-        want = complete(m, PROMPT, 32).ids
+        want = complete(m, PROMPT, 24).ids
     with load_model(path, *flags, "--cache-mb", 0.5, "--force", "--experts-per-token", 1) as m:
         check = SlabCheck(m.engine)
         try:
-            got = complete(m, PROMPT, 32)
+            got = complete(m, PROMPT, 24)
         finally:
             check.close()
     assert got.ids == want and want != full

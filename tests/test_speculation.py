@@ -14,13 +14,15 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bmoe.api import Completion, Model
 from bmoe.base import telemetry
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
-from bmoe.streaming import speculation
+from bmoe.streaming import gating, speculation
+from bmoe.tools.synth_shape import STREAMED_ARCHES
 from tests import spec_lines
 from tests.conftest import SlabCheck, complete, load, per_token, run_cli, slice_bytes
 from tests.conftest import reference as plain
@@ -339,3 +341,64 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
         m.close()
     assert len(stops) >= 16 * len(st.layers)
     assert (res.ids != ref.ids) == changes
+
+
+# ---- the predictor follows each architecture's gating; where it cannot, --spec-gate is refused -------
+
+FOLLOWED = [a for a in STREAMED_ARCHES if a not in gating.HYPER_CONNECTIONS]
+
+
+@pytest.mark.parametrize("arch", FOLLOWED)
+def test_the_predictor_routes_as_the_model_does_from_the_layers_own_input(synth, arch: str) -> None:
+    """The spec-gate's recipe, given layer L's own router input (no norm swap), must choose what llama.cpp
+    chose: the model's gating op, its selection bias and its group limit (bmoe.streaming.gating reads them
+    from the graph). Every row of a prompt and a few decoded tokens, every MoE layer but the first;
+    a near-tie may rank differently in numpy's float32, so 97 % of the rows must match exactly."""
+    from bmoe.seam import graph as seam
+    from bmoe.workers import routers
+    from tests.test_seam import _swap_callback
+
+    path = synth(arch=arch, layers=6 if arch == "llama4" else 4, experts=16, top_k=4)  # llama4: MoE every 2nd
+    with load(path, *FLAGS, "--cache-mb", 1000) as m:
+        e = m.engine
+        g = e.parts.gating
+        inputs: dict[int, list[np.ndarray]] = {}
+        routed: dict[int, list[np.ndarray]] = {}
+
+        def cb(t: int, ask: bool, u: int) -> bool:
+            name = seam.tensor_name(t)
+            if name.startswith("ffn_moe_logits-") or name.startswith("ffn_moe_topk-"):
+                if not ask:
+                    layer = int(name.split("-")[1])
+                    if name.startswith("ffn_moe_logits-"):
+                        inputs.setdefault(layer, []).append(seam.router_input(t))
+                    else:
+                        routed.setdefault(layer, []).append(seam.routing_ids(t))
+                e.hook._callback(t, ask, u)
+                return True
+            return e.hook._callback(t, ask, u)
+
+        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
+        complete(m, PROMPT, 6)
+        layers = sorted(routed)
+        pred = routers.Predictor(routers.load_routers([path], arch, layers), 4, rescale=False, gating=g.func,
+                                 groups=g.groups)
+    same = total = 0
+    for prev, layer in itertools.pairwise(layers):
+        xs = np.concatenate(inputs[layer])[-len(np.concatenate(routed[layer])):]  # last layer: logits' rows only
+        for x, ids in zip(xs, np.concatenate(routed[layer])):
+            p = pred.predict(prev, x)
+            same += p.layer == layer and list(p.ids) == list(ids)
+            total += 1
+    assert total >= 30 and same >= 0.97 * total, f"{same}/{total} rows chosen as llama.cpp chose ({g})"
+
+
+@pytest.mark.parametrize("arch", sorted(gating.HYPER_CONNECTIONS))
+def test_spec_gate_is_refused_where_the_router_input_mixes_several_streams(synth, arch: str) -> None:
+    path = synth(arch=arch, layers=4, experts=8, top_k=2)
+    r = run_cli("-m", str(path), "-p", PROMPT, "-n", "4", "-t", "2", "--spec-gate")
+    assert r.returncode == 1, r.stderr
+    err = [line for line in r.stderr.splitlines() if line.startswith("bmoe-cli: error:")]
+    assert len(err) == 1 and f"--spec-gate cannot predict {arch}'s routing: " in err[0] \
+        and "hyper-connection" in err[0] and err[0].endswith("run without --spec-gate"), r.stderr
+    assert run_cli("-m", str(path), "-p", PROMPT, "-n", "4", "-t", "2").returncode == 0

@@ -13,6 +13,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from bmoe.base.model_files import LAZY_MIN_BYTES, read_model_files
+from bmoe.memory.dense import file_spans
 from bmoe.tools import synth, synth_blocks, synth_like, synth_shape
 from tests.conftest import run_cli
 from tests.routed_run import check_runs
@@ -170,7 +172,7 @@ def test_likes_without_a_published_q4_k_m() -> None:
 
 
 @pytest.mark.parametrize("name", [n for n, like in synth_like.LIKES.items()
-                                  if like.shape.arch in synth_shape.UNSTREAMED_ARCHES])
+                                  if like.shape.arch in synth_shape.NEW_ARCHES])
 def test_like_table_loads_in_llama_cpp(tmp_path: Path, name: str) -> None:
     """The full-size tables of the architectures only plain llama.cpp runs are what its loader asks
     for: each written sparse (the table, no data: a few MB on disk), loaded with no_alloc (shapes
@@ -191,6 +193,23 @@ def test_like_table_loads_in_llama_cpp(tmp_path: Path, name: str) -> None:
         llama_cpp.llama_free(ctx)
     finally:
         llama_cpp.llama_model_free(model)
+    # what bmoe reads of it: the dense read-ahead leaves out an MTP layer's tensors and a table llama.cpp
+    # reads lazily (qwen4exp's 35 GB n-gram table), and "the experts" are those a decode can route to
+    files = read_model_files(path)
+    shape = synth.plan_model(like=name).shape
+    mtp = set(range(shape.layers, shape.layers + shape.mtp))
+    assert files.mtp_layers == mtp
+    assert {files.layer_of(n) for n in files.expert_names()} == set(range(shape.layers)) - {
+        i for i in range(shape.layers) if not shape.is_moe(i)}
+    lazy = files.extents.get("per_layer_token_embd.weight")
+    assert (lazy is not None and lazy.nbytes > LAZY_MIN_BYTES) == (shape.arch == "qwen4exp")
+    spans = file_spans(files)
+    read = {n for n, e in files.extents.items()
+            if any(fi == e.file_index and off <= e.offset + e.nbytes // 2 < off + n_ for fi, off, n_ in spans)}
+    assert read == files.dense_names() and "token_embd.weight" in read
+    assert not any(files.layer_of(n) in mtp for n in read)
+    assert "per_layer_token_embd.weight" not in read and "per_layer_token_embd.weight" not in files.dense_names()
+    assert sum(n for _, _, n in spans) < st.st_size - files.expert_bytes - (lazy.nbytes if lazy else 0) + 50e6
 
 
 def test_like_tensor_tables() -> None:

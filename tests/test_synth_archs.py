@@ -14,11 +14,12 @@ import pytest
 
 from bmoe.tools import synth
 from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES
-from bmoe.tools.synth_shape import UNSTREAMED_ARCHES
+from bmoe.tools.synth_shape import NEW_ARCHES, REFUSED_ARCHES
+from tests.conftest import bmoe_segments, run_cli
 from tests.routed_run import PROMPT, check_runs
 
-CASES = ([(arch, "q8_0", False) for arch in UNSTREAMED_ARCHES]
-         + [(arch, "q4_k_m", False) for arch in UNSTREAMED_ARCHES]
+CASES = ([(arch, "q8_0", False) for arch in NEW_ARCHES]
+         + [(arch, "q4_k_m", False) for arch in NEW_ARCHES]
          + [(arch, "q8_0", True) for arch in FUSED_ARCHES])
 
 # What each architecture has besides attention and routed experts (its loader requires them): a
@@ -107,6 +108,25 @@ def test_deepseek4_hash_layers_route_by_the_token(tmp_path: Path) -> None:
     assert routes == [tuple(sorted(rows[t])) for t in tokens]
 
 
+@pytest.mark.parametrize("arch", REFUSED_ARCHES)
+def test_an_architecture_bmoe_cannot_stream_is_refused_in_one_line_and_runs_plain(tmp_path: Path, arch: str) -> None:
+    """grovemoe, which the pinned llama.cpp runs: its chunk experts are routed by the expert ids divided by
+    the group size (a CPY of ffn_moe_topk-L), which the slot remap cannot serve. Decided from the graph at
+    load: one line naming the architecture and the missing piece, exit 1, no shared memory left; with
+    --no-stream it runs as plain llama.cpp."""
+    path = synth.write_model(tmp_path / f"{arch}.gguf", arch=arch)
+    assert "blk.0.ffn_gate_chexps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    before = bmoe_segments()
+    r = run_cli("-m", str(path), "-p", PROMPT, "-n", "4", "-t", "2")
+    assert r.returncode == 1 and not r.stdout.strip(), (r.stdout, r.stderr)
+    err = [line for line in r.stderr.splitlines() if line.startswith("bmoe-cli: error:")]
+    assert len(err) == 1 and err[0].startswith(f"bmoe-cli: error: bmoe cannot stream {arch}: its CPY node "), err
+    assert "routed expert ids" in err[0] and err[0].endswith("; run it with --no-stream"), err[0]
+    assert bmoe_segments() == before
+    plain = run_cli("-m", str(path), "-p", PROMPT, "-n", "4", "-t", "2", "--no-stream")
+    assert plain.returncode == 0 and plain.stdout.strip(), plain.stderr
+
+
 def test_arch_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "x.gguf"
     for flags, msg in ((["--arch", "glm4moe", "--fused-gate-up"], "takes only separate gate and up experts"),
@@ -118,4 +138,19 @@ def test_arch_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert synth.main(["--arch", "qwen3next", "--fused-gate-up", "--plan"]) == 0
     got = capsys.readouterr()
     assert "blk.0.ffn_gate_up_exps.weight" in got.out and "blk.0.ffn_gate_exps.weight" not in got.out
-    assert "bmoe does not stream qwen3next yet" in got.err
+    assert "bmoe cannot stream" not in got.err
+    assert synth.main(["--arch", "grovemoe", "--plan"]) == 0
+    assert "bmoe cannot stream grovemoe" in capsys.readouterr().err
+
+
+def test_the_router_norms_written_with_a_spread_are_the_predictors() -> None:
+    """bmoe-synth spreads the norm before each new architecture's router (a trained model's is not all
+    ones), so the spec-gate's norm swap is exercised: the tensors it spreads are those the predictor swaps."""
+    from bmoe.tools.synth_archs import SCALED_NORMS
+    from bmoe.workers.routers import ROUTER_NORM
+
+    assert all(ROUTER_NORM[a] == n for a, n in SCALED_NORMS.items())
+    assert set(SCALED_NORMS) | {"gemma4", "qwen4exp", "deepseek4"} == set(NEW_ARCHES)  # their own router scale / HC
+    norms = {t.name: t for t in synth.plan_model(arch="glm4moe").tensors if t.name.endswith("_norm.weight")}
+    assert norms["blk.1.post_attention_norm.weight"].fill == "positive"
+    assert norms["blk.1.attn_norm.weight"].fill == "ones"

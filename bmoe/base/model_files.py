@@ -14,6 +14,12 @@ from bmoe.base.gguf_table import GGUF_MAGIC, GGUFError, read_table
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_\w+_exps\.weight$")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+# Tensors the pinned llama.cpp's loader marks TENSOR_READ_LAZY (qwen4exp's n-gram table, gemma's per-layer
+# token embeddings): in its default lazy mode (LLAMA_LAZY_MODE_AUTO) one larger than LAZY_MIN_BYTES is
+# read row by row as tokens ask for them, never whole.
+LAZY_TENSORS = frozenset({"per_layer_token_embd.weight"})
+LAZY_MIN_BYTES = 4 << 30  # llama_model_loader::lazy_read::add's auto_min_size
 
 
 @dataclass(frozen=True)
@@ -32,13 +38,30 @@ class ModelFiles:
     n_expert_used: int
     sizes: list[int]
     mtimes: list[float]
+    # the trailing multi-token-prediction layers (`nextn_predict_layers`): llama.cpp loads them
+    # TENSOR_SKIP unless asked to run MTP (llama-cpp-python never does), so no decode reads them
+    mtp_layers: frozenset[int] = frozenset()
 
     @property
     def expert_bytes(self) -> int:
+        """The bytes of the experts a decode can route to (an MTP layer's are never read)."""
         return sum(self.extents[n].nbytes for n in self.expert_names())
 
     def expert_names(self) -> set[str]:
-        return {n for n in self.extents if EXPERT_TENSOR.match(n)}
+        """The routed experts' tensors llama.cpp computes with (an MTP layer's left out)."""
+        return {n for n in self.extents if EXPERT_TENSOR.match(n) and self.layer_of(n) not in self.mtp_layers}
+
+    def dense_names(self) -> set[str]:
+        """The other tensors a decode reads through llama.cpp's mapping, whole: neither an expert, nor an
+        MTP layer's, nor a table llama.cpp reads lazily (`LAZY_TENSORS` over LAZY_MIN_BYTES)."""
+        return {n for n, e in self.extents.items() if e.nbytes and not EXPERT_TENSOR.match(n)
+                and self.layer_of(n) not in self.mtp_layers
+                and not (n in LAZY_TENSORS and e.nbytes > LAZY_MIN_BYTES)}
+
+    @staticmethod
+    def layer_of(name: str) -> int | None:
+        m = _LAYER.match(name)
+        return int(m.group(1)) if m else None
 
     def check_unchanged(self, fix: str) -> None:
         """Raise ModelError (ending with `fix`) if a file's size or mtime differs from when it was opened.
@@ -130,6 +153,7 @@ def read_model_files(path: str | os.PathLike[str]) -> ModelFiles:
     paths = shard_paths(first)
     extents: dict[str, TensorExtent] = {}
     arch, n_expert, n_used = "", 0, 0
+    mtp: frozenset[int] = frozenset()
     sizes, mtimes = [], []
     for i, p in enumerate(paths):
         check_gguf(p)
@@ -144,6 +168,9 @@ def read_model_files(path: str | os.PathLike[str]) -> ModelFiles:
             arch = str(table.fields.get("general.architecture") or "")
             n_expert = int(table.fields.get(f"{arch}.expert_count") or 0)
             n_used = int(table.fields.get(f"{arch}.expert_used_count") or 0)
+            n_layer = int(table.fields.get(f"{arch}.block_count") or 0)
+            n_mtp = int(table.fields.get(f"{arch}.nextn_predict_layers") or 0)
+            mtp = frozenset(range(n_layer - n_mtp, n_layer)) if 0 < n_mtp < n_layer else frozenset()
         for t in table.tensors:
             end = t.offset + t.nbytes
             if end > st.st_size:
@@ -152,4 +179,4 @@ def read_model_files(path: str | os.PathLike[str]) -> ModelFiles:
                     f"{st.st_size}; re-copy or re-download it"
                 )
             extents[t.name] = TensorExtent(i, t.offset, t.nbytes)
-    return ModelFiles(paths, extents, arch, n_expert, n_used, sizes, mtimes)
+    return ModelFiles(paths, extents, arch, n_expert, n_used, sizes, mtimes, mtp)

@@ -29,6 +29,7 @@ from bmoe.memory.probe import MemoryProbe
 from bmoe.seam import llama
 from bmoe.shm_cache import sweep_stale_segments
 from bmoe.streaming.expert_cache import working_sets
+from bmoe.streaming.gating import Gating, lossy_refusal, read_gating, spec_gate_refusal
 from bmoe.streaming.graph_stops import StreamingStops
 from bmoe.streaming.lossy import Lossy
 from bmoe.streaming.route_replay import ReplayError, RouteReplay
@@ -37,6 +38,7 @@ from bmoe.streaming.speculation import SpecGate
 from bmoe.streaming.streamer import Streamer, regions_of
 from bmoe.streaming.usage_profile import default_dir
 from bmoe.streaming.warm_fill import WarmStart
+from bmoe.workers.routers import ROUTER_NORM
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Loaded:
     adaptive: Adaptive | None = None
     warm: WarmStart | None = None  # the usage profile: a background fill now, saved at close
     dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
+    gating: Gating | None = None  # how the model routes (read from the warm-up graph while streaming)
 
     def close(self) -> None:
         """Free llama.cpp's objects, then release workers and shared memory; idempotent."""
@@ -176,10 +179,12 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     if not cap.bad and not files.expert_names() <= {t.name for t in cap.tensors.values()}:
         cap = _capture(p, dry=False)  # a graph in several splits: its later ones were not visited
     if cap.bad:
-        raise ModelError("cannot stream this model's expert layout: " + "; ".join(cap.bad[:3])
-                         + "; run it with --no-stream")
+        raise ModelError(f"bmoe cannot stream {files.arch or 'this model'}: {cap.bad[0]}; run it with --no-stream")
     if not cap.tensors:
-        raise ModelError("llama.cpp computed no expert matmul (MUL_MAT_ID) for this model; run it with --no-stream")
+        raise ModelError(f"bmoe cannot stream {files.arch or 'this model'}: llama.cpp computed no expert matmul "
+                         "(MUL_MAT_ID) for it; run it with --no-stream")
+    gating = p.gating = read_gating(files, cap.gating)
+    _refuse_what_cannot_follow(p, gating)
     tensors = list(cap.tensors.values())
     regions = regions_of(files, tensors)
     # a token reads its routed experts: under --replay-routes, the trace's top-k where it is smaller
@@ -196,7 +201,10 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
         p.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
     # the lanes and pinned weights are there before the budget is decided: they are in the charge
     st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
-                               list(cap.biases.values()), spare=s.lossy.on or replay is not None)
+                               [*cap.biases.values(), *cap.scales.values()], spare=s.lossy.on or replay is not None)
+    if cap.scales:  # their graphs' REPEATs were sized for n_expert rows: build them for the pools
+        assert p.ctx is not None  # loaded
+        llama.rebuild_graphs(p.ctx, p.model)
     if replay is not None:
         try:
             p.replay = RouteReplay(replay, str(s.replay_routes), st.layers, files.n_expert, files.n_expert_used,
@@ -206,7 +214,8 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
         p.notice(p.replay.describe())
     _size_cache(p, st, max(need.values()), sum(need.values()))
     if s.speculation.gate:
-        gate = SpecGate(files, st.layers, llama.n_embd(p.model), s.speculation, s.streaming.shm_backend, p.notice)
+        gate = SpecGate(files, st.layers, llama.n_embd(p.model), s.speculation, s.streaming.shm_backend, p.notice,
+                        gating)
         if gate.active:
             st.attach_gate(gate)
         else:
@@ -232,6 +241,21 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
             p.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
     if s.cache.warm_start:
         p.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), files, st, p.notice)
+
+
+def _refuse_what_cannot_follow(p: Loaded, gating: Gating) -> None:
+    """The spec-gate and the lossy modes where the model's gating is one they cannot follow: refused with the
+    reason (bmoe.streaming.gating), before the slab and the workers exist."""
+    s = p.settings
+    lossy = {k: p.words.name(k) for k in ("experts_per_token", "drop_cold", "cache_routing")
+             if getattr(s.lossy, k)}
+    why = lossy_refusal(gating, lossy)
+    if why is None and s.speculation.gate:
+        why = spec_gate_refusal(gating, p.files.arch in ROUTER_NORM)
+        if why is not None:
+            why += f"; run without {p.words.name('spec_gate')}"
+    if why is not None:
+        raise ConfigError(why)
 
 
 def _dense_read(p: Loaded, ranges: list[tuple[int, int]]) -> None:

@@ -22,7 +22,7 @@ import os
 import threading
 
 from bmoe import seam
-from bmoe.base.model_files import EXPERT_TENSOR, ModelFiles
+from bmoe.base.model_files import ModelFiles
 from bmoe.shm_cache import PAGE
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -33,10 +33,11 @@ READ_CHUNK = 8 << 20  # bytes per read request of the dense read-ahead
 
 
 def file_spans(files: ModelFiles) -> list[tuple[int, int, int]]:
-    """(file index, offset, length) of every non-expert tensor's bytes, page-aligned, adjacent ones
-    merged: what the first token reads through llama.cpp's mapping."""
+    """(file index, offset, length) of every dense tensor's bytes (`ModelFiles.dense_names`: no expert,
+    no MTP layer, no table llama.cpp reads lazily), page-aligned, adjacent ones merged: what the first
+    token reads through llama.cpp's mapping."""
     spans = sorted((e.file_index, e.offset - e.offset % PAGE, -(-(e.offset + e.nbytes) // PAGE) * PAGE)
-                   for name, e in files.extents.items() if not EXPERT_TENSOR.match(name) and e.nbytes)
+                   for e in (files.extents[n] for n in files.dense_names()))
     merged: list[list[int]] = []
     for fi, start, end in spans:
         if merged and merged[-1][0] == fi and start <= merged[-1][2]:
@@ -104,7 +105,8 @@ def advise_normal(ranges: list[tuple[int, int]]) -> None:
 
 
 def dense_ranges(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[tuple[int, int]]:
-    """Page-aligned (address, length) of every non-expert tensor in llama.cpp's mapping, merged.
+    """Page-aligned (address, length) of every dense tensor (`ModelFiles.dense_names`) in llama.cpp's
+    mapping, merged.
 
     llama.cpp maps each file whole and points a tensor at `mapping + file offset`; an expert
     tensor's data pointer, read before it is rebound into the slab's pools, gives each file's mapping.
@@ -114,8 +116,7 @@ def dense_ranges(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[tu
         ext = files.extents[t.name]
         base.setdefault(ext.file_index, seam.tensor_at(t.addr).data - ext.offset)
     spans = sorted((base[e.file_index] + e.offset, base[e.file_index] + e.offset + e.nbytes)
-                   for name, e in files.extents.items()
-                   if not EXPERT_TENSOR.match(name) and e.file_index in base and e.nbytes)
+                   for e in (files.extents[n] for n in files.dense_names()) if e.file_index in base)
     merged: list[list[int]] = []
     for start, end in spans:
         start, end = start - start % PAGE, -(-end // PAGE) * PAGE

@@ -13,6 +13,7 @@ from bmoe.seam.graph import (
     Capture,
     EvalHook,
     ExpertBias,
+    ExpertScale,
     ExpertTensor,
     NodeTap,
     deliver,

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from bmoe.seam import eval_filter, omp_wait  # noqa: F401 (omp_wait: before llama_cpp loads libgomp)
 
@@ -59,10 +59,14 @@ DOWN_INPUT_PREFIX = b"ffn_moe_"  # every down-matmul input seen so far (swiglu, 
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$")
 _BIAS_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.bias$")
+_SCALE_NAME = re.compile(r"^blk\.(\d+)\.(ffn_\w+_exps)\.scale$")
 _TOPK_NAME = re.compile(r"^ffn_moe_topk-(\d+)$")
 _WEIGHTS_NAME = re.compile(r"^ffn_moe_weights-(\d+)$")
 _LOGITS_NAME = re.compile(r"^ffn_moe_logits-(\d+)$")
 _NORM_NAME = re.compile(r"^ffn_moe_weights_(norm|softmax)-(\d+)$")
+# the nodes that say how a layer routes (build_moe_ffn): its gating op, a selection bias, a group limit,
+# weights multiplied into the experts' input (llama4)
+_GATING_NAME = re.compile(r"^ffn_moe_(probs|probs_biased|group_topk|weighted)-(\d+)$")
 # how a layer turns its gathered router weights into the experts' weights (build_moe_ffn): divided by
 # their sum (`ffn_moe_weights_norm-L`), a softmax over them (`ffn_moe_weights_softmax-L`: the weights
 # node then holds logits), or used as gathered
@@ -79,6 +83,10 @@ libggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
 libggml.ggml_nbytes.restype = ctypes.c_size_t
 libggml.ggml_tensor_overhead.argtypes = []
 libggml.ggml_tensor_overhead.restype = ctypes.c_size_t
+libggml.ggml_get_unary_op.argtypes = [ctypes.c_void_p]
+libggml.ggml_get_unary_op.restype = ctypes.c_int
+libggml.ggml_unary_op_name.argtypes = [ctypes.c_int]
+libggml.ggml_unary_op_name.restype = ctypes.c_char_p
 
 
 def op_code(name: str) -> int:
@@ -96,6 +104,16 @@ GGML_OP_MUL_MAT_ID = op_code("MUL_MAT_ID")
 GGML_OP_ADD_ID = op_code("ADD_ID")
 GGML_OP_GET_ROWS = op_code("GET_ROWS")
 GGML_OP_VIEW = op_code("VIEW")
+GGML_OP_REPEAT = op_code("REPEAT")
+GGML_OP_UNARY = op_code("UNARY")
+
+
+def op_of(addr: int) -> str:
+    """A node's op by ggml's name, a unary op's by its own (SIGMOID, not UNARY)."""
+    t = tensor_at(addr)
+    if t.op == GGML_OP_UNARY:
+        return (libggml.ggml_unary_op_name(libggml.ggml_get_unary_op(addr)) or b"?").decode()
+    return (libggml.ggml_op_name(t.op) or b"?").decode()
 
 
 def tensor_at(addr: int) -> GgmlTensor:
@@ -218,7 +236,8 @@ class ExpertTensor:
 @dataclass
 class ExpertBias:
     """One `blk.L.ffn_*_exps.bias` tensor (gpt-oss): F32 rows [n_out, n_expert], row e added by
-    ggml_add_id to the matmul output of the token routed to expert e."""
+    ggml_add_id to the matmul output of the token routed to expert e. ggml_add_id reads the tensor
+    itself when it computes, so it may be rebound at any time (`graph_fixed` False)."""
 
     addr: int
     name: str
@@ -227,6 +246,7 @@ class ExpertBias:
     data: int  # llama.cpp's own rows, in the model file's mapping
     n_expert: int
     row_bytes: int
+    graph_fixed: ClassVar[bool] = False
 
     def rows(self) -> np.ndarray:
         """The file's rows, one per expert (read-only, no copy)."""
@@ -244,23 +264,60 @@ class ExpertBias:
 
 
 @dataclass
+class ExpertScale:
+    """One `blk.L.ffn_*_exps.scale` tensor (gemma4's down scale): F32 [n_expert], the matmul output of
+    the token routed to expert e multiplied by element e. llama.cpp gathers it as
+    GET_ROWS(REPEAT(RESHAPE(scale) -> [1, n_expert, n_tokens]), ids) (build_lora_mm_id): the REPEAT's
+    row count and the RESHAPE's data pointer are taken when the graph is built, so the scale is bound
+    to its pool once, before the graphs that stream are built (bmoe.seam.llama.rebuild_graphs), and a
+    layer with one always reads through the remapped slot ids (`graph_fixed`)."""
+
+    addr: int
+    name: str
+    layer: int
+    kind: str  # "ffn_down_exps.scale": its own pools, apart from a bias of the same experts
+    data: int
+    n_expert: int
+    row_bytes: int = 4
+    graph_fixed: ClassVar[bool] = True
+
+    def rows(self) -> np.ndarray:
+        """The file's elements as [n_expert, 1] rows (read-only, no copy)."""
+        buf = (ctypes.c_char * (self.n_expert * 4)).from_address(self.data)
+        return np.frombuffer(buf, dtype=np.float32).reshape(self.n_expert, 1)  # type: ignore[call-overload]
+
+    def rebind(self, data_addr: int, n_rows: int) -> None:
+        """Point the scale at `n_rows` elements from data_addr (only before the graphs are built)."""
+        t = tensor_at(self.addr)
+        t.data = data_addr
+        t.ne[0] = n_rows
+        t.nb[1] = t.nb[2] = t.nb[3] = 4 * n_rows
+
+
+@dataclass
 class Capture:
     """What one warm-up decode reveals: expert tensors, the layers that route, and whether the
     routed ids may be overwritten with slot indices.
 
     Every node is visited in graph order (the ask=True calls). For the remap, each layer's
     `ffn_moe_weights-L` must be a GET_ROWS of its `ffn_moe_topk-L` ids computed before any
-    matmul that reads them, and nothing but those matmuls, the ADD_IDs of expert biases and
-    that GET_ROWS may read the ids (or the argsort they view); anything else lands in `bad`.
+    matmul that reads them, and nothing but those matmuls, the ADD_IDs of expert biases, the
+    GET_ROWS of a per-expert scale (REPEAT of a reshaped `blk.L.ffn_*_exps.scale`) and that GET_ROWS
+    may read the ids (or the argsort they view); anything else lands in `bad`.
     """
 
     tensors: dict[int, ExpertTensor] = field(default_factory=dict)
     biases: dict[int, ExpertBias] = field(default_factory=dict)
+    scales: dict[int, ExpertScale] = field(default_factory=dict)
     bad: list[str] = field(default_factory=list)
     down_inputs: dict[bytes, int] = field(default_factory=dict)  # node name -> layer
     weights_at: dict[int, int] = field(default_factory=dict)  # layer -> position of ffn_moe_weights-L
     ids_nodes: dict[int, int] = field(default_factory=dict)  # address of ffn_moe_topk-L (and its argsort) -> layer
     norms: dict[int, str] = field(default_factory=dict)  # layer -> NORM_SUM or NORM_SOFTMAX (absent: NORM_NONE)
+    # layer -> how it routes: "probs" -> the gating node's op (SOFT_MAX, SIGMOID, SQRT of a SOFTPLUS, ...),
+    # "probs_biased"/"group_topk" present with a selection bias / group limit, "weighted" "input" where the
+    # weights scale the experts' input (llama4), "topk" the ids node's op (GET_ROWS: a hash layer's table)
+    gating: dict[int, dict[str, str]] = field(default_factory=dict)
     seen: int = 0
     dry: bool = True  # stop the graph at its first computed node: the nodes are known, the compute not needed
 
@@ -268,8 +325,15 @@ class Capture:
         t = tensor_at(addr)
         self.seen += 1
         name = tensor_name(addr)
+        mg = _GATING_NAME.match(name)
+        if mg:
+            layer = int(mg.group(2))
+            first = not any(x.layer == layer for x in self.tensors.values())
+            self.gating.setdefault(layer, {})[mg.group(1)] = (
+                ("input" if first else "output") if mg.group(1) == "weighted" else op_of(addr))
         mt = _TOPK_NAME.match(name)
         if mt:
+            self.gating.setdefault(int(mt.group(1)), {})["topk"] = op_of(addr)
             self.ids_nodes[addr] = int(mt.group(1))
             if t.op == GGML_OP_VIEW and t.src[0]:
                 self.ids_nodes[t.src[0]] = int(mt.group(1))
@@ -288,8 +352,10 @@ class Capture:
             if mw and t.op == GGML_OP_GET_ROWS and t.src[1] in self.ids_nodes \
                     and int(mw.group(1)) == self.ids_nodes[t.src[1]]:
                 self.weights_at[int(mw.group(1))] = self.seen
+            elif t.op == GGML_OP_GET_ROWS and t.src[1] in self.ids_nodes and t.src[0] not in self.ids_nodes:
+                self._scale(t, name)
             else:
-                self.bad.append(f"node {name} reads the routed ids of layer {read[0]} (the remap would change it)")
+                self.bad.append(_id_reader(t, name, read[0]))
 
     def _matmul(self, t: GgmlTensor) -> None:
         w, ids = t.src[0], t.src[2]
@@ -298,7 +364,8 @@ class Capture:
         wname, iname = tensor_name(w), tensor_name(ids) if ids else ""
         m, mi = _EXPERT_NAME.match(wname), _TOPK_NAME.match(iname)
         if not m or not mi or m.group(1) != mi.group(1):
-            self.bad.append(f"{wname} routed by {iname or '?'}")
+            self.bad.append(f"an expert matmul of {wname} routed by {iname or '?'}, not a blk.L.ffn_*_exps.weight "
+                            "routed by its layer's ffn_moe_topk-L")
             return
         layer = int(m.group(1))
         if layer not in self.weights_at:
@@ -319,6 +386,24 @@ class Capture:
             if name.startswith(DOWN_INPUT_PREFIX) and name.endswith(f"-{m.group(1)}".encode()):
                 self.down_inputs[name] = layer
 
+    def _scale(self, t: GgmlTensor, name: str) -> None:
+        """A GET_ROWS of the ids that is not the router weights': only a per-expert scale's, gathered
+        from the REPEAT of its reshaped [n_expert] F32 tensor, may read them."""
+        layer = self.ids_nodes[t.src[1]]
+        rep = tensor_at(t.src[0])
+        shaped = tensor_at(rep.src[0]) if rep.op == GGML_OP_REPEAT and rep.src[0] else None
+        w: int = (shaped.view_src or shaped.src[0] or 0) if shaped is not None else 0
+        m = _SCALE_NAME.match(tensor_name(w)) if w else None
+        st = tensor_at(w) if w else None
+        if m is None or st is None or int(m.group(1)) != layer or st.type != 0 or st.view_src \
+                or int(st.ne[1]) * int(st.ne[2]) * int(st.ne[3]) != 1 or int(st.nb[0]) != 4 \
+                or int(rep.ne[1]) != int(st.ne[0]):
+            self.bad.append(_id_reader(t, name, layer))
+            return
+        if w not in self.scales:
+            self.scales[w] = ExpertScale(addr=w, name=tensor_name(w), layer=layer, kind=m.group(2) + ".scale",
+                                         data=st.data, n_expert=int(st.ne[0]))
+
     def _bias(self, t: GgmlTensor) -> None:
         b = t.src[1]
         bname = tensor_name(b) if b else "?"
@@ -331,6 +416,13 @@ class Capture:
         if b not in self.biases:
             self.biases[b] = ExpertBias(addr=b, name=bname, layer=int(m.group(1)), kind=m.group(2), data=bt.data,
                                         n_expert=int(bt.ne[1]), row_bytes=int(bt.nb[1]))
+
+
+def _id_reader(t: GgmlTensor, name: str, layer: int) -> str:
+    """What `Capture.bad` says of a node the remap cannot serve: the missing piece, in one phrase."""
+    op = (libggml.ggml_op_name(t.op) or b"?").decode()
+    return (f"its {op} node '{name}' reads layer {layer}'s routed expert ids, and the slot remap serves only "
+            "expert matmuls, expert biases, per-expert scales and the router weights (the remap would change it)")
 
 
 _decoding: EvalHook | None = None

@@ -103,6 +103,15 @@ def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, ev
     return ctx
 
 
+def rebuild_graphs(ctx: Context, model: LlamaModel) -> None:
+    """Make the context build and reserve every graph afresh at its next decode: a weight whose shape
+    a graph takes when it is built (an expert scale's REPEAT, bmoe.seam.graph.ExpertScale) was
+    rebound. Clearing the control vector (none is set; llama_set_adapter_cvec with no data) is the
+    public call that marks the scheduler for a new reserve, which drops every graph kept for reuse."""
+    if llama_cpp.llama_set_adapter_cvec(ctx, None, 0, llama_cpp.llama_model_n_embd(model), -1, -1) != 0:
+        raise ModelError("llama.cpp refused to rebuild its graphs")
+
+
 def grammar_sampler(vocab: Vocab, gbnf: Gbnf) -> Sampler:
     """llama.cpp's grammar sampler for `gbnf` (lazy when it has triggers); GrammarError naming llama.cpp's
     complaint when it does not parse."""

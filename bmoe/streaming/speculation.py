@@ -23,6 +23,7 @@ import msgpack
 from bmoe.base.model_files import ModelFiles
 from bmoe.base.settings import SpecSettings
 from bmoe.shm_cache import Slab
+from bmoe.streaming.gating import Gating
 
 RING_SLOTS = 8
 HANG_S = 5.0
@@ -32,7 +33,7 @@ class SpecGate:
     """One spec-gate worker process and its ring."""
 
     def __init__(self, files: ModelFiles, layers: list[int], n_embd: int, spec: SpecSettings,
-                 shm_backend: str, notice: Callable[[str], None]) -> None:
+                 shm_backend: str, notice: Callable[[str], None], gating: Gating | None = None) -> None:
         self.notice = notice
         self.confidence = Confidence(files.n_expert, spec.precision)
         self.n_embd = n_embd
@@ -48,6 +49,7 @@ class SpecGate:
         cmd = [sys.executable, "-m", "bmoe.workers.spec_gate", "--ring", self.ring.name,
                "--slots", str(RING_SLOTS), "--embd", str(n_embd), "--arch", files.arch,
                "--top-k", str(files.n_expert_used), "--layers", ",".join(map(str, layers)),
+               *(["--gating", gating.func, "--groups", "{},{}".format(*gating.groups)] if gating else []),
                *[str(p) for p in files.paths]]
         try:  # a signal while the gate starts (it reads every router) must not leave it or the ring behind
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)

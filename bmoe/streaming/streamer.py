@@ -65,7 +65,7 @@ class Streamer:
 
     def __init__(self, files: ModelFiles, regions: list[Region], tensors: list[seam.ExpertTensor], budget: int,
                  streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0,
-                 biases: Sequence[seam.ExpertBias] = (), spare: bool = False) -> None:
+                 biases: Sequence[seam.ExpertBias | seam.ExpertScale] = (), spare: bool = False) -> None:
         self.files = files
         self.n_expert = max(r.n_expert for r in regions)
         self.slab = Slab(layout(regions, spare, regions[0].align), streaming.shm_backend)
@@ -81,7 +81,8 @@ class Streamer:
         self.layer_tensors: dict[int, list[tuple[seam.ExpertTensor, Region]]] = {}
         for r in regions:
             self.layer_tensors.setdefault(r.layer, []).append((self.tensors[r.name], r))
-        self.biases: dict[int, list[tuple[seam.ExpertBias, np.ndarray, np.ndarray]]] = {}
+        # per layer: its expert biases and scales, each with the file's rows and the pool they follow the slots in
+        self.biases: dict[int, list[tuple[seam.ExpertBias | seam.ExpertScale, np.ndarray, np.ndarray]]] = {}
         bias_pools: dict[tuple[str, int], np.ndarray] = {}  # (kind, row bytes) -> rows by slot index
         for b in biases:
             pool = bias_pools.get((b.kind, b.row_bytes))
@@ -91,6 +92,8 @@ class Streamer:
             self.biases.setdefault(b.layer, []).append((b, b.rows(), pool))
         if self.biases:
             self.cache.on_assign = self._bias_rows
+        # layers whose rows a graph fixes when it is built (expert scales): never bound direct
+        self.slot_bound = {layer for layer, bs in self.biases.items() if any(b.graph_fixed for b, _, _ in bs)}
         self.direct: dict[int, tuple[int, int]] = {}  # layer -> (base, cache.moved) while bound direct
         for layer in self.layer_tensors:
             self._bind(layer, None)
@@ -200,10 +203,11 @@ class Streamer:
     def run_through(self, layer: int) -> bool:
         """A layer whose every expert is resident under a budget that holds them all, at slots in
         expert order, needs no stop: its tensors are bound to read the experts by their own ids
-        (and its lookups count as hits). A layer that stops again is bound back to the whole pool first."""
+        (and its lookups count as hits). A layer that stops again is bound back to the whole pool first.
+        A layer with an expert scale always stops (its scale's pool is fixed in the graph)."""
         c = self.cache
         bound = self.direct.get(layer)
-        if c.layer_complete(layer):
+        if c.layer_complete(layer) and layer not in self.slot_bound:
             if bound is None or bound[1] != c.moved[layer]:
                 base = c.direct_base(layer)
                 if base is not None:

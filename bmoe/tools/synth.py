@@ -41,11 +41,12 @@ from bmoe.tools.synth_archs import (
 from bmoe.tools.synth_blocks import ChunkWriter, tensor_data
 from bmoe.tools.synth_like import LIKES, shape_from_like
 from bmoe.tools.synth_shape import (
-    ARCHES,
     GGML_TYPE,
     K_QUANTS,
     QUANTS,
+    REFUSED_ARCHES,
     ROUTER_TYPES,
+    STREAMED_ARCHES,
     SYNTH_ARCHES,
     Plan,
     Shape,
@@ -214,8 +215,8 @@ _ARCH_NOTE = (
     "loader asks for, with each architecture's own parts (shared experts and their gates, leading dense "
     "layers, selection biases and sigmoid or group-limited routing, recurrent layers, hyper-connections, "
     "sparse-attention indexers, hash-routed layers), sized from --embd, --ff and --layers. bmoe streams "
-    "{streamed}; plain llama.cpp runs the others (bmoe-cli --no-stream), and docs/architectures.md says what "
-    "streaming each of them needs.\n--fused-gate-up writes the experts' gate and up as one ffn_gate_up_exps "
+    "{streamed}; it refuses {refused}, which plain llama.cpp runs (bmoe-cli --no-stream), and "
+    "docs/architectures.md says why.\n--fused-gate-up writes the experts' gate and up as one ffn_gate_up_exps "
     "({fused}); --mtp adds a trailing multi-token-prediction layer ({mtp})."
 )
 _EPILOG = """\
@@ -243,8 +244,7 @@ of the real file's size where one was published (--plan prints the file it is co
 weights are random and the tokenizer is bmoe-synth's own, padded with unused tokens to the real
 vocabulary size. Known: {names}.
 gemma-4-26b-a4b, qwen3.6-35b-a3b, qwen3.8-flash-next, glm-5.2 and deepseek-v4-flash are written
-with their real architectures' tables, which the pinned llama.cpp loads (bmoe-cli --no-stream),
-but bmoe does not stream those architectures yet.
+with their real architectures' tables.
 --like TRACE.csv takes the shape from a route_trace v1 header: a known model (by the file name in
 the header) with the trace's top-k, else a shape whose experts have the header's bytes per layer.
 
@@ -275,9 +275,9 @@ def _print_plan(plan: Plan, like: str) -> None:
 
 
 def _warn_if_not_streamed(arch: str) -> None:
-    if arch not in ARCHES:
-        print(f"bmoe-synth: note: bmoe does not stream {arch} yet; plain llama.cpp runs it (bmoe-cli --no-stream); "
-              f"docs/architectures.md says what streaming it needs", file=sys.stderr)
+    if arch in REFUSED_ARCHES:
+        print(f"bmoe-synth: note: bmoe cannot stream {arch}; plain llama.cpp runs it (bmoe-cli --no-stream); "
+              f"docs/architectures.md says why", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a random-weight Mixture-of-Experts GGUF model that llama.cpp can run.",
         epilog=_EPILOG.format(names=", ".join(LIKES), arch_note="\n".join(
             textwrap.fill(part, 100) for part in _ARCH_NOTE.format(
-                arches=", ".join(SYNTH_ARCHES), streamed=", ".join(ARCHES), fused=", ".join(FUSED_ARCHES),
+                arches=", ".join(SYNTH_ARCHES), streamed=", ".join(STREAMED_ARCHES),
+                refused=", ".join(REFUSED_ARCHES), fused=", ".join(FUSED_ARCHES),
                 mtp=", ".join(MTP_ARCHES)).split("\n"))),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -38,6 +38,17 @@ FUSED_ARCHES: tuple[str, ...] = ("gemma4", "qwen35moe", "qwen3next", "qwen4exp",
 # The loaders with an optional trailing multi-token-prediction layer (nextn_predict_layers).
 MTP_ARCHES: tuple[str, ...] = ("qwen35moe", "qwen3next", "glm4moe", "glm-dsa", "deepseek2", "deepseek4",
                                "bailingmoe2", "bailingmoe3")
+# The norm weights llama.cpp applies to the router's input (src/models/<arch>.cpp; the predictor's own table
+# is bmoe.workers.routers.ROUTER_NORM): written with a spread for the architectures bmoe-synth added in issue
+# 39 (the older ones keep their bytes), see _Table.add
+SCALED_NORMS = {
+    "qwen35moe": "post_attention_norm.weight", "qwen3next": "post_attention_norm.weight",
+    "glm4moe": "post_attention_norm.weight", "glm-dsa": "ffn_norm.weight", "deepseek2": "ffn_norm.weight",
+    "llama4": "ffn_norm.weight", "lfm2moe": "ffn_norm.weight", "bailingmoe2": "ffn_norm.weight",
+    "bailingmoe3": "ffn_norm.weight", "minimax-m2": "ffn_norm.weight",
+}
+# grovemoe's chunk experts: one per GROVE_GROUP routed experts, GROVE_CHUNK_FF wide
+GROVE_GROUP, GROVE_CHUNK_FF = 2, 64
 # llama_expert_gating_func_type (src/llama-hparams.h)
 _SOFTMAX, _SIGMOID, _SQRT_SOFTPLUS = 1, 2, 4
 _CONTEXT_LENGTH = 4096
@@ -53,6 +64,10 @@ class _Table:
 
     def add(self, name: str, shape: tuple[int, ...], role: str = "", layer: int = -1, fill: str = "normal",
             std: float = 0.0) -> None:
+        if fill == "ones" and layer >= 0 and name.endswith("." + SCALED_NORMS.get(self.s.arch, "-")):
+            # the norm before the router: a trained model's scales each channel its own way, and at one
+            # everywhere the spec-gate's norm swap (bmoe.workers.routers) would be an identity
+            fill, std = "positive", 0.3
         self.rows.append((name, shape, role, layer, fill, std))
 
     def block(self, i: int) -> Callable[..., None]:
@@ -168,7 +183,7 @@ def _mla(t: Callable[..., None], s: Shape, *, split_kv_b: bool = True) -> None:
 
 def _table_old(s: Shape, tb: _Table) -> None:
     """qwen3moe, qwen2moe, llama, olmoe, gpt-oss and gemma4, in the order bmoe-synth always wrote them
-    (a file of these keeps its bytes)."""
+    (a file of these keeps its bytes), and grovemoe (qwen3moe's with chunk experts)."""
     e = s.embd
     gpt_oss, gemma = s.arch == "gpt-oss", s.arch == "gemma4"
     tb.add("token_embd.weight", (s.n_vocab, e), "token_embd", fill="normal", std=1.0)
@@ -188,7 +203,7 @@ def _table_old(s: Shape, tb: _Table) -> None:
             t("attn_q.bias", (q_dim,), std=0.02)
             t("attn_k.bias", (kv_dim,), std=0.02)
             t("attn_v.bias", (kv_dim,), std=0.02)
-        if s.arch in ("qwen3moe", "gemma4"):
+        if s.arch in ("qwen3moe", "gemma4", "grovemoe"):
             t("attn_q_norm.weight", (hd,), fill="ones")
             t("attn_k_norm.weight", (hd,), fill="ones")
         if s.arch == "olmoe":
@@ -219,6 +234,11 @@ def _table_old(s: Shape, tb: _Table) -> None:
             t("ffn_gate_exps.weight", (s.experts, s.ff, e), "exps_gate", std=e**-0.5)
             t("ffn_up_exps.weight", (s.experts, s.ff, e), "exps_up", std=e**-0.5)
         t("ffn_down_exps.weight", (s.experts, e, s.ff), "exps_down", std=s.ff**-0.5)
+        if s.arch == "grovemoe":  # the chunk experts: one per experts_per_group (2) routed experts
+            ch = s.experts // GROVE_GROUP
+            t("ffn_gate_chexps.weight", (ch, GROVE_CHUNK_FF, e), "exps_gate", std=e**-0.5)
+            t("ffn_up_chexps.weight", (ch, GROVE_CHUNK_FF, e), "exps_up", std=e**-0.5)
+            t("ffn_down_chexps.weight", (ch, e, GROVE_CHUNK_FF), "exps_down", std=GROVE_CHUNK_FF**-0.5)
         if gemma:  # the per-expert scale of the down projection (its generic .scale slot): each expert its
             # own, so that reading another expert's scale changes the output
             t("ffn_down_exps.scale", (s.experts,), fill="positive", std=0.3)
@@ -613,8 +633,12 @@ def _gdn_keys(w: GGUFWriter, s: Shape, a: str) -> None:
 
 def _keys_old(w: GGUFWriter, s: Shape, a: str) -> None:
     """The keys of the architectures bmoe-synth always wrote, in their order (their files keep their bytes)."""
-    if a in ("qwen3moe", "qwen2moe", "gpt-oss", "gemma4"):
+    if a in ("qwen3moe", "qwen2moe", "gpt-oss", "gemma4", "grovemoe"):
         w.add_uint32(f"{a}.expert_feed_forward_length", s.ff)
+    if a == "grovemoe":
+        w.add_uint32(f"{a}.expert_chunk_feed_forward_length", GROVE_CHUNK_FF)
+        w.add_float32(f"{a}.expert_group_scale", 0.5)
+        w.add_uint32(f"{a}.experts_per_group", GROVE_GROUP)
     if a == "qwen2moe":
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", s.ff)
     if a in ("gpt-oss", "gemma4"):
@@ -815,7 +839,7 @@ def defaults(s: Shape) -> Shape:
     """`s` (from bmoe-synth's flags) with what its architecture adds, sized from its embd, ff and
     layers: a small model with every part of the real one."""
     a, hd, f = s.arch, s.head_dim, s.ff
-    if a in ARCHES:
+    if a in ARCHES or a == "grovemoe":
         return s
     if a == "gemma4":
         return replace(s, dense_ff=f, full_every=2, full_head_dim=2 * hd, full_kv_heads=1)
@@ -920,6 +944,8 @@ def shape_from_flags(
                          f"ffn_gate_up_exps is for {', '.join(FUSED_ARCHES)}")
     if mtp and arch not in MTP_ARCHES:
         raise ValueError(f"the {arch} loader has no MTP layer; --mtp is for {', '.join(MTP_ARCHES)}")
+    if arch == "grovemoe" and experts % GROVE_GROUP:
+        raise ValueError(f"grovemoe's experts come in groups of {GROVE_GROUP}: give an even --experts")
     if arch == "deepseek4" and experts < 2 * top_k:
         raise ValueError("deepseek4's hash layers need at least 2 x top_k experts")
     shape = Shape(arch, layers, experts, top_k, embd, ff, quant, router, fused=fused, mtp=int(mtp))

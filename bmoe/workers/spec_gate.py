@@ -49,13 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, required=True)
     ap.add_argument("--layers", required=True, help="comma-separated MoE layers")
     ap.add_argument("--no-rescale", action="store_true")
+    ap.add_argument("--gating", choices=routers.GATINGS, default="softmax", help="the layers' gating op")
+    ap.add_argument("--groups", default="0,0", help="expert_group_count,expert_group_used_count (0,0: no limit)")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator stops us by closing stdin
     out = sys.stdout.buffer
     try:
         layers = [int(x) for x in a.layers.split(",")]
-        predictor = routers.Predictor(routers.load_routers(a.files, a.arch, layers), a.top_k, not a.no_rescale)
+        count, used = (int(x) for x in a.groups.split(","))
+        predictor = routers.Predictor(routers.load_routers(a.files, a.arch, layers), a.top_k, not a.no_rescale,
+                                      a.gating, (count, used))
     except (routers.RouterError, OSError, ValueError) as e:
         out.write(msgpack.packb(["hello", False, str(e)]))
         out.flush()
