@@ -114,3 +114,16 @@ def test_bytes_by_cause_replays_a_recorded_routing(small_moe: Path, tmp_path: Pa
     # prompt did not route is read once
     assert all(abs(m - lookups) < 0.051 for m in tight.values()), (tight, lookups)
     assert all(abs(m - len(decode - prompt) / len(t.routes)) < 0.051 for m in roomy.values()), (roomy, decode - prompt)
+
+
+def test_hook_costs_counts_the_stops_and_calls_per_token(small_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "costs.json"
+    r = _run(sys.executable, BENCH / "hook_costs.py", "--json", out, "--", "-m", small_moe, "-n", "6", "-t", "1",
+             "--cache-mb", "0.6", "--force", "--no-overlap")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["tokens"] == 6 and res["wall_ms"] > 0, res
+    # serial streaming with a cache below the working set: every one of the 4 MoE layers stops and routes, each token
+    assert res["hook"]["stops (graph splits)"] == 4 and res["hook"]["nodes (ask=True)"] > 4, res["hook"]
+    assert res["functions"]["Streamer.on_route"]["calls"] == 4, res["functions"]
+    assert re.search(r"^Streamer\.on_route +4\.0 ", r.stderr, re.M), r.stderr
