@@ -10,6 +10,9 @@ included) on the model file's own expert layout, token by token, through:
   cache without its slot-index pools (groups of layers with the same tensor sizes, and classes
   within them), whose indices an expert of another pool cannot take;
 - `<policy> order, exact charge`: the same, each expert charged its own bytes (as the original does);
+- `<policy> order, slot charge, prompt cold but its last N`: the prompt's experts admitted at the cold
+  end (as reads ahead are), those of its last N tokens (`--warm-prompt`) as uses: what decode gains
+  when the cache does not take the whole prompt's routing for hot;
 - `original LRU`: the C++ original's cache (BigMoeOnEdge, expert_stream_source.cpp): one LRU list of
   whole experts, the prompt's ids promoted token-major, each expert charged its bytes, evicted after
   the layer's reads while over budget (never one the layer just used). With `--original-trace`
@@ -97,15 +100,17 @@ def bmoe_cache(t: Trace, shape: Shape, budget: int, policy: str) -> tuple[Misses
     return out, held
 
 
-def policy_order(t: Trace, shape: Shape, budget: int, policy: str, charge: dict[int, int]
+def policy_order(t: Trace, shape: Shape, budget: int, policy: str, charge: dict[int, int], warm_prompt: int = -1
                  ) -> tuple[Misses, set[tuple[int, int]]]:
     """Whole experts evicted in the policy's own order before each layer's reads (the current layer's
-    kept), each charged `charge[layer]`: a cache with no slot pools, the policy deciding alone."""
+    kept), each charged `charge[layer]`: a cache with no slot pools, the policy deciding alone. With
+    `warm_prompt` >= 0 the prompt's experts enter at the cold end (as reads ahead do) except those of
+    its last `warm_prompt` tokens."""
     pol = make_policy(policy, sorted(shape.by_layer))
     resident: set[tuple[int, int]] = set()
     used = 0
 
-    def step(layer: int, experts: list[int]) -> list[tuple[int, int]]:
+    def step(layer: int, experts: list[int], cold: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         nonlocal used
         pol.begin(layer)
         keys = [(layer, ri, e) for ri in shape.by_layer[layer] for e in experts]
@@ -129,13 +134,14 @@ def policy_order(t: Trace, shape: Shape, budget: int, policy: str, charge: dict[
             resident.add((layer, e))
             used += charge[layer]
             for ri in shape.by_layer[layer]:
-                pol.admit((layer, ri, e))
+                pol.admit((layer, ri, e), speculative=e in cold)
         return [(layer, e) for e in missing]
 
     for layer in t.layers:
         ids = prompt_ids(t, layer)
         if ids:
-            step(layer, sorted(set(ids)))
+            last = {e for row in t.prompt[len(t.prompt) - warm_prompt:] for e in row.get(layer, ())}
+            step(layer, sorted(set(ids)), frozenset(set(ids) - last) if warm_prompt >= 0 else frozenset())
     held = set(resident)
     out: Misses = []
     for routes in t.routes:
@@ -215,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bmoe-csv", type=Path, help="bmoe's per-token CSV of a live run on this routing")
     p.add_argument("--original-csv", type=Path, help="the original's per-token CSV of a live run on this routing")
     p.add_argument("--tokens", type=int, default=32, help="per-token columns shown (default 32)")
+    p.add_argument("--warm-prompt", type=int, default=2, metavar="N",
+                   help="also replay each policy's order with the prompt's experts admitted cold except its last N "
+                        "tokens' (default 2; -1: leave that row out)")
     a = p.parse_args(argv)
     for f in (a.model, a.trace, a.original_trace, a.bmoe_csv, a.original_csv):
         if f is not None and not f.is_file():
@@ -232,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(f"bmoe {pol}", lambda pol=pol: bmoe_cache(t, shape, budget, pol)),
                  (f"{pol} order, slot charge", lambda pol=pol: policy_order(t, shape, budget, pol, shape.slot)),
                  (f"{pol} order, exact charge", lambda pol=pol: policy_order(t, shape, budget, pol, shape.exact))]
+        if a.warm_prompt >= 0:
+            runs.append((f"{pol} order, slot charge, prompt cold but its last {a.warm_prompt}",
+                         lambda pol=pol: policy_order(t, shape, budget, pol, shape.slot, a.warm_prompt)))
     first = {(lay, e) for lay, es in t.routes[0].items() for e in es} if t.routes else set()
     results = {}
     for name, fn in runs:
