@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
 import signal
 import statistics
@@ -259,6 +260,7 @@ def run_one(a: argparse.Namespace, arm: Arm, cap: int, rnd: int, index: int, cg_
     if cap and not warm:
         argv = [str(a.flash_limit), str(cap), "--file", str(a.model), "--", *argv]
     (runs / f"{stem}.cmd").write_text(shlex.join(argv) + "\n")
+    busy0, own0 = busy_seconds(), children_cpu_seconds()
     t0 = time.monotonic()
     proc = sampler = None
     try:
@@ -280,7 +282,10 @@ def run_one(a: argparse.Namespace, arm: Arm, cap: int, rnd: int, index: int, cg_
             rec["peak_cgroup_mib"] = round((cgroup.peak_bytes() or 0) / MiB, 1)
             rec["oom_kills"] = cgroup.oom_kills()
             cgroup.remove()
-    rec["elapsed_s"] = round(time.monotonic() - t0, 2)
+    elapsed = time.monotonic() - t0
+    others = busy_seconds() - busy0 - (children_cpu_seconds() - own0)
+    rec["elapsed_s"] = round(elapsed, 2)
+    rec["others_cpu_pct"] = round(100 * others / (elapsed * (os.cpu_count() or 1)), 1) if elapsed > 0 else None
     rec["exit"] = rc
     rec["disk_read_mib"] = round(sampler.read_bytes / MiB, 1) if sampler else None
     stdout = (runs / f"{stem}.out").read_text(errors="replace")
@@ -291,6 +296,19 @@ def run_one(a: argparse.Namespace, arm: Arm, cap: int, rnd: int, index: int, cg_
     if not rec["ok"]:
         rec["stderr_tail"] = "\n".join((runs / f"{stem}.err").read_text(errors="replace").splitlines()[-8:])
     return rec
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (a run's whole process tree once it is reaped)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def wait_for_load(a: argparse.Namespace) -> float | None:
@@ -384,7 +402,7 @@ def summarize(recs: list[dict], bw: float | None) -> list[dict]:
         row = {"cap": cap, "arm": arm, "kind": rs[0]["kind"], "runs": len(rs), "ok": len(ok),
                "tok_s_each": [round(r["tok_s"], 3) for r in ok]}
         for k in ("tok_s", "mib_per_token", "experts_per_token", "hit_pct", "mgmt_s", "compute_s", "stall_s",
-                  "peak_cgroup_mib", "disk_read_mib"):
+                  "peak_cgroup_mib", "disk_read_mib", "others_cpu_pct"):
             row[k] = med([r.get(k) for r in ok])
         mib = row["mib_per_token"]
         rate = cap or bw
@@ -431,6 +449,8 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
         f"{a.repeats} round(s), arms in this order each round: {', '.join(x.name for x in arms)}",
         f"- O_DIRECT random expert-slice reads, {a.lanes} threads: {fmt(bw.get('before'), 0)} MiB/s before, "
         f"{fmt(bw.get('after'), 0)} after (the uncapped I/O bound uses their mean)",
+        "- others' CPU %: the CPU time the rest of the machine used during a run, as a share of all cores "
+        "(/proc/stat's busy time less the run's own process tree's): what a run competed with",
         f"- load average (1 min) at start {started['load']:.2f}, at end {ended['load']:.2f}; "
         f"{started['time']} to {ended['time']}",
     ]
@@ -454,8 +474,8 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
               "compute waited for reads (serial runs: the time blocked on reads). I/O bound = cap (uncapped: "
               "the measured rate) ÷ MiB/token; compute bound = plain llama.cpp, file warm, no limit.", "",
               "| cap | arm | ok/runs | tok/s (each) | MiB/token | experts/token | hit % | mgmt s/tok | compute s/tok "
-              "| stall s/tok | I/O bound | compute bound | share of lower bound | cgroup peak MiB |",
-              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| stall s/tok | I/O bound | compute bound | share of lower bound | cgroup peak MiB | others' CPU % |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         each = ", ".join(f"{x:.2f}" for x in r["tok_s_each"])
         lines.append(
@@ -463,7 +483,8 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
             f"| **{fmt(r['tok_s'])}** ({each}) "
             f"| {fmt(r['mib_per_token'], 1)} | {fmt(r['experts_per_token'], 1)} | {fmt(r['hit_pct'], 1)} "
             f"| {fmt(r['mgmt_s'], 4)} | {fmt(r['compute_s'], 4)} | {fmt(r['stall_s'], 4)} | {fmt(r['io_bound'])} "
-            f"| {fmt(r['compute_bound'])} | {fmt(r['share_of_lower_bound'])} | {fmt(r['peak_cgroup_mib'], 0)} |")
+            f"| {fmt(r['compute_bound'])} | {fmt(r['share_of_lower_bound'])} | {fmt(r['peak_cgroup_mib'], 0)} "
+            f"| {fmt(r['others_cpu_pct'], 0)} |")
     ratios = ab_ratios(recs, arms)
     if ratios:
         lines += ["", f"## Same-run ratios: tok/s ÷ `{arms[0].name}`'s in the same round and cap", "",
@@ -478,7 +499,8 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
                          f"| {statistics.median(rs):.2f} |")
     lines += ["", "## Every run, in order", "",
               "| # | arm | cap | round | exit | tok/s | MiB/token | hit % | mgmt | compute | stall | text = plain's | "
-              "load 1m | elapsed s |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+              "load 1m | others' CPU % | elapsed s |",
+              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in recs:
         text = r.get("text")
         same = "–" if plain_text is None or text is None or a.replay_routes else (
@@ -487,7 +509,7 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
         lines.append(f"| {r['index']} | {name} | {cap_name.get(r['cap'], r['cap'])} | {r['round']} | {r['exit']} "
                      f"| {fmt(r.get('tok_s'))} | {fmt(r.get('mib_per_token'), 1)} | {fmt(r.get('hit_pct'), 1)} "
                      f"| {fmt(r.get('mgmt_s'), 4)} | {fmt(r.get('compute_s'), 4)} | {fmt(r.get('stall_s'), 4)} "
-                     f"| {same} | {r['loadavg_1m']:.2f} | {r['elapsed_s']:.0f} |")
+                     f"| {same} | {r['loadavg_1m']:.2f} | {fmt(r.get('others_cpu_pct'), 0)} | {r['elapsed_s']:.0f} |")
     failed = [r for r in recs if not r["ok"]]
     if failed:
         lines += ["", "## Failed runs", ""]
