@@ -4,6 +4,7 @@ command, and each one that still starts (the long runs themselves need a quiet m
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -67,3 +68,63 @@ def test_policy_cost_replays_a_synthetic_layout() -> None:
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("| synthetic |")]
     assert [row.split("|")[3].strip() for row in rows] == ["lru", "next-use"], r.stdout
+
+
+def test_real_shape_cheap_mode_runs_every_arm_and_reports_bounds(small_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shape"
+    r = _run(sys.executable, BENCH / "real_shape.py", "--cheap", "--no-original", "-m", small_moe, "--out", out,
+             "--bmoe", f"a={REPO}", "--bmoe", f"b={REPO}", timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {(x["arm"], x["cap"]): x for x in json.loads((out / "results.json").read_text())["summary"]}
+    assert set(rows) == {("a", 0), ("b", 0), ("plain", 0)}, rows
+    for arm in ("a", "b"):
+        x = rows[(arm, 0)]
+        assert x["ok"] == 1 and x["tok_s"] > 0 and x["mib_per_token"] is not None and x["compute_bound"] > 0, x
+        assert x["io_bound"] > 0 and x["share_of_lower_bound"] > 0, x
+    report = (out / "report.md").read_text()
+    assert re.search(r"^\| uncapped \| b \| 1/1 \| \*\*[\d.]+\*\*", report, re.M), report
+    assert "compute bound: warm, no limit" in report and "| b | " in report.split("Same-run ratios")[1], report
+    assert "**no**" not in report, report  # every arm's text is plain llama.cpp's
+
+
+def test_bytes_by_cause_replays_a_recorded_routing(small_moe: Path, tmp_path: Path) -> None:
+    from bmoe.streaming.route_trace import Trace
+
+    trace = tmp_path / "small.route.csv"
+    r = _run(sys.executable, "-m", "bmoe.cli", "-m", small_moe, "-p", "Write a story about a dragon.", "-n", "6",
+             "-t", "1", "--cache-mb", "1", "--route-trace", trace)
+    assert r.returncode == 0 and trace.is_file(), r.stderr
+    t = Trace.read(trace)
+    prompt = {(layer, e) for row in t.prompt for layer, es in row.items() for e in es}
+    decode = {(layer, e) for row in t.routes for layer, es in row.items() for e in es}
+    lookups = sum(len(set(es)) for row in t.routes for es in row.values()) / len(t.routes)
+
+    def rows(cache_mb: str) -> dict[str, float]:
+        r = _run(sys.executable, BENCH / "bytes_by_cause.py", "-m", small_moe, "--trace", trace, "--cache-mb", cache_mb)
+        assert r.returncode == 0, r.stderr
+        found = re.findall(r"^\| ([A-Za-z -]+(?:, [a-z]+ charge)?(?:, prompt cold but its last 2)?) \| [\d.]+ "
+                           r"\| ([\d.]+) \| \d+ \| \d+ of \d+ \|$", r.stdout, re.M)
+        return {name: float(misses) for name, misses in found}
+
+    names = {"original LRU", "bmoe next-use", "bmoe lru",
+             *(f"{p} order, {c}" for p in ("next-use", "lru")
+               for c in ("slot charge", "exact charge", "slot charge, prompt cold but its last 2"))}
+    tight, roomy = rows("0.05"), rows("1000")
+    assert set(tight) == names == set(roomy), (tight, roomy)
+    # 0.05 MiB holds no expert between tokens: every lookup is read; 1000 MiB holds all: each expert the
+    # prompt did not route is read once
+    assert all(abs(m - lookups) < 0.051 for m in tight.values()), (tight, lookups)
+    assert all(abs(m - len(decode - prompt) / len(t.routes)) < 0.051 for m in roomy.values()), (roomy, decode - prompt)
+
+
+def test_hook_costs_counts_the_stops_and_calls_per_token(small_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "costs.json"
+    r = _run(sys.executable, BENCH / "hook_costs.py", "--json", out, "--", "-m", small_moe, "-n", "6", "-t", "1",
+             "--cache-mb", "0.6", "--force", "--no-overlap")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["tokens"] == 6 and res["wall_ms"] > 0, res
+    # serial streaming with a cache below the working set: every one of the 4 MoE layers stops and routes, each token
+    assert res["hook"]["stops (graph splits)"] == 4 and res["hook"]["nodes (ask=True)"] > 4, res["hook"]
+    assert res["functions"]["Streamer.on_route"]["calls"] == 4, res["functions"]
+    assert re.search(r"^Streamer\.on_route +4\.0 ", r.stderr, re.M), r.stderr
