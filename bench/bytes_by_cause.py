@@ -43,14 +43,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bmoe.base.model_files import open_model  # noqa: E402
+from bmoe.base.model_files import read_model_files  # noqa: E402
 from bmoe.base.telemetry import read_csv  # noqa: E402
 from bmoe.base.units import MiB  # noqa: E402
+from bmoe.replay.stats import start_after_prompt  # noqa: E402
 from bmoe.streaming.cache_policy import make_policy  # noqa: E402
 from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions  # noqa: E402
 from bmoe.streaming.route_trace import Trace  # noqa: E402
 
-PAGE = 4096
 Misses = list[list[tuple[int, int]]]  # per decode token: the (layer, expert) read
 
 
@@ -63,17 +63,12 @@ class Shape:
         for i, r in enumerate(regions):
             self.by_layer[r.layer].append(i)
         self.exact = {lay: sum(regions[i].expert_bytes for i in idx) for lay, idx in self.by_layer.items()}
-        self.slot = {lay: sum(regions[i].slot_bytes for i in idx) for lay, idx in self.by_layer.items()}
-        self.pools = len({(r.group, r.period) for r in regions})
+        self.slot = {lay: sum(regions[i].stride for i in idx) for lay, idx in self.by_layer.items()}
+        self.pools = len({r.kind for r in regions})
 
     def read_bytes(self, layer: int, e: int) -> int:
-        """A miss's reads: each slice's 4 KiB-aligned superset."""
-        total = 0
-        for i in self.by_layer[layer]:
-            r = self.regions[i]
-            head = (r.file_offset + e * r.expert_bytes) % PAGE
-            total += -(-(head + r.expert_bytes) // PAGE) * PAGE
-        return total
+        """A miss's reads: each slice's superset at the direct-I/O alignment."""
+        return sum(self.regions[i].read_bytes(e) for i in self.by_layer[layer])
 
 
 def prompt_ids(t: Trace, layer: int) -> list[int]:
@@ -82,12 +77,9 @@ def prompt_ids(t: Trace, layer: int) -> list[int]:
 
 
 def bmoe_cache(t: Trace, shape: Shape, budget: int, policy: str) -> tuple[Misses, set[tuple[int, int]]]:
-    """The tree's ExpertCache on the routing: the prompt as one batch per layer, then each decode token."""
+    """The tree's ExpertCache on the routing: the prompt as one batch per layer (as live), then each decode token."""
     c = ExpertCache(None, shape.regions, budget, policy)
-    for layer in t.layers:
-        ids = prompt_ids(t, layer)
-        if ids:
-            c.commit(c.plan(layer, sorted(set(ids))))
+    start_after_prompt(c, t)
     held = set(c.index_of)
     out: Misses = []
     for routes in t.routes:
@@ -231,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     t = Trace.read(a.trace)
     if not t.prompt:
         p.error(f"{a.trace} has no prompt rows: record it as route_trace v1 (a .csv path) from a fresh start")
-    shape = Shape(file_regions(open_model(a.model)))
+    shape = Shape(file_regions(read_model_files(a.model)))
     budget = int(a.cache_mb * MiB)
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
 
@@ -256,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
            f"`python bench/bytes_by_cause.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
            f"{n} decode tokens after a {len(t.prompt)}-token prompt, {len(t.layers)} MoE layers, budget "
            f"{a.cache_mb:g} MiB; one expert {mean_expert:.2f} MiB on average; the cache's slot pools "
-           f"(groups × classes) on this file: {shape.pools}.", "",
+           f"(one per kind of expert tensor) on this file: {shape.pools}.", "",
            "| replay | MiB/token | misses/token | experts held at decode start | of token 1's held |",
            "|---|---:|---:|---:|---:|"]
     for name, (misses, held) in results.items():

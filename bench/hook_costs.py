@@ -4,15 +4,16 @@ wall time per token, and how often the graph stops?
 Runs `bmoe-cli` in this process with a timer around each function of the streaming path (the eval
 hook, StreamingStops, Streamer, ExpertCache, the policy, ReadAhead, OrdersInFlight, the lane pool,
 LaneStats) and a count of the eval hook's calls (ask=True: every node of every graph) and of the nodes
-it stops at (each stop splits ggml's compute there). Times are inclusive (a caller's include its
+it stops at (each stop splits ggml's compute there), and the coordinator process's CPU time, major
+page faults and context switches (getrusage). Times are inclusive (a caller's include its
 callees') and each timer adds about a microsecond, so a function called thousands of times a token
 reads somewhat high; the calls are exact. Per decode token, over tokens `--from-token`..last (the
 prefill left out), printed as a table and written to `--json`.
 
     python bench/hook_costs.py [--from-token 1] [--json OUT.json] -- -m MODEL -p PROMPT -n 32 --cache-mb 2000 ...
 
-Everything after `--` is bmoe-cli's command line. Run it from the checkout to be measured (its
-venv's python): it times that tree's code.
+Everything after `--` is bmoe-cli's command line. It times the bmoe its Python imports: run it with
+the venv of the checkout to be measured (`../bmoe-main/.venv/bin/python bench/hook_costs.py ...`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ import atexit
 import functools
 import importlib
 import json
+import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-# (module, class or None, function): the streaming path, outermost first
+# (module, class or None, function): the streaming path, outermost first; each tree times those it has
+# (the names of older checkouts kept, so one script measures both sides of an A/B)
 TARGETS = [
     ("bmoe.coordinator", "Engine", "step"),
     ("bmoe.coordinator", "Engine", "_decode"),
@@ -44,7 +44,17 @@ TARGETS = [
     ("bmoe.engine.graph_stops", "StreamingStops", "slot_ids"),
     ("bmoe.engine.graph_stops", "StreamingStops", "down_pending"),
     ("bmoe.engine.graph_stops", "StreamingStops", "on_down"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "skip_route"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "reroute"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "on_route"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "_demand"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "_send"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "slot_ids"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "down_pending"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "on_down"),
     ("bmoe.streaming.streamer", "Streamer", "begin_batch"),
+    ("bmoe.streaming.streamer", "Streamer", "wait"),
+    ("bmoe.streaming.streamer", "Streamer", "run_through"),
     ("bmoe.streaming.streamer", "Streamer", "skip"),
     ("bmoe.streaming.streamer", "Streamer", "on_route"),
     ("bmoe.streaming.streamer", "Streamer", "tick"),
@@ -59,6 +69,7 @@ TARGETS = [
     ("bmoe.streaming.expert_cache", "ExpertCache", "_make_room"),
     ("bmoe.streaming.expert_cache", "ExpertCache", "_take"),
     ("bmoe.streaming.expert_cache", "ExpertCache", "_evict_for"),
+    ("bmoe.streaming.expert_cache", "ExpertCache", "_evict"),
     ("bmoe.streaming.expert_cache", "ExpertCache", "_drop"),
     ("bmoe.streaming.expert_cache", "ExpertCache", "commit"),
     ("bmoe.streaming.expert_cache", "ExpertCache", "slot_ids"),
@@ -95,7 +106,7 @@ class Timers:
     def __init__(self) -> None:
         self.acc: dict[str, list[int]] = {}
         self.nodes = {"nodes (ask=True)": 0, "stops (graph splits)": 0}
-        self.snaps: list[tuple[bool, dict[str, list[int]], dict[str, int], int]] = []
+        self.snaps: list[tuple[bool, dict[str, list[int]], dict[str, float], int]] = []
 
     def wrap(self, name: str, fn: Any) -> Any:
         rec = self.acc.setdefault(name, [0, 0])
@@ -113,7 +124,10 @@ class Timers:
 
     def install(self) -> None:
         for mod, cls, attr in TARGETS:
-            m = importlib.import_module(mod)
+            try:
+                m = importlib.import_module(mod)
+            except ModuleNotFoundError:  # not in this tree
+                continue
             owner = getattr(m, cls) if cls else m
             fn = owner.__dict__.get(attr) if cls else getattr(m, attr, None)
             if fn is None:  # not in this tree's code
@@ -136,7 +150,10 @@ class Timers:
         take = streamer.Streamer.take_counters
 
         def take_counters(st: Any, step: bool = False) -> Any:
-            self.snaps.append((step, {k: list(v) for k, v in self.acc.items()}, dict(self.nodes),
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            proc = {"coordinator CPU ms": 1000 * (ru.ru_utime + ru.ru_stime), "major faults": ru.ru_majflt,
+                    "voluntary switches": ru.ru_nvcsw, "involuntary switches": ru.ru_nivcsw}
+            self.snaps.append((step, {k: list(v) for k, v in self.acc.items()}, {**self.nodes, **proc},
                                time.perf_counter_ns()))
             return take(st, step)
         streamer.Streamer.take_counters = take_counters  # type: ignore[method-assign]

@@ -141,7 +141,7 @@ def synthetic_replay(regions: list[Region], steps: list[list[list[int]]], pct: i
     for step in steps:
         for lay, experts in enumerate(step):
             missing = cache.plan(lay, experts)
-            read += sum(cache.charge(ri, e) for _, ri, e in missing)
+            read += sum(cache.read_bytes(k) for k in missing)
             cache.commit(missing)
     return cache.stats.hit_pct, read / MiB / len(steps)
 

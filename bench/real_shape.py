@@ -76,12 +76,8 @@ class Arm:
     name: str
     kind: str
     flags: list[str] = field(default_factory=list)
-    tree: Path | None = None  # bmoe and plain: the source tree whose .venv runs bmoe.cli
-
-    @property
-    def python(self) -> str:
-        assert self.tree is not None  # bmoe and plain arms have one
-        return str(self.tree / ".venv" / "bin" / "python")
+    tree: Path | None = None  # bmoe and plain: the source tree whose python runs bmoe.cli
+    python: str = ""  # that tree's interpreter (its .venv's; this tree's: the one running this script)
 
 
 def _arm_bmoe(text: str) -> Arm:
@@ -89,10 +85,13 @@ def _arm_bmoe(text: str) -> Arm:
     tree = Path(where or ".").expanduser().resolve()
     if not eq or not name:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR, e.g. main=../bmoe-main")
-    if not (tree / "bmoe" / "cli.py").is_file() or not (tree / ".venv" / "bin" / "python").exists():
+    python = tree / ".venv" / "bin" / "python"
+    if tree == REPO and not python.exists():
+        python = Path(sys.executable)  # this tree: the interpreter running this script
+    if not (tree / "bmoe" / "cli.py").is_file() or not python.exists():
         raise argparse.ArgumentTypeError(f"{where!r}: need a bmoe checkout with its own venv "
                                          "(cd DIR && python3 -m venv .venv && .venv/bin/pip install -e .)")
-    return Arm(name, "bmoe", tree=tree)
+    return Arm(name, "bmoe", tree=tree, python=str(python))
 
 
 def _arm_original(text: str) -> Arm:
@@ -188,7 +187,7 @@ def arms_of(a: argparse.Namespace) -> tuple[list[Arm], list[str]]:
         if not a.no_original:
             arms += a.original or [Arm("orig", "original", [])]
         if not a.no_plain:
-            arms.append(Arm("plain", "plain", [], tree=a.bmoe[0].tree))
+            arms.append(Arm("plain", "plain", [], tree=a.bmoe[0].tree, python=a.bmoe[0].python))
     return arms, left
 
 
@@ -541,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     plain_rounds = a.repeats if a.plain_repeats is None else min(a.repeats, a.plain_repeats)
     total = (a.repeats * (len(a.caps) * sum(x.kind != "plain" for x in arms) + (0 if a.no_compute_bound else 1))
              + plain_rounds * len(a.caps) * sum(x.kind == "plain" for x in arms))
-    compute_arm = Arm("plain", "plain", [], tree=a.bmoe[0].tree)
+    compute_arm = Arm("plain", "plain", [], tree=a.bmoe[0].tree, python=a.bmoe[0].python)
     try:
         for rnd in range(1, a.repeats + 1):
             plan = [(arm, cap, False) for cap in a.caps for arm in arms

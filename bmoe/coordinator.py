@@ -363,7 +363,7 @@ class Engine:
         if self.streamer is not None:
             self.streamer.begin_batch(n)
         if self.stops is not None:
-            self.stops.begin_batch(n)
+            self.stops.begin_batch(n, prompt=any(len(toks) > 1 for _, toks, _ in parts))
         ctx = self.context
         return self.hook.run(lambda: llama.decode(ctx, parts))
 

@@ -125,6 +125,7 @@ def test_hook_costs_counts_the_stops_and_calls_per_token(small_moe: Path, tmp_pa
     res = json.loads(out.read_text())
     assert res["tokens"] == 6 and res["wall_ms"] > 0, res
     # serial streaming with a cache below the working set: every one of the 4 MoE layers stops and routes, each token
-    assert res["hook"]["stops (graph splits)"] == 4 and res["hook"]["nodes (ask=True)"] > 4, res["hook"]
-    assert res["functions"]["Streamer.on_route"]["calls"] == 4, res["functions"]
-    assert re.search(r"^Streamer\.on_route +4\.0 ", r.stderr, re.M), r.stderr
+    # (Python is asked about the stops only where the compiled eval filter answers the rest)
+    assert res["hook"]["stops (graph splits)"] == 4 and res["hook"]["nodes (ask=True)"] >= 4, res["hook"]
+    assert res["functions"]["StreamingStops.on_route"]["calls"] == 4, res["functions"]
+    assert re.search(r"^StreamingStops\.on_route +4\.0 ", r.stderr, re.M), r.stderr

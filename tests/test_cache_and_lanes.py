@@ -315,3 +315,19 @@ def test_steady_decode_neither_gives_back_nor_takes_new_pages() -> None:
             fresh = cache.fresh
     assert cache.stats.evictions > 100 and not cache.cold and not cache.giving_back
     assert cache.fresh == fresh, "no new pages after the first tokens"
+
+
+@pytest.mark.parametrize("policy", ["lru", "next-use"])
+def test_a_prompts_experts_its_last_tokens_did_not_route_go_first(policy: str) -> None:
+    """A prompt batch plans the union of its tokens' experts; those its last tokens did not route
+    (`cold`) enter the policy's order at the cold end, so decode evicts them before the ones it is
+    about to reuse, although they were read last."""
+    regs = regions_for(5000, n_expert=8, layers=2)
+    layout(regs)
+    cache = ExpertCache(None, regs, budget=0, policy=policy)
+    cache.set_budget(4 * cache.index_bytes)
+    cache.commit(cache.plan(0, [0, 1, 2, 3], cold={2, 3}))
+    cache.commit(cache.plan(1, [0, 1]))
+    held = {e for (layer, e) in cache.index_of if layer == 0}
+    assert held == {0, 1}, f"the prompt's cold experts were evicted first, not {sorted({0, 1, 2, 3} - held)}"
+    assert not cache.prompt_only

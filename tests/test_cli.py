@@ -100,8 +100,8 @@ def test_bad_input_is_named_with_its_fix(model: str, tmp_path, case: str) -> Non
         args += ["--cache-mb", "0.05"]
     elif case == "token-budget":
         m = model
-        want = ("--cache-mb 0.5 is below one token's working set (1.0 MiB): the cache would thrash, each token "
-                "evicting experts the next one needs again; use --cache-mb 1 or more, 0 for no cache, or --force")
+        want = ("--cache-mb 0.5 is below one token's working set (0.8 MiB): the cache would thrash, each token "
+                "evicting experts the next one needs again; use --cache-mb 0.9 or more, 0 for no cache, or --force")
         args += ["--cache-mb", "0.5"]
     elif case == "prompt-file":
         m, want = model, "cannot read prompt file"
@@ -158,12 +158,12 @@ def test_auto_budget_is_capped_by_the_ceiling(model: str, force: bool) -> None:
     assert r.returncode == 0, r.stderr
     (note,) = [x for x in r.stderr.splitlines() if "cache budget" in x]
     assert note.startswith(f"bmoe: cache budget {float(ceil):.1f} MiB (auto, the least of: available ")
-    assert f"MiB minus --cache-floor-mb 0; experts total 4 MiB; => --cache-ceil-mb {ceil})" in note
+    assert f"MiB minus --cache-floor-mb 0; experts total 3 MiB; => --cache-ceil-mb {ceil})" in note
     assert any(spec_lines.summary_matches("moe-cache", x) for x in answer_and_summary(r.stdout)[1]), "the cache is on"
     r = run_cli("-m", model, "-p", PROMPT, "-n", "8", "-t", "1", "--cache-ceil-mb", "0.5")
     assert r.returncode == 0, r.stderr
     (note,) = [x for x in r.stderr.splitlines() if "cache budget" in x]
-    assert note.endswith("that is below one token's working set (1.0 MiB), where a cache thrashes, so this run has "
+    assert note.endswith("that is below one token's working set (0.8 MiB), where a cache thrashes, so this run has "
                          "none (as --cache-mb 0); --force keeps it"), note
     assert [s.split(":")[0] for s in answer_and_summary(r.stdout)[1]] == ["generation", "moe-stream"]
 

@@ -136,11 +136,11 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
             assert seam.libggml.ggml_get_data(addr) == t.data
             assert [int(x) for x in t.ne[:2]] + [r.n_expert] == [int(x) for x in ft.shape[:3]]
             assert ft.n_bytes == r.nbytes
-            # rebinding really pointed llama.cpp at the pool: `capacity` slots, one every `slot_bytes`
+            # rebinding really pointed llama.cpp at the pool: `capacity` slots, one every `stride`
             assert t.data == e.streamer.slab.base + r.data_offset
             assert int(t.ne[2]) == r.capacity >= r.n_expert
-            assert int(t.nb[2]) == r.slot_bytes and int(t.nb[3]) == r.slot_bytes * r.capacity
-            assert seam.libggml.ggml_nbytes(addr) == (r.capacity - 1) * r.slot_bytes + r.expert_bytes
+            assert int(t.nb[2]) == r.stride and int(t.nb[3]) == r.stride * r.capacity
+            assert seam.libggml.ggml_nbytes(addr) == (r.capacity - 1) * r.stride + r.expert_bytes
         biases = {b.name: b for bs in e.streamer.biases.values() for b, _, _ in bs}
         if arch == "gpt-oss":  # every expert tensor has its bias, added with the same ids (ggml_add_id)
             assert set(biases) == {r.name.replace(".weight", ".bias") for r in regions}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import re
 import time
@@ -81,7 +82,6 @@ class ModelFiles:
                 raise ModelError(f"model file {p} changed since it was loaded ({what}); {fix}")
 
 
-PAGE = 4096  # the direct-I/O alignment assumed where the kernel does not say (statx before Linux 6.1)
 _STATX_DIOALIGN = 0x2000
 _STATX_SIZE = 256  # struct statx (linux/stat.h); stx_dio_mem_align at 152, stx_dio_offset_align at 156
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -93,17 +93,17 @@ def dio_alignment(paths: list[Path]) -> int:
     a page. A slot whose bytes sit at the file's offset within such a block needs no copy after its read."""
     statx = getattr(_libc, "statx", None)
     if statx is None:
-        return PAGE
+        return mmap.PAGESIZE
     align = 0
     for p in paths:
         buf = ctypes.create_string_buffer(_STATX_SIZE)
         if statx(-100, os.fsencode(p), 0, _STATX_DIOALIGN, buf) != 0:  # AT_FDCWD
-            return PAGE
+            return mmap.PAGESIZE
         mask, mem, off = (int.from_bytes(buf.raw[a:a + 4], "little") for a in (0, 152, 156))
         if not mask & _STATX_DIOALIGN or not mem or not off:
-            return PAGE
+            return mmap.PAGESIZE
         align = max(align, mem, off)
-    return align or PAGE
+    return align or mmap.PAGESIZE
 
 
 def split_name(name: str) -> tuple[str, int, int] | None:

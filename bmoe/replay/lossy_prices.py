@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bmoe.base.settings import DEFAULT_POLICY
 from bmoe.base.units import MiB
-from bmoe.replay.stats import ReplayBudget, regions_for, replay
+from bmoe.replay.stats import ReplayBudget, regions_for, replay, start_after_prompt
 from bmoe.streaming.expert_cache import RESIDENT, ExpertCache, Region
 from bmoe.streaming.route_trace import Trace
 
@@ -43,8 +43,7 @@ def drop_cold_replay(t: Trace, regions: list[Region], budget: ReplayBudget, f: f
         raise ValueError("the trace has no router weights; record it with --route-trace PATH.csv "
                          "or use a route_trace v1 file")
     cache = ExpertCache(None, regions, budget.bytes(sum(r.nbytes for r in regions)), policy)
-    for layer in t.layers:
-        cache.commit(cache.plan(layer, sorted({e for step in t.prompt for e in step.get(layer, ())})))
+    start_after_prompt(cache, t)
     read = 0
     dropped = 0.0
     visits = 0

@@ -17,7 +17,7 @@ import numpy as np
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming.cache_policy import Policy
-from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions, layout
+from bmoe.streaming.expert_cache import WARM_PROMPT_ROWS, ExpertCache, Region, file_regions, layout
 from bmoe.streaming.route_trace import Trace
 
 BUDGETS_PCT = (10, 25, 50, 75)
@@ -125,6 +125,15 @@ def next_layer_recall(t: Trace, model: str | Path, rescale: bool = True) -> floa
     return 100.0 * hit / total if total else 0.0
 
 
+def start_after_prompt(cache: ExpertCache, t: Trace) -> None:
+    """The trace's prompt as one batch, as live: each layer plans the union of the prompt tokens'
+    experts, those its last WARM_PROMPT_ROWS tokens did not route admitted cold."""
+    for layer in t.layers:
+        experts = sorted({e for step in t.prompt for e in step.get(layer, ())})
+        tail = {e for step in t.prompt[-WARM_PROMPT_ROWS:] for e in step.get(layer, ())}
+        cache.commit(cache.plan(layer, experts, set(experts) - tail))
+
+
 def replay(t: Trace, regions: list[Region], budget: ReplayBudget | float, policy: str | Policy = "lru",
            predictions: list[list[list[tuple[int, list[int]]]]] | None = None,
            prefill: bool = False) -> tuple[float, float]:
@@ -133,21 +142,18 @@ def replay(t: Trace, regions: list[Region], budget: ReplayBudget | float, policy
 
     The replay runs the live ExpertCache (without memory), so its numbers are the cache's.
     `predictions[step][i]` lists (layer, experts) hints given to the cache before layer i's routing.
-    With `prefill`, decode starts after the prompt, as one batch (each layer plans the union of the
-    prompt tokens' experts, as a live prompt batch does); a trace without prompt rows (bmoe's JSON
-    traces hold decode only) gets a pass that routes every expert of every layer, as a prompt of a
-    few dozen tokens does. That pass is not counted.
+    With `prefill`, decode starts after the prompt (`start_after_prompt`); a trace without prompt
+    rows (bmoe's JSON traces hold decode only) gets a pass that routes every expert of every layer,
+    as a prompt of a few dozen tokens does. That pass is not counted.
     """
     b = budget if isinstance(budget, ReplayBudget) else ReplayBudget(pct=budget)
     cache = ExpertCache(None, regions, b.bytes(sum(r.nbytes for r in regions)), policy)
-    if prefill:
+    if prefill and t.prompt:
+        start_after_prompt(cache, t)
+    elif prefill:
         for layer in t.layers:
-            if t.prompt:
-                experts = sorted({e for step in t.prompt for e in step.get(layer, ())})
-            else:
-                experts = list(range(max(regions[i].n_expert for i in cache.by_layer[layer])))
-            cache.commit(cache.plan(layer, experts))
-        cache.reset_stats()
+            cache.commit(cache.plan(layer, list(range(cache.n_expert(layer)))))
+    cache.reset_stats()
     read = 0
     for step, routes in enumerate(t.routes):
         for i, layer in enumerate(t.layers):

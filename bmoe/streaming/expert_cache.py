@@ -32,18 +32,21 @@ of computing with whatever a free or reused slot holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
 
-from bmoe.base.model_files import EXPERT_TENSOR, PAGE, ModelFiles, dio_alignment
+from bmoe.base.model_files import EXPERT_TENSOR, ModelFiles, dio_alignment
 from bmoe.base.settings import DEFAULT_POLICY
-from bmoe.shm_cache import Slab
+from bmoe.shm_cache import PAGE, Slab
 from bmoe.streaming.cache_policy import ExpertKey, Key, Policy, make_policy
 from bmoe.streaming.lanes import ReadOrder
 
 ABSENT, LOADING, RESIDENT = 0, 1, 2
+# A prompt's last tokens, whose experts the first decode tokens reuse: the prompt's other experts are
+# admitted at the cold end (bench/reports/2026-12-03-real-shape-baseline/bytes: the bytes it saves)
+WARM_PROMPT_ROWS = 2
 
 
 def _up(x: int, to: int) -> int:
@@ -152,7 +155,8 @@ class ExpertCache:
     Experts read on a prediction (`admit_speculative`) enter the policy's order at the cold end;
     a real hit promotes them. Until their layer next routes they are "expected" and evicted only
     when nothing else can go; a prediction the layer did not route is then left cold, so
-    mispredictions are the first to leave.
+    mispredictions are the first to leave. A prompt's experts that its last WARM_PROMPT_ROWS tokens
+    did not route (`plan`'s `cold`) enter at the cold end too: decode evicts them first.
 
     `slab` is None in trace replays: the same decisions, no memory behind them.
     """
@@ -180,6 +184,7 @@ class ExpertCache:
         self.defer_release = False
         self.pinned: set[ExpertKey] = set()
         self.speculative: set[ExpertKey] = set()  # loading on a prediction
+        self.prompt_only: set[ExpertKey] = set()  # loading for a prompt whose last tokens did not route it
         self.expected: dict[int, set[ExpertKey]] = {layer: set() for layer in self.by_layer}
         self.doomed: set[ExpertKey] = set()  # a cancelled read left it part-read: dropped once nothing is loading
         self.index_of: dict[ExpertKey, int] = {}  # expert -> slot index
@@ -270,11 +275,12 @@ class ExpertCache:
         """Bytes the read of a slice moves from flash."""
         return self.regions[key[1]].read_bytes(key[2])
 
-    def plan(self, layer: int, experts: list[int]) -> list[Key]:
+    def plan(self, layer: int, experts: list[int], cold: Collection[int] = ()) -> list[Key]:
         """Count hits, pin the layer's experts, make room; returns the slices that must be read now.
 
         A wanted expert already loading (a speculative read in flight) is counted as a miss and
-        its slices not returned: the caller waits for the reads under way."""
+        its slices not returned: the caller waits for the reads under way. Those of `cold` read now
+        enter the policy's order at the cold end (a prompt's experts its last tokens did not route)."""
         self.routed[layer][experts] += 1
         self.routings[layer] += 1
         self.pinned = {(layer, e) for e in experts}
@@ -291,6 +297,7 @@ class ExpertCache:
                 continue
             key = (layer, e)
             self.speculative.discard(key)  # demanded now: commit makes it hot
+            self.prompt_only.discard(key)
             self.doomed.discard(key)
             if key in self.index_of:  # loading, or part-read after a cancel: read what is absent
                 missing += [k for k in self.layer_slices(layer, [e]) if self.state[k[1]][e] == ABSENT]
@@ -301,6 +308,8 @@ class ExpertCache:
         if new:
             self._reserve(layer, new)
             missing += self.layer_slices(layer, new)
+            if cold:
+                self.prompt_only.update((layer, e) for e in new if e in cold)
         for _, ri, e in missing:
             self._loading(ri, e)
         return missing
@@ -424,7 +433,8 @@ class ExpertCache:
                 self.resident[layer][e] = 1
                 self.resident_in_layer[layer] += 1
                 spec = key in self.speculative
-                self.policy.admit(key, speculative=spec)
+                self.policy.admit(key, speculative=spec or key in self.prompt_only)
+                self.prompt_only.discard(key)
                 if spec:
                     self.speculative.discard(key)
                     self.expected[layer].add(key)
@@ -438,6 +448,7 @@ class ExpertCache:
             self.state[ri][e] = ABSENT
         self.doomed.discard(key)
         self.speculative.discard(key)
+        self.prompt_only.discard(key)
         self._free(key)
 
     def predict(self, layer: int, experts: list[int]) -> None:

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from bmoe import seam
+from bmoe.streaming.expert_cache import WARM_PROMPT_ROWS
 from bmoe.streaming.lossy import DROPPED, Lossy
 from bmoe.streaming.orders import Key
 from bmoe.streaming.route_replay import RouteReplay
@@ -68,10 +69,13 @@ class StreamingStops:
         self.router_input = streamer.gate_running or trace is not None
         self.down_orders: dict[int, list[int]] = {}  # layer -> orders its down matmul waits for (overlap)
         self._at = np.zeros(0, dtype=np.int64)  # the tokens of the rows at the routing node under way
+        self.prompting = False  # the decode under way reads a prompt (some sequence sends several tokens)
 
-    def begin_batch(self, n_tokens: int) -> None:
-        """A llama_decode of `n_tokens` tokens starts (not the warm-up capture's)."""
+    def begin_batch(self, n_tokens: int, prompt: bool = False) -> None:
+        """A llama_decode of `n_tokens` tokens starts (not the warm-up capture's); `prompt`: some
+        sequence sends several tokens, so the experts only its earlier tokens route enter the cache cold."""
         self.rows.begin()
+        self.prompting = prompt
         self.down_orders.clear()  # (settled since: none is live)
         if self.replay is not None:
             self.replay.begin(n_tokens)
@@ -119,7 +123,10 @@ class StreamingStops:
         if st.cache.used - st.watched_at >= WATCH_STEP:
             st.follow()  # a prefill fills the cache within one token: look before it takes more
         st.ahead.on_route(layer, ids, wanted)
-        missing = st.cache.plan(layer, wanted)
+        cold: set[int] = set()
+        if self.prompting and len(ids) > WARM_PROMPT_ROWS:
+            cold = set(wanted).difference(ids[-WARM_PROMPT_ROWS:].ravel().tolist())
+        missing = st.cache.plan(layer, wanted, cold)
         st.lanes.hold()
         try:
             now, later = self._send(layer, wanted, missing)
