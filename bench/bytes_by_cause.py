@@ -63,7 +63,7 @@ class Shape:
         for i, r in enumerate(regions):
             self.by_layer[r.layer].append(i)
         self.exact = {lay: sum(regions[i].expert_bytes for i in idx) for lay, idx in self.by_layer.items()}
-        self.slot = {lay: sum(regions[i].stride for i in idx) for lay, idx in self.by_layer.items()}
+        self.slot = {lay: sum(regions[i].footprint for i in idx) for lay, idx in self.by_layer.items()}
         self.pools = len({r.kind for r in regions})
 
     def read_bytes(self, layer: int, e: int) -> int:

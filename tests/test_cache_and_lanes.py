@@ -121,7 +121,7 @@ def test_lru_evicts_oldest_keeps_pinned_and_reuses_slots_across_layers(backend: 
     slab = Slab(layout(regs), backend)
     try:
         cache = ExpertCache(slab, regs, budget=0, policy="lru")
-        cache.set_budget(2 * 2 * cache.index_bytes)  # two layers of top-2
+        cache.set_budget(2 * 2 * cache.charge[0])  # two layers of top-2
         for layer in range(4):
             missing = cache.plan(layer, [0, 1])
             _fill(cache, slab, missing)
@@ -137,7 +137,7 @@ def test_lru_evicts_oldest_keeps_pinned_and_reuses_slots_across_layers(backend: 
         assert all(cache.state[ri][e] != RESIDENT for _, ri, e in cache.layer_slices(0, [0, 1]))
         assert sorted(cache.index_of.values()) == [0, 1, 2, 3], "freed indices are reused by other layers"
         assert slab.resident_bytes() <= cache.budget
-        assert cache.fresh * cache.index_bytes <= cache.budget, "freed slots are reused: the slab stays in budget"
+        assert cache.fresh * cache.charge[0] <= cache.budget, "freed slots are reused: the slab stays in budget"
         # an expert is evicted whole: every slice of it, and its index
         ri = cache.by_layer[3][0]
         cache.pinned.clear()  # as once the next layer routed
@@ -160,7 +160,7 @@ def test_an_evicted_expert_is_never_read_from_the_slot_it_left() -> None:
     regs = regions_for(5000, n_expert=8, layers=2)
     layout(regs)
     cache = ExpertCache(None, regs, budget=0, policy="lru")
-    cache.set_budget(2 * cache.index_bytes)
+    cache.set_budget(2 * cache.charge[0])
     cache.commit(cache.plan(0, [0, 1]))
     old = cache.slot_ids(0, np.array([[0, 1]]))
     cache.commit(cache.plan(1, [0, 1]))
@@ -173,7 +173,8 @@ def test_an_evicted_expert_is_never_read_from_the_slot_it_left() -> None:
 
 def test_experts_of_every_size_share_the_slots_within_the_budget() -> None:
     """Small and big experts take the same indices (the pool is sized for the biggest), in the policy's
-    order alone; the slab's pages stay within the budget, and a budget cut gives kept pages back."""
+    order alone; each is charged the pages it touches, the slab's pages stay within what is charged
+    and the budget, and a budget cut gives kept pages back."""
     small = regions_for(3 * PAGE // 2, n_expert=8, layers=3)
     big = [Region(f"blk.{3 + i}.ffn_up_exps.weight", 3 + i, "ffn_up_exps", 0, 10 ** 6 + i * 10 ** 5, 8, 5 * PAGE)
            for i in range(3)]
@@ -181,7 +182,7 @@ def test_experts_of_every_size_share_the_slots_within_the_budget() -> None:
     slab = Slab(layout(regs))
     try:
         cache = ExpertCache(slab, regs, budget=0, policy="lru")
-        budget = 4 * cache.index_bytes
+        budget = 4 * cache.charge[0]
         cache.set_budget(budget)
         seen: dict[int, set[int]] = {}  # index -> layers whose experts took it
         for rounds in range(6):
@@ -190,15 +191,17 @@ def test_experts_of_every_size_share_the_slots_within_the_budget() -> None:
                 missing = cache.plan(layer, experts)
                 _fill(cache, slab, missing)
                 cache.commit(missing)
-                assert slab.resident_bytes() <= budget + len(cache.pinned) * cache.index_bytes
+                assert slab.resident_bytes() <= budget + len(cache.pinned) * cache.charge[0]
+                # each expert charged its own layer's pages: an index a smaller one took gave the rest back
+                assert slab.resident_bytes() <= cache.used + cache.warm_bytes
                 for _, ri, e in cache.layer_slices(layer, experts):
                     assert _read(cache, slab, ri, e) == bytes([1 + e]) * regs[ri].expert_bytes
                 for e in experts:
                     seen.setdefault(cache.index_of[(layer, e)], set()).add(layer)
         assert any(ls & {0, 1, 2} and ls & {3, 4, 5} for ls in seen.values()), "small and big take the same index"
         cache.pinned.clear()
-        cache.set_budget(cache.index_bytes)
-        assert cache.cold and slab.resident_bytes() <= cache.index_bytes, "a cut gives pages back at once"
+        cache.set_budget(cache.charge[0])
+        assert cache.cold and slab.resident_bytes() <= cache.charge[0], "a cut gives pages back at once"
     finally:
         slab.close()
 
@@ -305,12 +308,12 @@ def test_steady_decode_neither_gives_back_nor_takes_new_pages() -> None:
     regs = regions_for(2 * PAGE + 2048, n_expert=8, layers=4)
     layout(regs, align=512)
     cache = ExpertCache(None, regs, budget=0, policy="lru")
-    cache.set_budget(5 * cache.index_bytes)
+    cache.set_budget(5 * cache.charge[0])
     rng = np.random.default_rng(5)
     for token in range(60):
         for layer in range(4):
             cache.commit(cache.plan(layer, sorted(rng.choice(8, size=2, replace=False).tolist())))
-            assert cache.used + cache.warm_bytes <= cache.budget + 2 * cache.index_bytes
+            assert cache.used + cache.warm_bytes <= cache.budget + 2 * cache.charge[0]
         if token == 5:
             fresh = cache.fresh
     assert cache.stats.evictions > 100 and not cache.cold and not cache.giving_back
@@ -325,7 +328,7 @@ def test_a_prompts_experts_its_last_tokens_did_not_route_go_first(policy: str) -
     regs = regions_for(5000, n_expert=8, layers=2)
     layout(regs)
     cache = ExpertCache(None, regs, budget=0, policy=policy)
-    cache.set_budget(4 * cache.index_bytes)
+    cache.set_budget(4 * cache.charge[0])
     cache.commit(cache.plan(0, [0, 1, 2, 3], cold={2, 3}))
     cache.commit(cache.plan(1, [0, 1]))
     held = {e for (layer, e) in cache.index_of if layer == 0}

@@ -97,6 +97,12 @@ class Region:
         move = (at + head, data, self.expert_bytes) if head != self.file_offset % self.align else (0, 0, 0)
         return (self.file_index, fo - head, _up(want, self.align), at, want, *move)
 
+    @property
+    def footprint(self) -> int:
+        """Slab bytes an expert of this tensor touches in its slot (whole pages): its aligned read
+        and its move's destination both end within the slice and two blocks of the slot's start."""
+        return min(self.stride, _up(self.expert_bytes + 2 * self.align, PAGE))
+
     def read_bytes(self, e: int) -> int:
         """What reading expert e's slice costs: its aligned superset."""
         head = (self.file_offset + e * self.expert_bytes) % self.align
@@ -146,8 +152,10 @@ class CacheStats:
 class ExpertCache:
     """Experts (their slices) under a byte budget; a policy (bmoe.streaming.cache_policy) picks what goes.
 
-    An expert is charged one slot index from the moment its read is planned until it is evicted,
-    and it is RESIDENT once every slice has landed. The experts the current layer is about to use
+    An expert holds one slot index from the moment its read is planned until it is evicted, and is
+    charged the pages its slices touch there (`charge`: its layer's, not the largest layer's); it is
+    RESIDENT once every slice has landed. A free index keeps its pages for the next expert; one taken
+    by an expert that touches fewer gives the rest back, so pages held and kept stay what is charged. The experts the current layer is about to use
     are pinned: they may push residency past the budget by at most one layer's routed set, never
     get evicted under the matmul that needs them. An expert with a slice loading is never evicted:
     a lane is writing its slot. Hits and misses are counted per routed expert.
@@ -170,9 +178,10 @@ class ExpertCache:
         for i, r in enumerate(regions):
             self.by_layer.setdefault(r.layer, []).append(i)
         first = {layer: regions[idxs[0]] for layer, idxs in self.by_layer.items()}
-        # one slot of each kind: what an index holds, and charges
-        self.pools = list({r.kind: r for r in regions}.values())
-        self.index_bytes = sum(r.stride for r in self.pools)
+        self.pools = list({r.kind: r for r in regions}.values())  # one slot of each kind: what an index holds
+        # per layer: the pages each kind's slice touches, and what an expert is charged
+        self.pages = {layer: {regions[i].kind: regions[i].footprint for i in idxs} for layer, idxs in self.by_layer.items()}
+        self.charge = {layer: sum(fp.values()) for layer, fp in self.pages.items()}
         self.capacity = regions[0].capacity if regions else 1
         self.state = [bytearray(r.n_expert) for r in regions]  # per slice: ABSENT, LOADING or RESIDENT
         self.policy = make_policy(policy, sorted(self.by_layer)) if isinstance(policy, str) else policy
@@ -180,7 +189,7 @@ class ExpertCache:
         self.stats = CacheStats()
         self.resident = {layer: bytearray(r.n_expert) for layer, r in first.items()}  # 1: every slice landed
         self.resident_in_layer = dict.fromkeys(self.by_layer, 0)  # experts resident
-        self.total = sum(len(t) for t in self.resident.values()) * self.index_bytes
+        self.total = sum(len(t) * self.charge[layer] for layer, t in self.resident.items())
         self.defer_release = False
         self.pinned: set[ExpertKey] = set()
         self.speculative: set[ExpertKey] = set()  # loading on a prediction
@@ -191,6 +200,8 @@ class ExpertCache:
         self.table = {layer: np.full(r.n_expert, -1, dtype=np.int32) for layer, r in first.items()}
         self.moved = dict.fromkeys(self.by_layer, 0)  # per layer: indices freed so far (direct binding's check)
         self.warm: list[int] = []  # free indices whose pages are kept
+        self.warm_bytes = 0  # their pages
+        self.kept_for: dict[int, int] = {}  # index -> the layer whose expert's pages it holds (held or kept)
         self.cold: list[int] = []  # free indices whose pages were given back
         self.fresh = 0  # indices handed out so far
         self.giving_back: list[int] = []  # free indices whose pages are to be given back
@@ -201,10 +212,6 @@ class ExpertCache:
     @property
     def holds_everything(self) -> bool:
         return self.budget >= self.total
-
-    @property
-    def warm_bytes(self) -> int:
-        return len(self.warm) * self.index_bytes
 
     def set_budget(self, budget: int) -> None:
         """A new budget, in force at once: evict in the policy's order (never a pinned or loading
@@ -316,7 +323,7 @@ class ExpertCache:
 
     def fits(self, layer: int, expert: int) -> bool:
         """The expert can be read without evicting anything (it holds an index already, or one fits)."""
-        return (layer, expert) in self.index_of or self.used + self.index_bytes <= self.budget
+        return (layer, expert) in self.index_of or self.used + self.charge[layer] <= self.budget
 
     def admit_speculative(self, layer: int, experts: list[int]) -> list[Key]:
         """Reserve room for a predicted read of the experts that hold no index; returns what to read.
@@ -327,7 +334,7 @@ class ExpertCache:
         out: list[Key] = []
         for e in experts:
             key = (layer, e)
-            if key in self.index_of or not self._make_room(self.index_bytes, protect_expected=True):
+            if key in self.index_of or not self._make_room(self.charge[layer], protect_expected=True):
                 continue
             self._reserve(layer, [e])
             self.speculative.add(key)
@@ -342,22 +349,39 @@ class ExpertCache:
 
     def _reserve(self, layer: int, experts: list[int]) -> None:
         """Indices for these experts (which hold none), room made first: demand may go over by the pinned set."""
-        need = self.index_bytes * len(experts)
+        need = self.charge[layer] * len(experts)
         if not self._make_room(need, protect_expected=True):
             self._make_room(need, protect_expected=False)
         self.used += need
         for e in experts:
-            index = self._take()
+            index = self._take(layer)
             self.index_of[(layer, e)] = index
             self.table[layer][e] = index
             if self.on_assign is not None:
                 self.on_assign(layer, e, index)
 
-    def _take(self) -> int:
-        """A free index: one that kept its pages if any, else one given back, else a new one (pages
-        kept by others are given back first when held and kept would pass the budget)."""
+    def _take(self, layer: int) -> int:
+        """A free index for an expert of `layer`: one that kept its pages if any (the pages beyond
+        what this expert touches given back), else one given back, else a new one (pages kept by
+        others are given back first when held and kept would pass the budget)."""
         if self.warm:
-            return self.warm.pop()
+            index = self.warm.pop()
+            before = self.kept_for[index]
+            self.warm_bytes -= self.charge[before]
+            self.kept_for[index] = layer
+            if self.slab is not None and before != layer:
+                had, fits = self.pages[before], self.pages[layer]
+                for r in self.pools:
+                    start, _ = r.slot_pages(index)
+                    if had.get(r.kind, 0) > fits.get(r.kind, 0):
+                        self.slab.release(start + fits.get(r.kind, 0), start + had[r.kind])
+            return index
+        index = self._cold_index()
+        self.kept_for[index] = layer
+        return index
+
+    def _cold_index(self) -> int:
+        """A free index holding no pages."""
         self._fit_kept()
         if not self.defer_release:
             self.release_evicted()
@@ -376,7 +400,9 @@ class ExpertCache:
     def _fit_kept(self) -> None:
         """Give back kept pages (the most recently freed last) until held and kept fit the budget."""
         while self.warm and self.used + self.warm_bytes > self.budget:
-            self.giving_back.append(self.warm.pop(0))
+            index = self.warm.pop(0)
+            self.warm_bytes -= self.charge[self.kept_for.pop(index)]
+            self.giving_back.append(index)
 
     def _make_room(self, need: int, protect_expected: bool) -> bool:
         """Evict in the policy's order until `need` more bytes fit; False if it cannot."""
@@ -408,8 +434,9 @@ class ExpertCache:
         index = self.index_of.pop(key)
         self.table[layer][e] = -1
         self.moved[layer] += 1
-        self.used -= self.index_bytes
+        self.used -= self.charge[layer]
         self.warm.append(index)
+        self.warm_bytes += self.charge[layer]
 
     def abandon(self, slices: list[Key]) -> None:
         """Reads of these LOADING slices were cancelled before they started: absent again. An expert
@@ -473,16 +500,18 @@ class ExpertCache:
 
 
 def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
-    """Per MoE layer, the bytes its `top_k` experts are charged (whole slot indices, as the cache charges them).
+    """Per MoE layer, the bytes its `top_k` experts are charged (the pages their slices touch in their
+    slots, as the cache charges them).
 
     A decode token visits the layers in a fixed cycle, so a budget below their sum evicts,
     somewhere in the cycle, experts the next token needs again: the cache only thrashes.
     """
-    index_bytes = sum({r.kind: r.stride for r in regions}.values())
     n_expert: dict[int, int] = {}
+    charge: dict[int, int] = {}
     for r in regions:
         n_expert[r.layer] = max(n_expert.get(r.layer, 0), r.n_expert)
-    return {layer: min(top_k, n) * index_bytes for layer, n in n_expert.items()}
+        charge[r.layer] = charge.get(r.layer, 0) + r.footprint
+    return {layer: min(top_k, n) * charge[layer] for layer, n in n_expert.items()}
 
 
 def file_regions(files: ModelFiles) -> list[Region]:
