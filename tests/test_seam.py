@@ -94,22 +94,6 @@ def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch
     assert aborts[1] <= walls[1] // eval_filter.ABORT_CHECK_NS + 1 < aborts[0]
 
 
-@pytest.mark.parametrize("user", [None, "ACTIVE"])
-def test_openmps_idle_threads_sleep_unless_the_user_says_otherwise(user: str | None) -> None:
-    """The seam sets OMP_WAIT_POLICY=PASSIVE before llama_cpp (and so libgomp, which reads it when it
-    loads) is imported; a value the user set is kept."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": user} if user else {})
-    code = ("import os, sys, bmoe.seam; mods = list(sys.modules); "
-            "print(os.environ['OMP_WAIT_POLICY'], mods.index('bmoe.seam.omp_wait') < mods.index('llama_cpp'))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       cwd=Path(__file__).parent.parent)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [user or "PASSIVE", "True"]
-
-
 def test_struct_layout_matches_ggml() -> None:
     ggml_object_size = 32  # offs, size, next, type + padding[4] (ggml.c)
     assert ctypes.sizeof(seam.GgmlTensor) == seam.libggml.ggml_tensor_overhead() - ggml_object_size

@@ -19,12 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from bmoe.seam import eval_filter, omp_wait  # noqa: F401 (omp_wait: before llama_cpp loads libgomp)
-
-# isort: split
 import llama_cpp
 import numpy as np
 from llama_cpp._ggml import libggml
+
+from bmoe.seam import eval_filter
 
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10

@@ -15,9 +15,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bmoe.seam import omp_wait  # noqa: F401 - before llama_cpp loads libgomp
-
-# isort: split
 import llama_cpp
 import numpy as np
 

@@ -155,10 +155,11 @@ class ExpertCache:
     An expert holds one slot index from the moment its read is planned until it is evicted, and is
     charged the pages its slices touch there (`charge`: its layer's, not the largest layer's); it is
     RESIDENT once every slice has landed. A free index keeps its pages for the next expert; one taken
-    by an expert that touches fewer gives the rest back, so pages held and kept stay what is charged. The experts the current layer is about to use
-    are pinned: they may push residency past the budget by at most one layer's routed set, never
-    get evicted under the matmul that needs them. An expert with a slice loading is never evicted:
-    a lane is writing its slot. Hits and misses are counted per routed expert.
+    by an expert that touches fewer gives the rest back, so pages held and kept stay what is charged.
+    The experts the current layer is about to use are pinned: they may push residency past the
+    budget by at most one layer's routed set, never get evicted under the matmul that needs them.
+    An expert with a slice loading is never evicted: a lane is writing its slot. Hits and misses
+    are counted per routed expert.
 
     Experts read on a prediction (`admit_speculative`) enter the policy's order at the cold end;
     a real hit promotes them. Until their layer next routes they are "expected" and evicted only
@@ -180,7 +181,8 @@ class ExpertCache:
         first = {layer: regions[idxs[0]] for layer, idxs in self.by_layer.items()}
         self.pools = list({r.kind: r for r in regions}.values())  # one slot of each kind: what an index holds
         # per layer: the pages each kind's slice touches, and what an expert is charged
-        self.pages = {layer: {regions[i].kind: regions[i].footprint for i in idxs} for layer, idxs in self.by_layer.items()}
+        self.pages = {layer: {regions[i].kind: regions[i].footprint for i in idxs}
+                      for layer, idxs in self.by_layer.items()}
         self.charge = {layer: sum(fp.values()) for layer, fp in self.pages.items()}
         self.capacity = regions[0].capacity if regions else 1
         self.state = [bytearray(r.n_expert) for r in regions]  # per slice: ABSENT, LOADING or RESIDENT
