@@ -169,6 +169,18 @@ def test_memfd_segment_streams_identically(small_moe) -> None:
     assert bmoe_segments() == before
 
 
+def test_a_cache_that_holds_every_expert_runs_full_layers_without_a_stop(small_moe) -> None:
+    """A budget that holds every expert, preloaded: each layer's experts land at indices in expert
+    order, so its tensors read them by their own ids and the graph no longer stops there (every
+    layer bound direct), with plain llama.cpp's text."""
+    path = str(small_moe)
+    with load(path, *FLAGS, "--cache-mb", 2 * read_model_files(path).expert_bytes / MiB, "--preload") as m:
+        st = m.engine.streamer
+        res = complete(m, PROMPT, N_PREDICT)
+        assert st.holds_everything and set(st.direct) == set(st.layers), sorted(st.direct)
+    assert res.ids == reference(path).ids
+
+
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_every_cache_policy_streams_identically(synth, arch: str, lanes: int) -> None:
