@@ -48,7 +48,7 @@ from bmoe.base.telemetry import read_csv  # noqa: E402
 from bmoe.base.units import MiB  # noqa: E402
 from bmoe.replay.stats import start_after_prompt  # noqa: E402
 from bmoe.streaming.cache_policy import make_policy  # noqa: E402
-from bmoe.streaming.expert_cache import ExpertCache, Region, file_regions  # noqa: E402
+from bmoe.streaming.expert_cache import ExpertCache, Region, expert_charges, file_regions  # noqa: E402
 from bmoe.streaming.route_trace import Trace  # noqa: E402
 
 Misses = list[list[tuple[int, int]]]  # per decode token: the (layer, expert) read
@@ -63,7 +63,7 @@ class Shape:
         for i, r in enumerate(regions):
             self.by_layer[r.layer].append(i)
         self.exact = {lay: sum(regions[i].expert_bytes for i in idx) for lay, idx in self.by_layer.items()}
-        self.slot = {lay: sum(regions[i].footprint for i in idx) for lay, idx in self.by_layer.items()}
+        self.slot = expert_charges(regions)
         self.pools = len({r.kind for r in regions})
 
     def read_bytes(self, layer: int, e: int) -> int:

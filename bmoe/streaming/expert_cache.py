@@ -183,7 +183,7 @@ class ExpertCache:
         # per layer: the pages each kind's slice touches, and what an expert is charged
         self.pages = {layer: {regions[i].kind: regions[i].footprint for i in idxs}
                       for layer, idxs in self.by_layer.items()}
-        self.charge = {layer: sum(fp.values()) for layer, fp in self.pages.items()}
+        self.charge = expert_charges(regions)
         self.capacity = regions[0].capacity if regions else 1
         self.state = [bytearray(r.n_expert) for r in regions]  # per slice: ABSENT, LOADING or RESIDENT
         self.policy = make_policy(policy, sorted(self.by_layer)) if isinstance(policy, str) else policy
@@ -501,6 +501,14 @@ class ExpertCache:
         self.giving_back.clear()
 
 
+def expert_charges(regions: list[Region]) -> dict[int, int]:
+    """Per MoE layer, what one of its experts is charged: the pages its slices touch in their slots."""
+    charge: dict[int, int] = {}
+    for r in regions:
+        charge[r.layer] = charge.get(r.layer, 0) + r.footprint
+    return charge
+
+
 def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
     """Per MoE layer, the bytes its `top_k` experts are charged (the pages their slices touch in their
     slots, as the cache charges them).
@@ -509,10 +517,9 @@ def working_sets(regions: list[Region], top_k: int) -> dict[int, int]:
     somewhere in the cycle, experts the next token needs again: the cache only thrashes.
     """
     n_expert: dict[int, int] = {}
-    charge: dict[int, int] = {}
     for r in regions:
         n_expert[r.layer] = max(n_expert.get(r.layer, 0), r.n_expert)
-        charge[r.layer] = charge.get(r.layer, 0) + r.footprint
+    charge = expert_charges(regions)
     return {layer: min(top_k, n) * charge[layer] for layer, n in n_expert.items()}
 
 
