@@ -28,6 +28,8 @@ from bmoe.streaming.route_replay import RouteReplay
 from bmoe.streaming.route_trace import TraceWriter
 from bmoe.streaming.streamer import WATCH_STEP, Streamer
 
+SMALL_ROUTING = 64  # ids up to this many are deduplicated in Python (numpy's call costs more)
+
 
 class BatchRows:
     """Which tokens of a llama_decode a layer's routed rows are. llama.cpp splits one sequence's
@@ -116,10 +118,10 @@ class StreamingStops:
         st = self.st
         t0 = time.perf_counter_ns()
         st.tick()
-        experts = np.unique(ids)
-        if experts.size and (experts[0] < 0 or experts[-1] >= st.n_expert):
-            raise RuntimeError(f"layer {layer} routed to expert ids {experts.tolist()} outside 0..{st.n_expert - 1}")
-        wanted = experts.tolist()
+        # a token's few ids as a Python set; a prompt's many through numpy
+        wanted = sorted(set(ids.ravel().tolist())) if ids.size <= SMALL_ROUTING else np.unique(ids).tolist()
+        if wanted and (wanted[0] < 0 or wanted[-1] >= st.n_expert):
+            raise RuntimeError(f"layer {layer} routed to expert ids {wanted} outside 0..{st.n_expert - 1}")
         if st.cache.used - st.watched_at >= WATCH_STEP:
             st.follow()  # a prefill fills the cache within one token: look before it takes more
         st.ahead.on_route(layer, ids, wanted)
@@ -127,9 +129,10 @@ class StreamingStops:
         if self.prompting and len(ids) > WARM_PROMPT_ROWS:
             cold = set(wanted).difference(ids[-WARM_PROMPT_ROWS:].ravel().tolist())
         missing = st.cache.plan(layer, wanted, cold)
+        busy = bool(st.orders.order_of)  # reads under way before this layer's (speculative, or a cancel's)
         st.lanes.hold()
         try:
-            now, later = self._send(layer, wanted, missing)
+            now, later = self._send(layer, wanted, missing, busy)
             st.ahead.after_demand(layer, len(ids), wanted)
         finally:
             t1 = time.perf_counter_ns()
@@ -148,17 +151,19 @@ class StreamingStops:
             st.cache.release_evicted()
             c.mgmt_ns += time.perf_counter_ns() - t2
 
-    def _send(self, layer: int, wanted: list[int], missing: list[Key]) -> tuple[list[int], list[int]]:
-        """Send the layer's missing reads (gate/up before down); returns (await now, await at down)."""
+    def _send(self, layer: int, wanted: list[int], missing: list[Key], busy: bool) -> tuple[list[int], list[int]]:
+        """Send the layer's missing reads (gate/up before down); returns (await now, await at down).
+        `busy`: reads were under way before these, and may hold some of the layer's slices."""
         st = self.st
         split = st.overlap and any(ri in st.down_kind for ri in st.cache.by_layer[layer])
         now = st.orders.spread([k for k in missing if not (split and k[1] in st.down_kind)])
         later = st.orders.spread([k for k in missing if split and k[1] in st.down_kind])
-        for key in st.cache.layer_slices(layer, wanted):
-            oid = st.orders.order_of.get(key)  # a read already under way (speculative) covers this slice
-            target = later if split and key[1] in st.down_kind else now
-            if oid is not None and oid not in target:
-                target.append(oid)
+        if busy:
+            for key in st.cache.layer_slices(layer, wanted):
+                oid = st.orders.order_of.get(key)  # a read already under way (speculative) covers this slice
+                target = later if split and key[1] in st.down_kind else now
+                if oid is not None and oid not in target:
+                    target.append(oid)
         return now, later
 
     def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:

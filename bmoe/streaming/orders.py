@@ -35,6 +35,7 @@ class OrdersInFlight:
         self.cache = cache
         self.inflight: dict[int, Order] = {}
         self.order_of: dict[Key, int] = {}
+        self.ahead_ids: set[int] = set()  # the speculative ones (each layer's stop looks at these alone)
 
     @property
     def lanes(self) -> int:
@@ -46,7 +47,7 @@ class OrdersInFlight:
 
     def ahead(self) -> Iterator[tuple[int, Order]]:
         """(id, order) of every speculative order in flight."""
-        return ((oid, o) for oid, o in self.inflight.items() if o.ahead)
+        return ((oid, self.inflight[oid]) for oid in list(self.ahead_ids))
 
     def reads_for(self, keys: list[Key]) -> list[tuple[ReadOrder, list[Key]]]:
         """The slices' reads, adjacent ones merged, each with the slices it fills."""
@@ -58,6 +59,8 @@ class OrdersInFlight:
         oid = self.pool.send(lane, [r for r, _ in share], speculative=bool(ahead))
         keys = [k for _, ks in share for k in ks]
         self.inflight[oid] = Order(keys, lane, ahead or [])
+        if ahead:
+            self.ahead_ids.add(oid)
         for k in keys:
             self.order_of[k] = oid
         return oid
@@ -81,6 +84,7 @@ class OrdersInFlight:
     def pop(self, oid: int) -> Order:
         """An answered order leaves flight; its slices are no longer being read."""
         order = self.inflight.pop(oid)
+        self.ahead_ids.discard(oid)
         for k in order.keys:
             del self.order_of[k]
         return order

@@ -106,15 +106,16 @@ class ReadAhead:
         drop wishes (demand goes first) and its queued mispredictions."""
         self.route_seq += 1
         self.routed_at[layer] = self.route_seq
-        self.last_routes[layer] = [int(x) for x in ids[-1]] if len(ids) else []
+        self.last_routes[layer] = ids[-1].tolist() if len(ids) else []
         predicted = self.predictions.pop(layer, None)
         if predicted is not None and self.gate is not None:
             self.gate.score(predicted, set(self.last_routes[layer]))
             for band, e in self.guesses.pop(layer, ()):
                 self.gate.confidence.score(band, e in self.last_routes[layer])
-        self._count_useful(layer, wanted)
         self.wishes.clear()
-        self.cancel(layer, wanted)
+        if self.read_ahead or self.orders.ahead_ids:
+            self._count_useful(layer, wanted)
+            self.cancel(layer, wanted)
 
     def begin_batch(self, n_tokens: int) -> None:
         """A llama_decode of `n_tokens` starts: a prompt long enough to route nearly every expert
@@ -155,7 +156,8 @@ class ReadAhead:
             for j in range(1, self.prefetch + 1):
                 nxt = self.layers[(pos + j) % len(self.layers)]
                 self._wish(nxt, self.last_routes.get(nxt, ()))
-        self.pump()
+        if self.wishes or self.warm:
+            self.pump()
 
     def on_router_input(self, layer: int, node: int) -> None:
         if not self.listening:
