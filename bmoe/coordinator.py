@@ -109,12 +109,14 @@ class Engine:
 
     def follow_memory(self) -> None:
         """Between generations: an adaptive budget follows the room as it does each token, so an
-        idle session or server gives memory back when another program needs it; a warm start's
-        fill reads on."""
+        idle session or server gives memory back when another program needs it; a background
+        fill (a warm start's, or the rest of a cache that holds every expert) reads on."""
         if self.streamer is not None:
             self.streamer.follow()
-        if self.parts.warm is not None and self.streamer is not None:
-            self.parts.warm.idle()
+            if self.parts.warm is not None:
+                self.parts.warm.idle()  # (and says when its fill is done)
+            else:
+                self.streamer.idle_fill()
 
     def stats(self) -> EngineStats:
         """What the engine is and holds now, in one object: what every edge prints about the load."""

@@ -334,3 +334,23 @@ def test_a_prompts_experts_its_last_tokens_did_not_route_go_first(policy: str) -
     held = {e for (layer, e) in cache.index_of if layer == 0}
     assert held == {0, 1}, f"the prompt's cold experts were evicted first, not {sorted({0, 1, 2, 3} - held)}"
     assert not cache.prompt_only
+
+
+def test_a_budget_that_holds_every_expert_gives_each_its_own_index() -> None:
+    """While the budget holds every expert, each takes its own index (`home[layer] + e`) in whatever
+    order they are routed, so a complete layer is read by its experts' own ids from the pool shifted
+    by `home[layer]` slots (`direct_base`); under a smaller budget indices go out in turn."""
+    regs = regions_for(5000)
+    layout(regs)
+    big = ExpertCache(None, regs, 10 ** 9)
+    assert big.holds_everything and big.home == {0: 0, 1: 8, 2: 16}
+    for layer, experts in [(2, [5, 1]), (0, [7, 0, 3]), (1, [4]), (2, [0, 2, 3, 4, 6, 7]),
+                           (0, [1, 2, 4, 5, 6]), (1, [0, 1, 2, 3, 5, 6, 7])]:
+        big.commit(big.plan(layer, experts))
+        assert all(big.index_of[(layer, e)] == big.home[layer] + e for e in experts)
+    assert [big.direct_base(layer) for layer in range(3)] == [0, 8, 16]
+    small = ExpertCache(None, regs, 4 * big.charge[0])
+    assert not small.holds_everything
+    small.commit(small.plan(2, [5, 1]))
+    small.commit(small.plan(0, [7]))
+    assert [small.index_of[k] for k in [(2, 5), (2, 1), (0, 7)]] == [0, 1, 2], "in turn, not at home"

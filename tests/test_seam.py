@@ -91,7 +91,9 @@ def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch
     assert len(filtered) < len(python) / 4, "Python is not asked about the other nodes"
     assert {n.split("-")[0] for n, _, _ in filtered} <= {"ffn_moe_weights", "ffn_moe_logits", "ffn_moe_swiglu",
                                                           "ffn_moe_swiglu_oai"}
-    assert aborts[1] <= walls[1] // eval_filter.ABORT_CHECK_NS + 1 < aborts[0]
+    # Python's abort check: after every computed node without the filter, at most once per ABORT_CHECK_NS with it
+    # (a bound on time, not on the other run's count, which a slow machine's long run could pass)
+    assert aborts[0] > 0 and aborts[1] <= walls[1] // eval_filter.ABORT_CHECK_NS + 1
 
 
 def test_struct_layout_matches_ggml() -> None:

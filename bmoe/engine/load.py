@@ -241,6 +241,9 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
             p.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
     if s.cache.warm_start:
         p.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), files, st, p.notice)
+    if st.holds_everything and not s.streaming.preload:
+        n = st.fill_rest()
+        p.notice(f"the cache budget holds every expert: the {n} not resident are read in the background")
 
 
 def _refuse_what_cannot_follow(p: Loaded, gating: Gating) -> None:

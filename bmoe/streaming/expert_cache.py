@@ -205,7 +205,14 @@ class ExpertCache:
         self.warm_bytes = 0  # their pages
         self.kept_for: dict[int, int] = {}  # index -> the layer whose expert's pages it holds (held or kept)
         self.cold: list[int] = []  # free indices whose pages were given back
-        self.fresh = 0  # indices handed out so far
+        self.fresh = 0  # indices below it were all handed out at least once
+        self.ever = bytearray(self.capacity)  # 1: the index was handed out (it is held, or on a free list)
+        # each expert's own index (home[layer] + e), which it takes while the budget holds every expert and
+        # the index was never handed out: a layer complete at its own indices is read by its own ids
+        self.home: dict[int, int] = {}
+        at = 0
+        for layer in sorted(first):
+            self.home[layer], at = at, at + first[layer].n_expert
         self.giving_back: list[int] = []  # free indices whose pages are to be given back
         self.on_assign: Callable[[int, int, int], None] | None = None  # (layer, expert, index): bias rows
         self.routed = {layer: np.zeros(r.n_expert, dtype=np.int64) for layer, r in first.items()}  # the usage profile:
@@ -356,11 +363,22 @@ class ExpertCache:
             self._make_room(need, protect_expected=False)
         self.used += need
         for e in experts:
-            index = self._take(layer)
+            index = self._own_index(layer, e)
+            if index is None:
+                index = self._take(layer)
             self.index_of[(layer, e)] = index
             self.table[layer][e] = index
             if self.on_assign is not None:
                 self.on_assign(layer, e, index)
+
+    def _own_index(self, layer: int, e: int) -> int | None:
+        """The expert's own index, while the budget holds every expert and nobody ever took it (None else)."""
+        index = self.home[layer] + e
+        if not self.holds_everything or self.ever[index]:
+            return None
+        self.ever[index] = 1
+        self.kept_for[index] = layer
+        return index
 
     def _take(self, layer: int) -> int:
         """A free index for an expert of `layer`: one that kept its pages if any (the pages beyond
@@ -393,10 +411,13 @@ class ExpertCache:
             return self.giving_back.pop()
         # (never more indices than experts are held at once, all of them at most: the spare laid out
         # last, lossy routing's zeros, is never handed out)
+        while self.fresh < self.capacity and self.ever[self.fresh]:  # (taken as some expert's own)
+            self.fresh += 1
         index = self.fresh
         if index >= self.capacity:
             raise RuntimeError(f"slot indices exhausted ({index} of {self.capacity})")
         self.fresh += 1
+        self.ever[index] = 1
         return index
 
     def _fit_kept(self) -> None:

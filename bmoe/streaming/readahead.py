@@ -46,6 +46,10 @@ class BackgroundFill(Protocol):
 
     def on_done(self, oid: int, order: Order, nbytes: int) -> None: ...
 
+    def idle(self) -> None: ...
+
+    def extend(self, experts: list[tuple[int, int]]) -> None: ...
+
 QUEUE_PER_LANE = 4  # speculative orders queued in one lane at a time (each holds room in the cache)
 WHOLE_LAYER = 7 / 8  # a batch routing this share of a layer's experts is taken to route all of the next
 

@@ -9,10 +9,11 @@ ReadAhead has queued, and served by the lanes after every demand read. Unlike a 
 not cancelled when its layer routes other experts. It never evicts: it stops at the first expert
 that does not fit the budget as it stands.
 
-While a decode runs each lane holds at most BUSY_DEPTH fill orders (a demand read waits for at
-most the one read under way); between requests (`idle`, from the Engine's idle tick) it may hold
-IDLE_DEPTH, and the next decode cancels the ones not started beyond BUSY_DEPTH, which go back to
-the front of the list. `stop` drops the rest.
+While a decode runs the fill has at most BUSY_DEPTH orders in flight in all: one lane reads for it
+while the others serve demand alone, so the fill takes little of the CPU the tokens compute on (a
+demand read on that lane waits for at most the one read under way); between requests (`idle`, from
+the Engine's idle tick) each lane may hold IDLE_DEPTH, and the next decode cancels the ones not
+started beyond BUSY_DEPTH, which go back to the front of the list. `stop` drops the rest.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ if TYPE_CHECKING:
     from bmoe.streaming.readahead import ReadAhead
     from bmoe.streaming.streamer import Streamer
 
-BUSY_DEPTH = 1  # fill orders a lane may hold while a decode runs
-IDLE_DEPTH = 32  # ... and between requests: idle ticks come 0.5 s apart (Engine.follow_memory), and a tick's
-# orders should keep a lane reading until the next one (bench/restart_with_usage_profile.py measures a fill)
+# fill orders in flight while a decode runs (bench/reports/2026-12-03-resident: what filling costs a token)
+BUSY_DEPTH = 1
+# fill orders a lane may hold between requests: idle ticks come 0.5 s apart (Engine.follow_memory), and a
+# tick's orders should keep a lane reading until the next one (bench/restart_with_usage_profile.py measures a fill)
+IDLE_DEPTH = 32
 
 
 class WarmFill:
@@ -44,7 +47,7 @@ class WarmFill:
         self.ra = ahead
         self.todo = list(experts)
         self.orders: set[int] = set()
-        self.depth = 0  # orders a lane may hold now (0: paused)
+        self.depth = 0  # orders it may have in flight now (0: paused)
         self.read = 0  # experts read so far
         self.stopped = False
 
@@ -52,17 +55,22 @@ class WarmFill:
     def done(self) -> bool:
         return not self.todo and not self.orders
 
+    def extend(self, experts: list[tuple[int, int]]) -> None:
+        """More experts to read after the list's own (those already listed keep their place)."""
+        listed = set(self.todo)
+        self.todo += [k for k in experts if k not in listed]
+
     def owns(self, oid: int) -> bool:
         return oid in self.orders
 
     def idle(self) -> None:
         """Between requests: queue deeper, and send now."""
         if not self.stopped:
-            self._depth(IDLE_DEPTH)
+            self._depth(IDLE_DEPTH * self.ra.orders.lanes)
             self.ra.pump()
 
     def busy(self) -> None:
-        """A decode starts: back to BUSY_DEPTH orders per lane."""
+        """A decode starts: back to BUSY_DEPTH orders in flight."""
         if not self.stopped:
             self._depth(BUSY_DEPTH)
 
@@ -77,12 +85,12 @@ class WarmFill:
         self._depth(0)
 
     def pump(self) -> None:
-        """Send the next experts while lanes hold fewer than `depth` fill orders."""
+        """Send the next experts while fewer than `depth` fill orders are in flight, each to the lane holding fewest."""
         ra, orders, cache = self.ra, self.ra.orders, self.ra.cache
         held = [0] * orders.lanes
         for oid in self.orders:
             held[orders.inflight[oid].lane] += 1
-        while self.todo and min(held) < self.depth:
+        while self.todo and len(self.orders) < self.depth:
             layer, e = self.todo[0]
             if not ra.absent(layer, e):
                 self.todo.pop(0)
@@ -107,7 +115,7 @@ class WarmFill:
             self.todo[:0] = order.ahead
 
     def _depth(self, depth: int) -> None:
-        """Hold at most `depth` orders per lane from now on; queued ones are cancelled when it falls."""
+        """At most `depth` orders in flight from now on; queued ones are cancelled when it falls."""
         if depth < self.depth and self.orders:
             ra, orders = self.ra, self.ra.orders
             by_lane: dict[int, list[int]] = {}
@@ -153,8 +161,7 @@ class WarmStart:
         f = self.fill
         if f is None:
             return
-        self.st.tick()
-        f.idle()
+        self.st.idle_fill()
         if f.done:
             mib = self.st.cache.used / MiB
             self.notice(f"warm start: {f.read} experts read in {time.perf_counter() - self.t0:.1f} s "
