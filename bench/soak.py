@@ -20,7 +20,7 @@ chat every time) runs before, during and after each fault and must answer byte-i
 decoding). At the end the server gets SIGTERM and must leave no process and no shared memory behind.
 
     python bench/soak.py --minutes 30 --out bench/reports/DATE-soak          # the benchmark
-    python bench/soak.py --seconds 20 --out /tmp/soak                          # the suite's smoke
+    python bench/soak.py --seconds 10 --out /tmp/soak                          # the suite's smoke
 
 The report (DIR/report.md, charts beside it) has the request ledger (sent = answered + refused with
 a reason + disconnected by the client; failed must be 0), latency percentiles per kind, each

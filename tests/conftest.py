@@ -23,6 +23,28 @@ if TYPE_CHECKING:
     from bmoe.coordinator import Engine
 
 REPO = Path(__file__).resolve().parent.parent
+_pycache: list[str] = []  # the subprocesses' bytecode folder, while the session runs (pytest_configure)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite starts a few thousand Python processes (I/O lanes, spec-gates, bmoe-cli, bmoe-server,
+    bench scripts). Where PYTHONDONTWRITEBYTECODE is set, each of them would compile every module it
+    imports from source again (a lane 0.08 s of CPU, bmoe-cli 0.25 s, bmoe-server 0.15 s): they share
+    one bytecode cache in a temporary folder instead (PYTHONPYCACHEPREFIX, removed at the end), so the
+    checkout still gets no __pycache__. Where bytecode is written anyway nothing changes."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        import tempfile
+
+        _pycache.append(tempfile.mkdtemp(prefix="bmoe-test-pycache-"))
+        os.environ["PYTHONPYCACHEPREFIX"] = _pycache[-1]
+        del os.environ["PYTHONDONTWRITEBYTECODE"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    while _pycache:
+        shutil.rmtree(_pycache.pop(), ignore_errors=True)
 
 
 def bmoe_segments() -> set[str]:

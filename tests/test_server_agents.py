@@ -60,12 +60,10 @@ def served(request, qwen3_synth) -> tuple[Server, dict]:
     if request.param == "demo16":
         s = Server("-m", str(request.getfixturevalue("demo16")), *FLAGS,
                    "--chat-template-file", str(TEMPLATES / "chatml-tools.jinja"), env={"BMOE_API_KEY": KEY})
-        extra: dict = {}
-    else:
-        s = Server("-m", qwen3_synth, *FLAGS, "--cache-mb", "1", env={"BMOE_API_KEY": KEY})
-        extra = {"think": False}
-    yield s, extra
-    s.stop()
+        yield s, {}
+        s.stop()
+    else:  # the same model and flags as `thinker`: its server, started once for the module
+        yield request.getfixturevalue("thinker"), {"think": False}
 
 
 def args_ok(call) -> dict:

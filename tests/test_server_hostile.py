@@ -92,13 +92,16 @@ def test_connections_that_send_no_request_are_closed_and_do_not_shut_others_out(
 def test_a_reader_that_stops_reading_is_cut_and_its_slot_freed(server: Server) -> None:
     """A stream whose client reads nothing (its socket's buffers fill) is cut after --write-timeout
     and its generation cancelled if it is still running (a fast machine may decode all 3000 tokens
-    before the buffers fill): the one KV sequence (--parallel 1) is free for the next client."""
+    before the buffers fill): the one KV sequence (--parallel 1) is free for the next client. A chat
+    stream with 20 alternatives per token: the largest chunks the server writes (about 2.3 KB a token,
+    twice a completion's), so the server's socket buffers (megabytes on loopback) fill soonest."""
     ended = {why: metric(server, f'bmoe_generations_total{{finish_reason="{why}"}}') for why in ("cancelled", "length")}
     slow = socket.socket()
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     slow.connect(address(server))
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "logprobs": 20, "stream": True})
-    slow.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3000, "logprobs": True,
+                       "top_logprobs": 20, "stream": True})
+    slow.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
     deadline = time.monotonic() + 600
     while metric(server, "bmoe_slow_readers_total") < 1:  # the server notices by itself

@@ -1,4 +1,4 @@
-"""The soak's smoke: bench/soak.py for 20 seconds of mixed traffic on the 16-expert demo with one
+"""The soak's smoke: bench/soak.py for 10 seconds of mixed traffic on the 16-expert demo with one
 fault of each kind (spec-gate stopped, a lane killed, the cgroup squeezed, the prompt cache's disk
 full, the usage folder read-only until shutdown). Every check of its verdict must hold; the long run
 (30 minutes) is the opt-in benchmark (bench/README.md)."""
@@ -13,9 +13,9 @@ from pathlib import Path
 from tests.conftest import REPO
 
 
-def test_twenty_seconds_of_traffic_with_every_fault_lose_nothing(tmp_path: Path, demo16: Path) -> None:
+def test_ten_seconds_of_traffic_with_every_fault_lose_nothing(tmp_path: Path, demo16: Path) -> None:
     out = tmp_path / "soak"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--seconds", "20", "--sample-s", "1",
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--seconds", "10", "--sample-s", "1",
                         "--clients", "2", "--max-tokens", "12", "-m", str(demo16),
                         "--out", str(out)], capture_output=True, text=True, cwd=REPO)
     report = (out / "report.md").read_text() if (out / "report.md").exists() else r.stdout + r.stderr
