@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from bmoe.shm_cache import PAGE, Slab, sweep_stale_segments
 from bmoe.streaming.expert_cache import RESIDENT, ExpertCache, Region, layout
 from bmoe.streaming.lanes import LanePool, ReadOrder, merge_keyed, spread
+from bmoe.workers.io_lane import Reader
 from tests.conftest import bmoe_segments
 
 
@@ -226,6 +228,7 @@ def test_lanes_land_superset_reads_in_place(tmp_path, odirect: bool, backend: st
     data = np.random.default_rng(1).integers(0, 256, size=300_001, dtype=np.uint8).tobytes()
     path = tmp_path / "blob.bin"
     path.write_bytes(data)
+    uncache(path)  # O_DIRECT reads the device (a file the page cache holds is copied from there)
     reg = Region("blk.0.ffn_up_exps.weight", 0, "ffn_up_exps", 0, 12_345, 20, 14_000)
     slab = Slab(layout([reg]), backend)
     pool = LanePool(lanes, slab.name, [str(path)], odirect=odirect)
@@ -247,6 +250,40 @@ def test_lanes_land_superset_reads_in_place(tmp_path, odirect: bool, backend: st
         pool.close()
         slab.close()
     assert all(lane.proc.returncode is not None for lane in pool.lanes)
+
+
+def uncache(path) -> None:
+    """Written back and dropped from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_range_the_page_cache_holds_is_copied_from_there(tmp_path) -> None:
+    """An O_DIRECT reader copies a range whose every page is in the page cache from there (another
+    program left the file in memory) and reads any other range from the device; the same bytes either
+    way, and the copy reads nothing ahead into the page cache."""
+    data = np.random.default_rng(2).integers(0, 256, size=4 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data)
+    uncache(path)
+    r = Reader(str(path), odirect=True)
+    assert r.odirect and r.cache is not None
+    buf = mmap.mmap(-1, 1 << 20)  # (page-aligned, as the slab is)
+    assert not r.cache.holds(4096, len(buf))
+    assert r.read_into(memoryview(buf), 4096, len(buf)) == len(buf) and buf[:] == data[4096:4096 + len(buf)]
+    assert r.cache.copies == 0, "not cached: read with O_DIRECT"
+    with open(path, "rb", buffering=0) as f:  # another program reads the first half (and no further)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        f.read(2 << 20)
+    assert r.cache.holds(8192, len(buf)) and not r.cache.holds(3 << 20, len(buf))
+    assert r.read_into(memoryview(buf), 8192, len(buf)) == len(buf) and buf[:] == data[8192:8192 + len(buf)]
+    assert r.cache.copies == 1, "cached: copied from the page cache"
+    assert r.read_into(memoryview(buf), 3 << 20, len(buf)) == len(buf) and buf[:] == data[3 << 20:(3 << 20) + len(buf)]
+    assert r.cache.copies == 1 and not r.cache.holds(3 << 20, len(buf)), "the device range stays out of the cache"
 
 
 def test_lane_reports_read_error_naming_file_and_offset(tmp_path) -> None:

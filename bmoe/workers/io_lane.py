@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import mmap
 import os
 import select
 import signal
@@ -27,10 +28,50 @@ import msgpack
 from bmoe.shm_cache import open_segment
 
 CANCELLED = -1  # the byte count of a completion whose speculative order was cancelled unread
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's answer: bit 0 of each byte, the others reserved
+
+
+class PageCache:
+    """Which ranges of a file are in the page cache now, and a buffered way to copy them from there.
+
+    O_DIRECT reads the device even when another program (plain llama.cpp, an earlier `cat`) left the
+    file in memory; a range whose every page is cached is copied from there instead, through a
+    descriptor advised POSIX_FADV_RANDOM (no read-ahead), so this reads nothing from the device that
+    O_DIRECT would not. The file is mapped only to ask mincore; nothing is read through the mapping."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mmap.restype = ctypes.c_void_p
+        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_long]
+        self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        self.size = size
+        addr = self.libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0) if size else None
+        self.addr = None if addr in (None, ctypes.c_void_p(-1).value) else addr
+        self.copies = 0  # reads served from the page cache
+
+    def holds(self, offset: int, length: int) -> bool:
+        """Every page of [offset, offset + length) is in the page cache (as of this call)."""
+        if self.addr is None or length <= 0 or offset + length > self.size:
+            return False
+        start = offset - offset % _PAGE
+        n = (offset + length - start + _PAGE - 1) // _PAGE
+        vec = ctypes.create_string_buffer(n)
+        if self.libc.mincore(self.addr + start, n * _PAGE, vec) != 0:
+            return False
+        return vec.raw.translate(_LOW_BIT).find(0) < 0
+
+    def copy(self, view: memoryview, offset: int) -> int:
+        self.copies += 1
+        return os.preadv(self.fd, [view], offset)
 
 
 class Reader:
-    """One open model file: O_DIRECT when the file system allows, else buffered + DONTNEED."""
+    """One open model file: O_DIRECT when the file system allows, else buffered + DONTNEED; with
+    O_DIRECT, a range the page cache holds whole is copied from there (`PageCache`)."""
 
     def __init__(self, path: str, odirect: bool) -> None:
         self.path = path
@@ -45,10 +86,14 @@ class Reader:
         if self.fd < 0:
             self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
+        self.cache = PageCache(path, self.size) if self.odirect else None
 
     def read_into(self, view: memoryview, offset: int, needed: int) -> int:
         """Fill `view` from `offset`; past end of file it may stop short, but never before `needed`."""
         want = max(0, min(len(view), self.size - offset))
+        if want >= needed and self.cache is not None and self.cache.holds(offset, want) \
+                and self.cache.copy(view[:want], offset) == want:
+            return want  # (short only if pages were evicted since the look: then it is read again below)
         got = 0
         while got < want:
             try:
