@@ -170,6 +170,8 @@ class StreamingStops:
         """What the layer's expert matmuls read instead of the routed ids: each expert's slot index (a
         position lossy routing dropped reads the pool's spare slot, all zeros)."""
         st = self.st
+        if layer in st.direct:  # bound to read its experts by their own ids (a caller stopped where the hook would not)
+            return ids
         t0 = time.perf_counter_ns()
         slots = st.cache.slot_ids(layer, _read(ids) if self.rewrites else ids)
         if self.rewrites:
