@@ -37,7 +37,7 @@ from bmoe.streaming.route_trace import Trace, TraceError, TraceWriter
 from bmoe.streaming.speculation import SpecGate
 from bmoe.streaming.streamer import Streamer, regions_of
 from bmoe.streaming.usage_profile import default_dir
-from bmoe.streaming.warm_fill import WarmStart
+from bmoe.streaming.warm_fill import WarmStart, fill_rest
 from bmoe.workers.routers import ROUTER_NORM
 
 
@@ -242,8 +242,7 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     if s.cache.warm_start:
         p.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), files, st, p.notice)
     if st.holds_everything and not s.streaming.preload:
-        n = st.fill_rest()
-        p.notice(f"the cache budget holds every expert: the {n} not resident are read in the background")
+        fill_rest(st)  # (then every layer runs through; docs/architecture.md)
 
 
 def _refuse_what_cannot_follow(p: Loaded, gating: Gating) -> None:

@@ -29,7 +29,6 @@ from bmoe.streaming.lanes import CANCELLED, LanePool
 from bmoe.streaming.orders import Order, OrdersInFlight
 from bmoe.streaming.readahead import ReadAhead, ReadAheadCounts
 from bmoe.streaming.speculation import SpecGate
-from bmoe.streaming.warm_fill import WarmFill
 
 WATCH_STEP = 64 * 2**20  # an adaptive budget is checked again once the cache has taken this much more
 
@@ -315,18 +314,6 @@ class Streamer:
             self.wait(self.orders.spread(c.plan(layer, experts)))
         c.reset_stats()
         return self.take_counters().read_bytes
-
-    def fill_rest(self) -> int:
-        """A budget that holds every expert: read those not resident in the background, layer by layer,
-        behind demand (a WarmFill; after a warm start's own list), so that each layer is soon
-        complete at its experts' own indices and runs through without a stop. Returns the experts listed."""
-        c = self.cache
-        rest = [(layer, e) for layer in self.layers for e in range(c.n_expert(layer)) if not c.resident[layer][e]]
-        if self.ahead.warm is None:
-            self.ahead.warm = WarmFill(self.ahead, rest)
-        else:
-            self.ahead.warm.extend(rest)
-        return len(rest)
 
     def idle_fill(self) -> None:
         """Between requests: collect a background fill's reads and let it queue deeper."""

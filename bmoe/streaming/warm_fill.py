@@ -127,6 +127,18 @@ class WarmFill:
         self.depth = depth
 
 
+def fill_rest(streamer: Streamer) -> None:
+    """A budget that holds every expert: read those not resident in the background, layer by layer,
+    behind demand (after a warm start's own list), so that each layer is soon complete at its
+    experts' own indices and runs through without a stop."""
+    c, ahead = streamer.cache, streamer.ahead
+    rest = [(layer, e) for layer in streamer.layers for e in range(c.n_expert(layer)) if not c.resident[layer][e]]
+    if ahead.warm is None:
+        ahead.warm = WarmFill(ahead, rest)
+    else:
+        ahead.warm.extend(rest)
+
+
 class WarmStart:
     """One run's usage profile (bmoe.streaming.usage_profile): read at start, where it seeds the cache policy
     and a WarmFill, and written back at exit with this run's counts.

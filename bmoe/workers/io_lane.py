@@ -30,6 +30,9 @@ from bmoe.shm_cache import open_segment
 CANCELLED = -1  # the byte count of a completion whose speculative order was cancelled unread
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's answer: bit 0 of each byte, the others reserved
+# Reads shorter than this always go to the device: a few pages are as quick to read as to look up, and
+# they are the ones that share pages with the dense tensors llama.cpp keeps mapped (cached for its sake)
+MIN_COPY = 256 << 10
 
 
 class PageCache:
@@ -55,7 +58,7 @@ class PageCache:
 
     def holds(self, offset: int, length: int) -> bool:
         """Every page of [offset, offset + length) is in the page cache (as of this call)."""
-        if self.addr is None or length <= 0 or offset + length > self.size:
+        if self.addr is None or length < MIN_COPY or offset + length > self.size:
             return False
         start = offset - offset % _PAGE
         n = (offset + length - start + _PAGE - 1) // _PAGE
