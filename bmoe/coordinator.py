@@ -113,10 +113,9 @@ class Engine:
         fill (a warm start's, or the rest of a cache that holds every expert) reads on."""
         if self.streamer is not None:
             self.streamer.follow()
+            self.streamer.idle_fill()
             if self.parts.warm is not None:
-                self.parts.warm.idle()  # (and says when its fill is done)
-            else:
-                self.streamer.idle_fill()
+                self.parts.warm.idle()
 
     def stats(self) -> EngineStats:
         """What the engine is and holds now, in one object: what every edge prints about the load."""

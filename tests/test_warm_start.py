@@ -266,21 +266,25 @@ def test_the_session_and_the_api_write_the_profile_at_exit(model: Path, tmp_path
     assert len(list((tmp_path / "a").glob("*.json"))) == 1
 
 
-def test_a_cache_that_holds_every_expert_fills_and_then_stops_nowhere(model: Path) -> None:
+@pytest.mark.parametrize("warm_start", ["off", "on, no profile yet"])
+def test_a_cache_that_holds_every_expert_fills_and_then_stops_nowhere(model: Path, tmp_path, warm_start: str) -> None:
     """A budget above every expert: the experts no request routed are read in the background (while
-    the session waits, and one order at a time while a decode runs), each at its own index; then
-    every layer runs through without a stop, bound to read its experts by their own ids, and the
-    text is plain llama.cpp's throughout."""
+    the session waits, and one order at a time while a decode runs), each at its own index, whether
+    or not a warm start runs beside it; then every layer runs through without a stop, bound to read
+    its experts by their own ids, and the text is plain llama.cpp's throughout."""
     plain = load(model, "-c", 256, "-t", 2, "--no-stream")
     try:
         want = run(plain)
     finally:
         plain.close()
-    m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1000, "--no-warm-start")
+    flags = ("--no-warm-start",) if warm_start == "off" else ("--usage-dir", tmp_path / "usage")
+    m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1000, *flags)
     e = m.engine
     try:
         fill, c = e.streamer.ahead.warm, e.streamer.cache
         assert isinstance(fill, WarmFill), "a background fill from the start"
+        e.follow_memory()
+        assert fill.orders, "the idle tick before any request sends the fill's reads"
         assert run(m) == want
         while not fill.done:  # the idle tick sends, the wait collects what landed
             e.follow_memory()

@@ -208,7 +208,7 @@ class ExpertCache:
         self.fresh = 0  # indices below it were all handed out at least once
         self.ever = bytearray(self.capacity)  # 1: the index was handed out (it is held, or on a free list)
         # each expert's own index (home[layer] + e), which it takes while the budget holds every expert and
-        # the index was never handed out: a layer complete at its own indices is read by its own ids
+        # no other expert holds it: a layer complete at its own indices is read by its own ids
         self.home: dict[int, int] = {}
         at = 0
         for layer in sorted(first):
@@ -372,11 +372,22 @@ class ExpertCache:
                 self.on_assign(layer, e, index)
 
     def _own_index(self, layer: int, e: int) -> int | None:
-        """The expert's own index, while the budget holds every expert and nobody ever took it (None else)."""
+        """The expert's own index while the budget holds every expert, unless another expert holds it
+        (None then): never handed out, or taken off the free list it waits on."""
         index = self.home[layer] + e
-        if not self.holds_everything or self.ever[index]:
+        if not self.holds_everything:
             return None
-        self.ever[index] = 1
+        if not self.ever[index]:
+            self.ever[index] = 1
+        elif index in self.warm:
+            self.warm.remove(index)
+            return self._reuse(index, layer)
+        elif index in self.cold:
+            self.cold.remove(index)
+        elif index in self.giving_back:
+            self.giving_back.remove(index)
+        else:
+            return None
         self.kept_for[index] = layer
         return index
 
@@ -385,19 +396,23 @@ class ExpertCache:
         what this expert touches given back), else one given back, else a new one (pages kept by
         others are given back first when held and kept would pass the budget)."""
         if self.warm:
-            index = self.warm.pop()
-            before = self.kept_for[index]
-            self.warm_bytes -= self.charge[before]
-            self.kept_for[index] = layer
-            if self.slab is not None and before != layer:
-                had, fits = self.pages[before], self.pages[layer]
-                for r in self.pools:
-                    start, _ = r.slot_pages(index)
-                    if had.get(r.kind, 0) > fits.get(r.kind, 0):
-                        self.slab.release(start + fits.get(r.kind, 0), start + had[r.kind])
-            return index
+            return self._reuse(self.warm.pop(), layer)
         index = self._cold_index()
         self.kept_for[index] = layer
+        return index
+
+    def _reuse(self, index: int, layer: int) -> int:
+        """A free index that kept its pages, for an expert of `layer`: the pages beyond what it touches
+        are given back."""
+        before = self.kept_for[index]
+        self.warm_bytes -= self.charge[before]
+        self.kept_for[index] = layer
+        if self.slab is not None and before != layer:
+            had, fits = self.pages[before], self.pages[layer]
+            for r in self.pools:
+                start, _ = r.slot_pages(index)
+                if had.get(r.kind, 0) > fits.get(r.kind, 0):
+                    self.slab.release(start + fits.get(r.kind, 0), start + had[r.kind])
         return index
 
     def _cold_index(self) -> int:

@@ -169,11 +169,10 @@ class WarmStart:
         self.fill.idle()
 
     def idle(self) -> None:
-        """Between requests: collect the fill's reads and send more; say once when it is done."""
+        """Between requests (after the Streamer's idle fill): say once when the fill is done."""
         f = self.fill
         if f is None:
             return
-        self.st.idle_fill()
         if f.done:
             mib = self.st.cache.used / MiB
             self.notice(f"warm start: {f.read} experts read in {time.perf_counter() - self.t0:.1f} s "
