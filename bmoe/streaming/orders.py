@@ -35,7 +35,8 @@ class OrdersInFlight:
         self.cache = cache
         self.inflight: dict[int, Order] = {}
         self.order_of: dict[Key, int] = {}
-        self.ahead_ids: set[int] = set()  # the speculative ones (each layer's stop looks at these alone)
+        # the speculative ones, in sending order (each layer's stop looks at these alone)
+        self.ahead_ids: dict[int, None] = {}
 
     @property
     def lanes(self) -> int:
@@ -60,7 +61,7 @@ class OrdersInFlight:
         keys = [k for _, ks in share for k in ks]
         self.inflight[oid] = Order(keys, lane, ahead or [])
         if ahead:
-            self.ahead_ids.add(oid)
+            self.ahead_ids[oid] = None
         for k in keys:
             self.order_of[k] = oid
         return oid
@@ -84,7 +85,7 @@ class OrdersInFlight:
     def pop(self, oid: int) -> Order:
         """An answered order leaves flight; its slices are no longer being read."""
         order = self.inflight.pop(oid)
-        self.ahead_ids.discard(oid)
+        self.ahead_ids.pop(oid, None)
         for k in order.keys:
             del self.order_of[k]
         return order
