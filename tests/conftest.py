@@ -47,17 +47,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_pycache.pop(), ignore_errors=True)
 
 
-def drop_from_page_cache(path: object) -> None:
-    """Written back and dropped from the page cache, so that the lanes read it from the device (a range
-    the page cache holds is copied from there: bmoe.workers.io_lane.PageCache)."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def bmoe_segments() -> set[str]:
     """Segments this test session could own: its own, or those of processes that have ended.
 

@@ -15,8 +15,9 @@ import pytest
 from bmoe.shm_cache import PAGE, Slab, sweep_stale_segments
 from bmoe.streaming.expert_cache import RESIDENT, ExpertCache, Region, layout
 from bmoe.streaming.lanes import LanePool, ReadOrder, merge_keyed, spread
+from bmoe.tools.bench_sys import drop_file_cache
 from bmoe.workers.io_lane import Reader
-from tests.conftest import bmoe_segments, drop_from_page_cache
+from tests.conftest import bmoe_segments
 
 
 def regions_for(expert_bytes: int, n_expert: int = 8, layers: int = 3, base: int = 1000) -> list[Region]:
@@ -228,7 +229,7 @@ def test_lanes_land_superset_reads_in_place(tmp_path, odirect: bool, backend: st
     data = np.random.default_rng(1).integers(0, 256, size=300_001, dtype=np.uint8).tobytes()
     path = tmp_path / "blob.bin"
     path.write_bytes(data)
-    drop_from_page_cache(path)  # O_DIRECT reads the device (a file the page cache holds is copied from there)
+    drop_file_cache([path])  # O_DIRECT reads the device (a file the page cache holds is copied from there)
     reg = Region("blk.0.ffn_up_exps.weight", 0, "ffn_up_exps", 0, 12_345, 20, 14_000)
     slab = Slab(layout([reg]), backend)
     pool = LanePool(lanes, slab.name, [str(path)], odirect=odirect)
@@ -259,7 +260,7 @@ def test_a_range_the_page_cache_holds_is_copied_from_there(tmp_path) -> None:
     data = np.random.default_rng(2).integers(0, 256, size=4 << 20, dtype=np.uint8).tobytes()
     path = tmp_path / "blob.bin"
     path.write_bytes(data)
-    drop_from_page_cache(path)
+    drop_file_cache([path])
     r = Reader(str(path), odirect=True)
     assert r.odirect and r.cache is not None
     buf = mmap.mmap(-1, 1 << 20)  # (page-aligned, as the slab is)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import re
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from bmoe.coordinator import Engine
 from bmoe.seam import graph as seam
 from bmoe.seam.graph import ABORTED
 from bmoe.streaming.expert_cache import RESIDENT
+from bmoe.tools.bench_sys import drop_file_cache
 from bmoe.tools.synth_shape import ARCHES, NEW_ARCHES
 from tests.conftest import SlabCheck, complete, engine_for, generate, slice_bytes
 from tests.conftest import load as load_model
@@ -551,15 +551,6 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def _drop_from_page_cache(path: object) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # a file just written: dirty pages are not dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _ggml_is_numa() -> int:
     """Address of ggml-cpu's own `ggml_is_numa`, looked up by symbol in the library the registry lives in."""
     lib = seam.library_of(seam.BackendReg.from_address(seam.cpu_registry()).iface.get_proc_address)
@@ -619,7 +610,7 @@ def test_a_load_under_no_populate_reads_the_header_only(big_experts: Path) -> No
     size = big_experts.stat().st_size
     read = {}
     for mode in ("no_populate", "plain"):
-        _drop_from_page_cache(big_experts)
+        drop_file_cache([big_experts])
         r0 = _read_bytes()
         with seam.no_populate() if mode == "no_populate" else contextlib.nullcontext():
             model = load_model(big_experts)
@@ -632,7 +623,7 @@ def test_a_load_under_no_populate_reads_the_header_only(big_experts: Path) -> No
 def _start(path: Path, *flags: object) -> tuple[Engine, int, list[str]]:
     """An Engine started on a cold page cache: (engine, bytes this process read to start it, notices)."""
     notes: list[str] = []
-    _drop_from_page_cache(path)
+    drop_file_cache([path])
     r0 = _read_bytes()
     e = engine_for(path, "-c", 256, "-t", 2, *flags, notice=notes.append)
     return e, _read_bytes() - r0, notes

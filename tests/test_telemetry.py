@@ -13,8 +13,9 @@ import pytest
 
 from bmoe.base import telemetry
 from bmoe.edges.session_client import SessionClient
+from bmoe.tools.bench_sys import drop_file_cache
 from tests import spec_lines
-from tests.conftest import complete, drop_from_page_cache, load, per_token, run_cli
+from tests.conftest import complete, load, per_token, run_cli
 
 PROMPT = "Tell me about the harbour town where the fishing boats come home every evening before dark"
 N = 20
@@ -119,7 +120,7 @@ def test_serial_io_and_read_bytes_are_what_the_lanes_did(model: str) -> None:
     """Measured, not derived: with no cache in serial mode every token blocks on reads (io > 0, within
     its wall time) and its read bytes are the bytes the lane processes read from the file, as the
     kernel counted them (/proc/PID/io read_bytes: O_DIRECT reads bypass the page cache)."""
-    drop_from_page_cache(model)
+    drop_file_cache([model])
     m = load(model, "-c", 256, "-t", 1, "--cache-mb", 0, "--no-overlap", "--io-threads", 2)
     try:
         pool = m.engine.streamer.pool
@@ -247,7 +248,7 @@ def test_csv_cut_short_by_a_kill_still_parses() -> None:
 
 def test_profile_lists_each_lane_and_their_reads_match(model: str, tmp_path) -> None:
     csv_path = tmp_path / "p.csv"
-    drop_from_page_cache(model)  # the lanes read the device (/proc/PID/io counts that, not page-cache copies)
+    drop_file_cache([model])  # the lanes read the device (/proc/PID/io counts that, not page-cache copies)
     r = run_cli("-m", model, "-p", PROMPT, "-n", "16", "--cache-mb", "0", "--io-threads", "3",
                 "--profile", "--csv", str(csv_path))
     assert r.returncode == 0, r.stderr

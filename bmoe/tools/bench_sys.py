@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,11 +45,13 @@ class LimitError(Exception):
 
 # ---- cold page cache ---------------------------------------------------------------------------
 
-def drop_file_cache(paths: list[Path]) -> None:
-    """Evict the model file(s) from the page cache (pages still mapped by a live process stay)."""
+def drop_file_cache(paths: Sequence[str | os.PathLike[str]]) -> None:
+    """Evict the model file(s) from the page cache (pages still mapped by a live process stay; a file just
+    written is written back first, since dirty pages are not dropped)."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
