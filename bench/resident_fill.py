@@ -1,15 +1,22 @@
-"""With a budget that holds every expert: how fast does decode run once the cache is filled, and
-what does filling it cost the tokens decoded meanwhile, against plain llama.cpp?
+"""
+With a budget that holds every expert: how fast does decode run while the cache fills and once it
+is filled, against plain llama.cpp?
 
-Same-run A/B on the 64-expert demo (or `-m`), no memory limit, the file warm in the page cache:
-`plain` is `--no-stream` (llama.cpp reading the mapped file), `fill` is bmoe with `--cache-mb`
-above the model's experts (the cache reads what is not resident in the background, layer by
-layer, and binds each complete layer to read its experts by their own ids), `preload` reads every
-expert before the first token (`--preload`). Arms alternate, `--rounds` each; each run is a fresh
-`bmoe-cli` process with `--csv`. Per run: the token where the fill's last read landed (the last
-with read bytes), the median s/token of the tokens after it (filled) and up to it (filling); plain's
-median over the same token indices is the reference for each. Reports medians over rounds, the
-ratios (speed share of plain) and whether every run printed the same text.
+Same-run A/B on the 64-expert demo (or `-m`), no memory limit, the file warm in the page cache.
+Arms alternate, `--rounds` each, each a fresh `bmoe-cli` process:
+
+- `plain`: `--no-stream` (llama.cpp reading the mapped file), one-shot with `--csv`;
+- `oneshot`: bmoe with `--cache-mb` above the model's experts, one-shot: the slab fills behind the
+  decode; until it holds a layer, the layer reads the page cache through llama.cpp's own mapping,
+  and the fill waits for idle time, so every token of this run is one "while filling";
+- `session`: the same in `--session` mode, the way a filled cache is reached: a first request
+  (while filling), then the session idles (its idle ticks read the rest) until `cache_resident_mib`
+  stops growing, then the same request again (filled);
+- `preload`: `--preload` reads every expert before the first token.
+
+Reports, per arm, the median ms/token against plain's over the same token indices (share: 1.0 is
+plain's speed), the resident MiB, how long the session's idle fill took, and whether the texts
+agree (the one-shot arms with each other, the session's two answers with each other).
 
     python bench/resident_fill.py --rounds 3 --out bench/reports/$(date +%F)-resident
 """
@@ -20,34 +27,103 @@ import argparse
 import csv
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe" / "smollm2-135m-moe-e64-k8-r2.gguf"
 PROMPT = "Write a story about a dragon who learns to bake bread."
-ARMS = {"plain": ["--no-stream"],
-        "fill": ["--no-warm-start", "--io-threads", "4"],
-        "preload": ["--no-warm-start", "--io-threads", "4", "--preload"]}
+FLAGS = ["--no-warm-start", "--io-threads", "4"]
+ARMS = {"plain": ["--no-stream"], "oneshot": FLAGS, "session": FLAGS, "preload": [*FLAGS, "--preload"]}
+RESIDENT = re.compile(r"resident ([0-9.]+) MiB")
 
 
-def run(arm: str, rnd: int, a: argparse.Namespace) -> dict:
-    csv_path = a.out / f"{arm}-{rnd}.csv"
+def cli(a: argparse.Namespace, arm: str) -> list[str]:
     flags = ARMS[arm] + ([] if arm == "plain" else ["--cache-mb", str(a.cache_mb)])
-    cmd = [sys.executable, "-m", "bmoe.cli", "-m", str(a.model), "-p", PROMPT, "-n", str(a.n_predict),
-           "-t", str(a.threads), "--csv", str(csv_path), *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if r.returncode != 0:
-        raise SystemExit(f"{arm}: exit {r.returncode}\n{r.stderr[-2000:]}")
-    rows = [x for x in csv.DictReader(open(csv_path)) if x.get("wall_ms")]
-    wall = [float(x["wall_ms"]) for x in rows]
+    return [sys.executable, "-m", "bmoe.cli", "-m", str(a.model), "-n", str(a.n_predict), "-t", str(a.threads),
+            *flags]
+
+
+def check_length(arm: str, wall: list[float], a: argparse.Namespace) -> None:
     if len(wall) < a.n_predict // 2:
         raise SystemExit(f"{arm}: {len(wall)} tokens of {a.n_predict} (the model ended early): choose another prompt")
-    reads = [i for i, x in enumerate(rows) if float(x["read_bytes"]) > 0]
-    return {"arm": arm, "round": rnd, "wall_ms": wall, "fill_end": reads[-1] if reads else -1,
+
+
+def oneshot(arm: str, rnd: int, a: argparse.Namespace) -> dict:
+    csv_path = a.out / f"{arm}-{rnd}.csv"
+    r = subprocess.run([*cli(a, arm), "-p", PROMPT, "--csv", str(csv_path)], capture_output=True, text=True, cwd=REPO)
+    if r.returncode != 0:
+        raise SystemExit(f"{arm}: exit {r.returncode}\n{r.stderr[-2000:]}")
+    wall = [float(x["wall_ms"]) for x in csv.DictReader(open(csv_path)) if x.get("wall_ms")]
+    check_length(arm, wall, a)
+    m = RESIDENT.search(r.stdout + r.stderr)
+    return {"arm": arm, "round": rnd, "wall_ms": wall, "resident_mib": float(m.group(1)) if m else 0.0,
             "text": r.stdout.split("\ngeneration:")[0]}
+
+
+class Session:
+    """A `bmoe-cli --session` process: requests in, its BMOE_ lines out."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.p = subprocess.Popen([*argv, "--session"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+        self.read_until("BMOE_READY")
+        self.next_id = 0
+
+    def read_until(self, tag: str) -> tuple[dict, list[dict]]:
+        """Lines up to the first `tag` line: (its JSON, the BMOE_PROGRESS lines before it)."""
+        assert self.p.stdout is not None
+        steps = []
+        for line in self.p.stdout:
+            name, _, body = line.partition(" ")
+            if name == "BMOE_PROGRESS":
+                steps.append(json.loads(body))
+            elif name == "BMOE_ERROR":
+                raise SystemExit(f"session: {body}")
+            elif name == tag:
+                return json.loads(body), steps
+        raise SystemExit(f"session ended before {tag} (exit {self.p.wait()})")
+
+    def generate(self, n: int) -> tuple[dict, list[dict]]:
+        assert self.p.stdin is not None
+        self.next_id += 1
+        self.p.stdin.write(json.dumps({"cmd": "generate", "id": self.next_id, "prompt": PROMPT, "n_predict": n,
+                                       "clear_kv": True}) + "\n")
+        self.p.stdin.flush()
+        return self.read_until("BMOE_DONE")
+
+    def close(self) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"cmd": "close"}) + "\n")
+        self.p.stdin.close()
+        self.p.wait()
+
+
+def session(rnd: int, a: argparse.Namespace) -> dict:
+    """First request while filling, idle until the cache stops growing, the same request filled."""
+    s = Session(cli(a, "session"))
+    try:
+        done1, steps1 = s.generate(a.n_predict)
+        t0, before = time.perf_counter(), -1.0
+        while True:  # the session's idle ticks fill; a one-token request reads how far
+            time.sleep(a.poll_s)
+            resident = s.generate(1)[0]["cache_resident_mib"]
+            if resident == before:
+                break
+            before = resident
+        fill_s = time.perf_counter() - t0 - a.poll_s
+        done2, steps2 = s.generate(a.n_predict)
+    finally:
+        s.close()
+    first, second = [x["wall_ms"] for x in steps1], [x["wall_ms"] for x in steps2]
+    check_length("session", first, a)
+    return {"arm": "session", "round": rnd, "wall_ms": first, "filled_wall_ms": second,
+            "resident_mib": done1["cache_resident_mib"], "filled_resident_mib": done2["cache_resident_mib"],
+            "fill_s": fill_s, "text": done1["text"], "filled_text": done2["text"]}
 
 
 def med(xs: list[float]) -> float:
@@ -62,6 +138,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--cache-mb", type=int, default=8000, help="a budget above the model's experts (default 8000)")
     ap.add_argument("--skip", type=int, default=2, help="first tokens left out of every median (default 2)")
+    ap.add_argument("--poll-s", type=float, default=2.0, help="the session's idle time between looks (default 2)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -70,31 +147,43 @@ def main() -> None:
     for rnd in range(a.rounds):
         order = list(ARMS) if rnd % 2 == 0 else list(reversed(ARMS))
         for arm in order:
-            rec = run(arm, rnd, a)
+            rec = session(rnd, a) if arm == "session" else oneshot(arm, rnd, a)
             runs.append(rec)
             print(f"{arm} round {rnd}: median {med(rec['wall_ms'][a.skip:]):.1f} ms/token, "
-                  f"fill's last read at token {rec['fill_end']}", file=sys.stderr, flush=True)
-    plain = [r for r in runs if r["arm"] == "plain"]
-    summary: dict[str, object] = {"model": str(a.model), "n_predict": a.n_predict, "threads": a.threads,
-                                  "cache_mb": a.cache_mb, "rounds": a.rounds,
-                                  "same_text": len({r["text"] for r in runs}) == 1}
-    lines = [f"# Every expert resident: {a.model.name}, -n {a.n_predict}, -t {a.threads}, {a.rounds} rounds", "",
-             "| arm | fill's last read (token) | filling ms/token | plain same tokens | share | "
-             "filled ms/token | plain same tokens | share |", "|---|---|---|---|---|---|---|---|"]
-    for arm in ("fill", "preload"):
-        rs = [r for r in runs if r["arm"] == arm]
-        end = int(med([max(r["fill_end"], a.skip) for r in rs]))
-        filling = med([med(r["wall_ms"][a.skip:end + 1]) for r in rs]) if end > a.skip else float("nan")
-        filled = med([med(r["wall_ms"][max(end + 1, a.skip):]) for r in rs])
-        p_filling = med([med(r["wall_ms"][a.skip:end + 1]) for r in plain]) if end > a.skip else float("nan")
-        p_filled = med([med(r["wall_ms"][max(end + 1, a.skip):]) for r in plain])
-        summary[arm] = {"fill_end": end, "filling_ms": filling, "plain_filling_ms": p_filling,
-                        "filling_share": p_filling / filling, "filled_ms": filled, "plain_filled_ms": p_filled,
-                        "filled_share": p_filled / filled, "fill_ends": [r["fill_end"] for r in rs]}
-        lines.append(f"| {arm} | {end} | {filling:.1f} | {p_filling:.1f} | {p_filling / filling:.3f} | {filled:.1f} | "
-                     f"{p_filled:.1f} | {p_filled / filled:.3f} |")
-    lines += ["", f"Same text in all {len(runs)} runs: {summary['same_text']}.", "",
-              "share = plain's median s/token over the same token indices ÷ the arm's (1.0: plain's speed)."]
+                  f"resident {rec['resident_mib']:.0f} MiB", file=sys.stderr, flush=True)
+    by = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
+
+    def share(key: str, rs: list[dict]) -> tuple[float, float, float]:
+        """(the arm's median ms/token, plain's over the same tokens, plain's ÷ the arm's), medians over rounds."""
+        n = min(len(r[key]) for r in rs)
+        mine = med([med(r[key][a.skip:n]) for r in rs])
+        ref = med([med(r["wall_ms"][a.skip:n]) for r in by["plain"]])
+        return mine, ref, ref / mine
+
+    rows = [("oneshot: every token while filling", share("wall_ms", by["oneshot"]), by["oneshot"], "resident_mib"),
+            ("session, 1st request: while filling", share("wall_ms", by["session"]), by["session"], "resident_mib"),
+            ("session, 2nd request: filled", share("filled_wall_ms", by["session"]), by["session"],
+             "filled_resident_mib"),
+            ("preload: filled before the first token", share("wall_ms", by["preload"]), by["preload"], "resident_mib")]
+    oneshots = [r for r in runs if r["arm"] != "session"]
+    summary: dict[str, object] = {
+        "model": str(a.model), "n_predict": a.n_predict, "threads": a.threads, "cache_mb": a.cache_mb,
+        "rounds": a.rounds, "same_text_oneshot": len({r["text"] for r in oneshots}) == 1,
+        "same_text_session": all(r["text"] == r["filled_text"] for r in by["session"]),
+        "session_fill_s": [round(r["fill_s"], 1) for r in by["session"]],
+        "rows": {name: {"ms": ms, "plain_ms": ref, "share": sh, "resident_mib": [r[key] for r in rs]}
+                 for name, (ms, ref, sh), rs, key in rows}}
+    lines = [f"# Every expert resident: {a.model.name}, -n {a.n_predict}, -t {a.threads}, --cache-mb {a.cache_mb}, "
+             f"{a.rounds} rounds", "", "| arm | ms/token | plain, same tokens | share | resident MiB (each run) |",
+             "|---|---:|---:|---:|---|"]
+    for name, (ms, ref, sh), rs, key in rows:
+        lines.append(f"| {name} | {ms:.1f} | {ref:.1f} | {sh:.3f} | {', '.join(f'{r[key]:.0f}' for r in rs)} |")
+    lines += ["", f"The session's idle fill took {summary['session_fill_s']} s (to a resident size that no longer "
+              "grew, polled with one-token requests).",
+              f"Same text in the one-shot runs: {summary['same_text_oneshot']}; the session's two answers the same "
+              f"in every round: {summary['same_text_session']}.", "",
+              "share = plain's median ms/token over the same token indices ÷ the arm's (1.0: plain's speed); "
+              f"the first {a.skip} tokens are left out."]
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (a.out / "runs.json").write_text(json.dumps(runs))
     (a.out / "summary.md").write_text("\n".join(lines) + "\n")

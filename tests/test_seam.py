@@ -122,11 +122,23 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
             assert seam.libggml.ggml_get_data(addr) == t.data
             assert [int(x) for x in t.ne[:2]] + [r.n_expert] == [int(x) for x in ft.shape[:3]]
             assert ft.n_bytes == r.nbytes
+            # `data` is llama.cpp's own mapping of the tensor (what bind_file points back at): the file's bytes
+            et = e.streamer.tensors[r.name]
+            assert ctypes.string_at(et.data, et.nbytes) == bytes(ft.data.view(np.uint8).ravel())
+            assert (et.n_expert, et.expert_bytes) == (r.n_expert, r.expert_bytes)
             # rebinding really pointed llama.cpp at the pool: `capacity` slots, one every `stride`
             assert t.data == e.streamer.slab.base + r.data_offset
             assert int(t.ne[2]) == r.capacity >= r.n_expert
             assert int(t.nb[2]) == r.stride and int(t.nb[3]) == r.stride * r.capacity
             assert seam.libggml.ggml_nbytes(addr) == (r.capacity - 1) * r.stride + r.expert_bytes
+        for r in regions:  # and back at the file as llama.cpp loaded it, then at the pool again
+            et = e.streamer.tensors[r.name]
+            et.bind_file()
+            t = seam.tensor_at(et.addr)
+            assert (t.data, int(t.ne[2]), int(t.nb[2])) == (et.data, r.n_expert, r.expert_bytes)
+            assert seam.libggml.ggml_nbytes(et.addr) == file_tensors[r.name].n_bytes
+        for layer in e.streamer.layer_tensors:
+            e.streamer._bind(layer, None)
         biases = {b.name: b for bs in e.streamer.biases.values() for b, _, _ in bs}
         if arch == "gpt-oss":  # every expert tensor has its bias, added with the same ids (ggml_add_id)
             assert set(biases) == {r.name.replace(".weight", ".bias") for r in regions}

@@ -15,10 +15,15 @@ from bmoe.api import Model
 from bmoe.coordinator import Engine
 from bmoe.streaming import usage_profile
 from bmoe.streaming.expert_cache import ABSENT, RESIDENT
+from bmoe.streaming.streamer import ON_FILE
 from bmoe.streaming.usage_profile import Usage
 from bmoe.streaming.warm_fill import BUSY_DEPTH, IDLE_DEPTH, WarmFill
 from tests.conftest import complete, load, run_cli
 
+# MiB: room for some experts only, so every layer stops and its routings are counted (under a budget that
+# holds every expert, a layer the page cache holds reads llama.cpp's mapping without a stop, and a complete one
+# the slab: neither is counted)
+PART = 6
 PROMPT = "The miller's daughter carried the flour down to the river before the sun came up"
 
 
@@ -77,7 +82,7 @@ def test_a_run_writes_its_profile_and_the_next_start_fills_the_cache_from_it(mod
         want = run(plain)
     finally:
         plain.close()
-    m = start(model, usage, "--cache-mb", 1000)
+    m = start(model, usage, "--cache-mb", PART)
     e = m.engine
     try:
         assert e.parts.warm.fill is None, "no profile yet"
@@ -120,7 +125,7 @@ def _until(cond, e: Engine, seconds: float = 30.0) -> None:
 
 def test_the_fill_waits_behind_demand_and_can_be_stopped(model: Path, tmp_path) -> None:
     usage = tmp_path / "usage"
-    m = start(model, usage, "--cache-mb", 1000)
+    m = start(model, usage, "--cache-mb", PART)
     e = m.engine
     try:
         run(m)
@@ -171,7 +176,7 @@ def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(mode
     usage = tmp_path / "usage"
     copy = tmp_path / "model.gguf"
     copy.write_bytes(model.read_bytes())
-    m = start(copy, usage, "--cache-mb", 1000)
+    m = start(copy, usage, "--cache-mb", PART)
     e = m.engine
     try:
         run(m, 4)
@@ -207,7 +212,7 @@ def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(mode
             "damaged": "it is damaged (JSONDecodeError", "garbage": "it is damaged (",
             "checksum": "it is damaged (checksum mismatch)", "layers": "its layers do not match the model's"}[case]
     notes: list[str] = []
-    m = start(copy, usage, "--cache-mb", 1000, notes=notes)
+    m = start(copy, usage, "--cache-mb", PART, notes=notes)
     e = m.engine
     try:
         refused = [n for n in notes if n.startswith(f"ignoring the usage profile {path}: ")]
@@ -238,7 +243,7 @@ def test_no_warm_start_neither_reads_nor_writes_a_profile(model: Path, tmp_path)
 def test_the_server_writes_the_profile_at_shutdown_and_fills_from_it_at_start(model: Path, tmp_path) -> None:
     from tests.test_server import Server
 
-    flags = ["-m", str(model), "-t", "1", "--io-threads", "2", "--cache-mb", "1000", "--usage-dir", str(tmp_path)]
+    flags = ["-m", str(model), "-t", "1", "--io-threads", "2", "--cache-mb", str(PART), "--usage-dir", str(tmp_path)]
     s = Server(*flags)
     try:
         s.client().completions.create(model="m", prompt=PROMPT, max_tokens=4)
@@ -256,11 +261,11 @@ def test_the_session_and_the_api_write_the_profile_at_exit(model: Path, tmp_path
     import bmoe
     from bmoe.edges.session_client import SessionClient
 
-    with SessionClient(["-m", str(model), "-c", "256", "-t", "2", "--cache-mb", "1000",
+    with SessionClient(["-m", str(model), "-c", "256", "-t", "2", "--cache-mb", str(PART),
                         "--usage-dir", str(tmp_path / "s")]) as s:
         s.ask(1, PROMPT, n_predict=4)
     assert len(list((tmp_path / "s").glob("*.json"))) == 1
-    with bmoe.load(str(model), n_ctx=256, threads=2, cache_mb=1000, usage_dir=str(tmp_path / "a"),
+    with bmoe.load(str(model), n_ctx=256, threads=2, cache_mb=PART, usage_dir=str(tmp_path / "a"),
                    notice=lambda s: None) as m:
         m.generate(PROMPT, max_tokens=4)
     assert len(list((tmp_path / "a").glob("*.json"))) == 1
@@ -296,5 +301,51 @@ def test_a_cache_that_holds_every_expert_fills_and_then_stops_nowhere(model: Pat
         e.hook.stops.on_route = lambda layer, ids: (stops.append(layer), route(layer, ids))
         assert run(m) == want
         assert stops == [] and set(e.streamer.direct) == set(c.by_layer), "every layer ran through"
+    finally:
+        m.close()
+
+
+def test_a_filling_cache_reads_what_the_page_cache_holds_through_llama_cpps_mapping(synth) -> None:
+    """A budget above every expert and the file in the page cache: until the slab holds a layer, the
+    layer reads its experts where plain llama.cpp does (llama.cpp's own mapping of the file), with no
+    stop and no read, and the fill waits for the idle tick; a layer whose pages were evicted stops and
+    reads as before. Once the idle ticks filled the slab every layer reads it. The text is plain
+    llama.cpp's throughout. (64 experts: a prompt routes too few of a layer's to read it whole.)"""
+    model = Path(synth(arch="qwen3moe", layers=4, experts=64, top_k=2))
+    plain = load(model, "-c", 256, "-t", 2, "--no-stream")
+    try:
+        want = run(plain)
+    finally:
+        plain.close()
+    m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1000, "--no-warm-start")
+    e, st = m.engine, m.engine.streamer
+    try:
+        fill = st.ahead.warm
+        assert isinstance(fill, WarmFill)
+        model.read_bytes()  # every page of the file in the page cache ...
+        cold = st.layers[1]  # ... but this layer's experts
+        fd = os.open(model, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            for _, r in st.layer_tensors[cold]:
+                os.posix_fadvise(fd, r.file_offset, r.nbytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        stops: list[int] = []
+        route = e.hook.stops.on_route
+        e.hook.stops.on_route = lambda layer, ids: (stops.append(layer), route(layer, ids))
+        assert run(m) == want
+        assert set(stops) == {cold}, "only the evicted layer stops"
+        assert {layer for layer, b in st.direct.items() if b == ON_FILE} == set(st.layers) - {cold}
+        read = fill.read
+        assert run(m) == want
+        assert fill.read == read and not fill.orders, "the fill sends nothing while layers read the file"
+        while not fill.done:
+            e.follow_memory()
+            st.wait(list(fill.orders))
+        stops.clear()
+        assert run(m) == want
+        assert stops == [] and ON_FILE not in st.direct.values() and set(st.direct) == set(st.layers), \
+            "filled: every layer reads the slab"
     finally:
         m.close()

@@ -215,10 +215,15 @@ class ExpertTensor:
     kind: str
     n_expert: int
     expert_bytes: int
+    data: int  # llama.cpp's own experts, in its mapping of the model file
 
     @property
     def nbytes(self) -> int:
         return self.n_expert * self.expert_bytes
+
+    def bind_file(self) -> None:
+        """Point llama.cpp back at its own mapping of the file, as it loaded the tensor."""
+        self.rebind(self.data, self.expert_bytes, self.n_expert)
 
     def rebind(self, data_addr: int, stride: int, n_slots: int) -> None:
         """Point llama.cpp at a pool of `n_slots` slots: slot s at data_addr + s * stride.
@@ -377,7 +382,7 @@ class Capture:
             return
         self.tensors[w] = ExpertTensor(
             addr=w, name=wname, layer=layer, kind=m.group(2),
-            n_expert=int(wt.ne[2]), expert_bytes=int(wt.nb[2]),
+            n_expert=int(wt.ne[2]), expert_bytes=int(wt.nb[2]), data=int(wt.data),
         )
         if m.group(2) == "ffn_down_exps" and t.src[1]:
             # the down matmul's input: under --overlap the down slices are awaited there

@@ -24,6 +24,7 @@ from bmoe.base.model_files import ModelFiles, dio_alignment
 from bmoe.base.settings import DEFAULT_POLICY, StreamSettings
 from bmoe.shm_cache import Slab
 from bmoe.streaming.expert_cache import ExpertCache, Region, layout
+from bmoe.streaming.file_view import FileView
 from bmoe.streaming.lane_stats import LaneLoad, LaneStats
 from bmoe.streaming.lanes import CANCELLED, LanePool
 from bmoe.streaming.orders import Order, OrdersInFlight
@@ -31,6 +32,7 @@ from bmoe.streaming.readahead import ReadAhead, ReadAheadCounts
 from bmoe.streaming.speculation import SpecGate
 
 WATCH_STEP = 64 * 2**20  # an adaptive budget is checked again once the cache has taken this much more
+ON_FILE = (-1, -1)  # Streamer.direct's entry for a layer bound to llama.cpp's own mapping of the file
 
 
 @dataclass
@@ -94,7 +96,10 @@ class Streamer:
             self.cache.on_assign = self._bias_rows
         # layers whose rows a graph fixes when it is built (expert scales): never bound direct
         self.slot_bound = {layer for layer, bs in self.biases.items() if any(b.graph_fixed for b, _, _ in bs)}
-        self.direct: dict[int, tuple[int, int]] = {}  # layer -> (base, cache.moved) while bound direct
+        self.direct: dict[int, tuple[int, int]] = {}  # layer -> (base, cache.moved) while bound direct, or ON_FILE
+        # lanes that read buffered drop what they read from the page cache: a layer read there would fault
+        self.view = FileView({layer: [t for t, _ in ts] for layer, ts in self.layer_tensors.items()}) \
+            if streaming.odirect else None
         for layer in self.layer_tensors:
             self._bind(layer, None)
         self.overlap = streaming.overlap
@@ -114,6 +119,8 @@ class Streamer:
         """Point the layer's expert tensors (and bias rows) at their pools: at every slot (`base` None,
         ids remapped to slot indices), or at the n_expert slots from `base` on, which then hold
         experts 0..n-1 in order (ids read as they are)."""
+        if self.direct.get(layer) == ON_FILE and self.view is not None:
+            self.view.read_around(layer, False)
         for t, r in self.layer_tensors[layer]:
             at = self.slab.base + r.data_offset
             if base is None:
@@ -126,6 +133,15 @@ class Streamer:
                 b.rebind(at, len(pool))
             else:
                 b.rebind(at + base * b.row_bytes, b.n_expert)
+
+    def _bind_file(self, layer: int) -> None:
+        """Point the layer's expert tensors (and bias rows) at llama.cpp's own mapping of the file."""
+        assert self.view is not None
+        self.view.read_around(layer, True)
+        for t, _ in self.layer_tensors[layer]:
+            t.bind_file()
+        for b, _, _ in self.biases.get(layer, ()):
+            b.rebind(b.data, b.n_expert)
 
     def _bias_rows(self, layer: int, e: int, index: int) -> None:
         """Expert e of the layer took slot `index`: its bias rows follow it."""
@@ -201,19 +217,28 @@ class Streamer:
             self.watch()
 
     def run_through(self, layer: int) -> bool:
-        """A layer whose every expert is resident under a budget that holds them all, at slots in
-        expert order, needs no stop: its tensors are bound to read the experts by their own ids
-        (and its lookups count as hits). A layer that stops again is bound back to the whole pool first.
-        A layer with an expert scale always stops (its scale's pool is fixed in the graph)."""
+        """Under a budget that holds every expert a layer needs no stop (its lookups count as hits):
+        once its experts are all resident at slots in expert order, its tensors are bound to read them
+        by their own ids; before that, while the page cache holds the layer's expert bytes whole, they
+        are bound to llama.cpp's own mapping of the file (bmoe.streaming.file_view). A layer that stops
+        again is bound back to the whole pool first. A layer with an expert scale always stops (its
+        scale's pool is fixed in the graph)."""
         c = self.cache
         bound = self.direct.get(layer)
-        if c.layer_complete(layer) and layer not in self.slot_bound:
-            if bound is None or bound[1] != c.moved[layer]:
-                base = c.direct_base(layer)
-                if base is not None:
-                    self._bind(layer, base)
-                    bound = self.direct[layer] = (base, c.moved[layer])
-            if bound is not None and bound[1] == c.moved[layer]:
+        if c.holds_everything and layer not in self.slot_bound:
+            if c.layer_complete(layer):
+                if bound is None or bound[1] != c.moved[layer]:
+                    base = c.direct_base(layer)
+                    if base is not None:
+                        self._bind(layer, base)
+                        bound = self.direct[layer] = (base, c.moved[layer])
+                if bound is not None and bound[1] == c.moved[layer]:
+                    c.count_hits(layer, self.files.n_expert_used)
+                    return True
+            elif self.view is not None and self.view.cached(layer):
+                if bound != ON_FILE:
+                    self._bind_file(layer)
+                    bound = self.direct[layer] = ON_FILE
                 c.count_hits(layer, self.files.n_expert_used)
                 return True
         if bound is not None:
@@ -224,16 +249,22 @@ class Streamer:
     def unbind(self, layer: int) -> None:
         """The graph stops at a layer `run_through` would let run through (lossy routing changes every
         layer, a replay every routing): it reads through the remapped ids again."""
-        if self.direct.pop(layer, None) is not None:
+        if layer in self.direct:
             self._bind(layer, None)
+            del self.direct[layer]
 
     # ---- reads: sending, collecting, waiting ---------------------------------------------------
 
     def begin_batch(self, n_tokens: int) -> None:
-        """A llama_decode of n_tokens is about to run."""
+        """A llama_decode of n_tokens is about to run. While layers read a warm file's mapping, a
+        background fill waits for idle time: its copies into fresh slab pages are CPU work that slows
+        the decode's threads several times their own cost (bench/reports/2026-12-04-resident/), and
+        those layers already run at plain llama.cpp's speed."""
         t0 = time.perf_counter_ns()
         with self.lanes.batched():
             self.ahead.begin_batch(n_tokens)
+            if self.ahead.warm is not None and ON_FILE in self.direct.values():
+                self.ahead.warm.pause()
         self.counters.mgmt_ns += time.perf_counter_ns() - t0
 
     def tick(self) -> None:

@@ -28,11 +28,26 @@ import msgpack
 from bmoe.shm_cache import open_segment
 
 CANCELLED = -1  # the byte count of a completion whose speculative order was cancelled unread
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's answer: bit 0 of each byte, the others reserved
 # Reads shorter than this always go to the device: a few pages are as quick to read as to look up, and
 # they are the ones that share pages with the dense tensors llama.cpp keeps mapped (cached for its sake)
 MIN_COPY = 256 << 10
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's answer: bit 0 of each byte, the others reserved
+
+
+def all_cached(addr: int, length: int) -> bool:
+    """Whether every page of [addr, addr + length) of a file mapping is in the page cache now. mincore
+    answers for the file's pages, touched by this process or not, when the caller owns the file or may
+    write it; otherwise only for pages this process mapped, so the answer errs towards False."""
+    start = addr - addr % mmap.PAGESIZE
+    n = (addr + length - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = ctypes.create_string_buffer(n)
+    if _libc.mincore(start, n * mmap.PAGESIZE, vec) != 0:
+        return False
+    return vec.raw.translate(_LOW_BIT).find(0) < 0
 
 
 class PageCache:
@@ -46,13 +61,8 @@ class PageCache:
     def __init__(self, path: str, size: int) -> None:
         self.fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.mmap.restype = ctypes.c_void_p
-        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_long]
-        self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         self.size = size
-        addr = self.libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0) if size else None
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0) if size else None
         self.addr = None if addr in (None, ctypes.c_void_p(-1).value) else addr
         self.copies = 0  # reads served from the page cache
 
@@ -60,12 +70,7 @@ class PageCache:
         """Every page of [offset, offset + length) is in the page cache (as of this call)."""
         if self.addr is None or length < MIN_COPY or offset + length > self.size:
             return False
-        start = offset - offset % _PAGE
-        n = (offset + length - start + _PAGE - 1) // _PAGE
-        vec = ctypes.create_string_buffer(n)
-        if self.libc.mincore(self.addr + start, n * _PAGE, vec) != 0:
-            return False
-        return vec.raw.translate(_LOW_BIT).find(0) < 0
+        return all_cached(self.addr + offset, length)
 
     def copy(self, view: memoryview, offset: int) -> int:
         self.copies += 1

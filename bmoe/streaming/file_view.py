@@ -1,0 +1,53 @@
+"""While a cache that holds every expert fills, the layers it does not hold yet may read their experts
+where plain llama.cpp reads them: llama.cpp's own mapping of the model file, when the page cache holds
+all of the layer's expert bytes (another program, an earlier run or a `cat` left the file in memory).
+
+Such a layer runs through without a stop and without a read: the same bytes at the same speed as
+plain llama.cpp, while the fill copies them into the slab behind it (bmoe.streaming.warm_fill); once
+the slab holds the layer, it reads from there (bmoe.streaming.streamer.Streamer.run_through). The
+slab is what bmoe's budget owns and the kernel cannot take back; the page cache is the kernel's and
+may be, so each layer's answer is looked at again RECHECK_S later. A page evicted in between is read
+back by a page fault, the same bytes: while a layer reads the mapping its ranges get the kernel's
+default read-around (`read_around`), so such a fault reads a run of pages at the device's speed,
+not the 4 KiB at a time of the MADV_RANDOM a streaming load leaves them (bmoe.seam.no_populate).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import time
+
+from bmoe import seam
+from bmoe.workers.io_lane import all_cached
+
+# how long a layer's answer (in the page cache or not) stands: mincore over a layer's experts costs
+# tens of microseconds, too much to ask at every layer of every token
+RECHECK_S = 0.5
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class FileView:
+    """Which layers' experts the page cache holds whole, through llama.cpp's mapping of the file."""
+
+    def __init__(self, tensors: dict[int, list[seam.ExpertTensor]]) -> None:
+        self.extents = {layer: [(t.data, t.nbytes) for t in ts] for layer, ts in tensors.items()}
+        self.seen: dict[int, tuple[float, bool]] = {}  # layer -> (answer good until, in the page cache)
+
+    def cached(self, layer: int) -> bool:
+        """Whether the layer's expert bytes are all in the page cache (as of at most RECHECK_S ago)."""
+        now = time.monotonic()
+        seen = self.seen.get(layer)
+        if seen is not None and seen[0] > now:
+            return seen[1]
+        held = all(all_cached(addr, n) for addr, n in self.extents[layer])
+        self.seen[layer] = (now + RECHECK_S, held)
+        return held
+
+    def read_around(self, layer: int, on: bool) -> None:
+        """Advise the layer's expert ranges of the mapping MADV_NORMAL while it reads them (`on`), else
+        back to MADV_RANDOM, so nothing else faulting there reads ahead."""
+        for addr, n in self.extents[layer]:
+            start = addr - addr % mmap.PAGESIZE
+            _libc.madvise(start, addr + n - start, mmap.MADV_NORMAL if on else mmap.MADV_RANDOM)
