@@ -270,7 +270,8 @@ class Streamer:
 
     def _collect(self) -> None:
         for oid in self.orders.done():
-            nbytes, busy = self.lanes.take(oid)
+            answer = self.lanes.take(oid)
+            nbytes, busy = answer.nbytes, answer.busy_ns
             order = self.orders.pop(oid)
             self.ahead.on_done(oid, order, nbytes)
             if nbytes == CANCELLED:
