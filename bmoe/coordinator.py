@@ -313,11 +313,13 @@ class Engine:
         wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(going)
         if st:
             c = st.take_counters(step=True)
-            counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns)
+            counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns, c.page_cache_bytes,
+                      c.page_cache_ns)
             shares = []
             for i in range(k):  # token i's share of each count: the shares add up to the count
-                io, mgmt, read, hits, lookups, stall = (x * (i + 1) // k - x * i // k for x in counts)
-                shares.append(TokenStat(wall, io, mgmt, read, hits, lookups, stall, st.budget))
+                io, mgmt, read, hits, lookups, stall, copied, copy_ns = (x * (i + 1) // k - x * i // k for x in counts)
+                shares.append(TokenStat(wall, io, mgmt, read, hits, lookups, stall, st.budget,
+                                        page_cache_bytes=copied, page_cache_ns=copy_ns))
         else:
             shares = [TokenStat(wall, 0, 0, 0, 0, 0) for _ in range(k)]
         if self.lossy:

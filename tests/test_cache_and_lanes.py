@@ -277,6 +277,37 @@ def test_a_range_the_page_cache_holds_is_copied_from_there(tmp_path) -> None:
     assert r.cache.copies == 1 and not r.cache.holds(3 << 20, len(buf)), "the device range stays out of the cache"
 
 
+def test_a_lane_answers_how_many_bytes_it_copied_from_the_page_cache(tmp_path) -> None:
+    """A real lane's answer says which of an order's bytes came from the page cache, not the device,
+    and how long copying them took: all of them with the file warm, none with it dropped."""
+    data = np.random.default_rng(3).integers(0, 256, size=4 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data)
+    reg = Region("blk.0.ffn_up_exps.weight", 0, "ffn_up_exps", 0, 8192, 6, 512 << 10)  # reads >= MIN_COPY
+    slab = Slab(layout([reg]))
+    pool = LanePool(1, slab.name, [str(path)])
+    try:
+        if not pool.odirect:
+            pytest.skip("the file system refuses O_DIRECT: every read goes through the page cache")
+        answers = {}
+        for state in ("dropped", "warm"):
+            if state == "dropped":
+                drop_file_cache([path])
+            else:
+                path.read_bytes()  # another program reads the whole file
+            oid = pool.send(0, [reg.read_order(e, e) for e in (1, 4)])
+            while oid not in pool.done:
+                pool.poll(0.5)
+            answers[state] = pool.take(oid)
+    finally:
+        pool.close()
+        slab.close()
+    dropped, warm = answers["dropped"], answers["warm"]
+    assert dropped.nbytes == warm.nbytes >= 2 * reg.expert_bytes
+    assert dropped.copied == dropped.copy_ns == 0 and dropped.device_bytes == dropped.nbytes, dropped
+    assert warm.copied == warm.nbytes and warm.device_bytes == 0 and 0 < warm.copy_ns <= warm.busy_ns, warm
+
+
 def test_lane_reports_read_error_naming_file_and_offset(tmp_path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(b"x" * 10_000)

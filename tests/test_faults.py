@@ -144,7 +144,7 @@ def test_lane_serves_demand_before_queued_speculation_and_drops_cancelled_orders
         pool.poll(0.5)
         for oid in list(pool.done):
             order.append(oid)
-            nbytes, _ = pool.take(oid)
+            nbytes = pool.take(oid).nbytes
             assert (nbytes == CANCELLED) == (oid in (spec[2], spec[3]))
     assert order == [spec[2], spec[3], demand, spec[0], spec[1], spec[4]]
     for i in (0, 1, 4, 8):

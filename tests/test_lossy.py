@@ -196,7 +196,8 @@ def test_a_lossy_run_says_so_in_its_summary_csv_and_session(synth, tmp_path) -> 
         line = next(x for x in r.stdout.splitlines() if x.startswith(kind + ":"))
         assert spec_lines.summary_matches(kind, line, overlap=True), line
     header = csv_path.read_text().splitlines()[0]
-    assert header == spec_lines.CSV_HEADER + ",cache_budget_mib,dropped,substituted,weight_changed_pct"
+    assert header == (spec_lines.CSV_HEADER + ",cache_budget_mib,dropped,substituted,weight_changed_pct"
+                      ",page_cache_bytes,page_cache_ms")
     rows, _ = telemetry.read_csv(csv_path.read_text())
     assert sum(row["dropped"] for row in rows) / len(rows) == pytest.approx(lossy["dropped_per_token"], abs=0.01)
     plain_run = run_cli("-m", path, "-p", PROMPT, "-n", "4", "--progress", "--cache-mb", third(path))

@@ -77,7 +77,9 @@ def _gate(path: str, cache_mb: float, overlap: bool, prefetch: int, spec_gate: b
     assert res.ids == ref.ids and res.text == ref.text
     assert sum(s.lookups - s.hits for s in res.tokens) > 0, "the budget must force misses"
     if prefetch or spec_gate:
-        assert res.stats.prefetched_experts > 0 and res.stats.speculative_mib > 0
+        # (not speculative_mib > 0: that counts flash reads only, and SlabCheck's own reads of the file
+        # leave it in the page cache, where the lanes copy from instead)
+        assert res.stats.prefetched_experts > 0
     if spec_gate:
         assert e.gate is not None and e.gate.scored > 0
     if overlap:

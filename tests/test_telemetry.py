@@ -24,7 +24,8 @@ ROUND = 0.01  # ms: every JSON field is rounded to 3 decimals
 # line and its stall_s/tok and mgmt_s/tok; bmoe may only append after them)
 SUMMARY_KEYS = ("tokens", "s/tok", "tok/s", "read_mib", "io_s/tok", "compute_s/tok", "cache_hit_pct",
                 "stall_s/tok", "mgmt_s/tok")
-BMOE_SUMMARY_KEYS = ("cache_budget_mib", "prefill_tokens", "prefill_s", "load_s", "llama_load_s")
+BMOE_SUMMARY_KEYS = ("cache_budget_mib", "prefill_tokens", "prefill_s", "load_s", "llama_load_s", "page_cache_mib")
+BMOE_COLUMNS = ",cache_budget_mib,page_cache_bytes,page_cache_ms"  # bmoe's trailing CSV columns, in order
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +81,8 @@ def test_progress_lines_follow_the_contract(model: str, tmp_path, cache: str) ->
     assert abs(per_tok_sum - run.summary["moe-stream"]["read_mib"]) <= 0.01 + 1e-4 * len(progress)
     # CSV by column name: the contract's columns in its order, then bmoe's trailing budget column
     rows, summary = telemetry.read_csv(csv_text)
-    # the spec's columns in its order, then bmoe's trailing budget column (the contract's CSV is additive)
-    assert csv_text.splitlines()[0] == spec_lines.CSV_HEADER + ",cache_budget_mib"
+    # the spec's columns in its order, then bmoe's trailing columns (the contract's CSV is additive)
+    assert csv_text.splitlines()[0] == spec_lines.CSV_HEADER + BMOE_COLUMNS
     assert len(rows) == len(progress)
     for row, obj in zip(rows, progress):
         assert row["step"] == obj["step"] and abs(row["wall_ms"] - obj["wall_ms"]) <= ROUND
@@ -169,7 +170,7 @@ def test_every_line_written_is_the_specs(model: str, tmp_path) -> None:
     for kind, line in zip(kinds, lines[p + 1:]):
         assert spec_lines.summary_matches(kind, line, overlap=True), line
     csv = csv_path.read_text().splitlines()
-    assert csv[0] == spec_lines.CSV_HEADER + ",cache_budget_mib", csv[0]  # bmoe's trailing column after the spec's
+    assert csv[0] == spec_lines.CSV_HEADER + BMOE_COLUMNS, csv[0]  # bmoe's trailing columns after the spec's
     assert spec_lines.csv_summary_matches(csv[-1]), csv[-1]
     assert len(csv) == 2 + sum(t == "PROGRESS" for t, _ in tagged)
     for row in csv[1:-1]:
@@ -198,6 +199,127 @@ def test_every_line_written_is_the_specs(model: str, tmp_path) -> None:
         assert s.close() == 0
     tags = [spec_lines.check_tagged(line)[0] for line in s.lines]
     assert tags[:2] == ["READY", "BEGIN"] and {"PROGRESS", "DONE", "ERROR"} <= set(tags), tags
+
+
+def test_page_cache_copies_are_a_trailing_item_of_their_own() -> None:
+    """What the lanes copied from the page cache is bmoe's trailing item on the moe-stream line (only
+    when there was some: otherwise the line is the spec's), CSV's last columns and the # summary's
+    last key; read_bytes, read_mib and MiB/s stay the flash's."""
+    t = telemetry.RunTotals(tokens=4, wall_s=0.1, io_s=0.05, mgmt_s=0.01, stall_s=0.02, read_bytes=8 << 20,
+                            overlap=True, page_cache_bytes=3 << 20)
+    line = telemetry.stream_line(t)
+    assert line == ("moe-stream: read 8.00 MiB (2.00 MiB/token), decode 0.0250 s/token (compute 0.0175 + cache mgmt "
+                    "0.0025 + flash I/O 0.0125 s/token, 160.0 MiB/s) stall_s/tok=0.0050 page_cache_mib=3.00")
+    assert telemetry.parse_summary(line)[1]["page_cache_mib"] == 3.0
+    t.overlap = False
+    assert telemetry.stream_line(t).endswith(", 160.0 MiB/s) page_cache_mib=3.00")
+    t.page_cache_bytes = 0
+    assert spec_lines.summary_matches("moe-stream", telemetry.stream_line(t)), telemetry.stream_line(t)
+    assert telemetry.parse_summary(telemetry.stream_line(t))[1]["page_cache_mib"] is None
+    assert telemetry.csv_header() == spec_lines.CSV_HEADER + BMOE_COLUMNS
+    assert telemetry.csv_header(lossy=True) == (spec_lines.CSV_HEADER + ",cache_budget_mib,dropped,substituted,"
+                                                "weight_changed_pct,page_cache_bytes,page_cache_ms")
+    tally = telemetry.Tally(steps=2, overlap=True, cache_active=True)
+    tok = tally.add(telemetry.TokenStat(wall_ns=9_000_000, io_ns=1_000_000, mgmt_ns=0, read_bytes=4096, hits=1,
+                                        lookups=2, budget_bytes=1 << 20, page_cache_bytes=1 << 20,
+                                        page_cache_ns=250_000))
+    assert telemetry.csv_row(tok) == "1,2,9.000,1.000,9.000,4096,50.00,0.000,0.000,1.0,1048576,0.250"
+    assert telemetry.csv_row(tok, lossy=True).endswith(",1.0,0,0,0.000,1048576,0.250")
+    rows, _ = telemetry.read_csv(f"{telemetry.csv_header()}\n{telemetry.csv_row(tok)}\n")
+    assert rows[0]["read_bytes"] == 4096 and rows[0]["page_cache_bytes"] == 1 << 20
+    summary = telemetry.csv_summary(tally.totals(), 50.0, 1 << 20, prefill_tokens=3, prefill_s=0.5, load_s=1.0,
+                                    llama_load_s=0.25)
+    assert summary.endswith(" read_mib=0.00 io_s/tok=0.0010 compute_s/tok=0.0090 cache_hit_pct=50.00 "
+                            "stall_s/tok=0.0000 mgmt_s/tok=0.0000 cache_budget_mib=1.0 prefill_tokens=3 "
+                            "prefill_s=0.5000 load_s=1.0000 llama_load_s=0.2500 page_cache_mib=1.00"), summary
+
+
+@pytest.fixture(scope="module")
+def big_slices(synth) -> str:
+    """A model whose every expert slice is a read a lane may copy from the page cache (q8_0 256 x 4096:
+    1088 KiB, over io_lane.MIN_COPY; large enough that copying it takes longer than a lane's look-ups)."""
+    return str(synth(arch="qwen3moe", layers=2, experts=8, top_k=2, embd=256, ff=4096))
+
+
+def _warm_or_dropped(path: str, warm: bool) -> None:
+    """The file whole in the page cache (as plain llama.cpp or a `cat` leaves it), or out of it."""
+    if warm:
+        with open(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    else:
+        drop_file_cache([path])
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "dropped"])
+def test_read_bytes_are_the_devices_and_page_cache_copies_are_counted_apart(big_slices: str, warm: bool) -> None:
+    """Real lanes on a real model: each token's read_bytes are what the lanes read from the device, as
+    the kernel counted it (/proc/PID/io read_bytes leaves page-cache hits out); with the file warm the
+    lanes copy from the page cache instead and say so (page_cache_bytes > 0, not in read_bytes), with
+    it dropped they copy nothing."""
+    _warm_or_dropped(big_slices, warm)
+    m = load(big_slices, "-c", 256, "-t", 1, "--cache-mb", 0, "--no-overlap", "--io-threads", 2)
+    try:
+        pool = m.engine.streamer.pool
+        if not pool.odirect:
+            pytest.skip("the model's file system refuses O_DIRECT: nothing is copied from the page cache")
+        kernel: list[int] = []
+        last = [0]
+
+        def on_token(_i: int) -> None:
+            now = sum(psutil.Process(lane.pid).io_counters().read_bytes for lane in pool.lanes)
+            kernel.append(now - last[0])
+            last[0] = now
+
+        res = complete(m, PROMPT, 8, on_chunk=per_token(on_token))
+    finally:
+        m.close()
+    tokens = res.tokens
+    assert len(tokens) == 8 and all(t.read_bytes + t.page_cache_bytes > 0 for t in tokens)  # no cache: all read
+    assert kernel[1:] == [t.read_bytes for t in tokens[1:]]  # (the first delta holds the prompt's reads too)
+    copied = sum(t.page_cache_bytes for t in tokens)
+    if warm:
+        assert copied > 0 and all(t.page_cache_ms > 0 for t in tokens if t.page_cache_bytes)
+        assert res.stats.page_cache_mib == copied / 2**20
+    else:
+        assert copied == 0 and all(t.page_cache_ms == 0 for t in tokens) and res.stats.page_cache_mib == 0
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "dropped"])
+def test_cli_and_session_report_page_cache_copies_beside_flash_reads(big_slices: str, tmp_path, warm: bool) -> None:
+    """bmoe-cli's moe-stream line gains `page_cache_mib=` (the CSV's page_cache_bytes summed) only when the
+    lanes copied from the page cache, which then is not in read_mib nor in overlap's flash I/O time; the
+    session's BMOE_DONE always ends with it."""
+    _warm_or_dropped(big_slices, warm)
+    csv_path = tmp_path / "run.csv"
+    r = run_cli("-m", big_slices, "-p", PROMPT, "-n", "8", "-t", "1", "--cache-mb", "0", "--progress",
+                "--csv", str(csv_path))
+    assert r.returncode == 0, r.stderr
+    run = telemetry.parse_output(r.stdout)
+    assert not run.stray, run.stray
+    stream = run.summary["moe-stream"]
+    rows, summary = telemetry.read_csv(csv_path.read_text())
+    copied_mib = sum(row["page_cache_bytes"] for row in rows) / 2**20
+    assert stream["read_mib"] == pytest.approx(sum(row["read_bytes"] for row in rows) / 2**20, abs=0.01)
+    assert summary["page_cache_mib"] == pytest.approx(copied_mib, abs=0.01)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("moe-stream:"))
+    if warm:
+        assert copied_mib > 0 and stream["page_cache_mib"] == pytest.approx(copied_mib, abs=0.01), line
+        assert stream["read_mib"] < copied_mib, line  # every slice is one to copy: the device read little
+        assert line.endswith(f" page_cache_mib={copied_mib:.2f}"), line
+        # overlap's io is the lanes' busy time less their copies' (all the slices were copied: what is left
+        # is the lanes' look-ups and the device's few small reads, less than the copying took)
+        assert 0 <= sum(row["io_ms"] for row in rows) < sum(row["page_cache_ms"] for row in rows), rows
+    else:
+        assert copied_mib == 0 and stream["page_cache_mib"] is None and stream["read_mib"] > 0
+        assert spec_lines.summary_matches("moe-stream", line, overlap=True), line
+
+    _warm_or_dropped(big_slices, warm)
+    with SessionClient(["-m", big_slices, "-t", "1", "--cache-mb", "0"]) as s:
+        _, (tag, done) = s.ask(1, PROMPT, n_predict=4)
+        assert s.close() == 0
+    assert tag == "DONE" and list(done)[-1] == "page_cache_mib", done
+    assert (done["page_cache_mib"] > 0) == warm, done
 
 
 def test_without_progress_only_answer_and_summary(model: str) -> None:

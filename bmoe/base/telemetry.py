@@ -25,7 +25,11 @@ CSV_COLUMNS = ("step", "steps", "wall_ms", "io_ms", "compute_ms", "read_bytes", 
 # A run with lossy routing (bmoe.streaming.lossy) has three more: experts dropped and substituted that token
 # (over every layer), and the mean share of a layer's routing weight not computed as the router chose
 LOSSY_COLUMNS = ("dropped", "substituted", "weight_changed_pct")
-CSV_OPTIONAL = ("stall_ms", "mgmt_ms", "dropped", "substituted", "weight_changed_pct")
+# Last in every run (after the lossy ones too, so no column moves): what the I/O lanes copied from the page
+# cache instead of reading the device that token, in bytes and lane busy ms (bmoe.workers.io_lane.PageCache).
+# read_bytes and overlap's io_ms leave them out: the contract's are flash reads
+PAGE_CACHE_COLUMNS = ("page_cache_bytes", "page_cache_ms")
+CSV_OPTIONAL = ("stall_ms", "mgmt_ms", "dropped", "substituted", "weight_changed_pct", *PAGE_CACHE_COLUMNS)
 ANSWER_BANNER = "=== answer ==="
 PERF_BANNER = "=== perf ==="
 
@@ -35,9 +39,9 @@ class TokenStat:
     """One decode step (sample a token, then decode it) as the engine measured it: ns and bytes."""
 
     wall_ns: int
-    io_ns: int
+    io_ns: int  # serial: blocked on reads; overlap: the lanes' busy time reading the device
     mgmt_ns: int
-    read_bytes: int
+    read_bytes: int  # from the device
     hits: int
     lookups: int
     stall_ns: int = 0
@@ -45,6 +49,8 @@ class TokenStat:
     dropped: int = 0  # lossy routing (bmoe.streaming.lossy): experts dropped over the layers
     substituted: int = 0
     weight_changed_pct: float = 0.0  # mean over the layers of the routing weight's share changed
+    page_cache_bytes: int = 0  # copied from the page cache instead of read from the device
+    page_cache_ns: int = 0  # the lanes' busy time copying them
 
 
 @dataclass
@@ -66,6 +72,8 @@ class TokenLine:
     dropped: int = 0  # lossy routing's changes this token (TokenStat)
     substituted: int = 0
     weight_changed_pct: float = 0.0
+    page_cache_bytes: int = 0  # TokenStat's
+    page_cache_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -125,6 +133,7 @@ class RunTotals:
     dropped: int = 0
     substituted: int = 0
     weight_changed_pct: float = 0.0  # summed over the tokens (per_tok gives the mean)
+    page_cache_bytes: int = 0
 
     @classmethod
     def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> RunTotals:
@@ -132,7 +141,8 @@ class RunTotals:
         return cls(len(ls), sum(t.wall_ms for t in ls) / 1e3, sum(t.io_ms for t in ls) / 1e3,
                    sum(t.mgmt_ms for t in ls) / 1e3, sum(t.stall_ms for t in ls) / 1e3,
                    sum(t.read_bytes for t in ls), overlap, sum(t.dropped for t in ls),
-                   sum(t.substituted for t in ls), sum(t.weight_changed_pct for t in ls))
+                   sum(t.substituted for t in ls), sum(t.weight_changed_pct for t in ls),
+                   sum(t.page_cache_bytes for t in ls))
 
     @property
     def compute_s(self) -> float:
@@ -168,7 +178,8 @@ class Tally:
                          io_ms=st.io_ns / 1e6, mgmt_ms=st.mgmt_ns / 1e6, stall_ms=st.stall_ns / 1e6,
                          read_bytes=st.read_bytes, cache_hit_pct=self.hit_pct, overlap=self.overlap,
                          budget_bytes=st.budget_bytes, hits=st.hits, lookups=st.lookups, dropped=st.dropped,
-                         substituted=st.substituted, weight_changed_pct=st.weight_changed_pct)
+                         substituted=st.substituted, weight_changed_pct=st.weight_changed_pct,
+                         page_cache_bytes=st.page_cache_bytes, page_cache_ms=st.page_cache_ns / 1e6)
         self.lines.append(line)
         return line
 
@@ -182,6 +193,9 @@ def generation_line(t: RunTotals) -> str:
 
 
 def stream_line(t: RunTotals) -> str:
+    """The contract's moe-stream line, of flash reads only; when the lanes copied some experts from the
+    page cache instead, bmoe's trailing `page_cache_mib=` says how much (memory's copies would make the
+    MiB/s memory's rate)."""
     mib = t.read_bytes / MiB
     bw = mib / t.io_s if t.io_s > 0 else 0.0
     line = (f"moe-stream: read {mib:.2f} MiB ({t.per_tok(mib):.2f} MiB/token), "
@@ -190,6 +204,8 @@ def stream_line(t: RunTotals) -> str:
             f"{bw:.1f} MiB/s)")
     if t.overlap:
         line += f" stall_s/tok={t.per_tok(t.stall_s):.4f}"
+    if t.page_cache_bytes:
+        line += f" page_cache_mib={t.page_cache_bytes / MiB:.2f}"
     return line
 
 
@@ -219,27 +235,30 @@ def lossy_line(t: RunTotals, k: int, top_k: int) -> str:
 
 
 def csv_header(lossy: bool = False) -> str:
-    return ",".join(CSV_COLUMNS + (LOSSY_COLUMNS if lossy else ()))
+    return ",".join(CSV_COLUMNS + (LOSSY_COLUMNS if lossy else ()) + PAGE_CACHE_COLUMNS)
 
 
 def csv_row(t: TokenLine, lossy: bool = False) -> str:
     row = (f"{t.step},{t.steps},{t.wall_ms:.3f},{t.io_ms:.3f},{t.compute_ms:.3f},{t.read_bytes},"
            f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f},{t.budget_bytes / MiB:.1f}")
-    return row + (f",{t.dropped},{t.substituted},{t.weight_changed_pct:.3f}" if lossy else "")
+    row += f",{t.dropped},{t.substituted},{t.weight_changed_pct:.3f}" if lossy else ""
+    return row + f",{t.page_cache_bytes},{t.page_cache_ms:.3f}"
 
 
 def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int, *, prefill_tokens: int, prefill_s: float,
                 load_s: float, llama_load_s: float) -> str:
     """The `# summary` line. bmoe's additions come after the contract's keys: `cache_budget_mib=` (the
     budget at the end), then what the first token waited for, so a benchmark can report time to first
-    token (load_s + prefill_s) and bmoe's own load work (load_s minus llama_load_s, llama.cpp's part)."""
+    token (load_s + prefill_s) and bmoe's own load work (load_s minus llama_load_s, llama.cpp's part),
+    then `page_cache_mib=`, what the lanes copied from the page cache (not in read_mib: not flash)."""
     tok_s = t.tokens / t.wall_s if t.wall_s > 0 else 0.0
     return (f"# summary tokens={t.tokens} s/tok={t.per_tok(t.wall_s):.4f} tok/s={tok_s:.2f} "
             f"read_mib={t.read_bytes / MiB:.2f} io_s/tok={t.per_tok(t.io_s):.4f} "
             f"compute_s/tok={t.per_tok(t.compute_s):.4f} cache_hit_pct={hit_pct:.2f} "
             f"stall_s/tok={t.per_tok(t.stall_s):.4f} mgmt_s/tok={t.per_tok(t.mgmt_s):.4f} "
             f"cache_budget_mib={budget_bytes / MiB:.1f} prefill_tokens={prefill_tokens} "
-            f"prefill_s={prefill_s:.4f} load_s={load_s:.4f} llama_load_s={llama_load_s:.4f}")
+            f"prefill_s={prefill_s:.4f} load_s={load_s:.4f} llama_load_s={llama_load_s:.4f} "
+            f"page_cache_mib={t.page_cache_bytes / MiB:.2f}")
 
 
 # ---- parsing -------------------------------------------------------------------------------------
@@ -252,7 +271,8 @@ SUMMARY_GRAMMAR = {
     "generation": re.compile(rf"^generation: (\d+) tokens, {_NUM} s/token \({_NUM} tok/s\)$"),
     "moe-stream": re.compile(
         rf"^moe-stream: read {_NUM} MiB \({_NUM} MiB/token\), decode {_NUM} s/token \(compute {_NUM} \+ "
-        rf"cache mgmt {_NUM} \+ flash I/O {_NUM} s/token, {_NUM} MiB/s\)(?: stall_s/tok={_NUM})?$"),
+        rf"cache mgmt {_NUM} \+ flash I/O {_NUM} s/token, {_NUM} MiB/s\)(?: stall_s/tok={_NUM})?"
+        rf"(?: page_cache_mib={_NUM})?$"),
     "moe-cache": re.compile(rf"^moe-cache: {_NUM}% hit, resident {_NUM} MiB$"),
     "moe-prefetch": re.compile(rf"^moe-prefetch: {_NUM} MiB speculative, (\d+)/(\d+) experts useful \({_NUM}%\)$"),
     "moe-spec-gate": re.compile(rf"^moe-spec-gate: {_NUM}% router prediction recall"
@@ -263,7 +283,7 @@ SUMMARY_GRAMMAR = {
 SUMMARY_FIELDS = {
     "generation": ("tokens", "s_per_token", "tok_s"),
     "moe-stream": ("read_mib", "mib_per_token", "decode_s_per_token", "compute_s_per_token",
-                   "mgmt_s_per_token", "io_s_per_token", "mib_per_s", "stall_s_per_token"),
+                   "mgmt_s_per_token", "io_s_per_token", "mib_per_s", "stall_s_per_token", "page_cache_mib"),
     "moe-cache": ("hit_pct", "resident_mib"),
     "moe-prefetch": ("speculative_mib", "useful", "prefetched", "useful_pct"),
     "moe-spec-gate": ("recall_pct", "disabled_below_pct"),

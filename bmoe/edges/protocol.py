@@ -15,6 +15,8 @@ DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache
 # bmoe's, after the contract's, in a session loaded with lossy routing (bmoe.streaming.lossy): what it did
 # to this generation
 LOSSY_DONE_KEYS = ("lossy", "experts_per_token", "dropped_tok", "substituted_tok", "weight_changed_pct")
+# bmoe's, last in every BMOE_DONE: the MiB the I/O lanes copied from the page cache instead of reading flash
+PAGE_CACHE_DONE_KEYS = ("page_cache_mib",)
 CANCEL, CLOSE, PROFILE = "cancel", "close", "profile"
 
 

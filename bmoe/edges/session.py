@@ -19,8 +19,9 @@ Decisions where the contract is silent:
   counts as wrongly typed); unknown extra fields are ignored. Blank lines are ignored.
 - bmoe's additions: a session loaded with lossy routing (docs/lossy.md) answers a request with
   `"lossless": true` with plain llama.cpp's output, and its `BMOE_DONE` lines carry, after the
-  contract's keys, what lossy routing did (`protocol.LOSSY_DONE_KEYS`); a lossless load's lines
-  are the contract's alone.
+  contract's keys, what lossy routing did (`protocol.LOSSY_DONE_KEYS`). Every `BMOE_DONE` ends with
+  `page_cache_mib`: what the I/O lanes copied from the page cache instead of reading flash this turn
+  (`protocol.PAGE_CACHE_DONE_KEYS`; docs/architecture.md, "The slab and the slot pools").
 - `cancel` with nothing in flight is ignored (a notice goes to stderr, nothing to stdout), so a
   cancel racing the end of its generation is harmless. A cancel reaching a `generate` that is
   queued but not yet started cancels it before prefill.
@@ -72,6 +73,7 @@ from bmoe.edges.protocol import (
     DONE_KEYS,
     LOSSY_DONE_KEYS,
     NO_ID,
+    PAGE_CACHE_DONE_KEYS,
     PROFILE,
     Generate,
     RequestError,
@@ -302,7 +304,8 @@ class Session:
             obj.update(lossy=s.lossy, experts_per_token=s.experts_per_token, dropped_tok=round(s.dropped_per_token, 3),
                        substituted_tok=round(s.substituted_per_token, 3),
                        weight_changed_pct=round(s.weight_changed_pct, 3))
-        assert tuple(obj) == DONE_KEYS + (LOSSY_DONE_KEYS if e.lossy else ())
+        obj["page_cache_mib"] = round(s.page_cache_mib, 2)
+        assert tuple(obj) == DONE_KEYS + (LOSSY_DONE_KEYS if e.lossy else ()) + PAGE_CACHE_DONE_KEYS
         return obj
 
 

@@ -59,6 +59,7 @@ class GenerationStats:
     dropped_per_token: float = 0.0  # lossy routing: experts dropped (--drop-cold), over every layer
     substituted_per_token: float = 0.0  # experts taken from the cache instead (--cache-routing)
     weight_changed_pct: float = 0.0  # mean share of a layer's routing weight not computed as routed
+    page_cache_mib: float = 0.0  # copied from the page cache by the lanes instead of read from flash (not in read_mib)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import IO, TYPE_CHECKING, NamedTuple, TypeVar
 
 import msgpack
 
@@ -20,12 +20,28 @@ from bmoe.workers.io_lane import CANCELLED
 if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike
 
-__all__ = ["CANCELLED", "Lane", "LanePool", "ReadOrder", "merge_keyed", "spread"]
+__all__ = ["CANCELLED", "Answer", "Lane", "LanePool", "ReadOrder", "merge_keyed", "spread"]
 
 # file index, file offset, length, slab offset, bytes that must exist in the file; then a move within the
 # slab once the read landed (from, to, length: 0 when the read lands in place)
 ReadOrder = tuple[int, int, int, int, int, int, int, int]
 _T = TypeVar("_T")
+
+
+class Answer(NamedTuple):
+    """A completed order as its lane answered it. `copied` of `nbytes` came from the page cache, not
+    the device (bmoe.workers.io_lane.PageCache), in `copy_ns` of `busy_ns`: telemetry's flash numbers
+    leave them out."""
+
+    nbytes: int  # CANCELLED for a speculative order dropped unread
+    busy_ns: int
+    copied: int
+    copy_ns: int
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device served (CANCELLED stays CANCELLED: nothing was copied)."""
+        return self.nbytes - self.copied
 
 
 def merge_keyed(items: list[tuple[ReadOrder, _T]], max_len: int) -> list[tuple[ReadOrder, list[_T]]]:
@@ -158,7 +174,7 @@ class LanePool:
         self.lanes: list[Lane] = []
         self.sel = selectors.DefaultSelector()
         self._next_id = 0
-        self.done: dict[int, tuple[int, int, str | None]] = {}
+        self.done: dict[int, tuple[Answer, str | None]] = {}
         self.timeout = timeout
         self.max_restarts = max_restarts
         self.restarts = 0
@@ -257,13 +273,12 @@ class LanePool:
             elif now - oldest > self.timeout:
                 self._replace(lane, f"did not answer within {self.timeout:g} s")
 
-    def take(self, order_id: int) -> tuple[int, int]:
-        """(bytes, lane busy ns) of a completed order, bytes = CANCELLED for a speculative order
-        dropped unread; raises the lane's error if it failed."""
-        nbytes, busy_ns, err = self.done.pop(order_id)
+    def take(self, order_id: int) -> Answer:
+        """A completed order's answer; raises the lane's error if it failed."""
+        answer, err = self.done.pop(order_id)
         if err:
             raise LaneError(err)
-        return nbytes, busy_ns
+        return answer
 
     def _replace(self, lane: Lane, why: str) -> None:
         self.restarts += 1
@@ -294,9 +309,9 @@ class LanePool:
 
     def _take_answers(self, lane: Lane) -> None:
         """Every completion the lane's unpacker holds, into `done`."""
-        for order_id, nbytes, busy_ns, err in lane.unpacker:
+        for order_id, nbytes, busy_ns, err, copied, copy_ns in lane.unpacker:
             lane.pending.pop(order_id, None)
-            self.done[order_id] = (nbytes, busy_ns, err)
+            self.done[order_id] = (Answer(nbytes, busy_ns, copied, copy_ns), err)
 
     def close(self) -> None:
         """Hang up on every lane first, then reap them: they exit together, not one after another."""

@@ -250,7 +250,8 @@ class ReadAhead:
                 self.used_in_flight.add(oid)
 
     def on_done(self, oid: int, order: Order, nbytes: int) -> None:
-        """An order came back (read, or CANCELLED unread)."""
+        """An order came back (read, or CANCELLED unread); `nbytes` are the device's (the page cache's
+        copies are no flash read: moe-prefetch's MiB is a subset of moe-stream's)."""
         self.cancelled.discard(oid)
         if self.warm:
             self.warm.on_done(oid, order, nbytes)

@@ -39,12 +39,16 @@ ON_FILE = (-1, -1)  # Streamer.direct's entry for a layer bound to llama.cpp's o
 class Counters:
     """Nanoseconds, bytes and cache lookups since the last `take_counters`: one token's share."""
 
-    io_ns: int = 0  # serial: waiting for reads; overlap: the lanes' busy time
+    io_ns: int = 0  # serial: waiting for reads; overlap: the lanes' busy time reading the device
     mgmt_ns: int = 0  # cache bookkeeping, the remap, giving pages back
     stall_ns: int = 0  # overlap: compute waiting for reads
-    read_bytes: int = 0
+    read_bytes: int = 0  # from the device (flash)
     hits: int = 0
     lookups: int = 0
+    # copied from the page cache instead (a lane's read the page cache held whole), and the lanes' busy
+    # time doing it: memory's rate, kept out of read_bytes and overlap's io_ns
+    page_cache_bytes: int = 0
+    page_cache_ns: int = 0
 
 
 def regions_of(files: ModelFiles, tensors: list[seam.ExpertTensor]) -> list[Region]:
@@ -301,17 +305,20 @@ class Streamer:
 
     def _collect(self) -> None:
         for oid in self.orders.done():
-            nbytes, busy = self.lanes.take(oid)
+            answer = self.lanes.take(oid)
             order = self.orders.pop(oid)
-            self.ahead.on_done(oid, order, nbytes)
-            if nbytes == CANCELLED:
+            self.ahead.on_done(oid, order, answer.device_bytes)
+            if answer.nbytes == CANCELLED:
                 self._abandon(oid, order)
                 continue
             c0 = time.perf_counter_ns()
             self.cache.commit(order.keys)
             self.commit_ns += time.perf_counter_ns() - c0
-            self.counters.read_bytes += nbytes
-            self.lane_stats.answered(order.lane, busy)
+            c = self.counters
+            c.read_bytes += answer.device_bytes
+            c.page_cache_bytes += answer.copied
+            c.page_cache_ns += answer.copy_ns
+            self.lane_stats.answered(order.lane, answer.busy_ns)
 
     def _abandon(self, oid: int, order: Order) -> None:
         """A cancelled order read nothing: its slices are absent again. Should a layer have come to
@@ -336,7 +343,8 @@ class Streamer:
     # ---- whole-cache operations ----------------------------------------------------------------
 
     def preload(self) -> int:
-        """Read every expert now (only when the budget holds them all); returns bytes read."""
+        """Read every expert now (only when the budget holds them all); returns the bytes the cache took
+        in (from the device or the page cache)."""
         c = self.cache
         if not c.holds_everything:
             return 0
@@ -344,7 +352,8 @@ class Streamer:
             experts = list(range(c.n_expert(layer)))
             self.wait(self.orders.spread(c.plan(layer, experts)))
         c.reset_stats()
-        return self.take_counters().read_bytes
+        took = self.take_counters()
+        return took.read_bytes + took.page_cache_bytes
 
     def idle_fill(self) -> None:
         """Between requests: collect a background fill's reads and let it queue deeper."""
@@ -353,12 +362,14 @@ class Streamer:
             self.ahead.warm.idle()
 
     def take_counters(self, step: bool = False) -> Counters:
-        """The counters since the last call; under overlap, io is the lanes' busy time (a decode
-        `step` also records the lanes' busy share: LaneStats)."""
+        """The counters since the last call; under overlap, io is the lanes' busy time less their copies
+        from the page cache (a decode `step` also records the lanes' busy share: LaneStats). Serial io is
+        the wall time blocked on reads, copies' included: the lanes copy in parallel, so their copy time
+        is not a part of it that can be taken out."""
         out, self.counters = self.counters, Counters()
         busy = self.lane_stats.take(step)
         if self.overlap:
-            out.io_ns = busy
+            out.io_ns = busy - out.page_cache_ns
         looked = self.cache.stats.snapshot()
         out.hits, out.lookups = looked[0] - self.looked[0], looked[1] - self.looked[1]
         self.looked = looked

@@ -7,8 +7,10 @@ msgpack: demand order `[id, [[file, offset, length, slab_offset, needed, move_fr
 there: bmoe.streaming.expert_cache),
 speculative order `["s", id, [...]]`, cancel `["c", [id, ...]]` (speculative orders not
 started yet are dropped and answered with bytes = -1), completion
-`[id, bytes, busy_ns, error_or_None]`. The lane owns no cache state; it only
-moves bytes. It exits on EOF, so it never outlives its coordinator.
+`[id, bytes, busy_ns, error_or_None, copied, copy_ns]`: `copied` of the bytes came from the page cache
+(`PageCache`), not the device, in `copy_ns` of the busy time, so the coordinator counts the device's
+reads apart from memory's copies. The lane owns no cache state; it only moves bytes. It exits on EOF,
+so it never outlives its coordinator.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class PageCache:
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0) if size else None
         self.addr = None if addr in (None, ctypes.c_void_p(-1).value) else addr
         self.copies = 0  # reads served from the page cache
+        self.copied = 0  # their bytes, and the time they took: not the device's (the completion's copied, copy_ns)
+        self.copy_ns = 0
 
     def holds(self, offset: int, length: int) -> bool:
         """Every page of [offset, offset + length) is in the page cache (as of this call)."""
@@ -73,8 +77,15 @@ class PageCache:
         return all_cached(self.addr + offset, length)
 
     def copy(self, view: memoryview, offset: int) -> int:
-        self.copies += 1
-        return os.preadv(self.fd, [view], offset)
+        """Copy into `view` from the page cache; counted only when whole (a short copy is read again
+        from the device, and its bytes are the device's)."""
+        t0 = time.perf_counter_ns()
+        n = os.preadv(self.fd, [view], offset)
+        if n == len(view):
+            self.copies += 1
+            self.copied += n
+            self.copy_ns += time.perf_counter_ns() - t0
+        return n
 
 
 class Reader:
@@ -128,6 +139,12 @@ class Reader:
         print(f"io_lane: O_DIRECT read failed ({err.strerror}); using buffered reads", file=sys.stderr)
 
 
+def page_cache_use(readers: list[Reader]) -> tuple[int, int]:
+    """Bytes the readers have copied from the page cache so far, and the ns it took."""
+    caches = [r.cache for r in readers if r.cache is not None]
+    return sum(c.copied for c in caches), sum(c.copy_ns for c in caches)
+
+
 def read_with_retry(reader: Reader, view: memoryview, offset: int, needed: int) -> int:
     """A failed read is tried once more before it is reported; never computed on missing bytes."""
     try:
@@ -171,7 +188,7 @@ def serve_lane(index: int, shm_name: str, paths: list[str], odirect: bool) -> No
             elif msg[0] == "c":
                 for order_id in msg[1]:
                     if spec.pop(order_id, None) is not None:
-                        out.write(msgpack.packb([order_id, CANCELLED, 0, None]))
+                        out.write(msgpack.packb([order_id, CANCELLED, 0, None, 0, 0]))
                 out.flush()
             else:
                 demand.append(msg)
@@ -182,6 +199,7 @@ def serve_lane(index: int, shm_name: str, paths: list[str], odirect: bool) -> No
         else:
             continue
         t0 = time.perf_counter_ns()
+        copied0, copy_ns0 = page_cache_use(readers)
         total, err = 0, None
         try:
             for fi, off, length, slab_off, needed, move_from, move_to, move_len in reads:
@@ -191,7 +209,8 @@ def serve_lane(index: int, shm_name: str, paths: list[str], odirect: bool) -> No
         except OSError as e:
             err = str(e)
         busy = time.perf_counter_ns() - t0
-        out.write(msgpack.packb([order_id, total, busy, err]))
+        copied, copy_ns = page_cache_use(readers)
+        out.write(msgpack.packb([order_id, total, busy, err, copied - copied0, copy_ns - copy_ns0]))
         out.flush()
 
 
