@@ -13,11 +13,12 @@ import pytest
 
 from bmoe.api import Model
 from bmoe.coordinator import Engine
-from bmoe.streaming import usage_profile
+from bmoe.streaming import file_view, usage_profile
 from bmoe.streaming.expert_cache import ABSENT, RESIDENT
 from bmoe.streaming.streamer import ON_FILE
 from bmoe.streaming.usage_profile import Usage
 from bmoe.streaming.warm_fill import BUSY_DEPTH, IDLE_DEPTH, WarmFill
+from bmoe.tools.bench_sys import drop_file_cache
 from tests.conftest import complete, load, run_cli
 
 # MiB: room for some experts only, so every layer stops and its routings are counted (under a budget that
@@ -347,5 +348,39 @@ def test_a_filling_cache_reads_what_the_page_cache_holds_through_llama_cpps_mapp
         assert run(m) == want
         assert stops == [] and ON_FILE not in st.direct.values() and set(st.direct) == set(st.layers), \
             "filled: every layer reads the slab"
+    finally:
+        m.close()
+
+
+def test_layers_read_through_the_mapping_are_looked_at_again_after_a_major_fault(synth, monkeypatch) -> None:
+    """The page cache may be reclaimed while layers read the file's mapping: after a decode in which the
+    process took a major fault (a page read back from the device) the layers' answers are taken again
+    at once, not RECHECK_S later (here an hour); a decode without one leaves them. The text stays
+    plain llama.cpp's."""
+    monkeypatch.setattr(file_view, "RECHECK_S", 3600.0)
+    # 128 experts of 136 KiB slices: a prompt touches (maps) a fraction of each 17 MiB tensor's pages
+    model = Path(synth(arch="qwen3moe", layers=2, experts=128, top_k=2, embd=256, ff=512))
+    other = "Seven swans flew over the frozen lake while the old ferryman counted his coins"
+    plain = load(model, "-c", 256, "-t", 2, "--no-stream")
+    try:
+        want = run(plain), list(complete(plain, other, 12).ids)
+    finally:
+        plain.close()
+    model.read_bytes()  # the file in the page cache
+    m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1000, "--no-warm-start")
+    st = m.engine.streamer
+    try:
+        assert run(m) == want[0]
+        assert set(st.direct) == set(st.layers) and set(st.direct.values()) == {ON_FILE}
+        assert st.view is not None
+        assert run(m) == want[0]  # the same experts again: nothing faults
+        seen = dict(st.view.seen)
+        assert run(m) == want[0]
+        assert st.view.seen == seen, "no fault: the answers stand"
+        drop_file_cache([model])  # what no layer touched yet leaves the page cache (mapped pages stay)
+        faults = st.view.faults
+        assert list(complete(m, other, 12).ids) == want[1]  # another prompt routes experts never touched
+        assert st.view.faults > faults, "the experts evicted were read back by major faults"
+        assert all(st.view.seen[layer][0] > seen[layer][0] for layer in st.layers), "and looked at again"
     finally:
         m.close()

@@ -6,16 +6,18 @@ Such a layer runs through without a stop and without a read: the same bytes at t
 plain llama.cpp, while the fill copies them into the slab behind it (bmoe.streaming.warm_fill); once
 the slab holds the layer, it reads from there (bmoe.streaming.streamer.Streamer.run_through). The
 slab is what bmoe's budget owns and the kernel cannot take back; the page cache is the kernel's and
-may be, so each layer's answer is looked at again RECHECK_S later. A page evicted in between is read
-back by a page fault, the same bytes: while a layer reads the mapping its ranges get the kernel's
-default read-around (`read_around`), so such a fault reads a run of pages at the device's speed,
-not the 4 KiB at a time of the MADV_RANDOM a streaming load leaves them (bmoe.seam.no_populate).
+may be, so each layer's answer is looked at again RECHECK_S later, and at once after a decode in which
+the process took a major fault (`after_faults`). A page evicted in between is read back by a page
+fault, the same bytes: while a layer reads the mapping its ranges get the kernel's default
+read-around (`read_around`), so such a fault reads a run of pages at the device's speed, not the 4
+KiB at a time of the MADV_RANDOM a streaming load leaves them (bmoe.seam.no_populate).
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import resource
 import time
 
 from bmoe import seam
@@ -34,6 +36,7 @@ class FileView:
     def __init__(self, tensors: dict[int, list[seam.ExpertTensor]]) -> None:
         self.extents = {layer: [(t.data, t.nbytes) for t in ts] for layer, ts in tensors.items()}
         self.seen: dict[int, tuple[float, bool]] = {}  # layer -> (answer good until, in the page cache)
+        self.faults = 0  # the process's major faults when last looked
 
     def cached(self, layer: int) -> bool:
         """Whether the layer's expert bytes are all in the page cache (as of at most RECHECK_S ago)."""
@@ -44,6 +47,15 @@ class FileView:
         held = all(all_cached(addr, n) for addr, n in self.extents[layer])
         self.seen[layer] = (now + RECHECK_S, held)
         return held
+
+    def after_faults(self) -> None:
+        """Forget every answer if the process took a major fault since the last call: a page of the
+        file (an expert a layer reads through the mapping, or a dense weight) was read back from the
+        device, so the page cache is being reclaimed and the layers are looked at again."""
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        if faults != self.faults:
+            self.faults = faults
+            self.seen.clear()
 
     def read_around(self, layer: int, on: bool) -> None:
         """Advise the layer's expert ranges of the mapping MADV_NORMAL while it reads them (`on`), else
