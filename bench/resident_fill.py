@@ -2,7 +2,8 @@
 With a budget that holds every expert: how fast does decode run while the cache fills and once it
 is filled, against plain llama.cpp?
 
-Same-run A/B on the 64-expert demo (or `-m`), no memory limit, the file warm in the page cache.
+Same-run A/B on the 64-expert demo (or `-m`), no memory limit, the file read whole (warm in the page
+cache) just before each run.
 Arms alternate, `--rounds` each, each a fresh `bmoe-cli` process:
 
 - `plain`: `--no-stream` (llama.cpp reading the mapped file), one-shot with `--csv`;
@@ -142,11 +143,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["cat", str(a.model)], stdout=subprocess.DEVNULL, check=True)  # the file warm
     runs: list[dict] = []
     for rnd in range(a.rounds):
         order = list(ARMS) if rnd % 2 == 0 else list(reversed(ARMS))
         for arm in order:
+            # the file warm before each run (a page cache nothing maps may be reclaimed within a minute)
+            subprocess.run(["cat", str(a.model)], stdout=subprocess.DEVNULL, check=True)
             rec = session(rnd, a) if arm == "session" else oneshot(arm, rnd, a)
             runs.append(rec)
             print(f"{arm} round {rnd}: median {med(rec['wall_ms'][a.skip:]):.1f} ms/token, "

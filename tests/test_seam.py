@@ -340,8 +340,10 @@ def _swap_callback(e: Engine, cb) -> None:
 
 
 def test_llama_cpp_computes_from_the_slab(synth) -> None:
-    """Corrupting a resident expert's slab bytes changes the output: nothing reads the mmap any more."""
+    """Corrupting a resident expert's slab bytes changes the output: nothing reads the mmap any more
+    (the file cold: a layer the page cache held would read llama.cpp's mapping until the slab holds it)."""
     path = synth(arch="qwen3moe", layers=3, experts=8, top_k=2)
+    drop_file_cache([path])
     e = engine(path, "--cache-mb", 1000)
     m = Model(e)
     try:
