@@ -13,7 +13,10 @@ Arms alternate, `--rounds` each, each a fresh `bmoe-cli` process:
 - `session`: the same in `--session` mode, the way a filled cache is reached: a first request
   (while filling), then the session idles (its idle ticks read the rest) until `cache_resident_mib`
   stops growing, then the same request again (filled);
-- `preload`: `--preload` reads every expert before the first token.
+- `preload`: `--preload` reads every expert before the first token;
+- `slab`: the same with the file dropped from the page cache first, so every layer reads the slab
+  (with the file warm a layer reads the page cache's pages through llama.cpp's mapping, where the
+  kernel maps 2 MiB pages; the slab's shared memory has 4 KiB ones).
 
 Reports, per arm, the median ms/token against plain's over the same token indices (share: 1.0 is
 plain's speed), the resident MiB, how long the session's idle fill took, and whether the texts
@@ -35,11 +38,14 @@ import sys
 import time
 from pathlib import Path
 
+from bmoe.tools.bench_sys import drop_file_cache
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe" / "smollm2-135m-moe-e64-k8-r2.gguf"
 PROMPT = "Write a story about a dragon who learns to bake bread."
 FLAGS = ["--no-warm-start", "--io-threads", "4"]
-ARMS = {"plain": ["--no-stream"], "oneshot": FLAGS, "session": FLAGS, "preload": [*FLAGS, "--preload"]}
+ARMS = {"plain": ["--no-stream"], "oneshot": FLAGS, "session": FLAGS, "preload": [*FLAGS, "--preload"],
+        "slab": [*FLAGS, "--preload"]}
 RESIDENT = re.compile(r"resident ([0-9.]+) MiB")
 
 
@@ -147,8 +153,10 @@ def main() -> None:
     for rnd in range(a.rounds):
         order = list(ARMS) if rnd % 2 == 0 else list(reversed(ARMS))
         for arm in order:
-            # the file warm before each run (a page cache nothing maps may be reclaimed within a minute)
-            subprocess.run(["cat", str(a.model)], stdout=subprocess.DEVNULL, check=True)
+            if arm == "slab":  # out of the page cache: the preload reads the device, every layer the slab
+                drop_file_cache([a.model])
+            else:  # the file warm (a page cache nothing maps may be reclaimed within a minute)
+                subprocess.run(["cat", str(a.model)], stdout=subprocess.DEVNULL, check=True)
             rec = session(rnd, a) if arm == "session" else oneshot(arm, rnd, a)
             runs.append(rec)
             print(f"{arm} round {rnd}: median {med(rec['wall_ms'][a.skip:]):.1f} ms/token, "
@@ -166,7 +174,8 @@ def main() -> None:
             ("session, 1st request: while filling", share("wall_ms", by["session"]), by["session"], "resident_mib"),
             ("session, 2nd request: filled", share("filled_wall_ms", by["session"]), by["session"],
              "filled_resident_mib"),
-            ("preload: filled before the first token", share("wall_ms", by["preload"]), by["preload"], "resident_mib")]
+            ("preload: filled before the first token", share("wall_ms", by["preload"]), by["preload"], "resident_mib"),
+            ("slab: preload, the file dropped first", share("wall_ms", by["slab"]), by["slab"], "resident_mib")]
     oneshots = [r for r in runs if r["arm"] != "session"]
     summary: dict[str, object] = {
         "model": str(a.model), "n_predict": a.n_predict, "threads": a.threads, "cache_mb": a.cache_mb,

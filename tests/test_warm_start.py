@@ -307,10 +307,10 @@ def test_a_cache_that_holds_every_expert_fills_and_then_stops_nowhere(model: Pat
 
 
 def test_a_filling_cache_reads_what_the_page_cache_holds_through_llama_cpps_mapping(synth) -> None:
-    """A budget above every expert and the file in the page cache: until the slab holds a layer, the
-    layer reads its experts where plain llama.cpp does (llama.cpp's own mapping of the file), with no
-    stop and no read, and the fill waits for the idle tick; a layer whose pages were evicted stops and
-    reads as before. Once the idle ticks filled the slab every layer reads it. The text is plain
+    """A budget above every expert and the file in the page cache: a layer the page cache holds reads its
+    experts where plain llama.cpp does (llama.cpp's own mapping of the file), with no stop and no read,
+    and the fill waits for the idle tick; a layer whose pages were evicted stops and reads as before,
+    and once the idle ticks filled the slab it reads the slab without a stop. The text is plain
     llama.cpp's throughout. (64 experts: a prompt routes too few of a layer's to read it whole.)"""
     model = Path(synth(arch="qwen3moe", layers=4, experts=64, top_k=2))
     plain = load(model, "-c", 256, "-t", 2, "--no-stream")
@@ -346,8 +346,10 @@ def test_a_filling_cache_reads_what_the_page_cache_holds_through_llama_cpps_mapp
             st.wait(list(fill.orders))
         stops.clear()
         assert run(m) == want
-        assert stops == [] and ON_FILE not in st.direct.values() and set(st.direct) == set(st.layers), \
-            "filled: every layer reads the slab"
+        assert stops == [] and set(st.direct) == set(st.layers), "filled: no layer stops"
+        assert st.direct[cold] == (st.cache.home[cold], st.cache.moved[cold]), "the evicted layer reads the slab"
+        assert all(st.direct[layer] == ON_FILE for layer in st.layers if layer != cold), \
+            "the others still read the page cache's pages"
     finally:
         m.close()
 

@@ -1,12 +1,14 @@
-"""While a cache that holds every expert fills, the layers it does not hold yet may read their experts
-where plain llama.cpp reads them: llama.cpp's own mapping of the model file, when the page cache holds
-all of the layer's expert bytes (another program, an earlier run or a `cat` left the file in memory).
+"""Under a budget that holds every expert, a layer may read its experts where plain llama.cpp reads
+them: llama.cpp's own mapping of the model file, when the page cache holds all of the layer's expert
+bytes (another program, an earlier run or a `cat` left the file in memory).
 
 Such a layer runs through without a stop and without a read: the same bytes at the same speed as
-plain llama.cpp, while the fill copies them into the slab behind it (bmoe.streaming.warm_fill); once
-the slab holds the layer, it reads from there (bmoe.streaming.streamer.Streamer.run_through). The
-slab is what bmoe's budget owns and the kernel cannot take back; the page cache is the kernel's and
-may be, so each layer's answer is looked at again RECHECK_S later, and at once after a decode in which
+plain llama.cpp (the kernel maps a file's large folios with 2 MiB pages, where the slab's shared
+memory has 4 KiB ones), while the fill copies them into the slab in idle time
+(bmoe.streaming.warm_fill); a layer the page cache does not hold whole reads the slab once it holds
+the layer (bmoe.streaming.streamer.Streamer.run_through). The slab is what bmoe's budget owns and the
+kernel cannot take back; the page cache is the kernel's and may be, so each layer's answer is looked
+at again RECHECK_S later, and at once after a decode in which
 the process took a major fault (`after_faults`). A page evicted in between is read back by a page
 fault, the same bytes: while a layer reads the mapping its ranges get the kernel's default
 read-around (`read_around`), so such a fault reads a run of pages at the device's speed, not the 4

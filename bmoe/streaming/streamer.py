@@ -221,15 +221,22 @@ class Streamer:
             self.watch()
 
     def run_through(self, layer: int) -> bool:
-        """Under a budget that holds every expert a layer needs no stop (its lookups count as hits):
-        once its experts are all resident at slots in expert order, its tensors are bound to read them
-        by their own ids; before that, while the page cache holds the layer's expert bytes whole, they
-        are bound to llama.cpp's own mapping of the file (bmoe.streaming.file_view). A layer that stops
-        again is bound back to the whole pool first. A layer with an expert scale always stops (its
-        scale's pool is fixed in the graph)."""
+        """Under a budget that holds every expert a layer needs no stop (its lookups count as hits).
+        While the page cache holds the layer's expert bytes whole, its tensors are bound to llama.cpp's
+        own mapping of the file (bmoe.streaming.file_view): plain llama.cpp's bytes, in the page cache's
+        2 MiB pages where the kernel maps them so (the slab's are 4 KiB: bench/reports/2026-12-04-resident/).
+        Otherwise, once its experts are all resident at slots in expert order, they are bound to read
+        them by their own ids. A layer that stops again is bound back to the whole pool first. A layer
+        with an expert scale always stops (its scale's pool is fixed in the graph)."""
         c = self.cache
         bound = self.direct.get(layer)
         if c.holds_everything and layer not in self.slot_bound:
+            if self.view is not None and self.view.cached(layer):
+                if bound != ON_FILE:
+                    self._bind_file(layer)
+                    bound = self.direct[layer] = ON_FILE
+                c.count_hits(layer, self.files.n_expert_used)
+                return True
             if c.layer_complete(layer):
                 if bound is None or bound[1] != c.moved[layer]:
                     base = c.direct_base(layer)
@@ -239,12 +246,6 @@ class Streamer:
                 if bound is not None and bound[1] == c.moved[layer]:
                     c.count_hits(layer, self.files.n_expert_used)
                     return True
-            elif self.view is not None and self.view.cached(layer):
-                if bound != ON_FILE:
-                    self._bind_file(layer)
-                    bound = self.direct[layer] = ON_FILE
-                c.count_hits(layer, self.files.n_expert_used)
-                return True
         if bound is not None:
             self._bind(layer, None)
             del self.direct[layer]
