@@ -66,10 +66,16 @@ def line_regex(template: str) -> re.Pattern[str]:
                               else re.escape(p) for p in parts))
 
 
+# bmoe's own trailing item after the spec's moe-stream line (only when the lanes copied from the page cache)
+PAGE_CACHE_TRAILER = re.compile(r"( page_cache_mib=[0-9]+\.[0-9]{2})?")
+
+
 def summary_matches(kind: str, line: str, overlap: bool = False) -> bool:
-    """`line` is one of the spec's `kind:` lines (moe-stream with the overlap suffix when `overlap`)."""
+    """`line` is one of the spec's `kind:` lines (moe-stream with the overlap suffix when `overlap`, then
+    bmoe's trailing `page_cache_mib=` when there were copies)."""
     suffix = " " + STALL_SUFFIX if overlap and kind == "moe-stream" else ""
-    return any(line_regex(t + suffix).fullmatch(line) for t in SUMMARY[kind])
+    trailer = PAGE_CACHE_TRAILER.pattern if kind == "moe-stream" else ""
+    return any(re.fullmatch(line_regex(t + suffix).pattern + trailer, line) for t in SUMMARY[kind])
 
 
 def check_tagged(line: str) -> tuple[str, dict[str, Any]]:
