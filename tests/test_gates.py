@@ -8,6 +8,7 @@ from bmoe.api import Completion
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming.speculation import SpecGate
+from bmoe.tools.bench_sys import drop_file_cache
 from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES
 from bmoe.tools.synth_shape import ARCHES, STREAMED_ARCHES
 from tests import spec_lines
@@ -75,15 +76,20 @@ def test_the_reference_is_what_llama_cpp_pythons_own_loop_generates(synth, monke
 
 
 @pytest.mark.parametrize("lanes", [1, 4])
-@pytest.mark.parametrize("budget", ["zero", "third", "all", "preload"])
+@pytest.mark.parametrize("budget", ["zero", "third", "all", "preload", "preload-cold"])
 @pytest.mark.parametrize("arch,quant", CASES)
 def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes: int) -> None:
+    """With the file warm a budget that holds every expert reads it through llama.cpp's mapping
+    (bmoe.streaming.file_view); `preload-cold` drops it from the page cache first, so every layer
+    runs through bound to the slab."""
     path = str(synth(arch=arch, quant=quant, layers=4, experts=8, top_k=2))
     ref = reference(path)
+    if budget == "preload-cold":
+        drop_file_cache([path])
     expert_bytes = read_model_files(path).expert_bytes
     cache_mb = {"zero": 0.0, "third": expert_bytes / 3 / MiB}.get(budget, expert_bytes * 2 / MiB)  # pages
     # force: a third is just under one token's page-rounded working set for mxfp4's small slices
-    preload = ["--preload"] if budget == "preload" else []
+    preload = ["--preload"] if budget.startswith("preload") else []
     res, _ = generate(path, "--cache-mb", cache_mb, "--io-threads", lanes, "--force", *preload)
     assert res.ids == ref.ids
     assert res.text == ref.text
@@ -93,7 +99,7 @@ def test_streamed_equals_plain(synth, arch: str, quant: str, budget: str, lanes:
         assert all(s.read_bytes > 0 for s in res.tokens), "with no cache every token reads its experts"
     if budget == "third":
         assert hits > 0 and misses > 0, "a third of the experts must force misses and still hit"
-    if budget == "preload":  # every layer is complete: the hook lets the graph run through
+    if budget.startswith("preload"):  # every layer is complete: the hook lets the graph run through
         assert misses == 0 and hits > 0 and all(s.read_bytes == 0 for s in res.tokens)
 
 
