@@ -212,29 +212,40 @@ class SlabCheck:
             with open(path, "rb") as f:
                 self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
         self._file_at = [np.frombuffer(m, dtype=np.uint8).ctypes.data for m in self._maps]
-        slot_ids, down, pending = self.hook.stops.slot_ids, self.hook.stops.on_down, self.hook.stops.down_pending
+        stops = self.hook.stops
+        slot_ids, wait, pending = stops.slot_ids, stops.on_wait, stops.wait_pending
         overlap = self.st.overlap
-        self.hook.stops.skip_route = lambda layer: False
+        up_split = getattr(stops, "up_split", set())
+        stops.skip_route = lambda layer: False
+
+        def at_routing(layer: int) -> Callable[[str], bool]:
+            """What the routing node's matmul may read at once: all (serial), else the gate slices (and the
+            up ones where they are not awaited after the gate matmul)."""
+            later = {"ffn_down_exps"} | ({"ffn_up_exps"} if layer in up_split else set())
+            return lambda kind: not overlap or kind not in later
 
         def remap(layer, ids):
             slots = slot_ids(layer, ids)
             self._slots[layer] = {int(e): int(s) for e, s in zip(ids.reshape(-1), slots.reshape(-1))}
-            self._check(layer, lambda kind: not overlap or kind != "ffn_down_exps", "routing node")
+            self._check(layer, at_routing(layer), "routing node")
             return slots
 
-        self.hook.stops.slot_ids = remap
+        stops.slot_ids = remap
         if pending is not None:
-            def on_down(layer):
-                down(layer)
-                self._check(layer, lambda kind: kind == "ffn_down_exps", "down input")
+            def kind_of(key: int) -> str:
+                return "ffn_up_exps" if key % 2 == 0 else "ffn_down_exps"
 
-            def down_pending(layer):
-                if pending(layer):
+            def on_wait(key):
+                wait(key)
+                self._check(key // 2, lambda kind: kind == kind_of(key), f"{kind_of(key)} wait")
+
+            def wait_pending(key):
+                if pending(key):
                     return True
-                self._check(layer, lambda kind: kind == "ffn_down_exps", "down input (no stop)")
+                self._check(key // 2, lambda kind: kind == kind_of(key), f"{kind_of(key)} wait (no stop)")
                 return False
 
-            self.hook.stops.on_down, self.hook.stops.down_pending = on_down, down_pending
+            stops.on_wait, stops.wait_pending = on_wait, wait_pending
 
     def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
         """Each expert's slot holds its file bytes; a position lossy routing dropped (expert -1,

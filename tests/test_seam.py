@@ -83,14 +83,14 @@ def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch
     python, filtered = seen
     assert texts[0] == texts[1]
     # the routing and router-input stops do not depend on timing (a 1 MiB cache never completes a layer);
-    # whether a down input stops depends on whether its reads are still in flight
-    timed = ("ffn_moe_swiglu",)
+    # whether a wait node (the gate matmul, the down input) stops depends on whether its reads are still in flight
+    timed = ("ffn_moe_swiglu", "ffn_moe_gate-")
     assert [x for x in python if x[2] and not x[0].startswith(timed)] == \
         [x for x in filtered if x[2] and not x[0].startswith(timed)], "the same stops, in order"
     assert {n for n, _, answer in python if answer} <= {n for n, _, _ in filtered}, "every node it stops at"
     assert len(filtered) < len(python) / 4, "Python is not asked about the other nodes"
     assert {n.split("-")[0] for n, _, _ in filtered} <= {"ffn_moe_weights", "ffn_moe_logits", "ffn_moe_swiglu",
-                                                          "ffn_moe_swiglu_oai"}
+                                                          "ffn_moe_swiglu_oai", "ffn_moe_gate"}
     # Python's abort check: after every computed node without the filter, at most once per ABORT_CHECK_NS with it
     # (a bound on time, not on the other run's count, which a slow machine's long run could pass)
     assert aborts[0] > 0 and aborts[1] <= walls[1] // eval_filter.ABORT_CHECK_NS + 1

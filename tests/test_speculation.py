@@ -304,31 +304,40 @@ def test_session_done_reports_recall_and_stall(small_moe) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
-@pytest.mark.parametrize("zeroed,changes", [("ffn_down_exps", True), ("ffn_gate_exps", False), ("ffn_up_exps", False)])
-def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroed: str, changes: bool) -> None:
-    """Zero one tensor's routed slices at the down stop (the down-input node found from the graph).
+@pytest.mark.parametrize("stop,zeroed,changes", [
+    ("down", "ffn_down_exps", True), ("down", "ffn_gate_exps", False), ("down", "ffn_up_exps", False),
+    ("up", "ffn_up_exps", True), ("up", "ffn_down_exps", True), ("up", "ffn_gate_exps", False)])
+def test_the_wait_stops_sit_between_the_expert_matmuls(synth, arch: str, stop: str, zeroed: str,
+                                                      changes: bool) -> None:
+    """Zero one tensor's routed slices at a wait stop found from the graph: after the gate matmul
+    (where the up slices are awaited) or at the down input (the down slices).
 
-    The down matmul must still read them (output changes); the gate/up matmuls must already have
-    run (output unchanged). With no cache every token reads its experts again, so the damage
-    lasts one layer of one token."""
+    A matmul after the stop must still read them (output changes); one before it must already have
+    run (output unchanged). With no cache every token reads its experts again, so the damage lasts
+    one layer of one token."""
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
     ref = reference(path, n=16)
     m = load(path, *FLAGS, "--cache-mb", 0, "--io-threads", 1, "--overlap")
     try:
         e = m.engine
         st = e.streamer
-        assert set(e.hook.stops.down_nodes.values()) == set(st.layers)
-        assert all(n.decode().startswith("ffn_moe_swiglu") for n in e.hook.stops.down_nodes)
+        nodes = e.hook.stops.wait_nodes
+        assert {k // 2 for k in nodes.values() if k % 2} == set(st.layers)
+        assert {k // 2 for k in nodes.values() if not k % 2} == set(st.layers), "gate before up in every layer"
+        assert all(n.decode().startswith("ffn_moe_swiglu" if k % 2 else "ffn_moe_gate-") for n, k in nodes.items())
         routed: dict[int, list[int]] = {}
-        route, down = e.hook.stops.on_route, e.hook.stops.on_down
+        route, wait = e.hook.stops.on_route, e.hook.stops.on_wait
         stops = []
 
         def on_route(layer, ids):
             routed[layer] = sorted({int(x) for x in ids[-1]})
             route(layer, ids)
 
-        def on_down(layer):
-            down(layer)
+        def on_wait(key):
+            wait(key)
+            layer = key // 2
+            if (key % 2 == 0) != (stop == "up"):
+                return
             stops.append(layer)
             for ri in st.cache.by_layer[layer]:
                 r = st.cache.regions[ri]
@@ -336,8 +345,8 @@ def test_down_stop_sits_between_gate_up_and_down_matmuls(synth, arch: str, zeroe
                     for x in routed[layer]:
                         slice_bytes(st, ri, x)[:] = bytes(r.expert_bytes)
 
-        e.hook.stops.on_route, e.hook.stops.on_down = on_route, on_down
-        e.hook.stops.down_pending = lambda layer: True  # stop at every down input, reads done or not
+        e.hook.stops.on_route, e.hook.stops.on_wait = on_route, on_wait
+        e.hook.stops.wait_pending = lambda key: True  # stop at every wait node, reads done or not
         res = complete(m, PROMPT, 16)
     finally:
         m.close()

@@ -229,7 +229,7 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
             "expert_bytes": {layer: sum(r.expert_bytes for r in regions if r.layer == layer) for layer in st.layers}})
     if s.lossy.on:
         p.lossy = Lossy(s.lossy, files.n_expert_used, cap.norms, st.cache)
-    p.hook.stops = p.stops = StreamingStops(st, cap.down_inputs if s.streaming.overlap else {}, p.trace, p.lossy,
+    p.hook.stops = p.stops = StreamingStops(st, cap.wait_nodes() if s.streaming.overlap else {}, p.trace, p.lossy,
                                             p.replay, cap.norms)
     _dense_read(p, dense)
     if s.streaming.preload:

@@ -315,6 +315,9 @@ class Capture:
     scales: dict[int, ExpertScale] = field(default_factory=dict)
     bad: list[str] = field(default_factory=list)
     down_inputs: dict[bytes, int] = field(default_factory=dict)  # node name -> layer
+    # layer -> its expert matmuls' kinds in the order computed, and the name of its gate matmul node
+    matmul_order: dict[int, list[str]] = field(default_factory=dict)
+    gate_nodes: dict[int, bytes] = field(default_factory=dict)
     weights_at: dict[int, int] = field(default_factory=dict)  # layer -> position of ffn_moe_weights-L
     ids_nodes: dict[int, int] = field(default_factory=dict)  # address of ffn_moe_topk-L (and its argsort) -> layer
     norms: dict[int, str] = field(default_factory=dict)  # layer -> NORM_SUM or NORM_SOFTMAX (absent: NORM_NONE)
@@ -348,7 +351,7 @@ class Capture:
         srcs = [s for s in t.src if s]
         read = [self.ids_nodes[s] for s in srcs if s in self.ids_nodes]
         if t.op == GGML_OP_MUL_MAT_ID:
-            self._matmul(t)
+            self._matmul(t, name.encode())
         elif t.op == GGML_OP_ADD_ID and t.src[2] in self.ids_nodes:
             self._bias(t)
         elif read:
@@ -361,7 +364,7 @@ class Capture:
             else:
                 self.bad.append(_id_reader(t, name, read[0]))
 
-    def _matmul(self, t: GgmlTensor) -> None:
+    def _matmul(self, t: GgmlTensor, node: bytes) -> None:
         w, ids = t.src[0], t.src[2]
         if not w:
             return
@@ -372,6 +375,11 @@ class Capture:
                             "routed by its layer's ffn_moe_topk-L")
             return
         layer = int(m.group(1))
+        kinds = self.matmul_order.setdefault(layer, [])
+        if m.group(2) not in kinds:
+            kinds.append(m.group(2))
+            if m.group(2) == "ffn_gate_exps":
+                self.gate_nodes[layer] = node
         if layer not in self.weights_at:
             self.bad.append(f"{wname} is multiplied before ffn_moe_weights-{layer} gathered the router weights")
         if w in self.tensors:
@@ -389,6 +397,18 @@ class Capture:
             name = ctypes.string_at(t.src[1] + NAME_OFFSET)
             if name.startswith(DOWN_INPUT_PREFIX) and name.endswith(f"-{m.group(1)}".encode()):
                 self.down_inputs[name] = layer
+
+    def wait_nodes(self) -> dict[bytes, int]:
+        """Where overlapped reads are awaited: node name -> wait key. The down matmul's input awaits the
+        layer's down slices (key 2L + 1); where a layer multiplies its gate experts before its up experts
+        (llama.cpp's graph does, separate gate and up tensors), its gate matmul awaits the up slices
+        (key 2L), so they are read while the gate matmul computes."""
+        waits = {name: 2 * layer + 1 for name, layer in self.down_inputs.items()}
+        for layer, kinds in self.matmul_order.items():
+            gate = self.gate_nodes.get(layer, b"")
+            if kinds[:2] == ["ffn_gate_exps", "ffn_up_exps"] and gate.startswith(DOWN_INPUT_PREFIX):
+                waits[gate] = 2 * layer
+        return waits
 
     def _scale(self, t: GgmlTensor, name: str) -> None:
         """A GET_ROWS of the ids that is not the router weights': only a per-expert scale's, gathered
@@ -449,11 +469,13 @@ def deliver(exc: BaseException) -> None:
 class StopListener(Protocol):
     """What the eval hook calls at the nodes where it stops the graph (bmoe.engine.graph_stops implements it).
 
-    `down_nodes` maps each layer's down-matmul input node name to its layer (empty: no stop
-    there); `router_input` says whether to stop at each layer's router input (`ffn_moe_logits-L`).
+    `wait_nodes` maps the node names where overlapped reads are awaited to their wait key
+    (Capture.wait_nodes: a layer's gate matmul for its up slices, its down matmul's input for its down
+    slices; empty: no stop there); `router_input` says whether to stop at each layer's router input
+    (`ffn_moe_logits-L`).
     """
 
-    down_nodes: dict[bytes, int]
+    wait_nodes: dict[bytes, int]
     router_input: bool
 
     def skip_route(self, layer: int) -> bool: ...
@@ -466,9 +488,9 @@ class StopListener(Protocol):
 
     def on_router_input(self, layer: int, node: int) -> None: ...
 
-    def down_pending(self, layer: int) -> bool: ...
+    def wait_pending(self, key: int) -> bool: ...
 
-    def on_down(self, layer: int) -> None: ...
+    def on_wait(self, key: int) -> None: ...
 
 
 class EvalHook:
@@ -482,9 +504,10 @@ class EvalHook:
     `stops.slot_ids(layer, ids)`; a layer
     for which `stops.skip_route(layer)` is True runs without stopping (its tensors then read the
     experts by their own ids). With `stops.router_input` it also hands over each layer's router
-    input; at a down-matmul input node of `stops.down_nodes` whose `down_pending(layer)` is true it
-    stops and calls `on_down(layer)` before the down matmul runs (under --overlap the down slices
-    are awaited there). Exceptions (including KeyboardInterrupt from a signal) are kept and the
+    input; at a node of `stops.wait_nodes` whose `wait_pending(key)` is true it stops and calls
+    `on_wait(key)` once the node is computed, before the next matmul runs (under --overlap a layer's
+    up slices are awaited after its gate matmul, its down slices at the down matmul's input).
+    Exceptions (including KeyboardInterrupt from a signal) are kept and the
     graph aborted: ctypes would otherwise swallow them and let llama.cpp compute on.
     """
 
@@ -548,7 +571,7 @@ class EvalHook:
         if self.filter is not None:
             self.filter.routing = stops is not None
             self.filter.router_input = stops is not None and stops.router_input
-            self.filter.set_stems(sorted({name.rsplit(b"-", 1)[0] for name in stops.down_nodes}) if stops else [])
+            self.filter.set_stems(sorted({name.rsplit(b"-", 1)[0] for name in stops.wait_nodes}) if stops else [])
 
     def _callback(self, t: int, ask: bool, _user: int) -> bool:
         try:
@@ -583,13 +606,13 @@ class EvalHook:
                 if self.filter is not None:
                     self.filter.router_input = stops.router_input  # (the recall governor may have turned it off)
                 return True
-            if stops.down_nodes and prefix[:8] == DOWN_INPUT_PREFIX:
-                layer = stops.down_nodes.get(ctypes.string_at(t + NAME_OFFSET))
-                if layer is None:
+            if stops.wait_nodes and prefix[:8] == DOWN_INPUT_PREFIX:
+                key = stops.wait_nodes.get(ctypes.string_at(t + NAME_OFFSET))
+                if key is None:
                     return False
                 if ask:
-                    return stops.down_pending(layer)
-                stops.on_down(layer)
+                    return stops.wait_pending(key)
+                stops.on_wait(key)
                 return True
             return False
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns

@@ -3,10 +3,11 @@
 At each MoE layer's routing (`ffn_moe_weights-L`, the router's weights gathered with the routed
 ids) a replayed trace or lossy routing may rewrite the routing first; then the layer's routed
 experts are looked up in the cache, which pins them and makes room, the missing slices go to the
-lanes at once (gate/up before down, largest read first onto the least-loaded lane) and the ids are
+lanes at once (gate, up, down, largest read first onto the least-loaded lane) and the ids are
 rewritten to slot indices. Serial (`overlap` off): the stop returns once every read landed. Overlap:
-once the gate/up slices landed; the down slices are awaited at the down matmul's input node, so
-those reads run while the gate/up matmuls compute. At each layer's router input the spec-gate and
+once the gate slices landed (and the up slices, where the graph has no separate gate matmul first);
+the up slices are awaited after the gate matmul and the down slices at the down matmul's input
+node, so those reads run while the matmuls before them compute. At each layer's router input the spec-gate and
 the route trace get their rows. A layer resident for good runs through without a stop.
 
 `StreamingStops` is the eval hook's one listener (a bmoe.seam.StopListener); bmoe.engine.load builds
@@ -55,7 +56,7 @@ class BatchRows:
 class StreamingStops:
     """The streaming run's answers at the graph's stops."""
 
-    def __init__(self, streamer: Streamer, down_nodes: dict[bytes, int], trace: TraceWriter | None,
+    def __init__(self, streamer: Streamer, wait_nodes: dict[bytes, int], trace: TraceWriter | None,
                  lossy: Lossy | None = None, replay: RouteReplay | None = None,
                  norms: dict[int, str] | None = None) -> None:
         """`norms`: each layer's normalisation of its top-k weights (bmoe.seam.Capture.norms), for the
@@ -67,9 +68,12 @@ class StreamingStops:
         self.norms = norms or {}
         self.rewrites = lossy is not None or replay is not None  # ids may hold DROPPED
         self.rows = BatchRows(streamer.layers[0])
-        self.down_nodes = down_nodes  # empty without --overlap: every read is awaited at the routing node
+        # node name -> wait key (bmoe.seam.Capture.wait_nodes); empty without --overlap: every read is
+        # awaited at the routing node
+        self.wait_nodes = wait_nodes
+        self.up_split = {key // 2 for key in wait_nodes.values() if key % 2 == 0}  # up slices awaited after gate
         self.router_input = streamer.gate_running or trace is not None
-        self.down_orders: dict[int, list[int]] = {}  # layer -> orders its down matmul waits for (overlap)
+        self.waits: dict[int, list[int]] = {}  # wait key -> orders awaited at its node (overlap)
         self._at = np.zeros(0, dtype=np.int64)  # the tokens of the rows at the routing node under way
         self.prompting = False  # the decode under way reads a prompt (some sequence sends several tokens)
 
@@ -78,7 +82,7 @@ class StreamingStops:
         sequence sends several tokens, so the experts only its earlier tokens route enter the cache cold."""
         self.rows.begin()
         self.prompting = prompt
-        self.down_orders.clear()  # (settled since: none is live)
+        self.waits.clear()  # (settled since: none is live)
         if self.replay is not None:
             self.replay.begin(n_tokens)
         if self.trace is not None:
@@ -113,8 +117,8 @@ class StreamingStops:
 
     def _demand(self, layer: int, ids: np.ndarray) -> None:
         """The layer's routed experts: hits counted and pinned, room made, the missing slices sent to
-        the lanes at once; then wait for what the next matmul reads (all of it serially; the gate/up
-        slices under overlap, the down ones at the down input)."""
+        the lanes at once; then wait for what the next matmul reads (all of it serially; under overlap
+        the gate slices, the up ones after the gate matmul, the down ones at the down input)."""
         st = self.st
         t0 = time.perf_counter_ns()
         st.tick()
@@ -132,7 +136,7 @@ class StreamingStops:
         busy = bool(st.orders.order_of)  # reads under way before this layer's (speculative, or a cancel's)
         st.lanes.hold()
         try:
-            now, later = self._send(layer, wanted, missing, busy)
+            now, at_gate, later = self._send(layer, wanted, missing, busy)
             st.ahead.after_demand(layer, len(ids), wanted)
         finally:
             t1 = time.perf_counter_ns()
@@ -142,29 +146,40 @@ class StreamingStops:
         c = st.counters
         c.mgmt_ns += t1 - t0
         if st.overlap:
-            self.down_orders[layer] = later
+            self.waits[2 * layer] = at_gate
+            self.waits[2 * layer + 1] = later
             c.stall_ns += handed + st.wait(now)
         else:
-            c.io_ns += handed + st.wait(now + later)
+            c.io_ns += handed + st.wait(now + at_gate + later)
         if st.cache.pending_release:  # nothing to wait for: do it now
             t2 = time.perf_counter_ns()
             st.cache.release_evicted()
             c.mgmt_ns += time.perf_counter_ns() - t2
 
-    def _send(self, layer: int, wanted: list[int], missing: list[Key], busy: bool) -> tuple[list[int], list[int]]:
-        """Send the layer's missing reads (gate/up before down); returns (await now, await at down).
+    def _send(self, layer: int, wanted: list[int], missing: list[Key],
+              busy: bool) -> tuple[list[int], list[int], list[int]]:
+        """Send the layer's missing reads in the order the matmuls read them; returns the orders to
+        await now (the gate slices, and all the others unless under overlap), after the gate matmul
+        (the up slices, where the graph computes gate first) and at the down input (the down slices).
         `busy`: reads were under way before these, and may hold some of the layer's slices."""
         st = self.st
-        split = st.overlap and any(ri in st.down_kind for ri in st.cache.by_layer[layer])
-        now = st.orders.spread([k for k in missing if not (split and k[1] in st.down_kind)])
-        later = st.orders.spread([k for k in missing if split and k[1] in st.down_kind])
+        split_down = st.overlap and any(ri in st.down_kind for ri in st.cache.by_layer[layer])
+        split_up = layer in self.up_split
+
+        def stage(ri: int) -> int:
+            return 2 if split_down and ri in st.down_kind else 1 if split_up and ri in st.up_kind else 0
+
+        groups: list[list[Key]] = [[], [], []]
+        for k in missing:
+            groups[stage(k[1])].append(k)
+        staged = [st.orders.spread(g) for g in groups]
         if busy:
             for key in st.cache.layer_slices(layer, wanted):
                 oid = st.orders.order_of.get(key)  # a read already under way (speculative) covers this slice
-                target = later if split and key[1] in st.down_kind else now
+                target = staged[stage(key[1])]
                 if oid is not None and oid not in target:
                     target.append(oid)
-        return now, later
+        return staged[0], staged[1], staged[2]
 
     def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
         """What the layer's expert matmuls read instead of the routed ids: each expert's slot index (a
@@ -193,16 +208,16 @@ class StreamingStops:
         elif self.trace is None:
             self.router_input = False
 
-    def down_pending(self, layer: int) -> bool:
-        """Whether the layer's down slices are still being read (the down input must stop then)."""
-        orders = self.down_orders.get(layer)
+    def wait_pending(self, key: int) -> bool:
+        """Whether the slices awaited at this node are still being read (the graph must stop there then)."""
+        orders = self.waits.get(key)
         if orders and any(self.st.live(o) for o in orders):
             return True
-        self.down_orders.pop(layer, None)
+        self.waits.pop(key, None)
         return False
 
-    def on_down(self, layer: int) -> None:
-        self.st.counters.stall_ns += self.st.wait(self.down_orders.pop(layer, []))
+    def on_wait(self, key: int) -> None:
+        self.st.counters.stall_ns += self.st.wait(self.waits.pop(key, []))
 
 
 def shares(w: np.ndarray, norm: str) -> np.ndarray:

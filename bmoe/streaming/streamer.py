@@ -109,6 +109,7 @@ class Streamer:
         self.overlap = streaming.overlap
         self.cache.defer_release = True  # pages given back while lanes read: see wait
         self.down_kind = {ri for ri, r in enumerate(regions) if r.kind == "ffn_down_exps"}
+        self.up_kind = {ri for ri, r in enumerate(regions) if r.kind == "ffn_up_exps"}
         self.orders = OrdersInFlight(self.pool, self.cache)
         self.replaced: dict[int, list[int]] = {}  # cancelled order -> demand orders re-reading what it held
         self.counters = Counters()
