@@ -66,8 +66,7 @@ class PageCache:
         self.size = size
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0) if size else None
         self.addr = None if addr in (None, ctypes.c_void_p(-1).value) else addr
-        self.copies = 0  # reads served from the page cache
-        self.copied = 0  # their bytes, and the time they took: not the device's (the completion's copied, copy_ns)
+        self.copied = 0  # bytes served from the page cache, and the time they took: not the device's
         self.copy_ns = 0
 
     def holds(self, offset: int, length: int) -> bool:
@@ -82,7 +81,6 @@ class PageCache:
         t0 = time.perf_counter_ns()
         n = os.preadv(self.fd, [view], offset)
         if n == len(view):
-            self.copies += 1
             self.copied += n
             self.copy_ns += time.perf_counter_ns() - t0
         return n
