@@ -1,18 +1,38 @@
-"""llama.cpp alone (no expert streaming) through bmoe.seam.llama's wrappers: one model, one context, a
-prompt decoded and tokens sampled with bmoe's sampler chain. For tests of what the sampler allows
-(grammars), where the streaming engine would only add time."""
+"""llama.cpp alone (no expert streaming), loaded the way bmoe loads models: the one place tests and
+bench scripts run llama.cpp outside bmoe.
+
+- `Plain`: one model and context through bmoe.seam.llama's wrappers, a prompt decoded and tokens
+  sampled with bmoe's sampler chain (tests of what the sampler allows, where the streaming engine
+  would only add time);
+- `plain_llama`: llama-cpp-python's own `Llama` (its own generation loop and chat handling) with
+  bmoe's model parameters (`bmoe.seam.llama.model_params`: no extra buffer types);
+- `with_llama_defaults`: llama-cpp-python's `Llama` with its own defaults, in a child process. Those
+  defaults put weights into llama.cpp's extra buffer types (repacked, AMX), which crash llama.cpp on
+  some CPUs and shapes (docs/architecture.md); a crash there ends the child, never pytest.
+"""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
+import llama_cpp.llama_cpp as low
+import pytest
 
 from bmoe.base.settings import SamplerSettings
 from bmoe.chat.grammar import Grammar
 from bmoe.generation.request_life import TextStream
-from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, new_context
+from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, model_params, new_context
 
 
 class Plain:
@@ -109,3 +129,74 @@ class Plain:
             return text + out.finish(), False
         finally:
             llama_cpp.llama_sampler_free(chain)
+
+
+@contextlib.contextmanager
+def _bmoe_params() -> Iterator[None]:
+    """llama-cpp-python's Llama takes its model parameters from llama_model_default_params() and has no
+    argument for extra buffer types: while a Llama is made, that call answers bmoe's parameters."""
+    default = low.llama_model_default_params
+    low.llama_model_default_params = model_params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
+def plain_llama(path: str | Path, **kw: Any) -> llama_cpp.Llama:
+    """llama-cpp-python's own Llama on `path`, loaded as bmoe loads it (no extra buffer types); `kw` are
+    Llama's own arguments (context, threads, flash attention...). The caller closes it."""
+    with _bmoe_params():
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **kw)
+
+
+# llama-cpp-python's own Llama with every default of the library and llama.cpp (extra buffer types
+# included): loads argv[1] and prints a greedy completion of argv[2] of argv[3] tokens. BMOE_PLAIN=1
+# loads it bmoe's way instead, the code otherwise the same.
+_DEFAULTS_CHILD = """
+import os, sys
+import llama_cpp
+if os.environ.get("BMOE_PLAIN") == "1":
+    import llama_cpp.llama_cpp as low
+    from bmoe.seam.llama import model_params
+    low.llama_model_default_params = model_params
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=256, n_threads=2, verbose=True)
+print(repr(llm(sys.argv[2], max_tokens=int(sys.argv[3]), temperature=0.0)["choices"][0]["text"]))
+llm.close()
+"""
+
+# llama.cpp's own name for each buffer it loads weights into ("load_tensors: CPU_REPACK model buffer size")
+_BUFFERS = re.compile(r"load_tensors:\s+(\S+) model buffer size")
+_PLAIN_BUFFERS = {"CPU", "CPU_Mapped"}
+
+
+def _child(path: Path, prompt: str, n: int, bmoe_way: bool) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _DEFAULTS_CHILD, str(path), prompt, str(n)],
+                          capture_output=True, text=True, env={**os.environ, "BMOE_PLAIN": str(int(bmoe_way))})
+
+
+def _death(r: subprocess.CompletedProcess) -> str:
+    how = f"died of {signal.Signals(-r.returncode).name}" if r.returncode < 0 else f"exited {r.returncode}"
+    return f"{how}; its stderr ends:\n" + "\n".join(line[:300] for line in r.stderr.splitlines()[-15:])
+
+
+def with_llama_defaults(path: str | Path, prompt: str, n: int = 8) -> str:
+    """What llama-cpp-python's own Llama, with its defaults and llama.cpp's, writes after `prompt` on
+    `path` (greedy, `n` tokens): it shows a file is a GGUF the library's users load as it is. Run in a
+    child process, so a crash of llama.cpp fails the calling test with its signal and stderr and the
+    suite goes on.
+
+    One crash is llama.cpp's and not the file's: weights in an extra buffer type that crashes on this
+    CPU (docs/architecture.md: AMX on small shapes). When the child died with an extra buffer type in
+    use and the same child, loading as bmoe does, runs, the test is marked xfail naming the buffers;
+    any other failure fails it."""
+    r = _child(Path(path), prompt, n, bmoe_way=False)
+    if r.returncode == 0:
+        return ast.literal_eval(r.stdout.splitlines()[-1])
+    extra = sorted(set(_BUFFERS.findall(r.stderr)) - _PLAIN_BUFFERS)
+    if r.returncode < 0 and extra:
+        again = _child(Path(path), prompt, n, bmoe_way=True)
+        assert again.returncode == 0, f"llama-cpp-python without extra buffer types {_death(again)}"
+        pytest.xfail(f"llama.cpp with its default extra buffer types ({', '.join(extra)}) {_death(r)}\n"
+                     "loaded without them (as bmoe does) it runs: a llama.cpp limitation on this CPU")
+    pytest.fail(f"llama-cpp-python with its defaults {_death(r)}")

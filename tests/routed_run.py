@@ -1,5 +1,6 @@
-"""A greedy run through llama.cpp's C API alone (no expert streaming), recording which experts one MoE
-layer routes each token to: what the bmoe-synth tests check every synthetic model with."""
+"""A greedy run through llama.cpp's C API alone (no expert streaming, the model loaded as bmoe loads it),
+recording which experts one MoE layer routes each token to: what the bmoe-synth tests check every
+synthetic model with."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from bmoe.seam.llama import new_context
+from bmoe.seam.llama import init_backend, load_model, new_context
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then it runs far away into the dark forest."
 
@@ -40,12 +41,11 @@ class RoutedRun:
     (its `ffn_moe_topk-L` node: [n_expert_used, n_tokens] int32)."""
 
     def __init__(self, path: Path, layer: int = 0) -> None:
-        llama_cpp.llama_backend_init()
+        init_backend()
         self.routes: list[tuple[int, ...]] = []
         self._node = f"ffn_moe_topk-{layer}".encode()
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_node)
-        self.model = llama_cpp.llama_model_load_from_file(
-            str(path).encode(), llama_cpp.llama_model_default_params())
+        self.model = load_model(path)  # as bmoe loads it: llama.cpp's defaults crash on some CPUs
         assert self.model, f"llama.cpp refused {path}"
         self.ctx = new_context(self.model, 256, threads=2, eval_cb=self._cb)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)

@@ -14,6 +14,7 @@ from bmoe.tools.synth_shape import ARCHES, STREAMED_ARCHES
 from tests import spec_lines
 from tests.conftest import complete, load, run_cli
 from tests.conftest import reference as plain
+from tests.plain_llama import plain_llama
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")
@@ -44,26 +45,16 @@ def reference(path: str) -> Completion:
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_the_reference_is_what_llama_cpp_pythons_own_loop_generates(synth, monkeypatch, arch: str) -> None:
+def test_the_reference_is_what_llama_cpp_pythons_own_loop_generates(synth, arch: str) -> None:
     """Every gate compares with `reference`, which runs through bmoe's one generation loop
     (bmoe.generation.driver) like the streamed runs do; so that a bug in that loop cannot hide in both sides,
     the reference itself must equal llama-cpp-python's own generation loop (`Llama.generate`,
     greedy) on the same file with the same context: no repacked weights (as bmoe loads them),
     flash attention as llama.cpp's default chooses it on this CPU, one ubatch for the prompt."""
-    import llama_cpp
     import llama_cpp.llama_cpp as low
 
     path = str(synth(arch=arch, quant="q8_0", layers=4, experts=8, top_k=2))
-    default = low.llama_model_default_params
-
-    def unrepacked() -> low.llama_model_params:
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    monkeypatch.setattr(low, "llama_model_default_params", unrepacked)
-    llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, n_threads_batch=2,
-                          flash_attn=True, verbose=False)
+    llm = plain_llama(path, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, n_threads_batch=2, flash_attn=True)
     try:
         want = []
         for tok in llm.generate(llm.tokenize(PROMPT.encode(), add_bos=True, special=True), temp=0.0, reset=True):

@@ -13,6 +13,7 @@ import pytest
 import bmoe
 from bmoe.base.settings import SamplerSettings
 from bmoe.seam.llama import Vocab, free_sampler, init_backend, load_model, make_sampler
+from tests.plain_llama import plain_llama
 from tests.test_server import KEY, Server, auth, error_of
 
 PROMPT = "The list of colors: red, blue, red, blue,"
@@ -42,28 +43,11 @@ def _cases(first: int) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module")
-def plain(demo: str, monkeypatch_module) -> tuple[int, dict[str, str]]:
+def plain(demo: str) -> tuple[int, dict[str, str]]:
     """llama-cpp-python's own Llama.create_completion at each case's settings (no repacked weights, as bmoe
     loads them; flash attention as llama.cpp's default chooses it; its KV reset per case), and the greedy
     answer's first token."""
-    import llama_cpp.llama_cpp as low
-
-    default = low.llama_model_default_params
-
-    def unrepacked() -> low.llama_model_params:
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    monkeypatch_module.setattr(low, "llama_model_default_params", unrepacked)
-    llm = llama_cpp.Llama(model_path=demo, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2,
-                          flash_attn=True, verbose=False)
+    llm = plain_llama(demo, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2, flash_attn=True)
     out = {}
     try:
         first = next(iter(llm.generate(llm.tokenize(PROMPT.encode()), temp=0.0)))

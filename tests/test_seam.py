@@ -705,3 +705,44 @@ def test_an_unknown_registry_falls_back_to_reading_the_whole_file_with_one_notic
     size = big_experts.stat().st_size
     assert reads["fallback"] >= 0.9 * size and reads["no_populate"] <= _dense_bytes(big_experts) + 0.02 * size, reads
     assert got == dict.fromkeys(("no_populate", "no_populate resident", "fallback", "fallback resident"), want)
+
+
+@pytest.mark.parametrize("arch,quant", [("qwen3moe", "q4_k_m"), ("deepseek2", "q8_0"), ("gpt-oss", "q8_0")])
+def test_every_weight_a_decode_reads_is_the_files_bytes_as_bmoe_loads_it(synth, arch: str, quant: str) -> None:
+    """bmoe loads models without llama.cpp's extra buffer types (`seam.llama.model_params`), so every weight
+    a decode reads is llama.cpp's mapping of the file, byte for byte: what expert streaming rebinds and
+    `bind_file` points back at. With them llama.cpp copies some weights into buffers of its own (on this
+    kind of CPU CPU_REPACK takes Q4_K as q4_K_8x8; on an AMX CPU the AMX buffer takes Q4_K and Q8_0 too),
+    which streaming cannot serve and which crash llama.cpp on some CPUs and shapes (docs/architecture.md).
+    Dense (MLA's attn_k_b / attn_v_b in deepseek2) and expert weights, K-quant and q8_0 alike."""
+    from bmoe.seam.llama import Vocab, init_backend, load_model, new_context
+
+    path = synth(arch=arch, quant=quant, layers=3, experts=8, top_k=2)
+    file = {t.name: bytes(t.data.view(np.uint8).ravel()) for t in gguf.GGUFReader(path).tensors}
+    read: dict[str, bytes] = {}
+
+    def on_node(addr: int, ask: bool, _user: int) -> bool:
+        for src in seam.tensor_at(addr).src:
+            name = seam.tensor_name(src) if src else ""
+            if name in file and name not in read:
+                read[name] = ctypes.string_at(seam.tensor_at(src).data, len(file[name]))
+        return False
+
+    cb = llama_cpp.ggml_backend_sched_eval_callback(on_node)
+    init_backend()
+    model = load_model(path)
+    assert model
+    ctx = new_context(model, 64, threads=2, eval_cb=cb)
+    try:
+        toks = Vocab(model).tokenize(PROMPT)
+        arr = (llama_cpp.llama_token * len(toks))(*toks)
+        assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(toks))) == 0
+    finally:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    experts = {n for n in file if n.endswith("_exps.weight")}
+    assert experts < set(read), "the decode read every expert tensor and dense weights besides"
+    if arch == "deepseek2":
+        assert {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= set(read)
+    changed = [n for n in read if read[n] != file[n]]
+    assert not changed, f"llama.cpp reads these weights from a copy of its own, not the file: {changed}"

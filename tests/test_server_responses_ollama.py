@@ -20,6 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.plain_llama import plain_llama
 from tests.test_server import KEY, Server, auth, error_of
 from tests.test_server_agents import FLAGS, TEMPLATES, THINK, qwen3_synth, thinker  # noqa: F401 (fixtures)
 
@@ -266,9 +267,7 @@ def test_ollama_chats_streamed_and_not_as_the_chat_route(demo: Server) -> None:
 
 
 def test_ollama_calls_a_tool_and_reads_its_result(demo: Server, demo16: Path) -> None:
-    import llama_cpp
-
-    vocab = llama_cpp.Llama(str(demo16), vocab_only=True, verbose=False)
+    vocab = plain_llama(demo16, vocab_only=True)
     bias = {str(t): 10 for t in vocab.tokenize(MARKER.encode(), add_bos=False)}
     c = olla(demo)
     msgs = [{"role": "user", "content": ASK}]

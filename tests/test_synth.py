@@ -15,8 +15,10 @@ import pytest
 
 from bmoe.base.model_files import LAZY_MIN_BYTES, read_model_files
 from bmoe.memory.dense import file_spans
+from bmoe.seam.llama import model_params
 from bmoe.tools import synth, synth_blocks, synth_like, synth_shape
 from tests.conftest import run_cli
+from tests.plain_llama import plain_llama
 from tests.routed_run import check_runs
 
 
@@ -73,13 +75,14 @@ def test_size_gb_picks_ff(tmp_path: Path) -> None:
 
 def test_chat_template_and_end_of_turn(tmp_path: Path) -> None:
     path = synth.write_model(tmp_path / "c.gguf", layers=1)
-    llm = llama_cpp.Llama(str(path), n_ctx=256, verbose=False)
+    llm = plain_llama(path, n_ctx=256)
     assert "<|im_start|>" in llm.metadata["tokenizer.chat_template"]
     im_end = llm.tokenize(b"<|im_end|>", add_bos=False, special=True)
     assert len(im_end) == 1
     assert llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), im_end[0])
     out = llm.create_chat_completion([{"role": "user", "content": "hello there"}], max_tokens=8)
     assert out["choices"][0]["message"]["content"] is not None
+    llm.close()
 
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,8 +184,8 @@ def test_like_table_loads_in_llama_cpp(tmp_path: Path, name: str) -> None:
     st = path.stat()
     assert 0 <= st.st_size - synth.plan_model(like=name).tensor_bytes < 20e6  # the header
     assert st.st_blocks * 512 < 20e6
-    mp = llama_cpp.llama_model_default_params()
-    mp.no_alloc, mp.use_extra_bufts, mp.load_mode = True, False, 0  # no_alloc needs the non-mmap load
+    mp = model_params()
+    mp.no_alloc, mp.load_mode = True, 0  # no_alloc needs the non-mmap load
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     assert model, name
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
-import llama_cpp
 import numpy as np
 import pytest
 
@@ -16,6 +15,7 @@ from bmoe.tools import synth
 from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES
 from bmoe.tools.synth_shape import NEW_ARCHES, REFUSED_ARCHES
 from tests.conftest import bmoe_segments, run_cli
+from tests.plain_llama import with_llama_defaults
 from tests.routed_run import PROMPT, check_runs
 
 CASES = ([(arch, "q8_0", False) for arch in NEW_ARCHES]
@@ -89,11 +89,7 @@ def test_arch_runs_in_plain_llama_cpp_and_routes(tmp_path: Path, arch: str, quan
                     {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K})
     check_runs(path, moe, n_gen=16)
     # llama-cpp-python's own Llama, with its defaults (no bmoe): it loads the file and writes text
-    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False)
-    try:
-        assert llm(PROMPT, max_tokens=8, temperature=0.0)["choices"][0]["text"].strip()
-    finally:
-        llm.close()
+    assert with_llama_defaults(path, PROMPT, 8).strip()
 
 
 def test_deepseek4_hash_layers_route_by_the_token(tmp_path: Path) -> None:

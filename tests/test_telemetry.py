@@ -7,7 +7,6 @@ import math
 import re
 import time
 
-import llama_cpp
 import psutil
 import pytest
 
@@ -16,6 +15,7 @@ from bmoe.edges.session_client import SessionClient
 from bmoe.tools.bench_sys import drop_file_cache
 from tests import spec_lines
 from tests.conftest import complete, load, per_token, run_cli
+from tests.plain_llama import plain_llama
 
 PROMPT = "Tell me about the harbour town where the fishing boats come home every evening before dark"
 N = 20
@@ -99,7 +99,7 @@ def test_csv_summary_times_the_first_token(model: str, tmp_path) -> None:
     """bmoe's `# summary` keys for the time to first token (load_s + prefill_s): the prompt's tokens as
     llama.cpp's own tokenizer counts them, times inside the process's run time, and llama.cpp's part
     of the load without bmoe's streaming start-up (I/O lane processes, warm-up capture)."""
-    vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    vocab = plain_llama(model, vocab_only=True)
     n_prompt = len(vocab.tokenize(PROMPT.encode(), add_bos=True, special=True))
     bmoe_load = {}
     for mode, flags in (("stream", ("--cache-mb", "1")), ("mmap", ("--no-stream",))):

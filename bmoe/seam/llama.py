@@ -54,13 +54,21 @@ def init_backend(verbose: bool = False) -> None:
         _backend_ready = True
 
 
-def load_model(path: object, ints: dict[str, int] | None = None) -> LlamaModel | None:
-    """llama.cpp's default mmap load, without repacking: a repacked (extra buffer type) weight
-    would no longer match the file layout that expert streaming and the demo builder rely on.
-    `ints` override integer keys of the file's metadata (llama.cpp's kv_overrides, e.g.
-    `{"llama.expert_used_count": 6}`). None when llama.cpp cannot load the file; the caller says why."""
+def model_params() -> llama_cpp.llama_model_params:
+    """llama.cpp's default model parameters as bmoe loads every model: without extra buffer types
+    (repacked or AMX weights). A repacked weight no longer matches the file layout that expert
+    streaming and the demo builder rely on, and on some CPUs those buffer types crash llama.cpp
+    (docs/architecture.md, the seam's facts). Plain llama.cpp references load through this too."""
     mp = llama_cpp.llama_model_default_params()
     mp.use_extra_bufts = False
+    return mp
+
+
+def load_model(path: object, ints: dict[str, int] | None = None) -> LlamaModel | None:
+    """llama.cpp's default mmap load with bmoe's `model_params`. `ints` override integer keys of
+    the file's metadata (llama.cpp's kv_overrides, e.g. `{"llama.expert_used_count": 6}`). None
+    when llama.cpp cannot load the file; the caller says why."""
+    mp = model_params()
     if ints:
         table = (llama_cpp.llama_model_kv_override * (len(ints) + 1))()  # the last one's empty key ends it
         for o, (key, value) in zip(table, ints.items()):
@@ -71,7 +79,7 @@ def load_model(path: object, ints: dict[str, int] | None = None) -> LlamaModel |
 
 def load_vocab(path: object) -> LlamaModel | None:
     """The file's vocabulary alone (no weights are read): what parsing a grammar needs."""
-    mp = llama_cpp.llama_model_default_params()
+    mp = model_params()
     mp.vocab_only = True
     return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
 
