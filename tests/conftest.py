@@ -269,7 +269,7 @@ class SlabCheck:
             for e, slot in self._slots.get(layer, {}).items():
                 if e < 0:
                     self.checked += 1
-                    if slot != r.capacity - 1 or ctypes.string_at(t.data + slot * t.nb[2], r.expert_bytes).strip(b"\0"):
+                    if slot != 0 or ctypes.string_at(t.data + slot * t.nb[2], r.expert_bytes).strip(b"\0"):
                         self.bad.append(f"{r.name}: a dropped position reads slot {slot}, not the spare's zeros")
                     continue
                 want = self._file_at[r.file_index] + r.file_offset + e * r.expert_bytes

@@ -192,7 +192,8 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
     """The remap's facts, node by node: `ffn_moe_weights-L` gathers the router's probabilities with
     the routed expert ids; every MUL_MAT_ID and ADD_ID of the layer, when it is about to run, reads
     the slot ids the remap wrote, each below its tensor's ne[2] (ADD_ID: ne[1]), where the slab holds
-    the routed expert's file bytes; a per-expert scale's GET_ROWS (gemma4) reads them from a REPEAT of
+    the routed expert's file bytes, and an expert matmul's tensor shows ggml exactly the slots up to
+    the highest it reads; a per-expert scale's GET_ROWS (gemma4) reads them from a REPEAT of
     its pool's `capacity` rows and gathers each routed expert's own scale from the file. Prompt (many
     rows) and decode (one row) alike."""
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
@@ -253,6 +254,10 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
             seen["mul_mat_id" if tt.op == seam.GGML_OP_MUL_MAT_ID else "add_id"] += 1
             if not (now == slots[layer]).all() or now.max() >= n:
                 bad.append(f"{name} reads {now.tolist()}, not the slots {slots[layer].tolist()} below {n}")
+            elif tt.op == seam.GGML_OP_MUL_MAT_ID and n != now.max() + 1:
+                # ggml's mul_mat_id works through every one of its ne[2] experts on each call: a matmul
+                # sees the pool only up to the highest slot it reads (Streamer.narrow)
+                bad.append(f"{name} reads slots up to {now.max()} from a tensor of {n} experts")
         handled = e.hook._callback(t, ask, u)
         if not ask and re.fullmatch(r"ffn_moe_weights-\d+", name):
             layer = int(name.split("-")[1])

@@ -25,6 +25,8 @@ class ProcRow:
     shared_mib: float
     read_bytes: int
     ctx_switches: int
+    minor_faults: int  # page faults served from memory: a slab page or mapped file page touched first here
+    major_faults: int  # page faults that read the device
 
 
 def _peak_rss(pid: int) -> int:
@@ -38,6 +40,16 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
+def _faults(pid: int) -> tuple[int, int]:
+    """(minor, major) page faults of the process so far (/proc/PID/stat's minflt and majflt)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields_ = f.read().rsplit(")", 1)[1].split()
+        return int(fields_[7]), int(fields_[9])
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+
+
 def proc_row(role: str, pid: int) -> ProcRow:
     p = psutil.Process(pid)
     with p.oneshot():
@@ -49,7 +61,7 @@ def proc_row(role: str, pid: int) -> ProcRow:
             read = 0
         ctx = p.num_ctx_switches()
     return ProcRow(role, pid, cpu.user, cpu.system, _peak_rss(pid) / MiB, getattr(mem, "shared", 0) / MiB,
-                   read, ctx.voluntary + ctx.involuntary)
+                   read, ctx.voluntary + ctx.involuntary, *_faults(pid))
 
 
 def collect(workers: list[tuple[str, int]]) -> list[ProcRow]:
@@ -68,11 +80,12 @@ COLUMNS = [f.name for f in fields(ProcRow)]
 def process_table(rows: list[ProcRow], slab_resident: int, lanes: Sequence[str] = ()) -> str:
     """The rows, the slab's resident bytes, then `lanes` (Engine.lane_lines: busy time, queue depth)."""
     head = f"{'role':<12} {'pid':>7} {'user_s':>8} {'sys_s':>8} {'peak_rss_MiB':>13} {'shared_MiB':>11} " \
-           f"{'read_MiB':>9} {'ctx_sw':>8}"
+           f"{'read_MiB':>9} {'ctx_sw':>8} {'minflt':>9} {'majflt':>7}"
     out = [head]
     for r in rows:
         out.append(f"{r.role:<12} {r.pid:>7} {r.cpu_user_s:>8.2f} {r.cpu_sys_s:>8.2f} {r.peak_rss_mib:>13.1f} "
-                   f"{r.shared_mib:>11.1f} {r.read_bytes / MiB:>9.2f} {r.ctx_switches:>8}")
+                   f"{r.shared_mib:>11.1f} {r.read_bytes / MiB:>9.2f} {r.ctx_switches:>8} {r.minor_faults:>9} "
+                   f"{r.major_faults:>7}")
     out.append(f"slab resident: {slab_resident / MiB:.1f} MiB")
     out.extend(lanes)
     return "\n".join(out)

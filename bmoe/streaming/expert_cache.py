@@ -113,8 +113,10 @@ def layout(regions: list[Region], spare: bool = False, align: int = PAGE) -> int
     """Give each kind of expert tensor a pool in the slab, room for every (layer, expert) at once;
     returns the slab size (sparse: only the pages reads fill cost memory).
 
-    With `spare`, each pool has one slot more, its last (`capacity - 1`): no expert ever takes it,
-    so it stays all zeros, what a position lossy routing dropped reads (bmoe.streaming.lossy)."""
+    With `spare`, each pool has one slot more, its first (index 0): no expert ever takes it, so it
+    stays all zeros, what a position lossy routing dropped reads (bmoe.streaming.lossy). It is the
+    first so that a layer's matmuls, which see the pool only up to the highest slot they read
+    (`Streamer.narrow`), do not see all of it for a dropped position."""
     experts: dict[int, int] = {}
     largest: dict[str, int] = {}
     for r in regions:
@@ -171,7 +173,8 @@ class ExpertCache:
     """
 
     def __init__(self, slab: Slab | None, regions: list[Region], budget: int,
-                 policy: str | Policy = DEFAULT_POLICY) -> None:
+                 policy: str | Policy = DEFAULT_POLICY, spare: bool = False) -> None:
+        """`spare`: the regions were laid out with the spare slot (index 0), which no expert takes."""
         self.slab = slab
         self.regions = regions
         self.budget = budget
@@ -205,12 +208,15 @@ class ExpertCache:
         self.warm_bytes = 0  # their pages
         self.kept_for: dict[int, int] = {}  # index -> the layer whose expert's pages it holds (held or kept)
         self.cold: list[int] = []  # free indices whose pages were given back
-        self.fresh = 0  # indices below it were all handed out at least once
+        self.spare = spare
+        self.fresh = int(spare)  # indices below it were all handed out at least once (or are the spare)
         self.ever = bytearray(self.capacity)  # 1: the index was handed out (it is held, or on a free list)
+        if spare:
+            self.ever[0] = 1
         # each expert's own index (home[layer] + e), which it takes while the budget holds every expert and
         # no other expert holds it: a layer complete at its own indices is read by its own ids
         self.home: dict[int, int] = {}
-        at = 0
+        at = int(spare)
         for layer in sorted(first):
             self.home[layer], at = at, at + first[layer].n_expert
         self.giving_back: list[int] = []  # free indices whose pages are to be given back
@@ -275,7 +281,8 @@ class ExpertCache:
 
     def spare_slot(self, layer: int) -> int:
         """The pools' spare slot (laid out with `spare`): all zeros, never an expert's."""
-        return self.capacity - 1
+        assert self.spare, "the pools were laid out without a spare slot"
+        return 0
 
     def slice_offset(self, ri: int, e: int) -> int:
         """Slab offset of expert e's bytes of region ri, in the slot its expert holds."""
@@ -424,8 +431,8 @@ class ExpertCache:
             return self.cold.pop()
         if self.giving_back:  # (an index still on its way back: use it, the slab stays bounded)
             return self.giving_back.pop()
-        # (never more indices than experts are held at once, all of them at most: the spare laid out
-        # last, lossy routing's zeros, is never handed out)
+        # (never more indices than experts are held at once, all of them at most: the spare, index 0,
+        # lossy routing's zeros, is marked handed out from the start and never is)
         while self.fresh < self.capacity and self.ever[self.fresh]:  # (taken as some expert's own)
             self.fresh += 1
         index = self.fresh

@@ -191,6 +191,8 @@ class StreamingStops:
         slots = st.cache.slot_ids(layer, _read(ids) if self.rewrites else ids)
         if self.rewrites:
             slots[ids == DROPPED] = st.cache.spare_slot(layer)
+        if slots.size:
+            st.narrow(layer, int(slots.max()) + 1)
         st.counters.mgmt_ns += time.perf_counter_ns() - t0
         return slots
 

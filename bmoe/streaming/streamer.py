@@ -77,7 +77,7 @@ class Streamer:
         self.slab = Slab(layout(regions, spare, regions[0].align), streaming.shm_backend)
         self.pool: LanePool | None = None
         try:  # a signal may land anywhere in here: what exists so far is released
-            self.cache = ExpertCache(self.slab, regions, budget, policy)
+            self.cache = ExpertCache(self.slab, regions, budget, policy, spare)
             self.pool = LanePool(streaming.io_threads, self.slab.name, [str(p) for p in files.paths],
                                  streaming.odirect, timeout=streaming.lane_timeout)
         except BaseException:
@@ -101,6 +101,7 @@ class Streamer:
         # layers whose rows a graph fixes when it is built (expert scales): never bound direct
         self.slot_bound = {layer for layer, bs in self.biases.items() if any(b.graph_fixed for b, _, _ in bs)}
         self.direct: dict[int, tuple[int, int]] = {}  # layer -> (base, cache.moved) while bound direct, or ON_FILE
+        self.seen: dict[int, int] = {}  # layer -> slots its expert tensors show ggml while bound to the pools
         # lanes that read buffered drop what they read from the page cache: a layer read there would fault
         self.view = FileView({layer: [t for t, _ in ts] for layer, ts in self.layer_tensors.items()}) \
             if streaming.odirect else None
@@ -132,6 +133,10 @@ class Streamer:
                 t.rebind(at, r.stride, r.capacity)
             else:
                 t.rebind(at + base * r.stride, r.stride, r.n_expert)
+        if base is None:
+            self.seen[layer] = self.cache.capacity
+        else:
+            self.seen.pop(layer, None)
         for b, _, pool in self.biases.get(layer, ()):
             at = pool.ctypes.data
             if base is None:
@@ -139,12 +144,27 @@ class Streamer:
             else:
                 b.rebind(at + base * b.row_bytes, b.n_expert)
 
+    def narrow(self, layer: int, n_slots: int) -> None:
+        """Show the layer's matmuls (bound to the pools) only the pools' first `n_slots` slots, which hold
+        every slot its remapped ids read in this decode. ggml's CPU mul_mat_id does work for each of
+        the tensor's ne[2] experts on every call (it clears a row count and resets a chunk counter, on
+        a cache line of its own, for each: ggml_compute_forward_mul_mat_id), so a tensor that showed
+        the whole pool (every layer's experts: 6145 slots on the Qwen3-30B-A3B shape) cost more than
+        its matmul (24 ms a token there, bench/reports/2026-12-05-speed/); the CPU backend plans each
+        graph piece afresh, and the piece after the routing's stop holds the layer's matmuls."""
+        if self.seen.get(layer) == n_slots:
+            return
+        for t, r in self.layer_tensors[layer]:
+            t.rebind(self.slab.base + r.data_offset, r.stride, n_slots)
+        self.seen[layer] = n_slots
+
     def _bind_file(self, layer: int) -> None:
         """Point the layer's expert tensors (and bias rows) at llama.cpp's own mapping of the file."""
         assert self.view is not None
         self.view.read_around(layer, True)
         for t, _ in self.layer_tensors[layer]:
             t.bind_file()
+        self.seen.pop(layer, None)
         for b, _, _ in self.biases.get(layer, ()):
             b.rebind(b.data, b.n_expert)
 
