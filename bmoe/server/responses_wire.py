@@ -1,7 +1,7 @@
 """OpenAI's Responses API as bmoe-server speaks it: the body of `POST /v1/responses`, its
 translation into the chat request the chat route runs (`chat_body_of_response`: one request inside, so the
 engine, scheduler, grammars, tool-call reading, prompt cache, limits and errors are the chat
-route's), the answer as a Response object or its stream of events (`ResponseShape`), and the
+route's), the answer as a Response object or its stream of events (`ResponsesShape`), and the
 responses kept for `previous_response_id` (`ResponseStore`).
 
 What is taken and what is not (docs/server.md says the same for users):
@@ -58,7 +58,8 @@ from bmoe.api import Chunk, GenerationStats
 from bmoe.chat import STOPS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
-from bmoe.server.wire import BmoeOptions, ChatBody, SamplingFields, implemented, sampling_of
+from bmoe.server.openai_wire import ChatBody
+from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented, sampling_of
 
 PATH = "/v1/responses"
 KEPT = 100  # responses kept for previous_response_id
@@ -332,7 +333,7 @@ class ResponseStore:
 # ---- the answer ------------------------------------------------------------------------------------
 
 
-class ResponseShape:
+class ResponsesShape:
     """One answer as a Response object, or as the Responses API's stream of events, in order:
     response.created, response.in_progress, then per output item (reasoning, message, function_call)
     response.output_item.added, its parts and deltas and their .done events, response.output_item.done,
