@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bmoe.base.telemetry import TokenLine
 from bmoe.chat.output import Delta
-from bmoe.generation.request_life import Chunk
+from bmoe.generation.records import Chunk
 from bmoe.server.openai_wire import OpenAIShape
 
 

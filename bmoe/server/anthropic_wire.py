@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from bmoe.api import Chunk, GenerationStats
-from bmoe.chat import STOPS_MAX, Delta, Reply
+from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.openai_wire import ChatBody
@@ -96,7 +96,7 @@ class MessagesBody(CountBody):
     """`POST /v1/messages`: the conversation, how long and how to sample the answer."""
 
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(None, max_length=STOPS_MAX)
+    stop_sequences: list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)
     stream: bool = False
     temperature: float | None = Field(None, le=1)  # Anthropic's own cap; the bounds below are the settings'
     top_p: float | None = None

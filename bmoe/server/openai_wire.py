@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from bmoe.api import TOP_LOGPROBS_MAX, Chunk, ContentTokens, GenerationStats, Request, TokenLogprob, content_logprobs
 from bmoe.base import FieldError, telemetry
-from bmoe.chat import STOPS_MAX, Delta, Reply
+from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
@@ -52,7 +52,7 @@ class RequestBody(SamplingFields):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)
+    stop: str | list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1

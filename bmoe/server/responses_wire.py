@@ -55,7 +55,7 @@ from fastapi.sse import format_sse_event
 from pydantic import Field, ValidationError, model_validator
 
 from bmoe.api import Chunk, GenerationStats
-from bmoe.chat import STOPS_MAX, Delta
+from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
 from bmoe.server.openai_wire import ChatBody
@@ -104,7 +104,7 @@ class ResponsesBody(SamplingFields):
     previous_response_id: str | None = None
     include: list[str] | None = None
     metadata: dict[str, Any] | None = None
-    stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)  # bmoe's extension
+    stop: str | list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)  # bmoe's extension
     grammar: str | None = None  # bmoe's extension (GBNF)
     bmoe: BmoeOptions = BmoeOptions()
 
