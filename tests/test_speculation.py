@@ -365,7 +365,9 @@ def test_the_predictor_routes_as_the_model_does_from_the_layers_own_input(synth,
     chose: the model's gating op, its selection bias and its group limit (bmoe.streaming.gating reads them
     from the graph). Every row of a prompt and a few decoded tokens, every MoE layer but the first;
     a near-tie may rank differently in numpy's float32, so 97 % of the rows must match exactly."""
-    from bmoe.seam import graph as seam
+    import llama_cpp
+
+    from bmoe.seam import ggml_mirror
     from bmoe.workers import routers
     from tests.test_seam import _swap_callback
 
@@ -377,19 +379,19 @@ def test_the_predictor_routes_as_the_model_does_from_the_layers_own_input(synth,
         routed: dict[int, list[np.ndarray]] = {}
 
         def cb(t: int, ask: bool, u: int) -> bool:
-            name = seam.tensor_name(t)
+            name = ggml_mirror.tensor_name(t)
             if name.startswith("ffn_moe_logits-") or name.startswith("ffn_moe_topk-"):
                 if not ask:
                     layer = int(name.split("-")[1])
                     if name.startswith("ffn_moe_logits-"):
-                        inputs.setdefault(layer, []).append(seam.router_input(t))
+                        inputs.setdefault(layer, []).append(ggml_mirror.router_input(t))
                     else:
-                        routed.setdefault(layer, []).append(seam.routing_ids(t))
+                        routed.setdefault(layer, []).append(ggml_mirror.routing_ids(t))
                 e.hook._callback(t, ask, u)
                 return True
             return e.hook._callback(t, ask, u)
 
-        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
+        _swap_callback(e, llama_cpp.ggml_backend_sched_eval_callback(cb))
         complete(m, PROMPT, 6)
         layers = sorted(routed)
         pred = routers.Predictor(routers.load_routers([path], arch, layers), 4, rescale=False, gating=g.func,
