@@ -343,7 +343,7 @@ def _swap_callback(e: Engine, cb) -> None:
 
     llama_cpp.llama_free(e.context)
     e._test_cb = cb
-    e.parts.ctx = new_context(e.parts.model, 256, 2, cb)
+    e._parts.ctx = new_context(e.model, 256, 2, cb)  # (the engine's own part, swapped by the test)
 
 
 def test_llama_cpp_computes_from_the_slab(synth) -> None:

@@ -374,7 +374,7 @@ def test_the_predictor_routes_as_the_model_does_from_the_layers_own_input(synth,
     path = synth(arch=arch, layers=6 if arch == "llama4" else 4, experts=16, top_k=4)  # llama4: MoE every 2nd
     with load(path, *FLAGS, "--cache-mb", 1000) as m:
         e = m.engine
-        g = e.parts.gating
+        g = e.gating
         inputs: dict[int, list[np.ndarray]] = {}
         routed: dict[int, list[np.ndarray]] = {}
 
