@@ -19,7 +19,7 @@ from bmoe.seam import capture, eval_hook, ggml_mirror, populate
 from bmoe.seam.eval_hook import ABORTED
 from bmoe.streaming.expert_cache import RESIDENT
 from bmoe.tools.bench_sys import drop_file_cache
-from bmoe.tools.synth_shape import ARCHES, NEW_ARCHES
+from bmoe.tools.synth_archs import ARCHES, PARTS_ARCHES
 from tests.conftest import SlabCheck, complete, engine_for, generate, slice_bytes
 from tests.conftest import load as load_model
 
@@ -534,7 +534,7 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
         e2.close()
 
 
-@pytest.mark.parametrize("arch", [*ARCHES, *(a for a in NEW_ARCHES if a not in ("llama4", "deepseek4"))])
+@pytest.mark.parametrize("arch", [*ARCHES, *(a for a in PARTS_ARCHES if a not in ("llama4", "deepseek4"))])
 def test_fewer_experts_by_the_hook_is_llama_cpps_own_expert_count(synth, arch: str) -> None:
     """The pin of where bmoe.streaming.lossy changes the weights: routing a token to its K best experts by
     rewriting the weights node (and the dropped positions to the spare zero slot) before the layer's

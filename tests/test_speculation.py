@@ -22,7 +22,7 @@ from bmoe.base import telemetry
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming import gating, speculation
-from bmoe.tools.synth_shape import STREAMED_ARCHES
+from bmoe.tools.synth_archs import STREAMED_ARCHES
 from tests import spec_lines
 from tests.conftest import SlabCheck, complete, load, per_token, run_cli, slice_bytes
 from tests.conftest import reference as plain
