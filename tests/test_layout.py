@@ -144,7 +144,8 @@ def test_a_lane_process_starts_without_numpy_or_the_engine() -> None:
 
 @pytest.mark.parametrize("module", ["bmoe", "bmoe.api", "bmoe.edges.session_client", "bmoe.edges.protocol",
                                     "bmoe.base.telemetry",
-                                    "bmoe.base.settings", "bmoe.edges.flags", "bmoe.tools.bench"])
+                                    "bmoe.base.settings", "bmoe.edges.flags", "bmoe.tools.bench",
+                                    "bmoe.tools.bench_quality_run"])
 def test_light_modules_do_not_load_llama_cpp(module: str) -> None:
     code = f"import sys, {module}; print('llama_cpp' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
