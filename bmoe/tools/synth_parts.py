@@ -123,15 +123,20 @@ def ffn_or_experts(t: Callable[..., None], s: Shape, i: int, **kw: object) -> No
         ffn(t, s.embd, s.dense_ff)
 
 
-def qkvo(t: Callable[..., None], s: Shape, *, gated: bool = False, q_dim: int = 0) -> None:
+def qkvo(t: Callable[..., None], s: Shape, *, gated: bool = False, q_dim: int = 0, biased: bool = False) -> None:
     """Attention's q, k, v and output of s.n_head query heads (`q_dim` wide if given) and s.n_head_kv
-    KV heads of s.head_dim; a `gated` q holds [q | gate] per head, twice as wide."""
+    KV heads of s.head_dim, then, `biased`, q, k and v's biases; a `gated` q holds [q | gate] per head,
+    twice as wide."""
     e, q_dim = s.embd, q_dim or s.n_head * s.head_dim
     kv_dim = s.n_head_kv * s.head_dim
     t("attn_q.weight", ((2 if gated else 1) * q_dim, e), "attn_q", std=e**-0.5)
     t("attn_k.weight", (kv_dim, e), "attn_k", std=e**-0.5)
     t("attn_v.weight", (kv_dim, e), "attn_v", std=e**-0.5)
     t("attn_output.weight", (e, q_dim), "attn_output", std=q_dim**-0.5)
+    if biased:
+        t("attn_q.bias", (q_dim,), std=0.02)
+        t("attn_k.bias", (kv_dim,), std=0.02)
+        t("attn_v.bias", (kv_dim,), std=0.02)
 
 
 def nextn(t: Callable[..., None], s: Shape) -> None:

@@ -16,12 +16,8 @@ def _table(s: Shape, tb: Table) -> None:
     tb.add("token_embd.weight", (s.n_vocab, e), "token_embd", std=1.0)
     for i in range(s.all_layers):
         t = tb.block(i)
-        q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
         t("attn_norm.weight", (e,), fill="ones")
-        qkvo(t, s)
-        t("attn_q.bias", (q_dim,), std=0.02)
-        t("attn_k.bias", (kv_dim,), std=0.02)
-        t("attn_v.bias", (kv_dim,), std=0.02)
+        qkvo(t, s, biased=True)
         t("attn_q_norm.weight", (s.head_dim,), fill="ones")
         t("attn_k_norm.weight", (s.head_dim,), fill="ones")
         t("post_attention_norm.weight", (e,), fill="ones")

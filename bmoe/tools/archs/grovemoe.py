@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from gguf import GGUFWriter
 
-from bmoe.tools.synth_parts import Arch, Table, experts, head, heads, qkvo, register
+from bmoe.tools.archs.qwen3moe import qwen3moe_block
+from bmoe.tools.synth_parts import Arch, Table, head, heads, register
 from bmoe.tools.synth_shape import Shape
 
 GROVE_GROUP, GROVE_CHUNK_FF = 2, 64  # routed experts per chunk expert; a chunk expert's width
@@ -18,12 +19,7 @@ def _table(s: Shape, tb: Table) -> None:
     tb.add("token_embd.weight", (s.n_vocab, e), "token_embd", std=1.0)
     for i in range(s.layers):
         t = tb.block(i)
-        t("attn_norm.weight", (e,), fill="ones")
-        qkvo(t, s)
-        t("attn_q_norm.weight", (s.head_dim,), fill="ones")
-        t("attn_k_norm.weight", (s.head_dim,), fill="ones")
-        t("ffn_norm.weight", (e,), fill="ones")
-        experts(t, s)
+        qwen3moe_block(t, s)
         ch = s.experts // GROVE_GROUP
         t("ffn_gate_chexps.weight", (ch, GROVE_CHUNK_FF, e), "exps_gate", std=e**-0.5)
         t("ffn_up_chexps.weight", (ch, GROVE_CHUNK_FF, e), "exps_up", std=e**-0.5)

@@ -11,15 +11,11 @@ from bmoe.tools.synth_shape import Shape
 
 def _table(s: Shape, tb: Table) -> None:
     e = s.embd
-    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     tb.add("token_embd.weight", (s.n_vocab, e), "token_embd", std=1.0)
     for i in range(s.layers):
         t = tb.block(i)
         t("attn_norm.weight", (e,), fill="ones")
-        qkvo(t, s)
-        t("attn_q.bias", (q_dim,), std=0.02)
-        t("attn_k.bias", (kv_dim,), std=0.02)
-        t("attn_v.bias", (kv_dim,), std=0.02)
+        qkvo(t, s, biased=True)
         t("ffn_norm.weight", (e,), fill="ones")
         experts(t, s)
         t("ffn_gate_inp_shexp.weight", (e,), std=e**-0.5)
