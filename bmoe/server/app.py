@@ -235,7 +235,8 @@ class Endpoints:
 
     async def authorized(self, creds: HTTPAuthorizationCredentials | None = Depends(_BEARER),
                          x_api_key: str | None = Header(None)) -> None:
-        """The key as OpenAI's clients send it (`Authorization: Bearer`) or Anthropic's (`x-api-key`)."""
+        """The key as each API's clients send it: `Authorization: Bearer` (OpenAI's, the Responses API's,
+        Ollama's) or `x-api-key` (Anthropic's)."""
         if self.api_key is None:
             return
         sent = creds.credentials if creds is not None else x_api_key
