@@ -22,7 +22,7 @@ from pathlib import Path
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.tools.synth import write_model
-from bmoe.tools.synth_shape import STREAMED_ARCHES
+from bmoe.tools.synth_archs import STREAMED_ARCHES
 
 PROMPT = ("In the valley below the mountains, a small village kept an old tradition: every spring the "
           "farmers walked to the river and sang")

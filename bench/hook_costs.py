@@ -35,6 +35,9 @@ TARGETS = [
     ("bmoe.coordinator", "Engine", "step"),
     ("bmoe.coordinator", "Engine", "_decode"),
     ("bmoe.coordinator", "Engine", "_choose"),
+    ("bmoe.seam.eval_hook", "EvalHook", "_callback"),
+    ("bmoe.seam.eval_hook", None, "routing_ids"),
+    ("bmoe.seam.eval_hook", None, "write_ids"),
     ("bmoe.seam.graph", "EvalHook", "_callback"),
     ("bmoe.seam.graph", None, "routing_ids"),
     ("bmoe.seam.graph", None, "write_ids"),
@@ -134,7 +137,10 @@ class Timers:
                 continue
             name = f"{cls}.{attr}" if cls else f"{mod.rsplit('.', 1)[1]}.{attr}"
             setattr(owner, attr, self.wrap(name, fn))
-        from bmoe.seam import graph
+        try:
+            from bmoe.seam import eval_hook as graph
+        except ImportError:  # a tree from before the hook had its own module
+            from bmoe.seam import graph  # type: ignore[no-redef]
         from bmoe.streaming import streamer
 
         callback = graph.EvalHook._callback

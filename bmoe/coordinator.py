@@ -18,21 +18,28 @@ module reads another's private attributes).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bmoe import seam
 from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong
-from bmoe.base.settings import SamplerSettings
+from bmoe.base.model_files import ModelFiles
+from bmoe.base.settings import SamplerSettings, Settings
 from bmoe.base.telemetry import TokenStat
 from bmoe.engine.engine_stats import EngineStats
 from bmoe.engine.load import Loaded
+from bmoe.memory.budget import Adaptive
+from bmoe.memory.probe import MemoryProbe
 from bmoe.seam import llama
+from bmoe.streaming.gating import Gating
+from bmoe.streaming.lossy import Lossy
 from bmoe.streaming.readahead import ReadAheadCounts
 from bmoe.streaming.streamer import Streamer
+from bmoe.streaming.warm_fill import WarmStart
 
 if TYPE_CHECKING:
     from bmoe.chat.grammar import Grammar
@@ -56,34 +63,93 @@ class Engine:
     prefill and decode of KV sequences, the KV itself, and the facts edges print about the load."""
 
     def __init__(self, parts: Loaded) -> None:
-        """Take over what `bmoe.engine.load.load_engine` made (closed with the engine)."""
-        self.parts = parts
-        self.settings = parts.settings
-        self.notice = parts.notice
-        self.words = parts.words
-        self.files = parts.files
-        self.hook = parts.hook
-        self.fixed_k = parts.fixed_k
-        self.lossy = parts.lossy
-        self.replay = parts.replay
-        self.trace = parts.trace
-        self.stops = parts.stops
-        assert parts.vocab is not None  # a load that returned made it
-        self.vocab: llama.Vocab = parts.vocab
-        self.n_ctx = parts.n_ctx
-        self.load_s = parts.load_s
-        self.llama_load_s = parts.llama_load_s
+        """Take over what `bmoe.engine.load.load_engine` made (closed with the engine); each of its parts
+        is reached through the engine's property of that name, and only the engine reads `_parts`."""
+        self._parts = parts
+
+    # ---- the load's parts ----------------------------------------------------------------------
 
     @property
-    def streamer(self) -> Streamer | None:
-        """The Streamer while streaming (None without, and once closed)."""
-        return self.parts.streamer
+    def settings(self) -> Settings:
+        return self._parts.settings
+
+    @property
+    def notice(self) -> Callable[[str], None]:
+        """Where what the user should know goes (the edge's)."""
+        return self._parts.notice
+
+    @property
+    def files(self) -> ModelFiles:
+        return self._parts.files
+
+    @property
+    def hook(self) -> seam.EvalHook:
+        return self._parts.hook
+
+    @property
+    def vocab(self) -> llama.Vocab:
+        assert self._parts.vocab is not None  # a load that returned made it
+        return self._parts.vocab
+
+    @property
+    def model(self) -> llama.LlamaModel:
+        """llama.cpp's model, while the engine is loaded."""
+        assert self._parts.model is not None, "the engine is closed"
+        return self._parts.model
 
     @property
     def context(self) -> llama.Context:
         """llama.cpp's context, while the engine is loaded."""
-        assert self.parts.ctx is not None, "the engine is closed"
-        return self.parts.ctx
+        assert self._parts.ctx is not None, "the engine is closed"
+        return self._parts.ctx
+
+    @property
+    def streamer(self) -> Streamer | None:
+        """The Streamer while streaming (None without, and once closed)."""
+        return self._parts.streamer
+
+    @property
+    def lossy(self) -> Lossy | None:
+        """Lossy routing while streaming with a lossy setting on."""
+        return self._parts.lossy
+
+    @property
+    def gating(self) -> Gating | None:
+        """How the model routes, read from the warm-up graph (None without streaming)."""
+        return self._parts.gating
+
+    @property
+    def warm(self) -> WarmStart | None:
+        """The warm start's usage profile (--warm-start)."""
+        return self._parts.warm
+
+    @property
+    def memory(self) -> MemoryProbe:
+        """The limits that apply to the process (an adaptive budget reads them too)."""
+        return self._parts.memory
+
+    @property
+    def adaptive(self) -> Adaptive | None:
+        """The adaptive budget (--adapt)."""
+        return self._parts.adaptive
+
+    @property
+    def fixed_k(self) -> int:
+        """llama.cpp's own expert count, set at load (--no-stream --experts-per-token), else 0."""
+        return self._parts.fixed_k
+
+    @property
+    def n_ctx(self) -> int:
+        return self._parts.n_ctx
+
+    @property
+    def load_s(self) -> float:
+        return self._parts.load_s
+
+    @property
+    def llama_load_s(self) -> float:
+        """Of load_s, llama.cpp's own load (model, then context)."""
+        return self._parts.llama_load_s
 
     def __enter__(self) -> Engine:
         return self
@@ -114,8 +180,8 @@ class Engine:
         if self.streamer is not None:
             self.streamer.follow()
             self.streamer.idle_fill()
-            if self.parts.warm is not None:
-                self.parts.warm.idle()
+            if self.warm is not None:
+                self.warm.idle()
 
     def stats(self) -> EngineStats:
         """What the engine is and holds now, in one object: what every edge prints about the load."""
@@ -126,15 +192,14 @@ class Engine:
             budget_bytes=st.budget if st else 0, resident_bytes=st.resident_bytes() if st else 0,
             holds_every_expert=self.holds_every_expert, spec_gate=st.gate_recall() if st else None,
             lanes=tuple(st.lane_load().lines()) if st else (), workers=tuple(st.worker_pids()) if st else (),
-            full_bytes=st.full_bytes if st else 0, memory=self.parts.memory.least(),
+            full_bytes=st.full_bytes if st else 0, memory=self.memory.least(),
             residency=tuple(st.residency()) if st else ())
 
     def chat_template(self) -> bytes | None:
         """The chat template: --chat-template-file's, else the one stored in the GGUF, if any."""
         if self.settings.chat_template_file:
             return Path(self.settings.chat_template_file).read_bytes()
-        assert self.parts.model is not None, "the engine is closed"
-        return llama.chat_template(self.parts.model)
+        return llama.chat_template(self.model)
 
     @property
     def arch(self) -> str:
@@ -158,13 +223,14 @@ class Engine:
     def check_lossless(self, fix: str) -> None:
         """ConfigError when a lossless generation cannot run: llama.cpp was loaded with its own expert
         count lowered (--no-stream --experts-per-token), which no request can raise again."""
+        words, replay = self._parts.words, self._parts.replay
         if self.fixed_k:
-            raise ConfigError(f"this model was loaded with {self.words.value('experts_per_token', self.fixed_k)} "
-                              f"and {self.words.value('stream', False)}: llama.cpp itself routes to "
+            raise ConfigError(f"this model was loaded with {words.value('experts_per_token', self.fixed_k)} "
+                              f"and {words.value('stream', False)}: llama.cpp itself routes to "
                               f"{self.fixed_k} experts, and no request can have the model's "
                               f"{self.files.n_expert_used} back; {fix}")
-        if self.replay is not None:
-            raise ConfigError(f"this model was loaded with {self.words.value('replay_routes', self.replay.name)}: "
+        if replay is not None:
+            raise ConfigError(f"this model was loaded with {words.value('replay_routes', replay.name)}: "
                               f"every token takes the trace's routing, and no request can have the model's own "
                               f"back; {fix}")
 
@@ -231,15 +297,15 @@ class Engine:
         t0 = time.perf_counter()
         if self.lossy:
             self.lossy.begin([False] * len(tokens))
-        if self.trace:
-            self.trace.prompting = True
+        if self._parts.trace:
+            self._parts.trace.prompting = True
         try:
             self._decode([(seq, tokens, self.kv_len(seq))])
             if st:
                 st.settle()
         finally:
-            if self.trace:
-                self.trace.prompting = False
+            if self._parts.trace:
+                self._parts.trace.prompting = False
             if st:  # a prefill's reads are not the decode's
                 st.take_counters()
                 st.take_speculation()
@@ -267,13 +333,13 @@ class Engine:
             t0 = time.perf_counter()
             if self.lossy:
                 self.lossy.begin([not lossless] * len(tokens))
-            if self.trace:
-                self.trace.prompting = True
+            if self._parts.trace:
+                self._parts.trace.prompting = True
             try:
                 row = self._decode([(seq, tokens, pos)])[0]
             finally:
-                if self.trace:
-                    self.trace.prompting = False
+                if self._parts.trace:
+                    self._parts.trace.prompting = False
             if st:  # the prefill's reads ahead land (or are dropped) in the prefill, not in the first token
                 st.settle()
             s.prefill_s = time.perf_counter() - t0
@@ -285,8 +351,8 @@ class Engine:
             if st:  # the prefill's reads (and reads ahead) are not the decode's
                 st.take_counters()
                 st.take_speculation()
-        if self.trace:
-            self.trace.active = True
+        if self._parts.trace:
+            self._parts.trace.active = True
         return s
 
     def step(self, seqs: list[EngineSequence]) -> list[tuple[int, TokenStat] | None]:
@@ -328,8 +394,8 @@ class Engine:
             for stat, rc in zip(shares, self.lossy.take()):
                 stat.dropped, stat.substituted = rc.dropped, rc.substituted
                 stat.weight_changed_pct = 100.0 * rc.moved / layers
-        if self.trace:
-            self.trace.end_step(toks[id(going[0])])
+        if self._parts.trace:
+            self._parts.trace.end_step(toks[id(going[0])])
         by_id = {id(s): st_ for s, st_ in zip(going, shares)}
         return [(toks[id(s)], by_id[id(s)]) if id(s) in toks else None for s in seqs]
 
@@ -354,9 +420,9 @@ class Engine:
         if self.streamer:
             ahead = self.streamer.take_speculation()
             self.streamer.settle()
-        if self.trace:
-            self.trace.active = False
-            self.trace.write()
+        if self._parts.trace:
+            self._parts.trace.active = False
+            self._parts.trace.write()
         return ahead
 
     def _decode(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
@@ -365,11 +431,11 @@ class Engine:
         n = sum(len(toks) for _, toks, _ in parts)
         if self.streamer is not None:
             self.streamer.begin_batch(n)
-        if self.stops is not None:
-            self.stops.begin_batch(n, prompt=any(len(toks) > 1 for _, toks, _ in parts))
+        if self._parts.stops is not None:
+            self._parts.stops.begin_batch(n, prompt=any(len(toks) > 1 for _, toks, _ in parts))
         ctx = self.context
         return self.hook.run(lambda: llama.decode(ctx, parts))
 
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""
-        self.parts.close()
+        self._parts.close()

@@ -250,7 +250,7 @@ class SlabCheck:
     def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
         """Each expert's slot holds its file bytes; a position lossy routing dropped (expert -1,
         bmoe.streaming.lossy.DROPPED) reads the pool's spare slot, which must hold only zeros."""
-        from bmoe.seam import graph as seam
+        from bmoe.seam import ggml_mirror
 
         c = self.st.cache
         for b, rows, pool in self.st.biases.get(layer, ()):  # expert biases and scales follow the slots
@@ -265,7 +265,7 @@ class SlabCheck:
             r = c.regions[ri]
             if not kinds(r.kind):
                 continue
-            t = seam.tensor_at(self.st.tensors[r.name].addr)
+            t = ggml_mirror.tensor_at(self.st.tensors[r.name].addr)
             for e, slot in self._slots.get(layer, {}).items():
                 if e < 0:
                     self.checked += 1

@@ -31,7 +31,7 @@ import pytest
 
 from bmoe.base.settings import SamplerSettings
 from bmoe.chat.grammar import Grammar
-from bmoe.generation.request_life import TextStream
+from bmoe.generation.answer_text import TextStream
 from bmoe.seam.llama import Vocab, init_backend, load_model, make_sampler, model_params, new_context
 
 

@@ -25,7 +25,7 @@ import llama_cpp
 import psutil
 
 from bmoe import cli
-from bmoe.seam import graph as seam
+from bmoe.seam import capture
 from bmoe.streaming import graph_stops, speculation
 
 
@@ -55,13 +55,13 @@ def arm(phase: str, sig: int) -> None:
 
         llama_cpp.llama_model_load_from_file = load_then_fire
     elif phase == "capture":
-        visit = seam.Capture.visit
+        visit = capture.Capture.visit
 
-        def visit_and_fire(self: seam.Capture, addr: int) -> None:
+        def visit_and_fire(self: capture.Capture, addr: int) -> None:
             fire()
             visit(self, addr)
 
-        seam.Capture.visit = visit_and_fire
+        capture.Capture.visit = visit_and_fire
     elif phase == "spec-start":
         hello = speculation.SpecGate._hello
 

@@ -12,7 +12,7 @@ import pytest
 import bmoe
 from bmoe.api import Ask, Chunk, Model
 from bmoe.base.errors import ConfigError, FieldError, ModelError
-from bmoe.generation.request_life import StopText
+from bmoe.generation.answer_text import StopStrings
 from tests.conftest import bmoe_segments, run_cli
 
 PROMPT = "Once upon a time there was a king"
@@ -105,13 +105,13 @@ def test_stop_strings_cut_the_answer(model: Model) -> None:
     (["abc"], [], ["abc"], "", "abc"),
 ])
 def test_stop_text(pieces: list[str], stops: list[str], out: list[str], flushed: str, text: str) -> None:
-    st = StopText(stops)
+    st = StopStrings(stops)
     assert [st.push(p) for p in pieces] == out
     assert st.flush() == flushed and st.text == text == "".join(out) + flushed
 
 
 def _stop_oracle(stops: list[str], pieces: list[str]) -> tuple[list[str], str]:
-    """StopText's answer by brute force: after each piece, the earliest place any stop string
+    """StopStrings' answer by brute force: after each piece, the earliest place any stop string
     begins in all the text so far, else everything but the longest end that starts a stop string."""
     raw, sent, out = "", 0, []
     stops = [s for s in stops if s]
@@ -134,7 +134,7 @@ def test_stop_text_agrees_with_brute_force() -> None:
         letters = rng.choice(["ab", "abc"])
         stops = ["".join(rng.choices(letters, k=rng.randint(0, 6))) for _ in range(rng.randint(0, 4))]
         pieces = ["".join(rng.choices(letters, k=rng.randint(0, 4))) for _ in range(rng.randint(0, 10))]
-        st = StopText(stops)
+        st = StopStrings(stops)
         got = [st.push(p) for p in pieces]
         st.flush()
         assert (got, st.text) == _stop_oracle(stops, pieces), (stops, pieces)

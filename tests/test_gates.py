@@ -9,8 +9,7 @@ from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming.speculation import SpecGate
 from bmoe.tools.bench_sys import drop_file_cache
-from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES
-from bmoe.tools.synth_shape import ARCHES, STREAMED_ARCHES
+from bmoe.tools.synth_archs import ARCHES, FUSED_ARCHES, MTP_ARCHES, STREAMED_ARCHES
 from tests import spec_lines
 from tests.conftest import complete, load, run_cli
 from tests.conftest import reference as plain

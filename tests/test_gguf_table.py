@@ -10,7 +10,7 @@ import pytest
 from bmoe.base.errors import ModelError
 from bmoe.base.gguf_table import GGUFError, read_table
 from bmoe.base.model_files import read_model_files
-from bmoe.tools.synth_shape import ARCHES
+from bmoe.tools.synth_archs import ARCHES
 
 
 def reference(path: Path) -> tuple[dict, dict]:

@@ -204,9 +204,9 @@ def test_the_cache_shrinks_and_grows_back_with_the_limit_and_the_output_stays_ex
     m = load(model, "-c", 256, "-t", 2, "--cache-mb", 1000, "--adapt", "--cache-floor-mb", 100, notice=notices.append)
     e = m.engine
     try:
-        e.parts.memory = MemoryProbe(proc, cg)  # the probe the adaptive budget reads (bmoe.engine.load)
-        assert e.parts.adaptive is not None
-        full = e.parts.adaptive.ceiling  # every expert's slots: the most a budget can use
+        e.streamer.watch.memory = MemoryProbe(proc, cg)  # the probe the adaptive budget reads (BudgetWatch)
+        assert e.adaptive is not None
+        full = e.adaptive.ceiling  # every expert's slots: the most a budget can use
         resident: list[int] = []
 
         other = 100 * MiB  # what the rest of the cgroup holds; the charge is that plus the slab

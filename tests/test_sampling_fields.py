@@ -153,7 +153,8 @@ def test_the_sampling_names_are_the_settings_one_list_everywhere() -> None:
     from bmoe.api import Ask
     from bmoe.base.settings import SAMPLING_FIELDS
     from bmoe.server.anthropic_wire import MessagesBody, chat_body_of_messages
-    from bmoe.server.wire import ChatBody, SamplingFields, sampling_of
+    from bmoe.server.openai_wire import ChatBody
+    from bmoe.server.request_base import SamplingFields, sampling_of
 
     assert sorted(SAMPLING_FIELDS.values()) == sorted(f.name for f in fields(SamplerSettings))
     assert set(SAMPLING_FIELDS) <= {f.name for f in fields(Ask)}

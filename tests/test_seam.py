@@ -15,11 +15,11 @@ import pytest
 
 from bmoe.api import Model
 from bmoe.coordinator import Engine
-from bmoe.seam import graph as seam
-from bmoe.seam.graph import ABORTED
+from bmoe.seam import capture, eval_hook, ggml_mirror, populate
+from bmoe.seam.eval_hook import ABORTED
 from bmoe.streaming.expert_cache import RESIDENT
 from bmoe.tools.bench_sys import drop_file_cache
-from bmoe.tools.synth_shape import ARCHES, NEW_ARCHES
+from bmoe.tools.synth_archs import ARCHES, PARTS_ARCHES
 from tests.conftest import SlabCheck, complete, engine_for, generate, slice_bytes
 from tests.conftest import load as load_model
 
@@ -32,13 +32,18 @@ def engine(path, *flags: object) -> Engine:
 
 def test_the_compiled_filter_is_built_here_and_mirrors_its_struct() -> None:
     """The README's install compiles the filter (a machine without a C compiler falls back to Python:
-    BMOE_PY_HOOK=1 stands for it below); its ctypes mirror has the C struct's size, checked at load."""
+    BMOE_PY_HOOK=1 stands for it below); its ctypes mirror has every field of the C struct at C's own
+    offset (offsetof, by the field's name) and the C struct's size, also checked at load."""
     from bmoe.seam import eval_filter
 
     lib = eval_filter.compiled()
     assert lib is not None, "bmoe/seam/_eval_filter.c was not built by pip install -e ."
-    assert lib.bmoe_filter_size() == ctypes.sizeof(eval_filter.EvalFilter)
-    assert seam.EvalHook().user_data is not None
+    mirror = eval_filter.EvalFilter
+    assert {name: lib.bmoe_filter_offset(name.encode()) for name, *_ in mirror._fields_} == \
+        {name: getattr(mirror, name).offset for name, *_ in mirror._fields_}
+    assert lib.bmoe_filter_size() == ctypes.sizeof(mirror)
+    assert eval_filter.layout_problem(lib) is None
+    assert eval_hook.EvalHook().user_data is not None
 
 
 @pytest.mark.parametrize("arch,flags", [("qwen3moe", ("--overlap", "--spec-gate", "--spec-recall-min", 0)),
@@ -52,19 +57,19 @@ def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
     seen: list[list[tuple[str, bool, bool]]] = []
     aborts: list[int] = []
-    callback, abort = seam.EvalHook._callback, seam.EvalHook._abort
+    callback, abort = eval_hook.EvalHook._callback, eval_hook.EvalHook._abort
 
     def recorded(self, t, ask, user):
         answer = callback(self, t, ask, user)
-        seen[-1].append((seam.tensor_name(t), ask, answer))
+        seen[-1].append((ggml_mirror.tensor_name(t), ask, answer))
         return answer
 
     def counted(self, user):
         aborts[-1] += 1
         return abort(self, user)
 
-    monkeypatch.setattr(seam.EvalHook, "_callback", recorded)
-    monkeypatch.setattr(seam.EvalHook, "_abort", counted)
+    monkeypatch.setattr(eval_hook.EvalHook, "_callback", recorded)
+    monkeypatch.setattr(eval_hook.EvalHook, "_abort", counted)
     texts, walls = [], []
     for python_only in ("1", "0"):
         monkeypatch.setenv("BMOE_PY_HOOK", python_only)
@@ -98,9 +103,9 @@ def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch
 
 def test_struct_layout_matches_ggml() -> None:
     ggml_object_size = 32  # offs, size, next, type + padding[4] (ggml.c)
-    assert ctypes.sizeof(seam.GgmlTensor) == seam.libggml.ggml_tensor_overhead() - ggml_object_size
-    assert seam.GGML_OP_MUL_MAT_ID == 30  # enum ggml_op in the pinned vendor/llama.cpp ggml.h
-    assert seam.libggml.ggml_op_name(seam.GGML_OP_MUL_MAT_ID) == b"MUL_MAT_ID"
+    assert ctypes.sizeof(ggml_mirror.GgmlTensor) == ggml_mirror.libggml.ggml_tensor_overhead() - ggml_object_size
+    assert ggml_mirror.GGML_OP_MUL_MAT_ID == 30  # enum ggml_op in the pinned vendor/llama.cpp ggml.h
+    assert ggml_mirror.libggml.ggml_op_name(ggml_mirror.GGML_OP_MUL_MAT_ID) == b"MUL_MAT_ID"
 
 
 @pytest.mark.parametrize("arch", [*ARCHES, "gemma4"])
@@ -116,10 +121,11 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
         for r in regions:
             ft = file_tensors[r.name]
             addr = e.streamer.tensors[r.name].addr
-            t = seam.tensor_at(addr)
+            t = ggml_mirror.tensor_at(addr)
             # name, data and ne read through the struct agree with ggml's accessors and the file
-            assert ctypes.string_at(seam.libggml.ggml_get_name(addr)).decode() == seam.tensor_name(addr) == r.name
-            assert seam.libggml.ggml_get_data(addr) == t.data
+            name = ctypes.string_at(ggml_mirror.libggml.ggml_get_name(addr)).decode()
+            assert name == ggml_mirror.tensor_name(addr) == r.name
+            assert ggml_mirror.libggml.ggml_get_data(addr) == t.data
             assert [int(x) for x in t.ne[:2]] + [r.n_expert] == [int(x) for x in ft.shape[:3]]
             assert ft.n_bytes == r.nbytes
             # `data` is llama.cpp's own mapping of the tensor (what bind_file points back at): the file's bytes
@@ -130,13 +136,13 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
             assert t.data == e.streamer.slab.base + r.data_offset
             assert int(t.ne[2]) == r.capacity >= r.n_expert
             assert int(t.nb[2]) == r.stride and int(t.nb[3]) == r.stride * r.capacity
-            assert seam.libggml.ggml_nbytes(addr) == (r.capacity - 1) * r.stride + r.expert_bytes
+            assert ggml_mirror.libggml.ggml_nbytes(addr) == (r.capacity - 1) * r.stride + r.expert_bytes
         for r in regions:  # and back at the file as llama.cpp loaded it, then at the pool again
             et = e.streamer.tensors[r.name]
             et.bind_file()
-            t = seam.tensor_at(et.addr)
+            t = ggml_mirror.tensor_at(et.addr)
             assert (t.data, int(t.ne[2]), int(t.nb[2])) == (et.data, r.n_expert, r.expert_bytes)
-            assert seam.libggml.ggml_nbytes(et.addr) == file_tensors[r.name].n_bytes
+            assert ggml_mirror.libggml.ggml_nbytes(et.addr) == file_tensors[r.name].n_bytes
         for layer in e.streamer.layer_tensors:
             e.streamer._bind(layer, None)
         biases = {b.name: b for bs in e.streamer.biases.values() for b, _, _ in bs}
@@ -144,14 +150,14 @@ def test_capture_finds_every_expert_tensor_with_file_shapes(synth, arch: str) ->
             assert set(biases) == {r.name.replace(".weight", ".bias") for r in regions}
             for r in regions:
                 b = biases[r.name.replace(".weight", ".bias")]
-                bt = seam.tensor_at(b.addr)
+                bt = ggml_mirror.tensor_at(b.addr)
                 assert b.n_expert == r.n_expert and int(bt.ne[1]) == r.capacity and int(bt.nb[1]) == b.row_bytes
         elif arch == "gemma4":  # the down experts' per-expert scale, bound to a pool of `capacity` elements
             down = [r for r in regions if r.kind == "ffn_down_exps"]
             assert set(biases) == {r.name.replace(".weight", ".scale") for r in down}
             for r in down:
                 b = biases[r.name.replace(".weight", ".scale")]
-                bt = seam.tensor_at(b.addr)
+                bt = ggml_mirror.tensor_at(b.addr)
                 assert b.graph_fixed and b.n_expert == r.n_expert and int(bt.ne[0]) == r.capacity
             assert e.streamer.slot_bound == {r.layer for r in regions}, "a scaled layer is never bound direct"
         else:
@@ -169,7 +175,7 @@ def test_a_dry_capture_visits_the_whole_graph_without_computing_it(synth, arch: 
     try:
         got = {}
         for dry in (True, False):
-            cap = e.hook.capture = seam.Capture(dry=dry)
+            cap = e.hook.capture = capture.Capture(dry=dry)
             tok = (llama_cpp.llama_token * 1)(e.vocab.warmup_token())
             try:
                 with e.hook:
@@ -219,39 +225,40 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
     e.hook.stops.on_route, e.hook.stops.slot_ids = on_route, slot_ids
 
     def f32(addr: int) -> np.ndarray:
-        t = seam.tensor_at(addr)
+        t = ggml_mirror.tensor_at(addr)
         rows = int(t.ne[1]) * int(t.ne[2])
         return np.ctypeslib.as_array((ctypes.c_float * (int(t.ne[0]) * rows)).from_address(t.data)).reshape(rows, -1)
 
     def cb(t: int, ask: bool, u: int) -> bool:
-        name = seam.tensor_name(t)
+        name = ggml_mirror.tensor_name(t)
         m = re.fullmatch(r"ffn_moe_probs-(\d+)", name)
         if m:
             if not ask:
                 probs[int(m.group(1))] = f32(t).copy()
             return True
-        tt = seam.tensor_at(t)
-        if tt.op == seam.GGML_OP_GET_ROWS and seam.tensor_at(tt.src[0]).op == seam.GGML_OP_REPEAT:
-            rep = seam.tensor_at(tt.src[0])
-            scale = seam.tensor_at(rep.src[0]).view_src  # REPEAT(RESHAPE(blk.L.ffn_down_exps.scale))
-            layer = int(seam.tensor_name(tt.src[1]).split("-")[1])
+        tt = ggml_mirror.tensor_at(t)
+        if tt.op == ggml_mirror.GGML_OP_GET_ROWS and ggml_mirror.tensor_at(tt.src[0]).op == ggml_mirror.GGML_OP_REPEAT:
+            rep = ggml_mirror.tensor_at(tt.src[0])
+            scale = ggml_mirror.tensor_at(rep.src[0]).view_src  # REPEAT(RESHAPE(blk.L.ffn_down_exps.scale))
+            layer = int(ggml_mirror.tensor_name(tt.src[1]).split("-")[1])
             if ask:
-                if not (seam.routing_ids(tt.src[1]) == slots[layer]).all() or int(rep.ne[1]) != int(
-                        seam.tensor_at(scale).ne[0]) or int(rep.ne[1]) <= slots[layer].max():
-                    bad.append(f"{name} gathers {seam.routing_ids(tt.src[1]).tolist()} from {int(rep.ne[1])} rows")
+                if not (ggml_mirror.routing_ids(tt.src[1]) == slots[layer]).all() or int(rep.ne[1]) != int(
+                        ggml_mirror.tensor_at(scale).ne[0]) or int(rep.ne[1]) <= slots[layer].max():
+                    got = ggml_mirror.routing_ids(tt.src[1]).tolist()
+                    bad.append(f"{name} gathers {got} from {int(rep.ne[1])} rows")
                 e.hook._callback(t, ask, u)
                 return True
             got = f32(t).reshape(len(real[layer]), -1)
             seen["scale"] += 1
-            if not np.array_equal(got, file_scales[seam.tensor_name(scale)][real[layer]]):
+            if not np.array_equal(got, file_scales[ggml_mirror.tensor_name(scale)][real[layer]]):
                 bad.append(f"{name} gathered {got.tolist()}, not the scales of experts {real[layer].tolist()}")
             return True  # (False here would stop the graph)
-        if ask and tt.op in (seam.GGML_OP_MUL_MAT_ID, seam.GGML_OP_ADD_ID):
-            layer = int(seam.tensor_name(tt.src[2]).split("-")[1])
-            now = seam.routing_ids(tt.src[2])
-            n = int(seam.tensor_at(tt.src[0 if tt.op == seam.GGML_OP_MUL_MAT_ID else 1]).ne[
-                2 if tt.op == seam.GGML_OP_MUL_MAT_ID else 1])
-            seen["mul_mat_id" if tt.op == seam.GGML_OP_MUL_MAT_ID else "add_id"] += 1
+        if ask and tt.op in (ggml_mirror.GGML_OP_MUL_MAT_ID, ggml_mirror.GGML_OP_ADD_ID):
+            layer = int(ggml_mirror.tensor_name(tt.src[2]).split("-")[1])
+            now = ggml_mirror.routing_ids(tt.src[2])
+            n = int(ggml_mirror.tensor_at(tt.src[0 if tt.op == ggml_mirror.GGML_OP_MUL_MAT_ID else 1]).ne[
+                2 if tt.op == ggml_mirror.GGML_OP_MUL_MAT_ID else 1])
+            seen["mul_mat_id" if tt.op == ggml_mirror.GGML_OP_MUL_MAT_ID else "add_id"] += 1
             if not (now == slots[layer]).all() or now.max() >= n:
                 bad.append(f"{name} reads {now.tolist()}, not the slots {slots[layer].tolist()} below {n}")
             elif tt.op == seam.GGML_OP_MUL_MAT_ID and n != now.max() + 1:
@@ -268,7 +275,7 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
         return handled
 
     try:
-        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
+        _swap_callback(e, llama_cpp.ggml_backend_sched_eval_callback(cb))
         complete(Model(e), PROMPT, 4)
     finally:
         check.close()
@@ -297,17 +304,17 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
         inner(layer, ids)
 
     def read_logits(t: int, ask: bool, _u: int) -> bool:
-        name = seam.tensor_name(t)
+        name = ggml_mirror.tensor_name(t)
         if name.startswith("ffn_moe_topk-"):
             if not ask:
-                tt = seam.tensor_at(t)
+                tt = ggml_mirror.tensor_at(t)
                 strides.append((int(tt.nb[1]), int(tt.ne[0]) * 4))
             return True
         m = re.fullmatch(r"ffn_moe_probs-(\d+)", name)
         if m:
             if ask:
                 return True
-            tt = seam.tensor_at(t)
+            tt = ggml_mirror.tensor_at(t)
             n_exp, n_tok = int(tt.ne[0]), int(tt.ne[1])
             buf = (ctypes.c_float * (n_exp * n_tok)).from_address(tt.data)
             logits[int(m.group(1))] = np.frombuffer(buf, dtype=np.float32).reshape(n_tok, n_exp).copy()
@@ -316,7 +323,7 @@ def test_routing_ids_are_a_strided_view_and_match_the_router(synth, arch: str) -
 
     e.hook.stops.on_route = on_route
     try:
-        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(read_logits))
+        _swap_callback(e, llama_cpp.ggml_backend_sched_eval_callback(read_logits))
         toks = e.tokenize(PROMPT)
         e._decode([(0, toks, 0)])
     finally:
@@ -341,7 +348,7 @@ def _swap_callback(e: Engine, cb) -> None:
 
     llama_cpp.llama_free(e.context)
     e._test_cb = cb
-    e.parts.ctx = new_context(e.parts.model, 256, 2, cb)
+    e._parts.ctx = new_context(e.model, 256, 2, cb)  # (the engine's own part, swapped by the test)
 
 
 def test_llama_cpp_computes_from_the_slab(synth) -> None:
@@ -370,8 +377,8 @@ def _fake_graph(extra: str | None = None, late_weights: bool = False):
     the router weights' GET_ROWS, an up matmul and a bias ADD_ID; `extra` adds a node of that name
     reading the ids, `late_weights` puts the GET_ROWS after the matmul. Returns the nodes in order
     and every struct (the leaves too: alive as long as the caller holds them)."""
-    def node(name: str, op: int = 0, *srcs, ne=(4, 2, 1, 1), nb=(4, 16, 32, 32)) -> seam.GgmlTensor:
-        t = seam.GgmlTensor()
+    def node(name: str, op: int = 0, *srcs, ne=(4, 2, 1, 1), nb=(4, 16, 32, 32)) -> ggml_mirror.GgmlTensor:
+        t = ggml_mirror.GgmlTensor()
         t.name, t.op, t.ne[:], t.nb[:] = name.encode(), op, ne, nb
         for i, s in enumerate(srcs):
             t.src[i] = ctypes.addressof(s) if s is not None else None
@@ -379,13 +386,13 @@ def _fake_graph(extra: str | None = None, late_weights: bool = False):
 
     probs = node("ffn_moe_probs-0")
     argsort = node("ffn_moe_argsort-0", 0, probs)
-    topk = node("ffn_moe_topk-0", seam.GGML_OP_VIEW, argsort)
-    weights = node("ffn_moe_weights-0", seam.GGML_OP_GET_ROWS, probs, topk)
+    topk = node("ffn_moe_topk-0", ggml_mirror.GGML_OP_VIEW, argsort)
+    weights = node("ffn_moe_weights-0", ggml_mirror.GGML_OP_GET_ROWS, probs, topk)
     w = node("blk.0.ffn_up_exps.weight", ne=(4, 2, 8, 1), nb=(4, 16, 32, 256))
     bias = node("blk.0.ffn_up_exps.bias", ne=(4, 8, 1, 1), nb=(4, 16, 128, 128))
     w.data = bias.data = 4096  # any address: nothing is read
-    up = node("ffn_moe_up-0", seam.GGML_OP_MUL_MAT_ID, w, probs, topk)
-    biased = node("ffn_moe_up_biased-0", seam.GGML_OP_ADD_ID, up, bias, topk)
+    up = node("ffn_moe_up-0", ggml_mirror.GGML_OP_MUL_MAT_ID, w, probs, topk)
+    biased = node("ffn_moe_up_biased-0", ggml_mirror.GGML_OP_ADD_ID, up, bias, topk)
     nodes = [probs, argsort, topk, weights, up, biased]
     if late_weights:
         nodes = [probs, argsort, topk, up, weights, biased]
@@ -397,8 +404,8 @@ def _fake_graph(extra: str | None = None, late_weights: bool = False):
         scale.data = 4096
         shaped = node("scale (reshaped)", 0, scale, ne=(1, 8, 1, 1), nb=(4, 4, 32, 32))
         shaped.view_src = ctypes.addressof(scale)
-        rep = node("", seam.GGML_OP_REPEAT, shaped, ne=(1, 8, 2, 1), nb=(4, 4, 32, 64))
-        nodes += [rep, node("node_9", seam.GGML_OP_GET_ROWS, rep, topk)]
+        rep = node("", ggml_mirror.GGML_OP_REPEAT, shaped, ne=(1, 8, 2, 1), nb=(4, 4, 32, 64))
+        nodes += [rep, node("node_9", ggml_mirror.GGML_OP_GET_ROWS, rep, topk)]
         leaves += [scale, shaped]
     elif extra:
         nodes.append(node(extra, 0, argsort if "argsort" in extra else topk))
@@ -414,7 +421,7 @@ def test_capture_refuses_a_graph_the_remap_would_change(case: str) -> None:
     extra = {"reads_ids": "ffn_moe_other-0", "reads_argsort": "ffn_moe_argsort_user-0"}.get(case, case)
     nodes, _alive = _fake_graph(extra=None if case in ("ok", "late_weights") else extra,
                                 late_weights=case == "late_weights")
-    cap = seam.Capture()
+    cap = capture.Capture()
     for n in nodes:
         cap.visit(ctypes.addressof(n))
     assert len(cap.tensors) == 1 and len(cap.biases) == 1
@@ -439,7 +446,7 @@ def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -
     n_embd = int(reader.get_field("llama.embedding_length").parts[-1][0])
     eps = float(reader.get_field("llama.attention.layer_norm_rms_epsilon").parts[-1][0])
     got: dict[tuple[str, int], list[np.ndarray]] = {}
-    tap = seam.NodeTap(("ffn_inp", "ffn_norm"),
+    tap = eval_hook.NodeTap(("ffn_inp", "ffn_norm"),
                        lambda name, layer, rows: got.setdefault((name, layer), []).append(rows))
     init_backend()
     model = load_model(path)
@@ -463,8 +470,8 @@ def test_a_node_tap_copies_every_layers_rows_as_llama_cpp_computes_them(synth) -
 
 # ---- lossy routing's facts (bmoe.streaming.lossy): where the router weights may be changed --------------------
 
-NORMS = {"qwen3moe": seam.NORM_SUM, "llama": seam.NORM_SUM, "qwen2moe": seam.NORM_NONE, "olmoe": seam.NORM_NONE,
-         "gpt-oss": seam.NORM_SOFTMAX}
+NORMS = {"qwen3moe": capture.NORM_SUM, "llama": capture.NORM_SUM, "qwen2moe": capture.NORM_NONE,
+         "olmoe": capture.NORM_NONE, "gpt-oss": capture.NORM_SOFTMAX}
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -484,27 +491,28 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
 
     def reads(node: int, target: int, hops: int = 4) -> bool:
         """`node` computes from `target` within a few nodes (reshapes, the softmax's own node)."""
-        return node == target or (hops > 0 and any(reads(x, target, hops - 1) for x in seam.tensor_at(node).src if x))
+        srcs = ggml_mirror.tensor_at(node).src
+        return node == target or (hops > 0 and any(reads(x, target, hops - 1) for x in srcs if x))
 
     def cb(t: int, ask: bool, u: int) -> bool:
-        name = seam.tensor_name(t)
-        tt = seam.tensor_at(t)
+        name = ggml_mirror.tensor_name(t)
+        tt = ggml_mirror.tensor_at(t)
         if ask and name.startswith("ffn_moe_weights"):
             order.append(name)
             addr[name] = t
         if not ask and re.fullmatch(r"ffn_moe_weights-\d+", name):
             layer = int(name.split("-")[1])
-            ids = seam.routing_ids(tt.src[1])
-            assert topk.fullmatch(seam.tensor_name(tt.src[1])), "the weights gather by the routed ids"
-            got[layer] = (ids, seam.moe_weights(t).copy(), seam.router_scores(t).copy())
+            ids = ggml_mirror.routing_ids(tt.src[1])
+            assert topk.fullmatch(ggml_mirror.tensor_name(tt.src[1])), "the weights gather by the routed ids"
+            got[layer] = (ids, ggml_mirror.moe_weights(t).copy(), ggml_mirror.router_scores(t).copy())
         return e.hook._callback(t, ask, u) or name.startswith("ffn_moe_weights")
 
     try:
-        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
+        _swap_callback(e, llama_cpp.ggml_backend_sched_eval_callback(cb))
         e._decode([(0, e.tokenize(PROMPT), 0)])
     finally:
         e.close()
-    cap_norms = {layer: NORMS[arch] for layer in range(3)} if NORMS[arch] != seam.NORM_NONE else {}
+    cap_norms = {layer: NORMS[arch] for layer in range(3)} if NORMS[arch] != capture.NORM_NONE else {}
     assert e.hook.capture is None
     for layer in range(3):
         ids, w, scores = got[layer]
@@ -512,12 +520,13 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
         assert np.array_equal(w, np.take_along_axis(scores, ids.astype(np.int64), axis=1)), "the scores at the ids"
         assert (np.diff(w, axis=1) <= 0).all(), "the routed ids come best first"
         weights = f"ffn_moe_weights-{layer}"
-        norm = {seam.NORM_SUM: f"ffn_moe_weights_norm-{layer}", seam.NORM_SOFTMAX: f"ffn_moe_weights_softmax-{layer}"}
+        norm = {capture.NORM_SUM: f"ffn_moe_weights_norm-{layer}",
+                capture.NORM_SOFTMAX: f"ffn_moe_weights_softmax-{layer}"}
         names = [n for n in order if n.endswith(f"-{layer}")]
-        if NORMS[arch] == seam.NORM_NONE:
+        if NORMS[arch] == capture.NORM_NONE:
             assert names == [weights] * names.count(weights), f"{arch} weighs the experts as gathered: {names}"
         else:
-            first = norm[NORMS[arch]] if NORMS[arch] == seam.NORM_SOFTMAX else f"ffn_moe_weights_sum-{layer}"
+            first = norm[NORMS[arch]] if NORMS[arch] == capture.NORM_SOFTMAX else f"ffn_moe_weights_sum-{layer}"
             assert first in names and names.index(first) > names.index(weights), names
             assert norm[NORMS[arch]] in names
             assert reads(addr[first], addr[weights]) and reads(addr[norm[NORMS[arch]]], addr[weights]), \
@@ -530,7 +539,7 @@ def test_router_weights_come_ranked_and_the_layers_normalisation_reads_them(synt
         e2.close()
 
 
-@pytest.mark.parametrize("arch", [*ARCHES, *(a for a in NEW_ARCHES if a not in ("llama4", "deepseek4"))])
+@pytest.mark.parametrize("arch", [*ARCHES, *(a for a in PARTS_ARCHES if a not in ("llama4", "deepseek4"))])
 def test_fewer_experts_by_the_hook_is_llama_cpps_own_expert_count(synth, arch: str) -> None:
     """The pin of where bmoe.streaming.lossy changes the weights: routing a token to its K best experts by
     rewriting the weights node (and the dropped positions to the spare zero slot) before the layer's
@@ -557,11 +566,11 @@ def test_fewer_experts_by_the_hook_is_llama_cpps_own_expert_count(synth, arch: s
     assert got.stats.lossy and got.stats.experts_per_token == 1 and got.stats.weight_changed_pct > 0
 
 
-# ---- the load that maps the file without reading it (seam.no_populate) ----------------------------
+# ---- the load that maps the file without reading it (populate.no_populate) ----------------------------
 
 
 def _gpa(reg: int, name: bytes) -> int | None:
-    return seam.libggml.ggml_backend_reg_get_proc_address(reg, name)
+    return ggml_mirror.libggml.ggml_backend_reg_get_proc_address(reg, name)
 
 
 def _read_bytes() -> int:
@@ -572,7 +581,7 @@ def _read_bytes() -> int:
 
 def _ggml_is_numa() -> int:
     """Address of ggml-cpu's own `ggml_is_numa`, looked up by symbol in the library the registry lives in."""
-    lib = seam.library_of(seam.BackendReg.from_address(seam.cpu_registry()).iface.get_proc_address)
+    lib = populate.library_of(populate.BackendReg.from_address(populate.cpu_registry()).iface.get_proc_address)
     cpu = ctypes.CDLL(str(next(Path(llama_cpp.__file__).parent.glob(f"lib/{lib}"))))
     return ctypes.cast(cpu.ggml_is_numa, ctypes.c_void_p).value
 
@@ -580,40 +589,40 @@ def _ggml_is_numa() -> int:
 def test_the_cpu_backend_registry_is_the_layout_bmoe_knows() -> None:
     """`struct ggml_backend_reg` of the pinned ggml: int api_version (2), then the four function
     pointers of ggml_backend_reg_i, then the context; its get_proc_address gives ggml_is_numa."""
-    reg = seam.cpu_registry()
-    assert seam.registry_problem(reg) is None
-    assert ctypes.sizeof(seam.BackendReg) == 48 and seam.BackendReg.iface.offset == 8
-    r = seam.BackendReg.from_address(reg)
-    assert r.api_version == seam.REGISTRY_API_VERSION == 2
-    assert seam.library_of(r.iface.get_proc_address).startswith("libggml-cpu")
-    assert _gpa(reg, seam.IS_NUMA) == _ggml_is_numa()
-    assert seam._IsNuma(_ggml_is_numa())() is False, "one NUMA node here: llama.cpp's load reads every byte"
+    reg = populate.cpu_registry()
+    assert populate.registry_problem(reg) is None
+    assert ctypes.sizeof(populate.BackendReg) == 48 and populate.BackendReg.iface.offset == 8
+    r = populate.BackendReg.from_address(reg)
+    assert r.api_version == populate.REGISTRY_API_VERSION == 2
+    assert populate.library_of(r.iface.get_proc_address).startswith("libggml-cpu")
+    assert _gpa(reg, populate.IS_NUMA) == _ggml_is_numa()
+    assert populate._IsNuma(_ggml_is_numa())() is False, "one NUMA node here: llama.cpp's load reads every byte"
 
 
 def test_no_populate_answers_true_inside_only_and_puts_the_registry_back() -> None:
-    reg = seam.cpu_registry()
-    iface = seam.BackendReg.from_address(reg).iface
-    before, real = iface.get_proc_address, _gpa(reg, seam.IS_NUMA)
+    reg = populate.cpu_registry()
+    iface = populate.BackendReg.from_address(reg).iface
+    before, real = iface.get_proc_address, _gpa(reg, populate.IS_NUMA)
     other = _gpa(reg, b"ggml_backend_set_n_threads")
     with pytest.raises(KeyboardInterrupt):
-        with seam.no_populate() as why:
+        with populate.no_populate() as why:
             assert why is None
-            inside = _gpa(reg, seam.IS_NUMA)
-            assert inside != real and seam._IsNuma(inside)() is True
+            inside = _gpa(reg, populate.IS_NUMA)
+            assert inside != real and populate._IsNuma(inside)() is True
             assert _gpa(reg, b"ggml_backend_set_n_threads") == other, "every other name is forwarded"
             assert _gpa(reg, b"no_such_function") is None
             raise KeyboardInterrupt  # however the block ends, the registry is put back
-    assert iface.get_proc_address == before and _gpa(reg, seam.IS_NUMA) == real
+    assert iface.get_proc_address == before and _gpa(reg, populate.IS_NUMA) == real
 
 
 def test_no_populate_leaves_an_unknown_registry_alone(monkeypatch) -> None:
-    reg = seam.cpu_registry()
-    before = seam.BackendReg.from_address(reg).iface.get_proc_address
-    monkeypatch.setattr(seam, "REGISTRY_API_VERSION", 3)
-    with seam.no_populate() as why:
+    reg = populate.cpu_registry()
+    before = populate.BackendReg.from_address(reg).iface.get_proc_address
+    monkeypatch.setattr(populate, "REGISTRY_API_VERSION", 3)
+    with populate.no_populate() as why:
         assert why == "the CPU backend registry has api_version 2, not 3"
-        assert seam.BackendReg.from_address(reg).iface.get_proc_address == before
-    assert seam.registry_problem(0) == "llama.cpp has no CPU backend registry"
+        assert populate.BackendReg.from_address(reg).iface.get_proc_address == before
+    assert populate.registry_problem(0) == "llama.cpp has no CPU backend registry"
 
 
 @pytest.fixture(scope="module")
@@ -631,7 +640,7 @@ def test_a_load_under_no_populate_reads_the_header_only(big_experts: Path) -> No
     for mode in ("no_populate", "plain"):
         drop_file_cache([big_experts])
         r0 = _read_bytes()
-        with seam.no_populate() if mode == "no_populate" else contextlib.nullcontext():
+        with populate.no_populate() if mode == "no_populate" else contextlib.nullcontext():
             model = load_model(big_experts)
         read[mode] = _read_bytes() - r0
         llama_cpp.llama_model_free(model)
@@ -662,15 +671,15 @@ def test_a_streaming_start_reads_the_dense_weights_and_no_expert(big_experts: Pa
     from bmoe.base.model_files import read_model_files
     from bmoe.memory.dense import file_spans
 
-    reg = seam.cpu_registry()
-    before = seam.BackendReg.from_address(reg).iface.get_proc_address
+    reg = populate.cpu_registry()
+    before = populate.BackendReg.from_address(reg).iface.get_proc_address
     size, dense = big_experts.stat().st_size, _dense_bytes(big_experts)
     e, read, notes = _start(big_experts, "--cache-mb", 100)
     try:
         assert not any("whole model file" in n for n in notes), notes
         assert read <= dense + 0.02 * size, (read, dense, size)
-        assert seam.BackendReg.from_address(reg).iface.get_proc_address == before
-        assert _gpa(reg, seam.IS_NUMA) == _ggml_is_numa()
+        assert populate.BackendReg.from_address(reg).iface.get_proc_address == before
+        assert _gpa(reg, populate.IS_NUMA) == _ggml_is_numa()
         r0 = _read_bytes()
         with open(big_experts, "rb") as f:
             for _, offset, length in file_spans(read_model_files(big_experts)):
@@ -689,7 +698,7 @@ def test_an_unknown_registry_falls_back_to_reading_the_whole_file_with_one_notic
     got, reads = {}, {}
     for mode in ("no_populate", "fallback"):
         if mode == "fallback":
-            monkeypatch.setattr(seam, "REGISTRY_API_VERSION", 7)
+            monkeypatch.setattr(populate, "REGISTRY_API_VERSION", 7)
         e, reads[mode], notes = _start(big_experts, "--cache-mb", 100)
         try:
             got[mode] = complete(Model(e), PROMPT, 12).ids
@@ -727,10 +736,10 @@ def test_every_weight_a_decode_reads_is_the_files_bytes_as_bmoe_loads_it(synth, 
     read: dict[str, bytes] = {}
 
     def on_node(addr: int, ask: bool, _user: int) -> bool:
-        for src in seam.tensor_at(addr).src:
-            name = seam.tensor_name(src) if src else ""
+        for src in ggml_mirror.tensor_at(addr).src:
+            name = ggml_mirror.tensor_name(src) if src else ""
             if name in file and name not in read:
-                read[name] = ctypes.string_at(seam.tensor_at(src).data, len(file[name]))
+                read[name] = ctypes.string_at(ggml_mirror.tensor_at(src).data, len(file[name]))
         return False
 
     cb = llama_cpp.ggml_backend_sched_eval_callback(on_node)

@@ -350,6 +350,33 @@ def test_the_api_key_guards_every_route_but_health(server: Server) -> None:
     assert httpx.get(url + "/health").status_code == 200
 
 
+def test_every_route_is_counted_under_a_metrics_label_of_its_own() -> None:
+    """`bmoe_requests_total` labels a request with the path its route was declared with: every registered
+    path gets its own label (one for every /v1/responses/{response_id}), and a path no route has is
+    "other". The app is built over a stand-in model: no request here reaches it (the key is missing)."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+    from starlette.routing import Route
+
+    from bmoe.server.app import UNROUTED, create_app
+
+    stats = SimpleNamespace(engine=SimpleNamespace(resident_bytes=0, budget_bytes=0), load_s=0.0)
+    model = SimpleNamespace(name="m", slots=[], stats=stats)
+    sched = SimpleNamespace(waiting=[], active=[], capacity=1, batching=SimpleNamespace(steps={}),
+                            close=lambda: None, join=lambda: None)
+    app = create_app(model, sched, api_key=KEY, max_body=1024, n_predict=8)
+    routes = [r for r in app.routes if isinstance(r, Route)]
+    assert len({r.path for r in routes}) >= 28  # every API's routes, the metrics, the events, the pages
+    with TestClient(app) as client:
+        for r in routes:
+            client.request(sorted(r.methods)[0], re.sub(r"\{[^}]+\}", "x", r.path))
+        client.get("/v1/no/such/route")
+        text = client.get("/metrics", headers=auth()).text
+    labels = re.findall(r'^bmoe_requests_total\{route="([^"]+)"', text, re.M)
+    assert set(labels) == {r.path for r in routes} | {UNROUTED}
+
+
 def test_a_network_address_needs_a_key_or_insecure(model: str) -> None:
     r = subprocess.run([sys.executable, "-m", "bmoe.server", "-m", model, "--host", "0.0.0.0"], capture_output=True,
                        text=True, cwd=REPO, timeout=60,

@@ -22,7 +22,7 @@ from bmoe.base import telemetry
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.streaming import gating, speculation
-from bmoe.tools.synth_shape import STREAMED_ARCHES
+from bmoe.tools.synth_archs import STREAMED_ARCHES
 from tests import spec_lines
 from tests.conftest import SlabCheck, complete, load, per_token, run_cli, slice_bytes
 from tests.conftest import reference as plain
@@ -365,31 +365,33 @@ def test_the_predictor_routes_as_the_model_does_from_the_layers_own_input(synth,
     chose: the model's gating op, its selection bias and its group limit (bmoe.streaming.gating reads them
     from the graph). Every row of a prompt and a few decoded tokens, every MoE layer but the first;
     a near-tie may rank differently in numpy's float32, so 97 % of the rows must match exactly."""
-    from bmoe.seam import graph as seam
+    import llama_cpp
+
+    from bmoe.seam import ggml_mirror
     from bmoe.workers import routers
     from tests.test_seam import _swap_callback
 
     path = synth(arch=arch, layers=6 if arch == "llama4" else 4, experts=16, top_k=4)  # llama4: MoE every 2nd
     with load(path, *FLAGS, "--cache-mb", 1000) as m:
         e = m.engine
-        g = e.parts.gating
+        g = e.gating
         inputs: dict[int, list[np.ndarray]] = {}
         routed: dict[int, list[np.ndarray]] = {}
 
         def cb(t: int, ask: bool, u: int) -> bool:
-            name = seam.tensor_name(t)
+            name = ggml_mirror.tensor_name(t)
             if name.startswith("ffn_moe_logits-") or name.startswith("ffn_moe_topk-"):
                 if not ask:
                     layer = int(name.split("-")[1])
                     if name.startswith("ffn_moe_logits-"):
-                        inputs.setdefault(layer, []).append(seam.router_input(t))
+                        inputs.setdefault(layer, []).append(ggml_mirror.router_input(t))
                     else:
-                        routed.setdefault(layer, []).append(seam.routing_ids(t))
+                        routed.setdefault(layer, []).append(ggml_mirror.routing_ids(t))
                 e.hook._callback(t, ask, u)
                 return True
             return e.hook._callback(t, ask, u)
 
-        _swap_callback(e, seam.llama_cpp.ggml_backend_sched_eval_callback(cb))
+        _swap_callback(e, llama_cpp.ggml_backend_sched_eval_callback(cb))
         complete(m, PROMPT, 6)
         layers = sorted(routed)
         pred = routers.Predictor(routers.load_routers([path], arch, layers), 4, rescale=False, gating=g.func,

@@ -16,7 +16,7 @@ import pytest
 from bmoe.base.model_files import LAZY_MIN_BYTES, read_model_files
 from bmoe.memory.dense import file_spans
 from bmoe.seam.llama import model_params
-from bmoe.tools import synth, synth_blocks, synth_like, synth_shape
+from bmoe.tools import synth, synth_archs, synth_blocks, synth_like, synth_shape
 from tests.conftest import run_cli
 from tests.plain_llama import plain_llama
 from tests.routed_run import check_runs
@@ -32,7 +32,7 @@ def _n_expert(path: Path, arch: str) -> int:
     return int(field.parts[field.data[0]][0])
 
 
-@pytest.mark.parametrize("arch", synth_shape.ARCHES)
+@pytest.mark.parametrize("arch", synth_archs.ARCHES)
 def test_every_arch_loads_generates_and_routes(tmp_path: Path, arch: str) -> None:
     path = synth.write_model(tmp_path / f"{arch}.gguf", arch=arch, layers=2, seed=1)
     assert _n_expert(path, arch) == 8
@@ -175,7 +175,7 @@ def test_likes_without_a_published_q4_k_m() -> None:
 
 
 @pytest.mark.parametrize("name", [n for n, like in synth_like.LIKES.items()
-                                  if like.shape.arch in synth_shape.NEW_ARCHES])
+                                  if like.shape.arch in synth_archs.PARTS_ARCHES])
 def test_like_table_loads_in_llama_cpp(tmp_path: Path, name: str) -> None:
     """The full-size tables of the architectures only plain llama.cpp runs are what its loader asks
     for: each written sparse (the table, no data: a few MB on disk), loaded with no_alloc (shapes

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 
 from bmoe.tools import synth
-from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES
-from bmoe.tools.synth_shape import NEW_ARCHES, REFUSED_ARCHES
+from bmoe.tools.synth_archs import FUSED_ARCHES, MTP_ARCHES, PARTS_ARCHES, REFUSED_ARCHES
 from tests.conftest import bmoe_segments, run_cli
 from tests.plain_llama import with_llama_defaults
 from tests.routed_run import PROMPT, check_runs
 
-CASES = ([(arch, "q8_0", False) for arch in NEW_ARCHES]
-         + [(arch, "q4_k_m", False) for arch in NEW_ARCHES]
+CASES = ([(arch, "q8_0", False) for arch in PARTS_ARCHES]
+         + [(arch, "q4_k_m", False) for arch in PARTS_ARCHES]
          + [(arch, "q8_0", True) for arch in FUSED_ARCHES])
 
 # What each architecture has besides attention and routed experts (its loader requires them): a
@@ -140,13 +139,14 @@ def test_arch_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_router_norms_written_with_a_spread_are_the_predictors() -> None:
-    """bmoe-synth spreads the norm before each new architecture's router (a trained model's is not all
-    ones), so the spec-gate's norm swap is exercised: the tensors it spreads are those the predictor swaps."""
+    """bmoe-synth spreads the norm before the router of each architecture whose files need not keep their
+    bytes (a trained model's is not all ones), so the spec-gate's norm swap is exercised: the tensors it
+    spreads are those the predictor swaps."""
     from bmoe.tools.synth_archs import SCALED_NORMS
     from bmoe.workers.routers import ROUTER_NORM
 
     assert all(ROUTER_NORM[a] == n for a, n in SCALED_NORMS.items())
-    assert set(SCALED_NORMS) | {"gemma4", "qwen4exp", "deepseek4"} == set(NEW_ARCHES)  # their own router scale / HC
+    assert set(SCALED_NORMS) | {"gemma4", "qwen4exp", "deepseek4"} == set(PARTS_ARCHES)  # their own router scale / HC
     norms = {t.name: t for t in synth.plan_model(arch="glm4moe").tensors if t.name.endswith("_norm.weight")}
     assert norms["blk.1.post_attention_norm.weight"].fill == "positive"
     assert norms["blk.1.attn_norm.weight"].fill == "ones"

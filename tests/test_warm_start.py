@@ -46,7 +46,7 @@ def run(m: Model, n: int = 12) -> list[int]:
 def fill_until_done(e: Engine, limit: int = 2000) -> None:
     """The Engine's idle tick, as a session or server calls it between requests, until the fill ends."""
     for _ in range(limit):
-        if e.parts.warm.fill is None:
+        if e.warm.fill is None:
             return
         e.follow_memory()
     raise AssertionError("the warm fill did not finish")
@@ -86,7 +86,7 @@ def test_a_run_writes_its_profile_and_the_next_start_fills_the_cache_from_it(mod
     m = start(model, usage, "--cache-mb", PART)
     e = m.engine
     try:
-        assert e.parts.warm.fill is None, "no profile yet"
+        assert e.warm.fill is None, "no profile yet"
         assert run(m) == want
         routed = {layer: c.copy() for layer, c in e.streamer.cache.routed.items()}
     finally:
@@ -135,7 +135,7 @@ def test_the_fill_waits_behind_demand_and_can_be_stopped(model: Path, tmp_path) 
     m = start(model, usage, "--cache-mb", 1000, "--io-threads", 2)
     e = m.engine
     try:
-        fill, ra = e.parts.warm.fill, e.streamer.ahead
+        fill, ra = e.warm.fill, e.streamer.ahead
         assert isinstance(fill, WarmFill) and len(fill.orders) > 2, "sent at start, before any request"
         assert len(fill.orders) <= IDLE_DEPTH * 2
         ra.begin_batch(1)  # a decode starts: queued fill orders beyond BUSY_DEPTH are cancelled
@@ -218,7 +218,7 @@ def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(mode
     try:
         refused = [n for n in notes if n.startswith(f"ignoring the usage profile {path}: ")]
         assert len(refused) == 1 and want in refused[0], notes
-        assert e.parts.warm.fill is None and not any(n.startswith("warm start:") for n in notes)
+        assert e.warm.fill is None and not any(n.startswith("warm start:") for n in notes)
         run(m, 4)
     finally:
         m.close()
@@ -232,7 +232,7 @@ def test_no_warm_start_neither_reads_nor_writes_a_profile(model: Path, tmp_path)
     m = load(model, "-c", 256, "-t", 2, "--no-warm-start", "--cache-mb", 1000)
     e = m.engine
     try:
-        assert e.parts.warm is None
+        assert e.warm is None
         run(m, 4)
     finally:
         m.close()

@@ -59,9 +59,10 @@ from bmoe.base.settings import (
 from bmoe.base.settings import names as setting_names
 from bmoe.base.units import MiB
 from bmoe.chat.grammar_check import GrammarCheck
-from bmoe.chat.limits import check_stops
+from bmoe.chat.limits import check_stop_strings
 from bmoe.generation.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
-from bmoe.generation.request_life import Chunk, Completion, Generation, GenerationStats, Request, Slot, StopText, Turn
+from bmoe.generation.records import Chunk, Completion, GenerationStats, Request, Turn
+from bmoe.generation.request_life import Generation, Slot
 
 if TYPE_CHECKING:
     from bmoe.chat.output import Reply
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from bmoe.streaming.readahead import ReadAheadCounts
 
 __all__ = ["TOP_LOGPROBS_MAX", "Alternative", "Ask", "Chunk", "Completion", "ConfigError", "ContentTokens",
-           "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request", "StopText", "TokenLogprob",
+           "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request", "TokenLogprob",
            "content_logprobs", "load", "open_model", "setting_names"]
 
 log = logging.getLogger("bmoe")
@@ -316,7 +317,7 @@ class Model:
         max_tokens = ask.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens {max_tokens!r}: it is a whole number of tokens, 1 or more")
-        stops = check_stops(ask.stop)
+        stop_strings = check_stop_strings(ask.stop)
         sampler = self.sampler(**{name: getattr(ask, name) for name in SAMPLING_FIELDS})
         logprobs = ask.logprobs
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
@@ -338,7 +339,7 @@ class Model:
             e.check_fits(len(tokens), max_tokens, ask.fix)
             prefix = (f.stable_prefix(parts.messages, ask.think, parts.tools, tokens, e.tokenize)
                       if self.prompt_cache else 0)
-            return Request(tuple(tokens), max_tokens, sampler, stops, parts.messages, grammar=parts.grammar,
+            return Request(tuple(tokens), max_tokens, sampler, stop_strings, parts.messages, grammar=parts.grammar,
                            specials=parts.specials, reading=parts.reading, cache_prefix=prefix, **extra)
         if ask.tools is not None or ask.tool_choice is not None:
             raise ConfigError("tools: a plain prompt has no tools; send messages (a chat) to use them")
@@ -349,7 +350,8 @@ class Model:
             f.verify(g)
         tokens = e.tokenize(ask.prompt)
         e.check_fits(len(tokens), max_tokens, ask.fix)
-        return Request(tuple(tokens), max_tokens, sampler, stops, None, grammar=g, cache_prefix=len(tokens), **extra)
+        return Request(tuple(tokens), max_tokens, sampler, stop_strings, None, grammar=g, cache_prefix=len(tokens),
+                       **extra)
 
     @property
     def renderer(self) -> Renderer:

@@ -4,5 +4,5 @@ grammars from JSON schemas (`grammar`, checked in a throwaway process by `gramma
 bounds of one request (`limits`).
 """
 
-from bmoe.chat.limits import STOPS_MAX
+from bmoe.chat.limits import STOP_STRINGS_MAX
 from bmoe.chat.output import Delta, Reply

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from bmoe.base.errors import FieldError
 
-STOPS_MAX = 4  # stop strings in one request (OpenAI's own limit)
+STOP_STRINGS_MAX = 4  # stop strings in one request (OpenAI's own limit)
 STOP_CHARS_MAX = 1024  # characters in one stop string
 
 REPEAT_MAX = 1000  # one repetition of a grammar: minItems/maxItems, minLength/maxLength, {m,n}
@@ -29,15 +29,16 @@ GRAMMAR_BYTES_MAX = 1 << 20  # GBNF text handed to llama.cpp, a raw `grammar` or
 GRAMMAR_NESTING_MAX = 1100  # nested groups in GBNF (REPEAT_MAX writes that many, plus a schema's own)
 
 
-def check_stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+def check_stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     """A request's stop strings (one string, a list of them or None), within the bounds above."""
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) for s in stops):
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) for s in strings):
         raise FieldError("stop is a string or a list of strings", "stop")
-    if len(stops) > STOPS_MAX:
-        raise FieldError(f"stop: {len(stops)} stop strings, more than the {STOPS_MAX} a request may have", "stop")
-    for i, s in enumerate(stops):
+    if len(strings) > STOP_STRINGS_MAX:
+        raise FieldError(f"stop: {len(strings)} stop strings, more than the {STOP_STRINGS_MAX} a request may have",
+                         "stop")
+    for i, s in enumerate(strings):
         if len(s) > STOP_CHARS_MAX:
             raise FieldError(f"stop[{i}]: {len(s)} characters, more than the {STOP_CHARS_MAX} a stop string may "
                                "have; shorten it", f"stop[{i}]")
-    return stops
+    return strings

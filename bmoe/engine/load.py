@@ -23,12 +23,12 @@ from bmoe.base.errors import ConfigError, ModelError
 from bmoe.base.model_files import ModelFiles, read_model_files
 from bmoe.base.settings import Naming, Settings
 from bmoe.base.units import MiB
-from bmoe.memory.budget import Adaptive, decide
+from bmoe.memory.budget import Adaptive, BudgetWatch, decide
 from bmoe.memory.dense import DenseReadAhead, advise_normal, dense_ranges, pin
 from bmoe.memory.probe import MemoryProbe
 from bmoe.seam import llama
 from bmoe.shm_cache import sweep_stale_segments
-from bmoe.streaming.expert_cache import working_sets
+from bmoe.streaming.expert_cache import Region, working_sets
 from bmoe.streaming.gating import Gating, lossy_refusal, read_gating, spec_gate_refusal
 from bmoe.streaming.graph_stops import StreamingStops
 from bmoe.streaming.lossy import Lossy
@@ -174,7 +174,39 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     slab's pools, and every part the settings ask for is built and hooked in. `replay`: the trace
     --replay-routes runs on."""
     s, files = p.settings, p.files
-    assert p.model is not None  # loaded
+    cap = _captured(p)
+    gating = p.gating = read_gating(files, cap.gating)
+    _refuse_what_cannot_follow(p, gating)
+    tensors = list(cap.tensors.values())
+    regions = regions_of(files, tensors)
+    dense = dense_ranges(files, tensors)  # before the expert tensors are rebound: their data pointers find the mapping
+    _charge_dense(p, dense)
+    # the lanes and pinned weights are there before the budget is decided: they are in the charge
+    st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
+                               [*cap.biases.values(), *cap.scales.values()], spare=s.lossy.on or replay is not None)
+    if cap.scales:  # their graphs' REPEATs were sized for n_expert rows: build them for the pools
+        assert p.ctx is not None and p.model is not None  # loaded
+        llama.rebuild_graphs(p.ctx, p.model)
+    if replay is not None:
+        p.replay = _replayed(p, replay, st, cap.norms)
+    need = working_sets(regions, max(1, _routed(files.n_expert_used, replay)))
+    _size_cache(p, st, max(need.values()), sum(need.values()))
+    if s.speculation.gate:
+        _attach_gate(p, st, gating)
+    if s.route_trace:
+        p.trace = _trace_writer(p, s.route_trace, st, regions)
+    if s.lossy.on:
+        p.lossy = Lossy(s.lossy, files.n_expert_used, cap.norms, st.cache)
+    p.hook.stops = p.stops = StreamingStops(st, cap.wait_nodes() if s.streaming.overlap else {}, p.trace, p.lossy,
+                                            p.replay, cap.norms)
+    _dense_read(p, dense)
+    _fill(p, st)
+
+
+def _captured(p: Loaded) -> seam.Capture:
+    """The warm-up's capture, every expert tensor found (computed after all where a visit missed some: a
+    graph in several splits), or the ModelError that says why bmoe cannot stream the model."""
+    files = p.files
     cap = _capture(p, dry=True)
     if not cap.bad and not files.expert_names() <= {t.name for t in cap.tensors.values()}:
         cap = _capture(p, dry=False)  # a graph in several splits: its later ones were not visited
@@ -183,55 +215,69 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     if not cap.tensors:
         raise ModelError(f"bmoe cannot stream {files.arch or 'this model'}: llama.cpp computed no expert matmul "
                          "(MUL_MAT_ID) for it; run it with --no-stream")
-    gating = p.gating = read_gating(files, cap.gating)
-    _refuse_what_cannot_follow(p, gating)
-    tensors = list(cap.tensors.values())
-    regions = regions_of(files, tensors)
-    # a token reads its routed experts: under --replay-routes, the trace's top-k where it is smaller
-    routed = min(files.n_expert_used, int(replay.header.get("top_k") or 0) or files.n_expert_used) \
-        if replay is not None else files.n_expert_used
-    need = working_sets(regions, max(1, routed))
-    # before the expert tensors are rebound: their data pointers find the mapping
-    dense = dense_ranges(files, tensors)
-    p.memory.kept = 0 if s.streaming.pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
-    if s.streaming.pin_dense:
+    return cap
+
+
+def _charge_dense(p: Loaded, dense: list[tuple[int, int]]) -> None:
+    """The dense weights in the memory charge the budget is decided against: kept in the page cache, or
+    pinned (--pin-dense: read first, then locked)."""
+    pin_dense = p.settings.streaming.pin_dense
+    p.memory.kept = 0 if pin_dense else sum(n for _, n in dense)  # (pinned, they are in the charge)
+    if pin_dense:
         _dense_read(p, dense)
         t0 = time.perf_counter()
         n = pin(dense)
         p.notice(f"pinned {n / MiB:.0f} MiB of dense weights in memory in {time.perf_counter() - t0:.1f} s")
-    # the lanes and pinned weights are there before the budget is decided: they are in the charge
-    st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
-                               [*cap.biases.values(), *cap.scales.values()], spare=s.lossy.on or replay is not None)
-    if cap.scales:  # their graphs' REPEATs were sized for n_expert rows: build them for the pools
-        assert p.ctx is not None  # loaded
-        llama.rebuild_graphs(p.ctx, p.model)
-    if replay is not None:
-        try:
-            p.replay = RouteReplay(replay, str(s.replay_routes), st.layers, files.n_expert, files.n_expert_used,
-                                   cap.norms)
-        except ReplayError as e:
-            raise ConfigError(str(e)) from None
-        p.notice(p.replay.describe())
-    _size_cache(p, st, max(need.values()), sum(need.values()))
-    if s.speculation.gate:
-        gate = SpecGate(files, st.layers, llama.n_embd(p.model), s.speculation, s.streaming.shm_backend, p.notice,
-                        gating)
-        if gate.active:
-            st.attach_gate(gate)
-        else:
-            gate.close()  # it said why (e.g. a quantized router); the run goes on without it
-    if s.route_trace:
-        p.trace = TraceWriter(Path(s.route_trace), {
-            "model": str(Path(s.model).resolve()), "arch": files.arch, "n_expert": files.n_expert,
-            "top_k": files.n_expert_used, "layers": st.layers, "n_layer": llama.n_layer(p.model),
-            "n_embd": llama.n_embd(p.model),
-            # one whole expert per MoE layer (its slices summed): what v1 readers charge per read
-            "expert_bytes": {layer: sum(r.expert_bytes for r in regions if r.layer == layer) for layer in st.layers}})
-    if s.lossy.on:
-        p.lossy = Lossy(s.lossy, files.n_expert_used, cap.norms, st.cache)
-    p.hook.stops = p.stops = StreamingStops(st, cap.wait_nodes() if s.streaming.overlap else {}, p.trace, p.lossy,
-                                            p.replay, cap.norms)
-    _dense_read(p, dense)
+
+
+def _replayed(p: Loaded, replay: Trace, st: Streamer, norms: dict[int, str]) -> RouteReplay:
+    """--replay-routes' trace laid out for this model's layers (a trace that does not fit is a ConfigError)."""
+    files = p.files
+    try:
+        rr = RouteReplay(replay, str(p.settings.replay_routes), st.layers, files.n_expert, files.n_expert_used,
+                         norms)
+    except ReplayError as e:
+        raise ConfigError(str(e)) from None
+    p.notice(rr.describe())
+    return rr
+
+
+def _routed(top_k: int, replay: Trace | None) -> int:
+    """The experts a token reads per layer: the model's top-k, or under --replay-routes the trace's where
+    it is smaller."""
+    return min(top_k, int(replay.header.get("top_k") or 0) or top_k) if replay is not None else top_k
+
+
+def _attach_gate(p: Loaded, st: Streamer, gating: Gating) -> None:
+    """The spec-gate's process, attached to the Streamer; one that cannot predict (e.g. a quantized
+    router) has said why and is closed, and the run goes on without it."""
+    assert p.model is not None  # loaded
+    s = p.settings
+    gate = SpecGate(p.files, st.layers, llama.n_embd(p.model), s.speculation, s.streaming.shm_backend, p.notice,
+                    gating)
+    if gate.active:
+        st.attach_gate(gate)
+    else:
+        gate.close()
+
+
+def _trace_writer(p: Loaded, path: str, st: Streamer, regions: list[Region]) -> TraceWriter:
+    """--route-trace's writer (to `path`), its header the model's facts."""
+    assert p.model is not None  # loaded
+    files = p.files
+    return TraceWriter(Path(path), {
+        "model": str(Path(p.settings.model).resolve()), "arch": files.arch, "n_expert": files.n_expert,
+        "top_k": files.n_expert_used, "layers": st.layers, "n_layer": llama.n_layer(p.model),
+        "n_embd": llama.n_embd(p.model),
+        # one whole expert per MoE layer (its slices summed): what v1 readers charge per read
+        "expert_bytes": {layer: sum(r.expert_bytes for r in regions if r.layer == layer) for layer in st.layers}})
+
+
+def _fill(p: Loaded, st: Streamer) -> None:
+    """The cache's start: --preload reads every expert now (when the budget holds them all), a warm start
+    reads its profile's in the background, and a budget that holds every expert has the rest read in the
+    background too (then every layer runs through; docs/architecture.md)."""
+    s = p.settings
     if s.streaming.preload:
         if not st.holds_everything:
             p.notice("--preload ignored: the cache budget does not hold every expert")
@@ -240,9 +286,9 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
             n = st.preload()
             p.notice(f"preloaded {n / MiB:.0f} MiB of experts in {time.perf_counter() - t0:.1f} s")
     if s.cache.warm_start:
-        p.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), files, st, p.notice)
+        p.warm = WarmStart(Path(s.cache.usage_dir) if s.cache.usage_dir else default_dir(), p.files, st, p.notice)
     if st.holds_everything and not s.streaming.preload:
-        fill_rest(st)  # (then every layer runs through; docs/architecture.md)
+        fill_rest(st)
 
 
 def _refuse_what_cannot_follow(p: Loaded, gating: Gating) -> None:
@@ -297,16 +343,5 @@ def _size_cache(p: Loaded, st: Streamer, layer_need: int, token_need: int) -> No
         most_mb = s.cache.mb if s.cache.mb is not None else s.cache.ceil_mb
         ceiling = st.full_bytes if most_mb is None else min(st.full_bytes, int(most_mb * MiB))
         p.adaptive = Adaptive(decided.floor, token_need, ceiling, margin=min(128 * MiB, token_need // 2))
-        st.watch = lambda: _adapt(p)  # the Streamer runs it once per token (Engine.step) and as the cache grows
+        st.watch = BudgetWatch(p.adaptive, st, p.memory, p.notice)  # once per token and as the cache grows
 
-
-def _adapt(p: Loaded) -> None:
-    """Once per token, and whenever the cache took another WATCH_STEP: follow the room the memory
-    limits leave (Adaptive)."""
-    st, adaptive = p.streamer, p.adaptive
-    assert st is not None and adaptive is not None  # the Streamer watches only with an adaptive budget
-    change = adaptive.step(st.budget, st.resident_bytes(), p.memory.least(), p.memory.pressure())
-    if change is not None:
-        old = st.budget
-        st.set_budget(change[0])
-        p.notice(f"cache budget {old / MiB:.0f} -> {change[0] / MiB:.0f} MiB: {change[1]}")

@@ -1,7 +1,9 @@
 """Generations on the engine: the one generation loop (`driver`), one request's life on a KV sequence
-(`request_life`: its prefix reuse, text, stops, telemetry and KV), a request's logprobs (`logprobs`)
-and the prompt cache (`prompt_cache`). They drive bmoe.coordinator's Engine; nothing below imports them.
+(`request_life`: its prefix reuse, telemetry and KV), what a request takes and gives back (`records`),
+its text as the tokens come (`answer_text`: UTF-8 and stop strings), its logprobs (`logprobs`) and the
+prompt cache (`prompt_cache`). They drive bmoe.coordinator's Engine; nothing below imports them.
 """
 
 from bmoe.generation.logprobs import log_softmax
-from bmoe.generation.request_life import Completion, Generation
+from bmoe.generation.records import Completion
+from bmoe.generation.request_life import Generation

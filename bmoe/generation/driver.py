@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from bmoe.base.errors import Cancelled
-from bmoe.generation.request_life import Completion, Generation
+from bmoe.generation.records import Completion
+from bmoe.generation.request_life import Generation
 
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine

@@ -1,8 +1,9 @@
-"""One request's life on a KV sequence (Generation on a Slot), and what it gives back.
+"""One request's life on a KV sequence (Generation on a Slot).
 
 A Generation is one request from prefill to its last chunk: the KV prefix it can reuse, its
-tokens as text (UTF-8 held back until whole, stop strings cut), its telemetry, its finish reason
-and the KV it leaves. bmoe.generation.driver's Driver, the one loop, decides when: it calls a
+tokens as text (bmoe.generation.answer_text: UTF-8 held back until whole, stop strings cut), its
+telemetry, its finish reason and the KV it leaves; what it takes and gives back are
+bmoe.generation.records'. bmoe.generation.driver's Driver, the one loop, decides when: it calls a
 Generation's `begin` (which keeps the reusable KV prefix and prefills the rest through Engine.begin),
 decodes its tokens with others in one Engine.step, and calls its `finish` (Engine.end, the KV kept),
 for every caller.
@@ -10,7 +11,6 @@ for every caller.
 
 from __future__ import annotations
 
-import codecs
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,194 +21,18 @@ import numpy as np
 
 from bmoe.base import telemetry
 from bmoe.base.errors import Cancelled
-from bmoe.base.settings import SamplerSettings
+from bmoe.generation.answer_text import StopStrings, TextStream
 from bmoe.generation.logprobs import TokenLogprob, TokenSpans
+from bmoe.generation.records import Chunk, Completion, GenerationStats, Request, Turn
 
 if TYPE_CHECKING:
-    from bmoe.chat.grammar import Grammar
-    from bmoe.chat.output import Reading
     from bmoe.coordinator import Engine, EngineSequence
     from bmoe.generation.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 
-Turn = dict[str, str]  # one message of a conversation as the engine keeps it (role, content)
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    """One generation in numbers; per-token figures are over its decode tokens (the contract's)."""
-
-    finish_reason: str  # "stop" (end of generation or a stop string), "length" (max_tokens) or "cancelled"
-    prompt_tokens: int  # the prompt as rendered (for a chat, all of the conversation)
-    prefill_tokens: int  # those decoded: the prompt less the KV prefix reused from the previous call
-    completion_tokens: int
-    kv_tokens: int  # in the KV afterwards (the session's n_past)
-    prefill_s: float
-    tok_s: float
-    read_mib: float
-    mib_per_token: float
-    cache_hit_pct: float  # cumulative over the decode tokens; -1 without a cache
-    stall_s_per_token: float
-    mgmt_s_per_token: float
-    io_s_per_token: float
-    speculative_mib: float = 0.0  # read ahead of demand (--prefetch, --spec-gate)
-    prefetched_experts: int = 0
-    useful_experts: int = 0  # of those, the ones their layer then routed
-    lossy: bool = False  # lossy routing changed this generation (the load's settings; it did not ask lossless)
-    experts_per_token: int = 0  # experts per layer its tokens used (the model's top-k when not lossy)
-    dropped_per_token: float = 0.0  # lossy routing: experts dropped (--drop-cold), over every layer
-    substituted_per_token: float = 0.0  # experts taken from the cache instead (--cache-routing)
-    weight_changed_pct: float = 0.0  # mean share of a layer's routing weight not computed as routed
-    page_cache_mib: float = 0.0  # copied from the page cache by the lanes instead of read from flash (not in read_mib)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A piece of the answer: one per generated token, then a last one with the outcome.
-
-    `text` may be empty while a UTF-8 sequence or a possible stop string is held back.
-    `token` is that token's telemetry in the contract's units (telemetry.TokenLine: wall_ms,
-    io_ms, compute_ms, mgmt_ms, stall_ms, read_mb, cache_hit_pct); the last chunk has none
-    and carries `finish_reason` and `stats` instead.
-    """
-
-    text: str
-    token: telemetry.TokenLine | None = None
-    finish_reason: str | None = None
-    stats: GenerationStats | None = None
-    logits: np.ndarray | None = None  # with Request.logits: the distribution this token was chosen from
-    stop: str | None = None  # the last chunk's: the stop string that ended the answer, if one did
-    logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the tokens whose text this chunk completes
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished generation: its text, stats, and the tokens it generated with each one's telemetry."""
-
-    text: str
-    stats: GenerationStats
-    ids: tuple[int, ...] = ()  # the generated tokens (an end-of-generation token is not one)
-    tokens: tuple[telemetry.TokenLine, ...] = ()  # each generated token's telemetry, in order
-    logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the text's tokens (bmoe.generation.logprobs)
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats.finish_reason
-
-
-@dataclass(frozen=True)
-class Request:
-    """A generation ready to run: the prompt as tokens, checked against the context (Model.prepare)."""
-
-    tokens: tuple[int, ...]
-    max_tokens: int
-    sampler: SamplerSettings
-    stop: tuple[str, ...] = ()
-    messages: tuple[Turn, ...] | None = None  # a chat's conversation; None: a plain prompt
-    grammar: Grammar | None = None  # holds sampling to a JSON schema or a tool call (bmoe.chat.grammar)
-    specials: frozenset[int] = frozenset()  # tokens written as their special text (a chat syntax's markers)
-    reading: Reading | None = None  # how a chat's answer splits into reasoning, content, tool calls
-    cache_prefix: int = 0  # the prompt's first tokens worth keeping in a prompt cache (bmoe.generation.prompt_cache)
-    lossless: bool = False  # no lossy routing, whatever the load's settings (bmoe.streaming.lossy)
-    forced: tuple[int, ...] = ()  # teacher forcing: the tokens generated, in order, instead of sampled ones
-    logits: bool = False  # each Chunk carries the distribution its token was chosen from
-    logprobs: int | None = None  # each Chunk carries its tokens' log-probabilities and this many alternatives
-
 
 class _Stopped(Exception):
     """A stop string appeared, or the answer's tool calls end here (bmoe.chat.output.CallEnd)."""
-
-
-class _StopMatcher:
-    """One stop string, matched a character at a time (Knuth-Morris-Pratt): `state` is the length
-    of the longest start of the string the text so far ends with. Each character costs amortised
-    O(1), so a long stop string cannot make a token's text expensive to check."""
-
-    def __init__(self, stop: str) -> None:
-        self.stop = stop
-        self.back = [0] * len(stop)  # back[i]: the longest proper start of stop[:i+1] that also ends it
-        k = 0
-        for i in range(1, len(stop)):
-            while k and stop[i] != stop[k]:
-                k = self.back[k - 1]
-            if stop[i] == stop[k]:
-                k += 1
-            self.back[i] = k
-        self.state = 0
-
-    def feed(self, ch: str) -> bool:
-        """Take the next character; True when the stop string ends with it."""
-        k, stop = self.state, self.stop
-        while k and ch != stop[k]:
-            k = self.back[k - 1]
-        if ch == stop[k]:
-            k += 1
-        if k == len(stop):
-            self.state = self.back[k - 1]
-            return True
-        self.state = k
-        return False
-
-
-class StopText:
-    """The answer's text with the first stop string and what follows cut off.
-
-    Text that could be the start of a stop string is held back until the next piece decides.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [_StopMatcher(s) for s in stops if s]
-        self.raw = ""  # every piece so far
-        self.sent = 0  # characters of `raw` handed out
-        self.cut: int | None = None  # where the first stop string begins, once one appeared
-        self.matched: str | None = None  # that stop string
-
-    @property
-    def text(self) -> str:
-        return self.raw if self.cut is None else self.raw[:self.cut]
-
-    def push(self, piece: str) -> str:
-        """Add a piece; returns the text that can be handed out now."""
-        if self.cut is not None:
-            return ""
-        start = len(self.raw)
-        self.raw += piece
-        # a stop string cannot begin in text handed out: its start would have been held back; of the
-        # stop strings that appear in this piece, the one that begins first cuts
-        for m in self.stops:
-            for i, ch in enumerate(piece):
-                if m.feed(ch):
-                    begins = start + i + 1 - len(m.stop)
-                    if self.cut is None or begins < self.cut:
-                        self.cut, self.matched = begins, m.stop
-                    break
-        if self.cut is not None:
-            end = self.cut
-        else:
-            hold = max((m.state for m in self.stops), default=0)
-            end = max(self.sent, len(self.raw) - hold)
-        out, self.sent = self.raw[self.sent:end], end
-        return out
-
-    def flush(self) -> str:
-        """The generation ended: what was held back is the answer's after all."""
-        if self.cut is not None:
-            return ""
-        out, self.sent = self.raw[self.sent:], len(self.raw)
-        return out
-
-
-class TextStream:
-    """Token pieces → text, holding back a partial UTF-8 sequence until it completes."""
-
-    def __init__(self) -> None:
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, piece: bytes) -> str:
-        return self._dec.decode(piece)
-
-    def finish(self) -> str:
-        return self._dec.decode(b"", final=True)
 
 
 @dataclass
@@ -279,7 +103,7 @@ class Generation:
         self.keep = 0
         self.cached = (0, 0.0)  # tokens decoded and seconds spent by the prompt cache's part of the prefill
         self.utf8 = TextStream()
-        self.text = StopText(req.stop)
+        self.text = StopStrings(req.stop)
         self.calls = req.reading.call_end(req.max_tokens) if req.reading is not None else None
         self.tally = telemetry.Tally(req.max_tokens, engine.streaming and engine.settings.streaming.overlap,
                                      engine.cache_active)

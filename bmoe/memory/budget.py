@@ -1,5 +1,6 @@
 """How big the expert cache may be: the `--cache-mb` rules and how an adaptive budget moves, pure
-(the caller reads the machine: bmoe.memory.probe).
+(the caller reads the machine: bmoe.memory.probe), and the adaptive budget's per-token step, which
+reads it and moves the running cache's budget (`BudgetWatch`).
 
 A budget below one layer's routed set cannot run at all; below one token's working set (every
 MoE layer's top-k, page-rounded as the cache charges them) it only thrashes, so it is refused
@@ -11,12 +12,14 @@ it has stayed free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from bmoe.base.errors import ConfigError
 from bmoe.base.settings import FLAGS, CacheSettings, Naming
 from bmoe.base.units import MiB
-from bmoe.memory.probe import Room
+from bmoe.memory.probe import MemoryProbe, Room
 
 
 def mib_up(nbytes: int) -> str:
@@ -140,3 +143,34 @@ class Adaptive:
             return None
         self.calm = 0
         return None
+
+
+class Budgeted(Protocol):
+    """A cache whose budget an adaptive budget moves (bmoe.streaming.streamer.Streamer)."""
+
+    @property
+    def budget(self) -> int: ...
+
+    def set_budget(self, budget: int) -> None: ...
+
+    def resident_bytes(self) -> int: ...
+
+
+@dataclass
+class BudgetWatch:
+    """The adaptive budget's step, which the cache runs as its `watch` once per token and whenever it
+    took another WATCH_STEP (bmoe.streaming.streamer): the budget follows the room the memory limits
+    leave (`Adaptive`), and `notice` hears each change and why."""
+
+    adaptive: Adaptive
+    cache: Budgeted
+    memory: MemoryProbe  # the limits it reads (the load's probe)
+    notice: Callable[[str], None]
+
+    def __call__(self) -> None:
+        cache = self.cache
+        change = self.adaptive.step(cache.budget, cache.resident_bytes(), self.memory.least(), self.memory.pressure())
+        if change is not None:
+            old = cache.budget
+            cache.set_budget(change[0])
+            self.notice(f"cache budget {old / MiB:.0f} -> {change[0] / MiB:.0f} MiB: {change[1]}")

@@ -4,7 +4,7 @@
    thread 0 calls the abort callback after every node it computes, while the other threads wait at
    the next barrier. A decode of a large MoE model has thousands of nodes, and a Python callback
    costs a GIL round trip each time. Here both are answered in C: the eval callback hands Python
-   (`forward`) only the nodes whose names bmoe.seam.graph.EvalHook stops at (the routing's
+   (`forward`) only the nodes whose names bmoe.seam.eval_hook.EvalHook stops at (the routing's
    `ffn_moe_weights-L`, the router input `ffn_moe_logits-L` while wanted, the down matmul's inputs
    while wanted) and every node while it captures; the abort callback answers from a flag Python
    sets when it parks an error (or for a dry capture), and asks Python itself at most once per `abort_ns`, so a signal's
@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -80,8 +81,17 @@ bool bmoe_abort_filter(void *user) {
     return f->forward_abort(user);
 }
 
-/* sizeof(struct eval_filter): bmoe.seam.eval_filter's ctypes mirror is checked against it */
+/* sizeof(struct eval_filter) and each field's offsetof by its name (-1: no such field): bmoe.seam.eval_filter's
+   ctypes mirror is checked against them, field by field, when the filter is loaded */
 size_t bmoe_filter_size(void) { return sizeof(struct eval_filter); }
+
+long bmoe_filter_offset(const char *field) {
+#define AT(f) if (strcmp(field, #f) == 0) return (long)offsetof(struct eval_filter, f);
+    AT(forward) AT(forward_abort) AT(abort_ns) AT(abort_last) AT(name_offset) AT(every) AT(stop) AT(halt)
+    AT(routing) AT(router_input) AT(n_stems) AT(stems)
+#undef AT
+    return -1;
+}
 
 /* An importable module, so that the build and the package find it like any extension; the two
    functions above are what bmoe uses (through ctypes). */

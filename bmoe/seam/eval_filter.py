@@ -4,7 +4,7 @@ llama.cpp calls the eval callback on every graph node and the abort callback aft
 computes; answered in Python, each is a GIL round trip (thousands per token on a large model).
 `EvalFilter` is the C side's state, field for field: which nodes Python's hook wants, the flag that
 stops the graph when Python parks an error, and how often Python's abort check is asked. The hook
-(bmoe.seam.graph.EvalHook) keeps every decision; the filter only spares the calls whose answer is
+(bmoe.seam.eval_hook.EvalHook) keeps every decision; the filter only spares the calls whose answer is
 known to be false, so with it or without it (`BMOE_PY_HOOK=1`, or an install that could not compile
 it) the graph computes the same nodes from the same bytes.
 """
@@ -59,7 +59,26 @@ def compiled() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     lib.bmoe_eval_filter.restype = ctypes.c_bool
     lib.bmoe_abort_filter.restype = ctypes.c_bool
-    lib.bmoe_filter_size.restype = ctypes.c_size_t
-    if lib.bmoe_filter_size() != ctypes.sizeof(EvalFilter):
-        raise RuntimeError(f"{spec.origin} was built from another _eval_filter.c; reinstall bmoe (pip install -e .)")
+    problem = layout_problem(lib)
+    if problem is not None:
+        raise RuntimeError(f"{spec.origin} was built from another _eval_filter.c ({problem}); reinstall bmoe "
+                           "(pip install -e .)")
     return lib
+
+
+def layout_problem(lib: ctypes.CDLL) -> str | None:
+    """None when the built filter's `struct eval_filter` is EvalFilter field for field (each field's offset
+    by its name, then the size); else the first difference. Two fields swapped in either would have the
+    filter read one flag as another, which a size check alone lets through."""
+    if not hasattr(lib, "bmoe_filter_offset"):
+        return "it exports no field offsets"
+    lib.bmoe_filter_offset.argtypes = [ctypes.c_char_p]
+    lib.bmoe_filter_offset.restype = ctypes.c_long
+    lib.bmoe_filter_size.restype = ctypes.c_size_t
+    for name, *_ in EvalFilter._fields_:
+        c, mirror = lib.bmoe_filter_offset(name.encode()), getattr(EvalFilter, name).offset
+        if c != mirror:
+            return f"its field {name} is at offset {c}, the mirror's at {mirror}"
+    if lib.bmoe_filter_size() != ctypes.sizeof(EvalFilter):
+        return f"its struct has {lib.bmoe_filter_size()} bytes, the mirror {ctypes.sizeof(EvalFilter)}"
+    return None

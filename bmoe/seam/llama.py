@@ -1,9 +1,10 @@
 """Every call bmoe makes into llama.cpp's own API (model, context, KV, decode, vocab, samplers,
 chat templates), through llama-cpp-python's ctypes bindings.
 
-With bmoe.seam.graph (the eval hook's reach into ggml's graph) this is the seam: no other module
-imports llama_cpp. What crosses it is plain Python (token lists, bytes, strings, numpy arrays) and
-the opaque pointers these functions hand out and take back.
+With bmoe.seam's graph modules (ggml_mirror, capture, eval_hook: the eval hook's reach into ggml's
+graph) and populate this is the seam: no other module imports llama_cpp. What crosses it is plain
+Python (token lists, bytes, strings, numpy arrays) and the opaque pointers these functions hand out
+and take back.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, ev
 
 def rebuild_graphs(ctx: Context, model: LlamaModel) -> None:
     """Make the context build and reserve every graph afresh at its next decode: a weight whose shape
-    a graph takes when it is built (an expert scale's REPEAT, bmoe.seam.graph.ExpertScale) was
+    a graph takes when it is built (an expert scale's REPEAT, bmoe.seam.capture.ExpertScale) was
     rebound. Clearing the control vector (none is set; llama_set_adapter_cvec with no data) is the
     public call that marks the scheduler for a new reserve, which drops every graph kept for reuse."""
     if llama_cpp.llama_set_adapter_cvec(ctx, None, 0, llama_cpp.llama_model_n_embd(model), -1, -1) != 0:

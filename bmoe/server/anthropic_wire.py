@@ -1,7 +1,7 @@
-"""Anthropic's Messages API as bmoe-server is_messages_path it: the request bodies of `POST /v1/messages` and
+"""Anthropic's Messages API as bmoe-server speaks it: the request bodies of `POST /v1/messages` and
 `/v1/messages/count_tokens`, their translation into the OpenAI chat request the chat route runs
 (`chat_body_of_messages`: one request model inside, so the engine, scheduler, grammar, tool-call reading and
-prompt cache are the same), and the answer in Anthropic's shapes (`MessageShape`: a message, or a
+prompt cache are the same), and the answer in Anthropic's shapes (`AnthropicShape`: a message, or a
 stream of `message_start … message_stop` events) and errors (`anthropic_error`).
 
 What is taken and what is not (docs/server.md says the same for users):
@@ -37,10 +37,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from bmoe.api import Chunk, GenerationStats
-from bmoe.chat import STOPS_MAX, Delta, Reply
+from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
-from bmoe.server.wire import BmoeOptions, ChatBody, in_bounds, sampling_of
+from bmoe.server.openai_wire import ChatBody
+from bmoe.server.request_base import BmoeOptions, in_bounds, sampling_of
 
 _PREFIX = "/v1/messages"
 REFUSED = {"container": "bmoe-server runs no code containers", "mcp_servers": "bmoe-server connects to no MCP servers"}
@@ -95,7 +96,7 @@ class MessagesBody(CountBody):
     """`POST /v1/messages`: the conversation, how long and how to sample the answer."""
 
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(None, max_length=STOPS_MAX)
+    stop_sequences: list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)
     stream: bool = False
     temperature: float | None = Field(None, le=1)  # Anthropic's own cap; the bounds below are the settings'
     top_p: float | None = None
@@ -282,7 +283,7 @@ def _event(kind: str, obj: dict[str, Any]) -> bytes:
     return format_sse_event(event=kind, data_str=json.dumps({"type": kind, **obj}, ensure_ascii=False))
 
 
-class MessageShape:
+class AnthropicShape:
     """One answer in Anthropic's shapes for the answer loop (bmoe.server.answer_shape): a whole message,
     or the events of a stream (start, deltas as content blocks open and close, end). A text block
     opens only once its text is more than whitespace (whitespace before a tool call is no block), as

@@ -1,5 +1,6 @@
-"""bmoe-server's HTTP app: the routes, the Prometheus metrics and the middleware that counts
-answers and bounds request bodies (FastAPI on uvicorn's event loop). Requests are checked and
+"""bmoe-server's HTTP app: the routes of its four APIs (OpenAI's completions and chat, OpenAI's
+Responses, Anthropic's Messages, Ollama's), the Prometheus metrics and the request guard that counts
+answers by route and bounds request bodies (FastAPI on uvicorn's event loop). Requests are checked and
 tokenized here, then handed to the scheduler (bmoe.server.scheduler) as jobs whose events become
 responses; the decisions are in bmoe.server's notes.
 """
@@ -14,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import psutil
-from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi import Depends, FastAPI, Header
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -22,13 +23,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.api import Ask, Chunk, GenerationStats, Model, Request
 from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.server import anthropic_wire, ollama_wire, responses_wire
 from bmoe.server.answer_shape import AnswerShape, Finished
-from bmoe.server.anthropic_wire import CountBody, MessagesBody, MessageShape
+from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
 from bmoe.server.connections import ClosingStream, SlowReader
 from bmoe.server.events import EVENTS, Feed
 from bmoe.server.http_errors import (
@@ -42,15 +44,14 @@ from bmoe.server.http_errors import (
     validation_error,
 )
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
-from bmoe.server.responses_wire import ResponsesBody, ResponseShape, ResponseStore
+from bmoe.server.openai_wire import ChatBody, CompletionBody, OpenAIShape, RequestBody
+from bmoe.server.request_base import sampling_of
+from bmoe.server.responses_wire import ResponsesBody, ResponsesShape, ResponseStore
 from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
-from bmoe.server.webui import PAGES, add_pages
-from bmoe.server.wire import ChatBody, CompletionBody, OpenAIAnswer, ReplyShape, RequestBody, sampling_of
+from bmoe.server.webui import add_pages
 
 TOO_LONG_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
-          "/v1/messages/count_tokens", responses_wire.PATH, "/api/chat", "/api/generate", "/api/tags", "/api/ps",
-          "/api/show", "/api/version", EVENTS, *PAGES)
+UNROUTED = "other"  # the metrics label of a request no route matches
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
@@ -106,23 +107,40 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class Gate:
+class RequestGuard:
     """ASGI middleware at the app's edge: counts every answer by route and status, answers a body over
     `limit` bytes with a 413 error object before the app reads any of it, and drops a client that
     leaves a piece of its response unread for `write_timeout` seconds (its socket's buffer full): the
-    response ends there, and a generation still running for it is cancelled like any client's who left."""
+    response ends there, and a generation still running for it is cancelled like any client's who left.
+    `routes` are the app's (its router's list, so routes added later count): a request is counted under the path
+    of the route it matches."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, limit: int, write_timeout: float) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute], limit: int,
+                 write_timeout: float) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
         self.limit = limit
         self.write_timeout = write_timeout
+
+    def label(self, scope: Scope) -> str:
+        """The metrics label of a request: the path its route was declared with (one label for every
+        /v1/responses/{response_id}), as the router picks the route (a method the path does not serve
+        counts under the path); UNROUTED where no route has its path."""
+        partial = UNROUTED
+        for r in (r for r in self.routes if isinstance(r, Route)):
+            match = r.matches(scope)[0]
+            if match == Match.FULL:
+                return r.path
+            if match == Match.PARTIAL and partial == UNROUTED:
+                partial = r.path
+        return partial
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        route = self.label(scope)
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -198,7 +216,7 @@ async def _on_bug(r: HttpRequest, exc: Exception) -> JSONResponse:
 
 
 # every error a route can meet, as the error object a client receives (bmoe.server.http_errors; Anthropic's
-# shape on its routes)
+# and Ollama's shapes on their routes)
 HANDLERS = ((ServeError, _on_serve_error), (RequestValidationError, _on_invalid), (HTTPException, _on_http),
             (Exception, _on_bug))
 _BEARER = HTTPBearer(auto_error=False)
@@ -217,7 +235,8 @@ class Endpoints:
 
     async def authorized(self, creds: HTTPAuthorizationCredentials | None = Depends(_BEARER),
                          x_api_key: str | None = Header(None)) -> None:
-        """The key as OpenAI's clients send it (`Authorization: Bearer`) or Anthropic's (`x-api-key`)."""
+        """The key as each API's clients send it: `Authorization: Bearer` (OpenAI's, the Responses API's,
+        Ollama's) or `x-api-key` (Anthropic's)."""
         if self.api_key is None:
             return
         sent = creds.credentials if creds is not None else x_api_key
@@ -255,7 +274,7 @@ class Endpoints:
 
     async def completions(self, body: CompletionBody, request: HttpRequest) -> Response:
         req = await self.completion_request(body)
-        return await self.answer(request, req, OpenAIAnswer(self.reply_shape(False, body), req), body.stream)
+        return await self.answer(request, req, self.openai_shape(False, body, req), body.stream)
 
     async def completion_request(self, body: CompletionBody, fix: str = TOO_LONG_FIX) -> Request:
         """A plain prompt as the engine's request: the completions route's, and a raw Ollama generate's
@@ -268,10 +287,11 @@ class Endpoints:
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
         req = await self.chat_request(body)
-        return await self.answer(request, req, OpenAIAnswer(self.reply_shape(True, body), req), body.stream)
+        return await self.answer(request, req, self.openai_shape(True, body, req), body.stream)
 
-    def reply_shape(self, chat: bool, body: RequestBody) -> ReplyShape:
-        return ReplyShape(chat, self.model_id, body.stream_options is not None and body.stream_options.include_usage)
+    def openai_shape(self, chat: bool, body: RequestBody, req: Request) -> OpenAIShape:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return OpenAIShape(chat, self.model_id, req, usage)
 
     async def chat_request(self, body: ChatBody, fix: str = TOO_LONG_FIX) -> Request:
         """A chat as the engine's request: OpenAI's chat route's, and the other APIs' translated to it
@@ -285,7 +305,7 @@ class Endpoints:
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
         req = await self.chat_request(anthropic_wire.chat_body_of_messages(body))
-        return await self.answer(request, req, MessageShape(self.model_id, len(req.tokens)), body.stream)
+        return await self.answer(request, req, AnthropicShape(self.model_id, len(req.tokens)), body.stream)
 
     async def responses(self, body: ResponsesBody, request: HttpRequest) -> Response:
         """OpenAI's Responses API: the chat request, after the conversation of the response it goes on
@@ -296,7 +316,7 @@ class Endpoints:
                                           responses_wire.RESPONSES_TOO_LONG_FIX)
         except (ServeError, FieldError) as e:
             raise renamed(e, responses_wire.RESPONSES_FIELD_NAMES) from None
-        shape = ResponseShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept)
+        shape = ResponsesShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept)
         return await self.answer(request, req, shape, body.stream)
 
     async def response_by_id(self, response_id: str) -> dict[str, Any]:
@@ -488,8 +508,8 @@ def _ended(s: GenerationStats) -> GenerationStats:
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int,
                alias: str | None = None, webui: bool = True, write_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
-    every route but /health and the chat page's files behind the API key, errors as OpenAI's or
-    Anthropic's error objects (HANDLERS), the body limit and metrics (Gate), the events feed
+    every route but /health and the chat page's files behind the API key, errors as each API's error
+    objects (HANDLERS), the body limit and metrics by route (RequestGuard), the events feed
     (bmoe.server.events) and the page (bmoe.server.webui)."""
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
@@ -504,34 +524,34 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     sched.on_close = feed.close
     routes = Endpoints(model, sched, metrics, api_key, n_predict, alias)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
-    app.add_middleware(Gate, metrics=metrics, limit=max_body, write_timeout=write_timeout)
+    app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, limit=max_body,
+                       write_timeout=write_timeout)
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)
     if webui:
         add_pages(app)
-    api = APIRouter(dependencies=[Depends(routes.authorized)])
-    api.get("/metrics")(routes.prometheus)
-    api.get("/v1/models")(routes.models)
-    api.get("/v1/models/{model_id:path}")(routes.model_by_id)
-    api.post("/v1/completions")(routes.completions)
-    api.post("/v1/chat/completions")(routes.chat)
-    api.post("/v1/messages")(routes.messages)
-    api.post("/v1/messages/count_tokens")(routes.count_tokens)
-    api.post(responses_wire.PATH)(routes.responses)
-    api.get(responses_wire.PATH + "/{response_id}")(routes.response_by_id)
-    api.delete(responses_wire.PATH + "/{response_id}")(routes.drop_response)
-    api.post("/api/chat")(routes.ollama_chat)
-    api.post("/api/generate")(routes.ollama_generate)
-    api.get("/api/tags")(routes.ollama_tags)
-    api.get("/api/ps")(routes.ollama_ps)
-    api.post("/api/show")(routes.ollama_show)
-    api.get("/api/version")(routes.ollama_version)
-    api.post("/api/pull")(routes.ollama_pull)
-    api.delete("/api/delete")(routes.ollama_refused)
+    key = [Depends(routes.authorized)]  # the routes of the APIs, the metrics and the events
+    app.get("/metrics", dependencies=key)(routes.prometheus)
+    app.get("/v1/models", dependencies=key)(routes.models)
+    app.get("/v1/models/{model_id:path}", dependencies=key)(routes.model_by_id)
+    app.post("/v1/completions", dependencies=key)(routes.completions)
+    app.post("/v1/chat/completions", dependencies=key)(routes.chat)
+    app.post("/v1/messages", dependencies=key)(routes.messages)
+    app.post("/v1/messages/count_tokens", dependencies=key)(routes.count_tokens)
+    app.post(responses_wire.PATH, dependencies=key)(routes.responses)
+    app.get(responses_wire.PATH + "/{response_id}", dependencies=key)(routes.response_by_id)
+    app.delete(responses_wire.PATH + "/{response_id}", dependencies=key)(routes.drop_response)
+    app.post("/api/chat", dependencies=key)(routes.ollama_chat)
+    app.post("/api/generate", dependencies=key)(routes.ollama_generate)
+    app.get("/api/tags", dependencies=key)(routes.ollama_tags)
+    app.get("/api/ps", dependencies=key)(routes.ollama_ps)
+    app.post("/api/show", dependencies=key)(routes.ollama_show)
+    app.get("/api/version", dependencies=key)(routes.ollama_version)
+    app.post("/api/pull", dependencies=key)(routes.ollama_pull)
+    app.delete("/api/delete", dependencies=key)(routes.ollama_refused)
     for refused in ("/api/create", "/api/copy", "/api/push", "/api/embed", "/api/embeddings"):
-        api.post(refused)(routes.ollama_refused)
-    api.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"])(routes.ollama_refused)
-    api.get(EVENTS)(feed.route)
-    app.include_router(api)
+        app.post(refused, dependencies=key)(routes.ollama_refused)
+    app.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"], dependencies=key)(routes.ollama_refused)
+    app.get(EVENTS, dependencies=key)(feed.route)
     return app

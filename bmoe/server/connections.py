@@ -7,7 +7,7 @@ holds a connection for ever, and `--max-connections` of them shut every other cl
 the clock starts when the connection opens (and again after each response) and stops only when a
 request's whole head has arrived; past `--idle-timeout` the connection is closed.
 
-A client that leaves a response unread past `--write-timeout` is cut by bmoe.server.app's Gate
+A client that leaves a response unread past `--write-timeout` is cut by bmoe.server.app's RequestGuard
 (SlowReader); a stream's generator (its cleanup cancels the generation, or drops an events watcher) is
 then closed by ClosingStream at once, not whenever the suspended generator is collected.
 """

@@ -1,17 +1,10 @@
-"""`bmoe-server`: an OpenAI-compatible HTTP server over one loaded model (FastAPI + uvicorn), which
-also speaks OpenAI's Responses API, Anthropic's Messages API and Ollama's API.
-
-Routes: `GET /health` (no key needed), `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
-`POST /v1/chat/completions` (`"stream": true` gives server-sent events ending `data: [DONE]`),
-`POST /v1/responses` and `GET`/`DELETE /v1/responses/{id}` (OpenAI's Responses API,
-bmoe.server.responses_wire), `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's,
-bmoe.server.anthropic_wire), Ollama's `/api/chat`, `/api/generate`, `/api/tags`, `/api/ps`,
-`/api/show`, `/api/version` (bmoe.server.ollama_wire; `pull`, `delete`, `create`, `copy`, `push`
-answer that one model is served) — each translated into the chat route's request, so one engine,
-scheduler, grammar and prompt cache answer them all, through one answer loop (bmoe.server.app's
-Endpoints.answer) —, `GET /metrics` (Prometheus text), `GET /v1/bmoe/events` (the live telemetry as
-server-sent events, bmoe.server.events) and the chat page at `/` (bmoe.server.webui; off with
-`--no-webui`). Every generation goes through bmoe.generation.request_life.Generation.
+"""`bmoe-server`: one loaded model served over HTTP (FastAPI + uvicorn) in four APIs: OpenAI's
+completions and chat completions (bmoe.server.openai_wire), OpenAI's Responses API
+(bmoe.server.responses_wire), Anthropic's Messages API (bmoe.server.anthropic_wire) and Ollama's API
+(bmoe.server.ollama_wire). Each request is translated into the chat route's, so one engine, scheduler,
+grammar and prompt cache answer them all, through one answer loop (bmoe.server.app's Endpoints.answer);
+every generation goes through bmoe.generation.request_life.Generation. The routes, and what each takes
+and refuses, are listed once: docs/server.md.
 
 Decisions:
 
@@ -31,7 +24,7 @@ Decisions:
   model is served, as llama-server does with one model; responses name it: `--alias`, else the
   GGUF's name; `GET /v1/models/{id}` takes either and 404s any other).
 - A field of OpenAI's (or llama-server's) API that bmoe does not implement (`best_of`, `echo`,
-  `suffix`, `mirostat`, ...: bmoe.server.wire.UNIMPLEMENTED) is a 400 naming it unless its value asks
+  `suffix`, `mirostat`, ...: bmoe.server.openai_wire.UNIMPLEMENTED) is a 400 naming it unless its value asks
   for nothing (`echo: false`, `best_of: 1`); silently ignoring it would answer another question.
   Any other unknown field is ignored: clients send their own extensions.
 - Lossy routing (`--experts-per-token`, `--drop-cold`, `--cache-routing`; docs/lossy.md) is a

@@ -1,4 +1,4 @@
-"""Ollama's API as bmoe-server is_ollama_path it, on the same port: `POST /api/chat` and `/api/generate`
+"""Ollama's API as bmoe-server speaks it, on the same port: `POST /api/chat` and `/api/generate`
 translated into the chat route's request (or, for a raw prompt, the completions route's), so the
 engine, scheduler, grammars, tool-call reading, prompt cache, limits and errors are theirs; the
 answer as one JSON object or as JSON lines (`OllamaShape`); and what Ollama's clients ask of the
@@ -56,7 +56,8 @@ from bmoe.base import SAMPLING_FIELDS, read_table, shard_paths
 from bmoe.chat import Delta, Reply
 from bmoe.server.answer_shape import Finished
 from bmoe.server.http_errors import ServeError, invalid
-from bmoe.server.wire import BmoeOptions, ChatBody, CompletionBody, implemented
+from bmoe.server.openai_wire import ChatBody, CompletionBody
+from bmoe.server.request_base import BmoeOptions, implemented
 
 OLLAMA_PREFIX = "/api/"
 NDJSON = "application/x-ndjson"
@@ -390,12 +391,10 @@ class ModelFacts:
                    "parameter_size": _human(int(info["general.parameter_count"])),
                    "quantization_level": _quantization(ftype)}
         fmt = model.chat_format
-        s = model.settings.sampler
-        parameters = "\n".join(f"{k:<30} {v}" for k, v in (
-            ("temperature", s.temp), ("top_k", s.top_k), ("top_p", s.top_p), ("min_p", s.min_p), ("seed", s.seed),
-            ("repeat_penalty", s.repeat_penalty), ("repeat_last_n", s.repeat_last_n),
-            ("frequency_penalty", s.frequency_penalty), ("presence_penalty", s.presence_penalty),
-            ("num_ctx", model.stats.n_ctx)))
+        # the server's sampling settings by the names `options` takes (SAMPLING_FIELDS), a logit bias only
+        # when --logit-bias set one, then the context
+        sampling = [(name, getattr(model.settings.sampler, field)) for name, field in SAMPLING_FIELDS.items()]
+        parameters = "\n".join(f"{k:<30} {v}" for k, v in (*sampling, ("num_ctx", model.stats.n_ctx)) if v != ())
         capabilities = ("completion", *(("tools",) if fmt.renderer.supports_tools else ()),
                         *(("thinking",) if fmt.syntax.think else ()))
         # the digest names the files, not their bytes: hashing a model larger than RAM costs minutes

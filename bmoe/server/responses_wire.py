@@ -1,7 +1,7 @@
 """OpenAI's Responses API as bmoe-server speaks it: the body of `POST /v1/responses`, its
 translation into the chat request the chat route runs (`chat_body_of_response`: one request inside, so the
 engine, scheduler, grammars, tool-call reading, prompt cache, limits and errors are the chat
-route's), the answer as a Response object or its stream of events (`ResponseShape`), and the
+route's), the answer as a Response object or its stream of events (`ResponsesShape`), and the
 responses kept for `previous_response_id` (`ResponseStore`).
 
 What is taken and what is not (docs/server.md says the same for users):
@@ -55,10 +55,11 @@ from fastapi.sse import format_sse_event
 from pydantic import Field, ValidationError, model_validator
 
 from bmoe.api import Chunk, GenerationStats
-from bmoe.chat import STOPS_MAX, Delta
+from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
-from bmoe.server.wire import BmoeOptions, ChatBody, SamplingFields, implemented, sampling_of
+from bmoe.server.openai_wire import ChatBody
+from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented, sampling_of
 
 PATH = "/v1/responses"
 KEPT = 100  # responses kept for previous_response_id
@@ -103,7 +104,7 @@ class ResponsesBody(SamplingFields):
     previous_response_id: str | None = None
     include: list[str] | None = None
     metadata: dict[str, Any] | None = None
-    stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)  # bmoe's extension
+    stop: str | list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)  # bmoe's extension
     grammar: str | None = None  # bmoe's extension (GBNF)
     bmoe: BmoeOptions = BmoeOptions()
 
@@ -332,7 +333,7 @@ class ResponseStore:
 # ---- the answer ------------------------------------------------------------------------------------
 
 
-class ResponseShape:
+class ResponsesShape:
     """One answer as a Response object, or as the Responses API's stream of events, in order:
     response.created, response.in_progress, then per output item (reasoning, message, function_call)
     response.output_item.added, its parts and deltas and their .done events, response.output_item.done,

@@ -19,7 +19,7 @@ gathered weights it may rewrite in place:
   is dropped; the token's best expert never is.
 
 A dropped position keeps its place in the ids (the graph's shape is fixed) but reads the pool's
-spare slot (`DROPPED` here, mapped by bmoe.engine.graph_stops): a slot no expert ever takes, all zeros, so the
+spare slot (`DROPPED` here, mapped by bmoe.streaming.graph_stops): a slot no expert ever takes, all zeros, so the
 matmul reads nothing from flash and nothing stale. Its weight becomes what the layer's own
 normalisation ignores: 0 before a sum or as-is weighting, -inf before a softmax. The normalisation
 then runs as the model's graph has it, over what is left, so K by this hook computes what

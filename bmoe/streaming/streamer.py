@@ -118,7 +118,7 @@ class Streamer:
         self.commit_ns = 0  # committing arrived slices, ever (for wait's split)
         self.ahead = ReadAhead(self.orders, self.cache, self.n_expert, files.n_expert_used, prefetch)
         self.lane_stats = LaneStats(streaming.io_threads)
-        self.watch: Callable[[], None] | None = None  # the adaptive budget's check (Engine.follow_memory's)
+        self.watch: Callable[[], None] | None = None  # the adaptive budget's step (bmoe.memory.budget.BudgetWatch)
         self.watched_at = 0  # cache bytes at the last check
 
     def _bind(self, layer: int, base: int | None) -> None:

@@ -10,8 +10,9 @@ the types llama.cpp's quantizer gives them), so streaming reads what it would re
 file; `--like TRACE.csv` takes the shape from a route_trace v1 header.
 
 This module is the command and the file (metadata, `write_model`); what goes in it comes from
-synth_shape (shape, tensor table, types), synth_like (published shapes), synth_vocab (tokenizer)
-and synth_blocks (tensor bytes).
+synth_archs (each architecture's tensor table and metadata, one module each in bmoe.tools.archs),
+synth_shape (shape, tensor types), synth_like (published shapes), synth_vocab (tokenizer) and
+synth_blocks (tensor bytes).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from bmoe.base import GB, positive_float, positive_int
 from bmoe.tools.synth_archs import (
     FUSED_ARCHES,
     MTP_ARCHES,
+    REFUSED_ARCHES,
+    STREAMED_ARCHES,
+    SYNTH_ARCHES,
     add_arch_metadata,
     feed_forward_length,
     rope_dims,
@@ -40,17 +44,7 @@ from bmoe.tools.synth_archs import (
 )
 from bmoe.tools.synth_blocks import ChunkWriter, tensor_data
 from bmoe.tools.synth_like import LIKES, shape_from_like
-from bmoe.tools.synth_shape import (
-    GGML_TYPE,
-    K_QUANTS,
-    QUANTS,
-    REFUSED_ARCHES,
-    ROUTER_TYPES,
-    STREAMED_ARCHES,
-    SYNTH_ARCHES,
-    Plan,
-    Shape,
-)
+from bmoe.tools.synth_shape import GGML_TYPE, K_QUANTS, QUANTS, ROUTER_TYPES, Plan, Shape
 from bmoe.tools.synth_vocab import CHAT_TEMPLATE, add_tokenizer
 
 _FILE_TYPE = {

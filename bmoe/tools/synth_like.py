@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bmoe.streaming import Trace
-from bmoe.tools.synth_shape import ARCHES, K_QUANTS, Dsv4, Indexer, Mla, Ple, Recurrent, Shape, one_expert_bytes
+from bmoe.tools.synth_archs import ARCHES, one_expert_bytes
+from bmoe.tools.synth_shape import K_QUANTS, Dsv4, Indexer, Mla, Ple, Recurrent, Shape
 
 
 @dataclass(frozen=True)

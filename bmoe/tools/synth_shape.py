@@ -1,6 +1,6 @@
 """What bmoe-synth writes, computed without writing: a model's Shape, every Tensor with the type
 llama.cpp's loader expects (Q4_K_M's typing rules included), and the Plan of them all. Which
-tensors an architecture has is synth_archs'."""
+tensors an architecture has is its module's (bmoe.tools.archs, through synth_archs)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from bmoe.tools.synth_vocab import VOCAB
 
-# The architectures bmoe streamed first (most tests run over these) ...
-ARCHES: tuple[str, ...] = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
-# ... those it streams since issue 39 (docs/architectures.md: what each needed) ...
-NEW_ARCHES: tuple[str, ...] = (
-    "gemma4", "qwen35moe", "qwen4exp", "glm-dsa", "deepseek4", "deepseek2", "glm4moe", "qwen3next", "llama4",
-    "lfm2moe", "bailingmoe2", "bailingmoe3", "minimax-m2",
-)
-STREAMED_ARCHES: tuple[str, ...] = ARCHES + NEW_ARCHES  # the lossless gate runs over all of them
-# ... and one the pinned llama.cpp runs that bmoe refuses to stream (its chunk experts are routed by the
-# expert ids divided by the group size): written so that the refusal is tested on a real graph
-REFUSED_ARCHES: tuple[str, ...] = ("grovemoe",)
-SYNTH_ARCHES: tuple[str, ...] = STREAMED_ARCHES + REFUSED_ARCHES
 # Expert types; q4_k_m is llama.cpp's Q4_K_M recipe applied to every matrix of the model.
 QUANTS: tuple[str, ...] = ("f16", "q8_0", "q4_0", "mxfp4", "q4_k", "q5_k", "q6_k", "q4_k_m")
 ROUTER_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
@@ -226,7 +214,7 @@ def _fit(qtype: str, ncols: int) -> str:
     return fallback if ncols % BLOCK[fallback][0] == 0 else "f16"
 
 
-# Roles of a tensor (synth_archs), for the types its matrices get: "" is F32 (norms, vectors, the
+# Roles of a tensor (synth_parts.Table), for the types its matrices get: "" is F32 (norms, vectors, the
 # weights llama.cpp's quantizer and the converters keep in F32); "f16" a matrix llama-quant keeps as
 # converted; "i32" integers; "router" the router (`--router`); "matrix" any other matrix.
 _ATTN_V = "attn_v"  # attn_v, attn_qkv, attn_kv_b: llama-quant's attention-v-like tensors
@@ -238,11 +226,12 @@ def _q4_k_m(s: Shape, role: str, layer: int, n_down: int, v_index: tuple[int, in
     no imatrix), before the fallback for row lengths. `v_index` is (this tensor's place among the
     attention-v-like tensors, their count), as llama-quant counts them in file order.
 
-    One difference from the pinned llama.cpp, on purpose, for the architectures bmoe streamed before
-    issue 39: a layer's ffn_down is placed among `n_down` = the number of ffn_down tensors, as the
-    llama.cpp that made the published files did; the pinned one counts layers (`n_down` is the
-    layer count for the others). It matters only where a layer has two (gemma4's dense FFN and its
-    experts), and the gemma-4 trace's expert_bytes show the published file was made this way.
+    One difference from the pinned llama.cpp, on purpose, for the architectures whose files keep
+    their bytes (synth_parts.Arch.kept_bytes): a layer's ffn_down is placed among `n_down` = the
+    number of ffn_down tensors, as the llama.cpp that made the published files did; the pinned one
+    counts layers (`n_down` is the layer count for the others: synth_archs.n_down). It matters only
+    where a layer has two (gemma4's dense FFN and its experts), and the gemma-4 trace's expert_bytes
+    show the published file was made this way.
     """
     if s.arch == "gpt-oss" and role.startswith("exps_"):
         return "mxfp4"  # gpt-oss ships its experts in MXFP4 and Q4_K_M files keep them so
@@ -268,21 +257,6 @@ def matrix_type(s: Shape, role: str, layer: int, ncols: int, n_down: int, v_inde
     if s.quant == "q4_k_m":
         return _fit(_q4_k_m(s, role, layer, n_down, v_index), ncols)
     return s.quant if role.startswith("exps_") else "f16"
-
-
-def n_down(s: Shape) -> int:
-    """The `n_down` of _q4_k_m: how many ffn_down matrices the model has for the architectures bmoe
-    streamed before issue 39, its layer count (block_count) for the others."""
-    if s.arch in ARCHES or s.arch == "gemma4":
-        return s.layers * (2 if s.dense_ff or s.arch == "qwen2moe" else 1)
-    return s.all_layers
-
-
-def one_expert_bytes(s: Shape, layer: int) -> int:
-    """One expert's bytes at `layer` (gate, up, down), without building the whole table."""
-    return sum(Tensor("", shape, matrix_type(s, role, layer, shape[-1], n_down(s), (0, 1)), "normal").nbytes
-               for role, shape in (("exps_gate", (s.ff, s.embd)), ("exps_up", (s.ff, s.embd)),
-                                   ("exps_down", (s.embd, s.ff))))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The OpenAI HTTP API's shapes, as bmoe-server speaks them: request bodies (pydantic, strict
-types), response objects and stream chunks (`ReplyShape`), and an answer in them for the answer loop
-(`OpenAIAnswer`); errors are bmoe.server.http_errors'. No engine and no routes here: bmoe.server.app
-joins these to the scheduler.
+"""OpenAI's completions and chat completions API as bmoe-server speaks it: the request bodies
+(pydantic, strict types; their shared base is bmoe.server.request_base's) and the answer in OpenAI's
+shapes (`OpenAIShape`: a response object, or its stream of chunks ending `[DONE]`); errors are
+bmoe.server.http_errors'. The chat body is also what the other APIs' requests are translated into.
+No engine and no routes here: bmoe.server.app joins these to the scheduler.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi.sse import format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from bmoe.api import TOP_LOGPROBS_MAX, Chunk, ContentTokens, GenerationStats, Request, TokenLogprob, content_logprobs
-from bmoe.base import SAMPLING_FIELDS, FieldError, check_sampling, logit_bias_of, telemetry
-from bmoe.chat import STOPS_MAX, Delta, Reply
+from bmoe.base import FieldError, telemetry
+from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
+from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
 
 # Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
 # that ask for nothing (accepted as sent): any other value is a 400 naming the field, never silently
@@ -38,59 +40,10 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
 # ---- request bodies --------------------------------------------------------------------------------
 
 
-def _same(a: Any, b: Any) -> bool:
-    """JSON equality: 1 and 1.0 are the same, false and 0 are not."""
-    return a is b if isinstance(a, bool) or isinstance(b, bool) else a == b
-
-
-class BmoeOptions(BaseModel):
-    """bmoe's extension of a request body, `"bmoe": {...}` (the openai client's `extra_body`)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    lossless: bool = False  # plain llama.cpp's output whatever lossy routing the server loaded with
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False  # a last chunk of its own, `choices: []`, with the usage
-
-
-class SamplingFields(BaseModel):
-    """A request's sampling fields, by bmoe.base.settings.SAMPLING_FIELDS' names (a test holds the two
-    together); None takes the server's flag. Bounded by the settings' own declarations."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    temperature: float | None = Field(None, le=2)  # OpenAI's own cap; the bounds below are the settings'
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None  # an extension, as llama-server's
-    seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repeat_penalty: float | None = None  # an extension, as llama-server's
-    repeat_last_n: int | None = None  # an extension, as llama-server's
-    logit_bias: dict[str, float] | None = None
-
-    @field_validator("*")
-    @classmethod
-    def _in_bounds(cls, v: Any, info: ValidationInfo) -> Any:
-        return in_bounds(v, info)
-
-
-def in_bounds(v: Any, info: ValidationInfo) -> Any:
-    """A body's field `v`: when it is a sampling field, within its setting's own bounds
-    (bmoe.base.settings.check_sampling), not a copy of them."""
-    if v is not None and info.field_name in SAMPLING_FIELDS:
-        check_sampling(info.field_name, logit_bias_of(v) if info.field_name == "logit_bias" else v)
-    return v
-
-
-def sampling_of(body: BaseModel) -> dict[str, Any]:
-    """The sampling fields a body declares (of SAMPLING_FIELDS), as bmoe.api.Ask and ChatBody take them."""
-    return {name: getattr(body, name) for name in SAMPLING_FIELDS if name in type(body).model_fields}
 
 
 class RequestBody(SamplingFields):
@@ -99,7 +52,7 @@ class RequestBody(SamplingFields):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, max_length=STOPS_MAX)
+    stop: str | list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -109,17 +62,6 @@ class RequestBody(SamplingFields):
     @classmethod
     def _implemented(cls, data: Any) -> Any:
         return implemented(data, UNIMPLEMENTED)
-
-
-def implemented(data: Any, unimplemented: dict[str, tuple[Any, ...]], prefix: str = "") -> Any:
-    """`data` (a body, or one of its objects at `prefix`), whose fields of `unimplemented` ask for
-    nothing (one of the values listed with each); else a FieldError naming the first that asks for more."""
-    if isinstance(data, dict):
-        for name, nothing in unimplemented.items():
-            if name in data and not any(_same(data[name], v) for v in nothing):
-                raise FieldError(f"{prefix}{name}: bmoe-server does not implement it; leave it out "
-                                 f"(or send {json.dumps(nothing[-1])})", param=prefix + name)
-    return data
 
 
 class CompletionBody(RequestBody):
@@ -198,21 +140,33 @@ class ChatBody(RequestBody):
 # ---- responses -------------------------------------------------------------------------------------
 
 
-class ReplyShape:
-    """The OpenAI object of one endpoint: a whole response, a streamed chunk, the last chunk."""
+class OpenAIShape:
+    """One completion or chat answer in OpenAI's shapes for the answer loop (bmoe.server.answer_shape):
+    a whole response object, or chunks (a chat's first with the role; with logprobs asked for, each
+    chunk those of the tokens it completes; the last with the finish reason and the telemetry, then
+    the usage with stream_options.include_usage; `[DONE]` last). `req`: the request it answers (whether
+    it asked for logprobs and reads its answer; None for neither)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
+    media_type = SSE
+
+    def __init__(self, chat: bool, model: str, req: Request | None = None, include_usage: bool = False) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage  # stream_options.include_usage: usage null on each chunk, then its own
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.asked = req is not None and req.logprobs is not None  # logprobs
+        self.content = ContentTokens() if self.asked and req is not None and req.reading is not None else None
+        self.called = False  # the answer made tool calls: finish_reason tool_calls
+
+    # -- the objects --
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, s: GenerationStats, ahead: int,
-              logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+    def response(self, text: str, s: GenerationStats, ahead: int,
+                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        """The whole response: a completion's text, or a chat's message of it."""
         choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": s.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -233,7 +187,7 @@ class ReplyShape:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice],
                 **extra}
 
-    def token(self, c: Chunk, logprobs: bool = False) -> dict[str, Any]:
+    def token_chunk(self, c: Chunk, logprobs: bool = False) -> dict[str, Any]:
         """A streamed token's chunk; `logprobs`: the request asked for them (those of the tokens it completes)."""
         return self.chunk({"content": c.text} if self.chat else c.text, logprobs=c.logprobs if logprobs else None,
                           **self._progress(c))
@@ -261,7 +215,7 @@ class ReplyShape:
                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
         """A whole chat answer read into reasoning, content and tool calls (bmoe.chat.output); `logprobs`:
         its content's tokens."""
-        out = self.whole(m.content, s, ahead, logprobs)
+        out = self.response(m.content, s, ahead, logprobs)
         msg = out["choices"][0]["message"]
         if m.reasoning:
             msg["reasoning_content"] = m.reasoning
@@ -285,10 +239,10 @@ class ReplyShape:
             delta["tool_calls"] = [x.openai() for x in d.calls]
         return self.chunk(delta, logprobs=logprobs, **self._progress(c))
 
-    def last(self, s: GenerationStats, ahead: int, called: bool = False) -> dict[str, Any]:
-        """The chunk with the finish reason and the request's telemetry; `called`: the answer made
-        tool calls (finish_reason tool_calls)."""
-        finish = "tool_calls" if called and s.finish_reason == "stop" else s.finish_reason
+    def last(self, s: GenerationStats, ahead: int) -> dict[str, Any]:
+        """The chunk with the finish reason and the request's telemetry (finish_reason tool_calls where
+        the answer made tool calls)."""
+        finish = "tool_calls" if self.called and s.finish_reason == "stop" else s.finish_reason
         return self.chunk({} if self.chat else "", finish, bmoe={**dataclasses.asdict(s), "queue_position": ahead})
 
     def usage_chunk(self, s: GenerationStats) -> dict[str, Any] | None:
@@ -298,37 +252,25 @@ class ReplyShape:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": openai_usage(s)}
 
-
-class OpenAIAnswer:
-    """A completion or chat answer in OpenAI's shapes for the answer loop (bmoe.server.answer_shape):
-    whole, or as chunks (a chat's first with the role; with logprobs asked for, each chunk those of
-    the tokens it completes; `[DONE]` last)."""
-
-    media_type = SSE
-
-    def __init__(self, shape: ReplyShape, req: Request) -> None:
-        self.shape = shape
-        self.asked = req.logprobs is not None  # logprobs
-        self.content = ContentTokens() if self.asked and req.reading is not None else None
-        self.called = False  # the answer made tool calls: finish_reason tool_calls
+    # -- AnswerShape --
 
     def whole(self, done: Finished) -> dict[str, Any]:
-        req, shape = done.req, self.shape
+        req = done.req
         if req.reading is not None:
             lp = content_logprobs(req.reading, [(c.text, c.logprobs) for c in done.chunks]) if self.asked else None
-            return shape.message(done.reply, done.stats, done.ahead, lp)
-        return shape.whole(done.text, done.stats, done.ahead,
-                           [t for c in done.chunks for t in c.logprobs] if self.asked else None)
+            return self.message(done.reply, done.stats, done.ahead, lp)
+        return self.response(done.text, done.stats, done.ahead,
+                             [t for c in done.chunks for t in c.logprobs] if self.asked else None)
 
     def comment(self, text: str) -> bytes:
         return sse_comment(text)
 
     def start(self) -> bytes:
-        return sse(self.shape.chunk({"role": "assistant", "content": ""})) if self.shape.chat else b""
+        return sse(self.chunk({"role": "assistant", "content": ""})) if self.chat else b""
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
         if d is None:
-            return sse(self.shape.token(c, self.asked))
+            return sse(self.token_chunk(c, self.asked))
         return self._delta(d, c, self.content.push(c.text, c.logprobs, d) if self.content is not None else None)
 
     def finish(self, d: Delta) -> bytes:
@@ -339,11 +281,11 @@ class OpenAIAnswer:
         if not (d or lp):
             return b""
         self.called = self.called or bool(d.calls)
-        return sse(self.shape.delta(d, c, lp))
+        return sse(self.delta(d, c, lp))
 
     def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
-        used = self.shape.usage_chunk(s)
-        return sse(self.shape.last(s, ahead, self.called)) + (sse(used) if used is not None else b"")
+        used = self.usage_chunk(s)
+        return sse(self.last(s, ahead)) + (sse(used) if used is not None else b"")
 
     def error(self, e: ServeError) -> bytes:
         return sse(e.body())

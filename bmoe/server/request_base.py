@@ -1,0 +1,74 @@
+"""What the request bodies of bmoe-server's four APIs share (OpenAI's chat and completions, OpenAI's
+Responses, Anthropic's Messages, Ollama's): the sampling fields bounded by the settings' own
+declarations, bmoe's `"bmoe": {...}` extension and the refusal of a field bmoe does not implement
+unless it asks for nothing. Each API's own bodies are in its `*_wire` module.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from bmoe.base import SAMPLING_FIELDS, FieldError, check_sampling, logit_bias_of
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same, false and 0 are not."""
+    return a is b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+
+class BmoeOptions(BaseModel):
+    """bmoe's extension of a request body, `"bmoe": {...}` (the openai client's `extra_body`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lossless: bool = False  # plain llama.cpp's output whatever lossy routing the server loaded with
+
+
+class SamplingFields(BaseModel):
+    """A request's sampling fields, by bmoe.base.settings.SAMPLING_FIELDS' names (a test holds the two
+    together); None takes the server's flag. Bounded by the settings' own declarations."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    temperature: float | None = Field(None, le=2)  # OpenAI's own cap; the bounds below are the settings'
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None  # an extension, as llama-server's
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repeat_penalty: float | None = None  # an extension, as llama-server's
+    repeat_last_n: int | None = None  # an extension, as llama-server's
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _in_bounds(cls, v: Any, info: ValidationInfo) -> Any:
+        return in_bounds(v, info)
+
+
+def in_bounds(v: Any, info: ValidationInfo) -> Any:
+    """A body's field `v`: when it is a sampling field, within its setting's own bounds
+    (bmoe.base.settings.check_sampling), not a copy of them."""
+    if v is not None and info.field_name in SAMPLING_FIELDS:
+        check_sampling(info.field_name, logit_bias_of(v) if info.field_name == "logit_bias" else v)
+    return v
+
+
+def sampling_of(body: BaseModel) -> dict[str, Any]:
+    """The sampling fields a body declares (of SAMPLING_FIELDS), as bmoe.api.Ask and ChatBody take them."""
+    return {name: getattr(body, name) for name in SAMPLING_FIELDS if name in type(body).model_fields}
+
+
+def implemented(data: Any, unimplemented: dict[str, tuple[Any, ...]], prefix: str = "") -> Any:
+    """`data` (a body, or one of its objects at `prefix`), whose fields of `unimplemented` ask for
+    nothing (one of the values listed with each); else a FieldError naming the first that asks for more."""
+    if isinstance(data, dict):
+        for name, nothing in unimplemented.items():
+            if name in data and not any(_same(data[name], v) for v in nothing):
+                raise FieldError(f"{prefix}{name}: bmoe-server does not implement it; leave it out "
+                                 f"(or send {json.dumps(nothing[-1])})", param=prefix + name)
+    return data
