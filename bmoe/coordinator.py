@@ -30,6 +30,7 @@ from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong
 from bmoe.base.model_files import ModelFiles
 from bmoe.base.settings import SamplerSettings, Settings
 from bmoe.base.telemetry import TokenStat
+from bmoe.engine import prompt_calls
 from bmoe.engine.engine_stats import EngineStats
 from bmoe.engine.load import Loaded
 from bmoe.memory.budget import Adaptive
@@ -426,8 +427,30 @@ class Engine:
         return ahead
 
     def _decode(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
-        """One llama_decode of (sequence, tokens, first position) parts; logits for each part's last
-        token, whose batch rows are returned."""
+        """Decode (sequence, tokens, first position) parts; logits for each part's last token, whose
+        batch rows are returned. One part of several tokens (a prompt) goes in the calls
+        bmoe.engine.prompt_calls cuts it into, each part of lossy routing's rows following its call;
+        anything else in one llama_decode."""
+        if len(parts) != 1 or len(parts[0][1]) <= 1:
+            return self._decode_call(parts)
+        seq, toks, pos = parts[0]
+        rows: list[int] = []
+        mask = self.lossy.mask.tolist() if self.lossy else []
+        at = 0
+        for k in prompt_calls.calls(len(toks), self.call_width):
+            if self.lossy:
+                self.lossy.begin(mask[at:at + k])
+            rows = self._decode_call([(seq, toks[at:at + k], pos + at)])
+            at += k
+        return rows
+
+    @property
+    def call_width(self) -> int:
+        """The widest llama_decode a prompt is decoded in: the context's ubatch."""
+        return llama.ubatch_size(self.context)
+
+    def _decode_call(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
+        """One llama_decode of (sequence, tokens, first position) parts."""
         n = sum(len(toks) for _, toks, _ in parts)
         if self.streamer is not None:
             self.streamer.begin_batch(n)

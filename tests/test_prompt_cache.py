@@ -12,7 +12,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from bmoe.generation.prompt_cache import FA_TILE, PromptCache, cut, model_identity, pieces, usable
+from bmoe.engine.prompt_calls import FA_TILE
+from bmoe.generation.prompt_cache import PromptCache, cut, model_identity, pieces, usable
 from bmoe.seam.llama import seq_state, set_seq_state
 from tests.plain_llama import Plain
 

@@ -261,7 +261,7 @@ def test_matmuls_read_slot_ids_and_the_router_weights_the_real_ids(synth, arch: 
             seen["mul_mat_id" if tt.op == ggml_mirror.GGML_OP_MUL_MAT_ID else "add_id"] += 1
             if not (now == slots[layer]).all() or now.max() >= n:
                 bad.append(f"{name} reads {now.tolist()}, not the slots {slots[layer].tolist()} below {n}")
-            elif tt.op == seam.GGML_OP_MUL_MAT_ID and n != now.max() + 1:
+            elif tt.op == ggml_mirror.GGML_OP_MUL_MAT_ID and n != now.max() + 1:
                 # ggml's mul_mat_id works through every one of its ne[2] experts on each call: a matmul
                 # sees the pool only up to the highest slot it reads (Streamer.narrow)
                 bad.append(f"{name} reads slots up to {now.max()} from a tensor of {n} experts")

@@ -23,6 +23,7 @@ from bmoe.base.errors import ConfigError, ModelError
 from bmoe.base.model_files import ModelFiles, read_model_files
 from bmoe.base.settings import Naming, Settings
 from bmoe.base.units import MiB
+from bmoe.engine import prompt_calls
 from bmoe.memory.budget import Adaptive, BudgetWatch, decide
 from bmoe.memory.dense import DenseReadAhead, advise_normal, dense_ranges, pin
 from bmoe.memory.probe import MemoryProbe
@@ -162,7 +163,7 @@ def _load_llama(p: Loaded, streaming: bool) -> None:
     if not p.model:
         raise ModelError(f"llama.cpp could not load {s.model}; run with --verbose to see why")
     p.ctx = llama.new_context(p.model, s.n_ctx, s.threads, p.hook.c_callback if streaming else None,
-                              n_seq=s.parallel, eval_user=p.hook.user_data)
+                              n_ubatch=prompt_calls.width(s.n_ctx), n_seq=s.parallel, eval_user=p.hook.user_data)
     p.llama_load_s = time.perf_counter() - t0
     llama.set_abort(p.ctx, p.hook.c_abort, p.hook.user_data)
     p.n_ctx = min(llama.context_size(p.ctx), s.n_ctx)

@@ -15,11 +15,12 @@ name and renamed, so no reader sees half of one.
 Where a prompt is cut (`cut`, `usable`, `pieces`): saving a prefix means decoding the prompt in
 parts, [0, P) and then the rest, where plain llama.cpp decodes it in one call; a restart decodes
 only the rest. Either must compute every token exactly as the one call does, or the answers would
-differ. llama.cpp cuts a call into ubatches of n_ubatch tokens from its start, and ggml's CPU
-kernels are exact per token within a regime the ubatch's size picks: flash attention takes its
-tiled kernel for a ubatch of 64 tokens or more (GGML_FA_TILE_Q) and a per-row one below (and a
-matmul of one row leaves tinyBLAS). So the rest is decoded as [P, next multiple of n_ubatch) and
-then the remainder, which gives every later token the one call's ubatch, and P is taken only
+differ. A prompt computes as llama.cpp's one call with ubatches of n_ubatch = REGIME_UBATCH (512)
+does, cut from its start (bmoe.engine.prompt_calls, which also decodes it in wider calls), and
+ggml's CPU kernels are exact per token within a regime the ubatch's size picks: flash attention
+takes its tiled kernel for a ubatch of 64 tokens or more (GGML_FA_TILE_Q) and a per-row one below
+(and a matmul of one row leaves tinyBLAS). So the rest is decoded as [P, next multiple of n_ubatch)
+and then the remainder, which gives every later token the one call's ubatch, and P is taken only
 where it cuts its own ubatch into two parts of 64 tokens or more (or falls on a multiple of
 n_ubatch). The save point is 64 tokens or more before the end of the prefix, so that any later
 prompt sharing the prefix can use it. tests/test_prompt_cache.py pins these facts on llama.cpp.
@@ -42,6 +43,8 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from bmoe.engine.prompt_calls import FA_TILE, REGIME_UBATCH
+
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine
 
@@ -49,7 +52,6 @@ KV_MAGIC = b"BMOEKV\x00\x01"
 _HEAD = struct.Struct("<8s32sIQ32s")
 SUFFIX = ".kv"
 _SAMPLES = 16  # 4 KiB blocks read from each model file for its identity
-FA_TILE = 64  # ggml-cpu's GGML_FA_TILE_Q: a ubatch of at least this many tokens takes the tiled flash attention
 _BLOCK = 4096
 
 
@@ -251,10 +253,8 @@ class PromptKV:
     prefilled there and kept (Generation.begin calls `prefill` for a sequence it emptied)."""
 
     def __init__(self, engine: Engine, folder: str, limit_mb: float) -> None:
-        from bmoe.seam.llama import ubatch_size
-
         self.engine = engine
-        self.n_ubatch = ubatch_size(engine.context)
+        self.n_ubatch = REGIME_UBATCH
         identity = model_identity(engine.files.paths, f"n_seq={engine.settings.parallel} k={engine.fixed_k}")
         self.store = PromptCache(folder, limit_mb, identity, engine.notice)
 
