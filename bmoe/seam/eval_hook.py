@@ -21,7 +21,7 @@ import numpy as np
 
 from bmoe.seam import eval_filter
 from bmoe.seam.capture import DOWN_INPUT_PREFIX, WEIGHTS_NAME, Capture
-from bmoe.seam.ggml_mirror import NAME_OFFSET, f32_rows, routing_ids, tensor_at, write_ids
+from bmoe.seam.ggml_mirror import NAME_OFFSET, f32_rows, ids_view, tensor_at
 
 WEIGHTS_PREFIX = b"ffn_moe_weigh"  # ffn_moe_weights-L (and its _softmax/_sum/_norm/_scaled nodes)
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
@@ -178,11 +178,11 @@ class EvalHook:
                     # no need to stop the graph for a layer whose experts are all resident for good
                     return layer is not None and not stops.skip_route(layer)
                 if layer is not None:
-                    ids_node = tensor_at(t).src[1]  # ffn_moe_topk-L (Capture checked)
-                    ids = routing_ids(ids_node)
+                    view = ids_view(tensor_at(t).src[1])  # ffn_moe_topk-L's (Capture checked)
+                    ids = view.copy()
                     stops.reroute(layer, ids, t)
                     stops.on_route(layer, ids)
-                    write_ids(ids_node, stops.slot_ids(layer, ids))
+                    view[...] = stops.slot_ids(layer, ids)
                 return True
             if stops.router_input and prefix[:12] == LOGITS_PREFIX:
                 if ask:

@@ -95,12 +95,14 @@ def tensor_name(addr: int) -> str:
     return ctypes.string_at(addr + NAME_OFFSET).decode(errors="replace")
 
 
-def _ids_view(t: GgmlTensor) -> np.ndarray:
-    """The [n_tokens, n_expert_used] int32 ids of a `ffn_moe_topk-L` node, in place.
+def ids_view(addr: int) -> np.ndarray:
+    """The [n_tokens, n_expert_used] int32 ids of a `ffn_moe_topk-L` node, in place (writable: the remap
+    overwrites them through it).
 
     The node is a view into a wider argsort result, so rows are nb[1] bytes
     apart rather than n_expert_used*4: a flat read would return wrong experts.
     """
+    t = tensor_at(addr)
     k, n_tok = int(t.ne[0]), int(t.ne[1])
     row = int(t.nb[1])
     if n_tok == 0 or k == 0:
@@ -113,12 +115,7 @@ def _ids_view(t: GgmlTensor) -> np.ndarray:
 
 def routing_ids(addr: int) -> np.ndarray:
     """Copy the [n_tokens, n_expert_used] ids of a `ffn_moe_topk-L` node."""
-    return _ids_view(tensor_at(addr)).copy()
-
-
-def write_ids(addr: int, ids: np.ndarray) -> None:
-    """Overwrite a `ffn_moe_topk-L` node's ids in place (same shape as `routing_ids` gave)."""
-    _ids_view(tensor_at(addr))[...] = ids
+    return ids_view(addr).copy()
 
 
 def _f32_block(t: GgmlTensor, rows: int, cols: int, what: str) -> np.ndarray:

@@ -67,6 +67,7 @@ class StreamingStops:
         self.replay = replay
         self.norms = norms or {}
         self.rewrites = lossy is not None or replay is not None  # ids may hold DROPPED
+        self.tells_rows = self.rewrites or trace is not None  # `reroute` has something to do (BatchRows' rows)
         self.rows = BatchRows(streamer.layers[0])
         # node name -> wait key (bmoe.seam.Capture.wait_nodes); empty without --overlap: every read is
         # awaited at the routing node
@@ -99,6 +100,8 @@ class StreamingStops:
     def reroute(self, layer: int, ids: np.ndarray, node: int) -> None:
         """A replayed trace (bmoe.streaming.route_replay) sets the ids and weights, or lossy routing
         (bmoe.streaming.lossy) changes them, before anything reads them; the trace records the weights."""
+        if not self.tells_rows:
+            return
         self._at = self.rows.at(layer, ids.shape[0])
         if self.replay is not None:
             self.replay.reroute(layer, ids, node, self._at)
@@ -169,6 +172,8 @@ class StreamingStops:
         def stage(ri: int) -> int:
             return 2 if split_down and ri in st.down_kind else 1 if split_up and ri in st.up_kind else 0
 
+        if not missing and not busy:
+            return [], [], []
         groups: list[list[Key]] = [[], [], []]
         for k in missing:
             groups[stage(k[1])].append(k)
