@@ -387,8 +387,19 @@ def med(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def compute_shares(recs: list[dict]) -> None:
+    """Each streaming run's compute s/token over its round's compute bound's s/token (plain llama.cpp's
+    whole token, file warm): how much the streaming run's own compute costs beside plain llama.cpp's."""
+    plain = {r["round"]: 1 / r["tok_s"] for r in recs if r["kind"] == "compute-bound" and r["ok"] and r.get("tok_s")}
+    for r in recs:
+        if r["kind"] != "compute-bound" and r.get("compute_s") and r["round"] in plain:
+            r["compute_bound_tok_s"] = 1 / plain[r["round"]]
+            r["compute_share"] = r["compute_s"] / plain[r["round"]]
+
+
 def summarize(recs: list[dict], bw: float | None) -> list[dict]:
     """Per (cap, arm): medians over the rounds, bounds and shares."""
+    compute_shares(recs)
     cb = med([r.get("tok_s") for r in recs if r["kind"] == "compute-bound" and r["ok"]])
     rows = []
     keys = []
@@ -404,9 +415,10 @@ def summarize(recs: list[dict], bw: float | None) -> list[dict]:
                   "peak_cgroup_mib", "disk_read_mib", "others_cpu_pct"):
             row[k] = med([r.get(k) for r in ok])
         mib = row["mib_per_token"]
-        rate = cap or bw
+        rate = min(cap, bw) if cap and bw else cap or bw  # the device's rate: a cap above it reads no faster
         row["io_bound"] = rate / mib if rate and mib else None
         row["compute_bound"] = cb
+        row["compute_share"] = med([r.get("compute_share") for r in ok])
         lower = min([x for x in (row["io_bound"], cb) if x], default=None)
         row["share_of_lower_bound"] = row["tok_s"] / lower if lower and row["tok_s"] else None
         rows.append(row)
@@ -470,11 +482,14 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
     lines += ["", "## Medians", "",
               "hit %: each program's own (bmoe: decode lookups; the original: since load, its prefill's "
               "lookups included). experts/token = decode MiB/token ÷ the mean expert. stall: the wall time "
-              "compute waited for reads (serial runs: the time blocked on reads). I/O bound = cap (uncapped: "
-              "the measured rate) ÷ MiB/token; compute bound = plain llama.cpp, file warm, no limit.", "",
+              "compute waited for reads (serial runs: the time blocked on reads). I/O bound = the device's rate "
+              "(the measured rate, or the cap when it is lower) ÷ MiB/token; compute bound = plain llama.cpp, file "
+              "warm, no limit; compute ÷ plain = the run's compute s/token over its round's compute bound's "
+              "s/token (plain llama.cpp's whole token).", "",
               "| cap | arm | ok/runs | tok/s (each) | MiB/token | experts/token | hit % | mgmt s/tok | compute s/tok "
-              "| stall s/tok | I/O bound | compute bound | share of lower bound | cgroup peak MiB | others' CPU % |",
-              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| stall s/tok | I/O bound | compute bound | share of lower bound | compute ÷ plain | cgroup peak MiB "
+              "| others' CPU % |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         each = ", ".join(f"{x:.2f}" for x in r["tok_s_each"])
         lines.append(
@@ -482,8 +497,8 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
             f"| **{fmt(r['tok_s'])}** ({each}) "
             f"| {fmt(r['mib_per_token'], 1)} | {fmt(r['experts_per_token'], 1)} | {fmt(r['hit_pct'], 1)} "
             f"| {fmt(r['mgmt_s'], 4)} | {fmt(r['compute_s'], 4)} | {fmt(r['stall_s'], 4)} | {fmt(r['io_bound'])} "
-            f"| {fmt(r['compute_bound'])} | {fmt(r['share_of_lower_bound'])} | {fmt(r['peak_cgroup_mib'], 0)} "
-            f"| {fmt(r['others_cpu_pct'], 0)} |")
+            f"| {fmt(r['compute_bound'])} | {fmt(r['share_of_lower_bound'])} | {fmt(r['compute_share'])} "
+            f"| {fmt(r['peak_cgroup_mib'], 0)} | {fmt(r['others_cpu_pct'], 0)} |")
     ratios = ab_ratios(recs, arms)
     if ratios:
         lines += ["", f"## Same-run ratios: tok/s ÷ `{arms[0].name}`'s in the same round and cap", "",
@@ -497,9 +512,9 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
             lines.append(f"| {cap_name.get(x['cap'], x['cap'])} | {x['arm']} | {', '.join(f'{v:.2f}' for v in rs)} "
                          f"| {statistics.median(rs):.2f} |")
     lines += ["", "## Every run, in order", "",
-              "| # | arm | cap | round | exit | tok/s | MiB/token | hit % | mgmt | compute | stall | text = plain's | "
-              "load 1m | others' CPU % | elapsed s |",
-              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+              "| # | arm | cap | round | exit | tok/s | MiB/token | hit % | mgmt | compute | stall | compute bound "
+              "| compute ÷ plain | text = plain's | load 1m | others' CPU % | elapsed s |",
+              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in recs:
         text = r.get("text")
         same = "–" if plain_text is None or text is None or a.replay_routes else (
@@ -508,7 +523,8 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
         lines.append(f"| {r['index']} | {name} | {cap_name.get(r['cap'], r['cap'])} | {r['round']} | {r['exit']} "
                      f"| {fmt(r.get('tok_s'))} | {fmt(r.get('mib_per_token'), 1)} | {fmt(r.get('hit_pct'), 1)} "
                      f"| {fmt(r.get('mgmt_s'), 4)} | {fmt(r.get('compute_s'), 4)} | {fmt(r.get('stall_s'), 4)} "
-                     f"| {same} | {r['loadavg_1m']:.2f} | {fmt(r.get('others_cpu_pct'), 0)} | {r['elapsed_s']:.0f} |")
+                     f"| {fmt(r.get('compute_bound_tok_s'))} | {fmt(r.get('compute_share'))} | {same} "
+                     f"| {r['loadavg_1m']:.2f} | {fmt(r.get('others_cpu_pct'), 0)} | {r['elapsed_s']:.0f} |")
     failed = [r for r in recs if not r["ok"]]
     if failed:
         lines += ["", "## Failed runs", ""]

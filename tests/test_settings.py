@@ -34,7 +34,7 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
     fixed = [["-m", "other.gguf", "-c", "512", "-t", "3", "--verbose", "--route-trace", "t.jsonl", "--temp", "0.5",
               "--top-k", "7", "--top-p", "0.5", "--seed", "9", "--cache-policy", "lru", "--force", "--preload",
               "--io-threads", "3", "--no-odirect", "--lane-timeout", "9", "--shm", "memfd", "--no-overlap",
-              "--prefetch", "2", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
+              "--prefetch", "2", "--guess", "0.4", "--spec-gate", "--spec-warmup", "9", "--spec-recall-min", "9",
               "--spec-precision", "9", "--cache-mb", "64", "--adapt", "--pin-dense", "--experts-per-token", "3",
               "--drop-cold", "0.1", "--cache-routing", "0.2", "--min-p", "0.1", "--repeat-penalty", "1.1",
               "--repeat-last-n", "32", "--frequency-penalty", "0.5", "--presence-penalty", "-0.5",

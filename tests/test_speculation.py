@@ -415,3 +415,19 @@ def test_spec_gate_is_refused_where_the_router_input_mixes_several_streams(synth
     assert len(err) == 1 and f"--spec-gate cannot predict {arch}'s routing: " in err[0] \
         and "hyper-connection" in err[0] and err[0].endswith("run without --spec-gate"), r.stderr
     assert run_cli("-m", str(path), "-p", PROMPT, "-n", "4", "-t", "2").returncode == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_guesses_are_lossless_and_read_the_next_layers_experts_ahead(small_moe, overlap: bool) -> None:
+    """--guess: the experts the routing seen so far says follow each layer's are read into idle lanes
+    ahead of the next layer's routing; the answer is plain llama.cpp's and every matmul reads the
+    file's bytes (SlabCheck), and guesses were read and some used."""
+    path = str(small_moe)
+    third = read_model_files(path).expert_bytes / 3 / MiB
+    ref = reference(path)
+    res, _, sc = _run(path, False, N_PREDICT, "--cache-mb", f"{third:.2f}", "--io-threads", 2, "--guess", 0.2,
+                      "--overlap" if overlap else "--no-overlap")
+    assert not sc.bad, sc.bad[:5]
+    assert sc.checked > 0
+    assert res.ids == ref.ids and res.text == ref.text
+    assert res.stats.prefetched_experts > 0 and res.stats.useful_experts > 0, res.stats

@@ -168,6 +168,12 @@ class SpecSettings:
         0, "--prefetch", parse=positive_int, metavar="K", ok=lambda v: v >= 0, rule="a number of layers, 0 or more",
         help="after a layer routes, read ahead the experts the previous token routed at the next K layers (needs a "
              "cache; off by default: docs/levers.md has what it measured)")
+    guess: float = setting(
+        0.0, "--guess", parse=_share, metavar="P", ok=lambda v: 0 <= v < 1,
+        rule="a probability from 0 (off) to below 1",
+        help="while a lane is idle, read ahead the next layer's experts that follow, in the routing seen so far, "
+             "what this layer routed with probability P or more (bmoe.streaming.route_guess); 0 = off (default "
+             "{default}: docs/levers.md has what it measured)")
     gate: bool = setting(
         False, "--spec-gate", toggle=True,
         help="predict the next layer's experts from this layer's router input in a separate process and read them "
@@ -365,7 +371,7 @@ class Settings:
 
     @property
     def reads_ahead(self) -> bool:
-        return bool(self.speculation.prefetch or self.speculation.gate)
+        return bool(self.speculation.prefetch or self.speculation.gate or self.speculation.guess)
 
 
 # ---- the schema ------------------------------------------------------------------------------------
@@ -532,7 +538,8 @@ def validate(s: Settings, w: Naming = FLAGS, given: frozenset[str] = frozenset()
         if e.option.ok is not None and v is not None and not e.option.ok(v):
             raise ConfigError(f"{w.value(e.name, v)}: {e.option.rule}")
     c, st, sp = s.cache, s.streaming, s.speculation
-    ahead = " and ".join(w.name(k) for k, on in (("prefetch", sp.prefetch), ("spec_gate", sp.gate)) if on)
+    ahead = " and ".join(w.name(k) for k, on in (("prefetch", sp.prefetch), ("spec_gate", sp.gate), ("guess", sp.guess))
+                         if on)
     no_stream = w.value("stream", False)
     if not st.enabled and "overlap" in given and st.overlap:
         raise ConfigError(f"{w.value('overlap', True)} streams experts; drop it or drop {no_stream}")

@@ -184,7 +184,8 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     _charge_dense(p, dense)
     # the lanes and pinned weights are there before the budget is decided: they are in the charge
     st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
-                               [*cap.biases.values(), *cap.scales.values()], spare=s.lossy.on or replay is not None)
+                               [*cap.biases.values(), *cap.scales.values()], spare=s.lossy.on or replay is not None,
+                               guess=s.speculation.guess)
     if cap.scales:  # their graphs' REPEATs were sized for n_expert rows: build them for the pools
         assert p.ctx is not None and p.model is not None  # loaded
         llama.rebuild_graphs(p.ctx, p.model)

@@ -1,4 +1,5 @@
-"""Reads ahead of demand: whole layers in a prefill, the previous token's experts (`--prefetch K`)
+"""Reads ahead of demand: whole layers in a prefill, the previous token's experts (`--prefetch K`),
+the experts the routing seen so far says follow this layer's (`--guess P`, bmoe.streaming.route_guess)
 and the spec-gate's predictions.
 
 A prefill batch routes nearly every expert of every layer, so the next layer's routing is known
@@ -15,6 +16,10 @@ experts it did not pick (mispredictions) are cancelled if the lane has not start
 wish list is rebuilt from the new position in the layer cycle. A read ahead is useful when its
 layer routes the expert; one still in flight then counts when it lands (the demand waits for it).
 The cache admits these slices at the cold end and protects them until their layer routes.
+
+Guesses are wishes too, with one more rule: they go only to a lane with nothing in flight, so they
+take only the flash's idle time (a layer's compute after its reads landed) and a demand read never
+waits behind more than one guess.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from bmoe import seam
 from bmoe.streaming.expert_cache import ABSENT, ExpertCache
 from bmoe.streaming.lanes import CANCELLED
 from bmoe.streaming.orders import Order, OrdersInFlight
+from bmoe.streaming.route_guess import RouteGuess
 from bmoe.streaming.speculation import SpecGate
 
 
@@ -68,7 +74,8 @@ class ReadAhead:
     """The wish list, the spec-gate's predictions and how they fared; it sends and cancels its
     orders through `orders` (bmoe.streaming.orders), beside the Streamer's demand reads."""
 
-    def __init__(self, orders: OrdersInFlight, cache: ExpertCache, n_expert: int, top_k: int, prefetch: int) -> None:
+    def __init__(self, orders: OrdersInFlight, cache: ExpertCache, n_expert: int, top_k: int, prefetch: int,
+                 guess: float = 0.0) -> None:
         self.orders = orders
         self.cache = cache
         self.n_expert, self.top_k = n_expert, max(1, top_k)
@@ -77,6 +84,8 @@ class ReadAhead:
         self.layers = sorted(self.cache.by_layer)
         self.cycle_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.wishes: list[tuple[int, int]] = []
+        self.guess = RouteGuess(self.layers, n_expert, guess) if guess > 0 else None
+        self.guessed: list[tuple[int, int]] = []  # wishes that are guesses: idle lanes only
         self.cancelled: set[int] = set()  # orders asked to be dropped, not yet answered
         self.last_routes: dict[int, list[int]] = {}
         self.predictions: dict[int, set[int]] = {}
@@ -111,12 +120,15 @@ class ReadAhead:
         self.route_seq += 1
         self.routed_at[layer] = self.route_seq
         self.last_routes[layer] = ids[-1].tolist() if len(ids) else []
+        if self.guess is not None and len(ids):
+            self.guess.observe(layer, ids)
         predicted = self.predictions.pop(layer, None)
         if predicted is not None and self.gate is not None:
             self.gate.score(predicted, set(self.last_routes[layer]))
             for band, e in self.guesses.pop(layer, ()):
                 self.gate.confidence.score(band, e in self.last_routes[layer])
         self.wishes.clear()
+        self.guessed.clear()
         if self.read_ahead or self.orders.ahead_ids:
             self._count_useful(layer, wanted)
             self.cancel(layer, wanted)
@@ -156,11 +168,14 @@ class ReadAhead:
             self.batch_left -= self.ubatch
             if self._routes_nearly_all(min(self.batch_left, self.ubatch)):
                 self._read_whole(self.layers[0])
+        if self.guess is not None and n_tokens == 1:
+            nxt = self.layers[(pos + 1) % len(self.layers)]
+            self.guessed = [(nxt, e) for e, _ in self.guess.guess(layer) if self.absent(nxt, e)]
         if self.prefetch:
             for j in range(1, self.prefetch + 1):
                 nxt = self.layers[(pos + j) % len(self.layers)]
                 self._wish(nxt, self.last_routes.get(nxt, ()))
-        if self.wishes or self.warm:
+        if self.wishes or self.guessed or self.warm:
             self.pump()
 
     def on_router_input(self, layer: int, node: int) -> None:
@@ -195,6 +210,13 @@ class ReadAhead:
                 lane = queued.index(min(queued))
                 self.orders.send(lane, self.orders.reads_for(keys), ahead=[(layer, e)])
                 queued[lane] += 1
+        if self.guessed:
+            idle = [i for i, b in enumerate(self.orders.pending_bytes()) if b == 0]
+            while self.guessed and idle:
+                layer, e = self.guessed.pop(0)
+                keys = self.cache.admit_speculative(layer, [e]) if self.absent(layer, e) else []
+                if keys:
+                    self.orders.send(idle.pop(0), self.orders.reads_for(keys), ahead=[(layer, e)])
         if self.warm:
             self.warm.pump()
 
@@ -276,6 +298,7 @@ class ReadAhead:
         if self.warm:
             self.warm.pause()
         self.wishes.clear()
+        self.guessed.clear()
         self.predictions.clear()
         self.guesses.clear()
         self.cancel(None)

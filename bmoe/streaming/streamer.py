@@ -71,7 +71,9 @@ class Streamer:
 
     def __init__(self, files: ModelFiles, regions: list[Region], tensors: list[seam.ExpertTensor], budget: int,
                  streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0,
-                 biases: Sequence[seam.ExpertBias | seam.ExpertScale] = (), spare: bool = False) -> None:
+                 biases: Sequence[seam.ExpertBias | seam.ExpertScale] = (), spare: bool = False,
+                 guess: float = 0.0) -> None:
+        """`prefetch`, `guess`: the reads ahead of bmoe.streaming.readahead (--prefetch, --guess)."""
         self.files = files
         self.n_expert = max(r.n_expert for r in regions)
         self.slab = Slab(layout(regions, spare, regions[0].align), streaming.shm_backend)
@@ -116,7 +118,7 @@ class Streamer:
         self.counters = Counters()
         self.looked = (0, 0)  # the cache's (hits, lookups) at the last take_counters
         self.commit_ns = 0  # committing arrived slices, ever (for wait's split)
-        self.ahead = ReadAhead(self.orders, self.cache, self.n_expert, files.n_expert_used, prefetch)
+        self.ahead = ReadAhead(self.orders, self.cache, self.n_expert, files.n_expert_used, prefetch, guess)
         self.lane_stats = LaneStats(streaming.io_threads)
         self.watch: Callable[[], None] | None = None  # the adaptive budget's step (bmoe.memory.budget.BudgetWatch)
         self.watched_at = 0  # cache bytes at the last check

@@ -69,6 +69,7 @@ examples:
   bmoe-bench policies story.jsonl                       # budgets 10,25,50,75% of the expert bytes
   bmoe-bench policies story.jsonl code.jsonl --budgets 25,50 -m model.gguf --out policies.md
   bmoe-bench policies gemma.route.csv --budgets 1300MiB,1900MiB,10   # route_trace v1: no model file
+  bmoe-bench policies gemma.route.csv --budgets 1300MiB --guesses 0.2,0.3,0.5   # and how well --guess would do
   bmoe-cli -m model.gguf -p "Hello" -n 64 --route-trace hello.csv    # bmoe writes route_trace v1 too
 
 Traces are bmoe's JSON lines (bmoe-cli --route-trace PATH.jsonl) or route_trace v1 CSV (the format
@@ -151,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     po.add_argument("--drop-cold", type=_fraction_list, default=[], metavar="LIST",
                     help="also price --drop-cold F on the traces' router weights (needs weights: route_trace v1 "
                          "or --route-trace PATH.csv): reads saved against router weight dropped, e.g. 0.05,0.1,0.2")
+    po.add_argument("--guesses", type=_fraction_list, default=[], metavar="LIST",
+                    help="also score bmoe-cli --guess at these thresholds on the traces (default policy): the "
+                         "next layer's misses the routing seen so far guesses, and the bytes it guesses in vain, "
+                         "e.g. 0.2,0.3,0.5")
     po.add_argument("--no-prefill", action="store_true",
                     help="start decode from an empty cache; by default the trace's prompt (or, for a trace "
                          "without prompt rows, a pass that routes every expert of every layer) comes first")
@@ -226,6 +231,15 @@ def cmd_policies(a: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError) as e:
             raise bench_run.BenchError(f"cannot price --drop-cold on the traces: {e}") from e
         text += "\n## --drop-cold on these routes (default policy)\n\n" + lossy_prices.price_table(prices) + "\n"
+    if a.guesses:
+        from bmoe.replay import guesses
+
+        try:
+            rows_g = [r for path in a.traces for b in a.budgets
+                      for r in guesses.score_guesses(path, b, tuple(a.guesses), a.model)]
+        except (OSError, ValueError, KeyError) as e:
+            raise bench_run.BenchError(f"cannot score --guess on the traces: {e}") from e
+        text += "\n## --guess on these routes (default policy)\n\n" + guesses.guess_table(rows_g) + "\n"
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
