@@ -110,6 +110,11 @@ class Engine:
         return self._parts.streamer
 
     @property
+    def scratch(self) -> seam.Scratch | None:
+        """llama.cpp's compute buffer and the part a decode uses (streaming only: read off the warm-up graph)."""
+        return self._parts.scratch
+
+    @property
     def lossy(self) -> Lossy | None:
         """Lossy routing while streaming with a lossy setting on."""
         return self._parts.lossy
@@ -437,11 +442,16 @@ class Engine:
         rows: list[int] = []
         mask = self.lossy.mask.tolist() if self.lossy else []
         at = 0
-        for k in prompt_calls.calls(len(toks), self.call_width):
+        calls = prompt_calls.calls(len(toks), self.call_width)
+        for k in calls:
             if self.lossy:
                 self.lossy.begin(mask[at:at + k])
             rows = self._decode_call([(seq, toks[at:at + k], pos + at)])
             at += k
+        s = self.scratch
+        if s is not None and max(calls) > prompt_calls.REGIME_UBATCH:
+            # the compute buffer's pages past a decode's stay the process's after a wide call: give them back
+            llama.give_back(s.base + s.used, s.base + s.size)
         return rows
 
     @property

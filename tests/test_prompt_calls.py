@@ -5,11 +5,14 @@ graphs differ where a wider ubatch could tell (MLA attention, sliding windows, a
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import pytest
 
 from bmoe.engine.prompt_calls import FA_TILE, REGIME_UBATCH, calls, width
 from bmoe.tools.synth import write_model
-from tests.conftest import generate
+from tests.conftest import complete, generate, load
 from tests.plain_llama import Plain
 
 
@@ -71,3 +74,31 @@ def test_a_long_prompt_gives_plain_llama_cpps_text_at_ubatches_of_512(tmp_path, 
     for prompt, text in zip(prompts, want):
         assert generate(path, prompt, 12, "-c", 2048, "-t", 2, "--cache-mb", third, "--force").text == text
         assert generate(path, prompt, 12, "-c", 2048, "-t", 2, "--no-stream").text == text
+
+
+def _resident_pages(start: int, end: int) -> int:
+    """Pages of [start, end) in memory now (mincore)."""
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    vec = ctypes.create_string_buffer(max(1, (hi - lo) // page))
+    assert libc.mincore(lo, hi - lo, vec) == 0
+    return sum(b & 1 for b in vec.raw[:(hi - lo) // page])
+
+
+def test_a_wide_call_gives_back_the_compute_pages_a_decode_does_not_use(tmp_path) -> None:
+    """The compute buffer is sized for the widest call; a long prompt touches far more of it than a
+    decode does, and those pages go back to the system after the prompt (bmoe.seam.Scratch): the
+    decode after it holds no more memory than after a short prompt."""
+    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", layers=2, experts=16, top_k=4)
+    plain = Plain(path, n_ctx=2048)
+    try:
+        prompt = _prompt(plain, 1500)
+    finally:
+        plain.close()
+    with load(path, "-c", 2048, "-t", 2, "--cache-mb", 1) as m:
+        s = m.engine.scratch
+        assert s is not None and 0 < s.used < s.size
+        complete(m, prompt, 2)
+        assert _resident_pages(s.base + s.used, s.base + s.size) == 0

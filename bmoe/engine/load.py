@@ -68,6 +68,7 @@ class Loaded:
     warm: WarmStart | None = None  # the usage profile: a background fill now, saved at close
     dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
     gating: Gating | None = None  # how the model routes (read from the warm-up graph while streaming)
+    scratch: seam.Scratch | None = None  # llama.cpp's compute buffer (from the warm-up graph while streaming)
 
     def close(self) -> None:
         """Free llama.cpp's objects, then release workers and shared memory; idempotent."""
@@ -176,6 +177,7 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     --replay-routes runs on."""
     s, files = p.settings, p.files
     cap = _captured(p)
+    p.scratch = cap.scratch()
     gating = p.gating = read_gating(files, cap.gating)
     _refuse_what_cannot_follow(p, gating)
     tensors = list(cap.tensors.values())

@@ -137,6 +137,18 @@ class ExpertScale:
         t.nb[1] = t.nb[2] = t.nb[3] = 4 * n_rows
 
 
+@dataclass(frozen=True)
+class Scratch:
+    """llama.cpp's compute buffer: `size` bytes from `base`, sized for the widest ubatch, of which a one-token
+    decode's graph uses the first `used`. A wide prefill touches more; those pages stay the process's
+    until given back (bmoe.seam.llama.give_back), and the next graph that needs them gets zeroed pages:
+    every node of a graph is written before it is read."""
+
+    base: int
+    size: int
+    used: int
+
+
 @dataclass
 class Capture:
     """What one warm-up decode reveals: expert tensors, the layers that route, and whether the
@@ -166,10 +178,16 @@ class Capture:
     gating: dict[int, dict[str, str]] = field(default_factory=dict)
     seen: int = 0
     dry: bool = True  # stop the graph at its first computed node: the nodes are known, the compute not needed
+    # buffer -> [nodes allocated there, the end of the furthest]: the compute buffer is the one most nodes use
+    buffers: dict[int, list[int]] = field(default_factory=dict)
 
     def visit(self, addr: int) -> None:
         t = tensor_at(addr)
         self.seen += 1
+        if t.buffer and not t.view_src and t.data:
+            b = self.buffers.setdefault(t.buffer, [0, 0])
+            b[0] += 1
+            b[1] = max(b[1], t.data + libggml.ggml_nbytes(addr))
         name = tensor_name(addr)
         mg = _GATING_NAME.match(name)
         if mg:
@@ -236,6 +254,15 @@ class Capture:
             name = ctypes.string_at(t.src[1] + NAME_OFFSET)
             if name.startswith(DOWN_INPUT_PREFIX) and name.endswith(f"-{m.group(1)}".encode()):
                 self.down_inputs[name] = layer
+
+    def scratch(self) -> Scratch | None:
+        """The compute buffer (the one most of the graph's own nodes are allocated in) and how far into it
+        this graph's nodes reach."""
+        if not self.buffers:
+            return None
+        buf, (_, end) = max(self.buffers.items(), key=lambda kv: kv[1][0])
+        base = libggml.ggml_backend_buffer_get_base(buf) or 0
+        return Scratch(base, libggml.ggml_backend_buffer_get_size(buf), end - base)
 
     def wait_nodes(self) -> dict[bytes, int]:
         """Where overlapped reads are awaited: node name -> wait key. The down matmul's input awaits the

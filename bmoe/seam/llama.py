@@ -109,6 +109,21 @@ def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, ev
     return ctx
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_DONTNEED = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def give_back(start: int, end: int) -> None:
+    """Hand the pages wholly inside [start, end) of llama.cpp's own scratch memory back to the system
+    (MADV_DONTNEED: the next touch finds a zeroed page). Only for memory whose content nothing reads
+    before writing it again: the compute buffer past what decode graphs use (bmoe.seam.Scratch)."""
+    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    if hi > lo and _libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of llama.cpp's compute buffer failed")
+
+
 def rebuild_graphs(ctx: Context, model: LlamaModel) -> None:
     """Make the context build and reserve every graph afresh at its next decode: a weight whose shape
     a graph takes when it is built (an expert scale's REPEAT, bmoe.seam.capture.ExpertScale) was
