@@ -446,8 +446,8 @@ class Engine:
         for k in calls:
             if self.lossy:
                 self.lossy.begin(mask[at:at + k])
-            rows = self._decode_call([(seq, toks[at:at + k], pos + at)])
             at += k
+            rows = self._decode_call([(seq, toks[at - k:at], pos + at - k)], no_logit=at < len(toks))
         s = self.scratch
         if s is not None and max(calls) > prompt_calls.REGIME_UBATCH:
             # the compute buffer's pages past a decode's stay the process's after a wide call: give them back
@@ -459,15 +459,16 @@ class Engine:
         """The widest llama_decode a prompt is decoded in: the context's ubatch."""
         return llama.ubatch_size(self.context)
 
-    def _decode_call(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
-        """One llama_decode of (sequence, tokens, first position) parts."""
+    def _decode_call(self, parts: list[tuple[int, list[int], int]], no_logit: bool = False) -> list[int]:
+        """One llama_decode of (sequence, tokens, first position) parts (`no_logit`: a prompt's call
+        before its last, whose logits nobody reads)."""
         n = sum(len(toks) for _, toks, _ in parts)
         if self.streamer is not None:
             self.streamer.begin_batch(n)
         if self._parts.stops is not None:
             self._parts.stops.begin_batch(n, prompt=any(len(toks) > 1 for _, toks, _ in parts))
         ctx = self.context
-        return self.hook.run(lambda: llama.decode(ctx, parts))
+        return self.hook.run(lambda: llama.decode(ctx, parts, no_logit=no_logit))
 
     def close(self) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent."""

@@ -287,22 +287,23 @@ def test_a_prefill_that_routes_every_expert_of_a_layer_streams_exactly(small_moe
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(synth, arch: str) -> None:
-    """A prefill that routes nearly every expert reads each next layer whole while this one
-    computes (the first layer of each ubatch too), under a budget of 2.5 of its 4 layers. Only
-    the last layer may wait on demand reads: where llama.cpp computes just the logits' row there,
-    in every ubatch; where it computes every row (gpt-oss), in the first ubatch only. Prompt and
-    answer equal plain's."""
+def test_a_prompt_of_two_calls_reads_each_layer_ahead_and_streams_exactly(synth, arch: str) -> None:
+    """A prefill of two llama_decode calls (the first as wide as the context's ubatch, 2048 tokens:
+    bmoe.engine.prompt_calls) that routes nearly every expert reads each next layer whole while
+    this one computes (the first layer of each call too), under a budget of 2.5 of its 4 layers.
+    Only the last layer may wait on demand reads: where llama.cpp computes just the logits' row
+    there, in every call; where it computes every row (gpt-oss), in the first call only. Prompt and
+    answer equal plain llama.cpp's with its default ubatch of 512."""
     path = str(synth(arch=arch, layers=4, experts=8, top_k=2))
-    flags = ("-c", 1024, "-t", 2)
-    words = (PROMPT + " ") * 10
+    flags = ("-c", 2560, "-t", 2)
+    words = (PROMPT + " ") * 38
     ref = plain(path, words, N_PREDICT, *flags)
     m = load(path, *flags, "--cache-mb", read_model_files(path).expert_bytes * 2.5 / 4 / MiB, "--io-threads", 2)
     e = m.engine
     toks = e.tokenize(words)
-    assert 512 < len(toks) <= 1024 - N_PREDICT, len(toks)  # two ubatches of at most 512
+    assert 2048 + 64 <= len(toks) <= 2560 - N_PREDICT, len(toks)  # two calls, the second past the tail's own
     st = e.streamer
-    demand: set[tuple[int, int]] = set()  # (ubatch, layer routing) of the prefill's demand orders
+    demand: set[tuple[int, int]] = set()  # (call, layer routing) of the prefill's demand orders
     ahead: set[int] = set()  # layers the prefill read ahead
     ahead_at: list[int] = []  # routings done when each was sent
     routes: list[tuple[int, int]] = []  # (layer, tokens) of every routing
@@ -326,16 +327,16 @@ def test_a_prompt_of_two_ubatches_reads_each_layer_ahead_and_streams_exactly(syn
         res = complete(m, words, N_PREDICT)
     finally:
         m.close()
-    assert routes[:8:4] == [(0, 512), (0, len(toks) - 512)]
+    assert routes[:8:4] == [(0, 2048), (0, len(toks) - 2048)]
     last = [n for layer, n in routes[:8] if layer == 3]
     if arch == "gpt-oss":
-        assert last == [512, len(toks) - 512]
-        assert demand == {(1, 3)}, demand  # learnt in the first ubatch
+        assert last == [2048, len(toks) - 2048]
+        assert demand == {(1, 3)}, demand  # learnt in the first call
     else:
         assert last == [0, 1]
-        assert demand == {(2, 3)}, demand  # the logits' row (the first ubatch wants none)
+        assert demand == {(2, 3)}, demand  # the logits' row (the first call wants none)
     assert set(ahead) == {0, 1, 2, 3} if arch == "gpt-oss" else {0, 1, 2}
-    assert max(ahead_at) < 8, "the prompt's last ubatch was through: nothing is to be read whole"
+    assert max(ahead_at) < 8, "the prompt's last call was through: nothing is to be read whole"
     assert res.ids == ref.ids and res.text == ref.text
 
 

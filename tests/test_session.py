@@ -223,26 +223,27 @@ class LocalSession:
 
 
 def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
-    """The cancel lands while the prompt's second ubatch is being computed (-c 1024: ubatches of 512),
-    so the KV already holds the first one; the turn must roll back to the prefix it reused and the
-    conversation go on as if the cancelled turn had never been asked.
+    """The cancel lands while the prompt's second llama_decode call is being computed (-c 2560:
+    calls of up to 2048 tokens, bmoe.engine.prompt_calls), so the KV already holds the first one;
+    the turn must roll back to the prefix it reused and the conversation go on as if the cancelled
+    turn had never been asked.
 
-    The hook stops the prefill at the second ubatch's first routed layer, sends the cancel down
+    The hook stops the prefill at the second call's first routed layer, sends the cancel down
     the request pipe and waits until the session's reader thread has handed it to the Engine."""
-    s = LocalSession(model, *SMALL_CACHE, "-c", "1024")  # (a cache that holds every expert soon stops nowhere)
+    s = LocalSession(model, *SMALL_CACHE, "-c", "2560")  # (a cache that holds every expert soon stops nowhere)
     try:
         engine = s.engine
         first_layer = min(engine.streamer.layers)
         route, cancel, keep = engine.hook.stops.on_route, engine.interrupt, engine.kv_keep
         cancelled, armed = threading.Event(), threading.Event()
-        ubatches: list[tuple[int, int]] = []  # (tokens in the ubatch, KV length) at each prefill ubatch
+        calls: list[tuple[int, int]] = []  # (tokens in the call, KV length) at each prefill call
         kept: list[tuple[int, int]] = []  # (KV length, n) at each kv_keep(n)
 
         def on_route(layer, ids):
             route(layer, ids)
             if armed.is_set() and layer == first_layer and len(ids) > 1:
-                ubatches.append((len(ids), engine.kv_len()))
-                if len(ubatches) == 2:
+                calls.append((len(ids), engine.kv_len()))
+                if len(calls) == 2:
                     s.send({"cmd": "cancel"})
                     assert cancelled.wait(600), "the cancel never reached the engine"
 
@@ -258,14 +259,14 @@ def test_cancel_mid_prefill_rolls_a_half_filled_kv_back(model: str) -> None:
         s.send({"cmd": "generate", "id": 1, "prompt": TURNS[0], "n_predict": 12})
         first = check_turn(s.events_until(1), 1, 12)
         armed.set()
-        s.send({"cmd": "generate", "id": 2, "prompt": "the king said " * 250, "n_predict": 8, "clear_kv": False})
+        s.send({"cmd": "generate", "id": 2, "prompt": "the king said " * 720, "n_predict": 8, "clear_kv": False})
         done = check_turn(s.events_until(2), 2, 8, cancelled=True)
         armed.clear()
-        assert done["tokens"] == 0 and done["n_prompt"] > 512 and done["n_past"] == first["n_past"]
-        (n0, kv0), (_n1, kv1) = ubatches
-        assert n0 == 512 and kv0 > first["n_past"] and kv1 >= first["n_past"] + 512, ubatches
-        # the rollback had work to do: the aborted prefill left the first ubatch in the KV
-        assert kept[-1][1] == first["n_past"] and kept[-1][0] >= first["n_past"] + 512, kept
+        assert done["tokens"] == 0 and done["n_prompt"] > 2048 + 64 and done["n_past"] == first["n_past"]
+        (n0, kv0), (_n1, kv1) = calls
+        assert n0 == 2048 and kv0 > first["n_past"] and kv1 >= first["n_past"] + 2048, calls
+        # the rollback had work to do: the aborted prefill left the first call in the KV
+        assert kept[-1][1] == first["n_past"] and kept[-1][0] >= first["n_past"] + 2048, kept
         assert engine.kv_len() == first["n_past"]
         s.send({"cmd": "generate", "id": 3, "prompt": TURNS[1], "n_predict": 12, "clear_kv": False})
         follow = check_turn(s.events_until(3), 3, 12)

@@ -240,10 +240,11 @@ def kv_cut(ctx: Context, seq: int, n: int) -> bool:
     return bool(llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq, n, -1))
 
 
-def decode(ctx: Context, parts: Sequence[tuple[int, Sequence[int], int]], every_logit: bool = False
-           ) -> tuple[int, list[int]]:
+def decode(ctx: Context, parts: Sequence[tuple[int, Sequence[int], int]], every_logit: bool = False,
+           no_logit: bool = False) -> tuple[int, list[int]]:
     """One llama_decode of (sequence, tokens, first position) parts, logits for each part's last
-    token (every token's with `every_logit`); llama.cpp's return code and the batch row of each
+    token (every token's with `every_logit`, none with `no_logit`: a prompt's call before its last,
+    whose last layer then computes no row); llama.cpp's return code and the batch row of each
     part's last token."""
     n = sum(len(toks) for _, toks, _ in parts)
     batch = llama_cpp.llama_batch_init(n, 0, 1)
@@ -253,7 +254,7 @@ def decode(ctx: Context, parts: Sequence[tuple[int, Sequence[int], int]], every_
             for j, tok in enumerate(toks):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + j, 1
                 batch.seq_id[i][0] = seq
-                batch.logits[i] = every_logit or j == len(toks) - 1
+                batch.logits[i] = every_logit or (j == len(toks) - 1 and not no_logit)
                 i += 1
             rows.append(i - 1)
         batch.n_tokens = n
