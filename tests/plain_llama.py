@@ -172,7 +172,9 @@ _PLAIN_BUFFERS = {"CPU", "CPU_Mapped"}
 
 def _child(path: Path, prompt: str, n: int, bmoe_way: bool) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _DEFAULTS_CHILD, str(path), prompt, str(n)],
-                          capture_output=True, text=True, env={**os.environ, "BMOE_PLAIN": str(int(bmoe_way))})
+                          capture_output=True, text=True,
+                          # no gdb backtrace from ggml's abort: the stderr's tail is then llama.cpp's own message
+                          env={**os.environ, "BMOE_PLAIN": str(int(bmoe_way)), "GGML_NO_BACKTRACE": "1"})
 
 
 def _death(r: subprocess.CompletedProcess) -> str:
@@ -187,7 +189,8 @@ def with_llama_defaults(path: str | Path, prompt: str, n: int = 8) -> str:
     suite goes on.
 
     One crash is llama.cpp's and not the file's: weights in an extra buffer type that crashes on this
-    CPU (docs/architecture.md: AMX on small shapes). When the child died with an extra buffer type in
+    CPU (docs/architecture.md's seam facts: on AMX CPUs, an abort where MLA multiplies a permuted
+    query, and SIGILL in the AMX matmul of two or more tokens on one VM). When the child died with an extra buffer type in
     use and the same child, loading as bmoe does, runs, the test is marked xfail naming the buffers;
     any other failure fails it."""
     r = _child(Path(path), prompt, n, bmoe_way=False)
