@@ -90,7 +90,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         for line in summary(e, settings, lines, done.stats):
             out.write(line + "\n")
         out.flush()
-        if e.spec_gate is not None and not settings.speculation.prefetch:
+        if (e.spec_gate is not None or settings.speculation.guess) and not settings.speculation.prefetch:
             console.notice(speculation_line(done.stats))  # the contract's moe-prefetch line is --prefetch's
         if csv_file:
             totals = telemetry.RunTotals.of(lines, overlap=e.streaming and settings.streaming.overlap)
