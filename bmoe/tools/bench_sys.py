@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from bmoe.base import MiB
-from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
+from bmoe.shm_cache import SHM_DIR, segment_owner
 
 CGROUP_PREFIX = "bmoe-bench-"
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -416,10 +416,8 @@ def shm_bytes(pids: set[int]) -> int:
     except OSError:
         return 0
     for e in entries:
-        if not e.name.startswith(SHM_PREFIX):
-            continue
-        owner = e.name[len(SHM_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and int(owner) in pids:
+        owner = segment_owner(e.name)
+        if owner is not None and owner[1] in pids:
             try:
                 total += e.stat().st_blocks * 512
             except OSError:
