@@ -1,10 +1,11 @@
 """bmoe on a machine it shares with other users: their segments in /dev/shm (left there by a run
-that died, or planted to stop ours). A start leaves what is not its own alone and still sweeps its
-own user's leftovers."""
+that died, or planted to stop ours) and a `bmoe/` folder where the user starts a run. A start leaves
+what is not its own alone, still sweeps its own user's leftovers, and runs only the installed bmoe."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -15,9 +16,11 @@ from pathlib import Path
 import posix_ipc
 import pytest
 
-from bmoe import shm_cache
+from bmoe import shm_cache, workers
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
+from bmoe.chat.grammar import Grammar
+from bmoe.chat.grammar_check import GrammarCheck
 from bmoe.shm_cache import PAGE, SHM_DIR, Slab, segment_name, sweep_stale_segments
 from tests.conftest import complete, load, reference
 
@@ -143,3 +146,39 @@ def test_a_taken_name_is_passed_over_for_a_fresh_one(planted, monkeypatch) -> No
     finally:
         slab.close()
     assert taken.exists() and taken.stat().st_uid == OTHER
+
+
+HOSTILE_PACKAGE = {
+    "__init__.py": "import pathlib\npathlib.Path({marker!r}).write_text(__name__)\n",
+    "workers/__init__.py": "",
+    "workers/io_lane.py": "raise SystemExit(3)\n",
+    "workers/spec_gate.py": "raise SystemExit(3)\n",
+    "workers/grammar_worker.py": "raise SystemExit(3)\n",
+}
+
+
+@pytest.mark.parametrize("safe_path", [True, False], ids=["python -P", "python 3.10 form"])
+def test_workers_never_run_a_bmoe_folder_where_the_user_stands(small_moe, tmp_path, monkeypatch,
+                                                               safe_path: bool) -> None:
+    """A start from a folder holding a `bmoe/` package (one that records being imported): the I/O lanes,
+    the spec-gate and the grammar checker are the installed bmoe's, the answer plain llama.cpp's.
+    Both forms of the worker command: `-P` (3.11+) and the runpy one Python 3.10 gets."""
+    marker = tmp_path / "the folder's bmoe ran"
+    cwd = tmp_path / "cwd"
+    for name, text in HOSTILE_PACKAGE.items():
+        (cwd / "bmoe" / name).parent.mkdir(parents=True, exist_ok=True)
+        (cwd / "bmoe" / name).write_text(text.format(marker=str(marker)))
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(workers, "command", functools.partial(workers.command, safe_path=safe_path))
+    with load(small_moe, *FLAGS, "--cache-mb", third_of_experts(small_moe), "--io-threads", 2, "--overlap",
+              "--spec-gate", "--spec-recall-min", 0) as m:
+        gate = m.engine.streamer.ahead.gate
+        assert gate is not None and gate.active, "the spec-gate started and said hello"
+        res = complete(m, PROMPT, N_PREDICT)
+    checker = GrammarCheck(str(small_moe))
+    try:
+        checker.check(Grammar('root ::= "a"'))
+    finally:
+        checker.close()
+    assert not marker.exists(), marker.read_text()
+    assert res.ids == reference(str(small_moe), PROMPT, N_PREDICT, *FLAGS).ids

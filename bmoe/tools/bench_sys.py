@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from bmoe import workers
 from bmoe.base import MiB
 from bmoe.shm_cache import SHM_DIR, segment_owner
 
@@ -326,7 +327,7 @@ class Balloon:
     def __init__(self, nbytes: int, timeout: float = 300.0, cgroup: Cgroup | None = None) -> None:
         self.nbytes = nbytes
         self.locked = False
-        cmd = [sys.executable, "-m", "bmoe.tools.bench_sys", "balloon", str(nbytes)]
+        cmd = workers.command("bmoe.tools.bench_sys", "balloon", str(nbytes))
         self.proc = subprocess.Popen(cgroup.wrap(cmd) if cgroup else cmd,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         t = threading.Timer(timeout, self.proc.kill)
