@@ -54,7 +54,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bmoe.demo import build as demo_build  # noqa: E402
-from bmoe.shm_cache import SHM_DIR, SHM_PREFIX  # noqa: E402
+from bmoe.shm_cache import segments_of  # noqa: E402
 from bmoe.tools import bench_sys  # noqa: E402
 
 DEMO16 = demo_build.default_path()  # the 16-expert demo, where bmoe keeps it (honours $XDG_CACHE_HOME)
@@ -301,7 +301,7 @@ class Server(bench_sys.ServerProcess):
         return None
 
     def segments(self) -> list[Path]:
-        return list(SHM_DIR.glob(f"{SHM_PREFIX}{self.proc.pid}-*")) if SHM_DIR.is_dir() else []
+        return segments_of(self.proc.pid)
 
 
 # ---- samples ----------------------------------------------------------------------------------------

@@ -47,12 +47,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bmoe.base.units import MiB  # noqa: E402
+from bmoe.shm_cache import segments_of  # noqa: E402
 from bmoe.tools.bench_machine import machine_info  # noqa: E402
 from bmoe.tools.bench_sys import Cgroup, drop_file_cache, find_cgroup, remove_all_cgroups  # noqa: E402
 
 DEMO = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bmoe" / "smollm2-135m-moe-e64-k8-r2.gguf"
 SHAPE = dict(arch="qwen3moe", layers=48, experts=128, top_k=8, embd=896)  # 250 MiB of dense weights
-SHM = Path("/dev/shm")
 
 
 def say(msg: str) -> None:
@@ -160,8 +160,7 @@ class Snapshot:
             if st:
                 self.procs[_role(pid)] = {"rss_anon": st.get("RssAnon", 0), "rss_file": st.get("RssFile", 0),
                                           "rss_shmem": st.get("RssShmem", 0), "read_bytes": _read_bytes(pid)}
-        self.shm = sum(e.stat().st_blocks * 512 for e in os.scandir(SHM)
-                       if e.name.startswith("bmoe-") and e.name.split("-")[1] == str(root)) if SHM.is_dir() else 0
+        self.shm = sum(p.stat().st_blocks * 512 for p in segments_of(root))
         self.cgroup = _cgroup_stat(cg)
 
     def as_dict(self) -> dict:

@@ -17,7 +17,7 @@ import pytest
 from bmoe.api import Ask, Chunk, Completion, Model
 from bmoe.base.settings import FLAGS, Settings
 from bmoe.edges import flags
-from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
+from bmoe.shm_cache import SHM_DIR, SHM_PREFIX, segment_owner
 
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine
@@ -48,17 +48,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def bmoe_segments() -> set[str]:
-    """Segments this test session could own: its own, or those of processes that have ended.
+    """Segments this test session could own: its own, or this user's of processes that have ended.
 
-    A segment of another live process (another bmoe run on the machine) is not ours to judge.
+    A segment of another live process (another bmoe run on the machine) or of another user is not
+    ours to judge.
     """
     if not SHM_DIR.is_dir():
         return set()
     out = set()
     for p in SHM_DIR.glob(f"{SHM_PREFIX}*"):
-        owner = p.name.split("-")[1]
-        if not owner.isdigit() or int(owner) == os.getpid() or not psutil.pid_exists(int(owner)) \
-                or _is_descendant(int(owner)):
+        owner = segment_owner(p.name)
+        if owner is None:
+            out.add(p.name)
+        elif owner[0] in (os.geteuid(), None) and (owner[1] == os.getpid() or not psutil.pid_exists(owner[1])
+                                                   or _is_descendant(owner[1])):
             out.add(p.name)
     return out
 

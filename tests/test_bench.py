@@ -248,13 +248,15 @@ def test_real_run_without_limit(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_a_configuration_runs_from_its_own_checkout(tiny: Path, tmp_path: Path) -> None:
-    """--checkout NAME=DIR: that configuration's bmoe-cli is the other tree's (a code A/B in one run)."""
+    """--checkout NAME=DIR: that configuration's bmoe-cli is the other tree's (a code A/B in one run),
+    and so are the I/O lanes it starts (they start without the cwd on their path)."""
     other = tmp_path / "other"
     shutil.copytree(REPO / "bmoe", other / "bmoe", ignore=shutil.ignore_patterns("__pycache__"))
-    cli = other / "bmoe" / "cli.py"
-    cli.write_text(cli.read_text().replace("def main(argv: list[str] | None = None) -> int:\n",
-                                           "def main(argv: list[str] | None = None) -> int:\n"
-                                           "    print('from the other checkout', file=sys.stderr)\n"))
+    for module, mark in (("cli.py", "from the other checkout"), ("workers/io_lane.py", "lane of the other checkout")):
+        path = other / "bmoe" / module
+        path.write_text(path.read_text().replace("def main(argv: list[str] | None = None) -> int:\n",
+                                                 "def main(argv: list[str] | None = None) -> int:\n"
+                                                 f"    print({mark!r}, file=sys.stderr)\n", 1))
     r = subprocess.run(bench_cmd(tiny, tmp_path / "out", "--repeats", "1", "--warmup", "0", "--config", "b=",
                                  "--checkout", f"b={other}"), capture_output=True, text=True, timeout=LIMIT,
                        cwd=tmp_path)
@@ -262,6 +264,7 @@ def test_a_configuration_runs_from_its_own_checkout(tiny: Path, tmp_path: Path) 
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     errs = {rec["config"]: (tmp_path / "out" / "runs" / rec["stderr_file"]).read_text() for rec in doc["runs"]}
     assert "from the other checkout" in errs["b"] and "from the other checkout" not in errs["c1"]
+    assert "lane of the other checkout" in errs["b"] and "lane of the other checkout" not in errs["c1"]
     assert [c["checkout"] for c in doc["configs"] if c["name"] == "b"] == [str(other.resolve())]
     assert f"(from `{other.resolve()}`)" in (tmp_path / "out" / "report.md").read_text()
     bad = subprocess.run(bench_cmd(tiny, tmp_path / "x", "--checkout", f"c1={tmp_path}"), capture_output=True,

@@ -132,7 +132,7 @@ def test_workers_import_only_what_moves_bytes_or_predicts() -> None:
 
 
 def test_a_lane_process_starts_without_numpy_or_the_engine() -> None:
-    """A lane runs as `python -m bmoe.workers.io_lane`, which imports the bmoe package first: the
+    """A lane runs as `python -P -m bmoe.workers.io_lane`, which imports the bmoe package first: the
     package's API loads on first use, so every lane (4 per start, more on a respawn) skips numpy,
     llama.cpp and the engine; `bmoe.load` and `from bmoe import Model` still work."""
     code = ("import sys, bmoe.workers.io_lane; print(sorted(m for m in ('numpy', 'llama_cpp', 'bmoe.api') "

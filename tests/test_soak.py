@@ -19,7 +19,7 @@ import pytest
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.edges.session_client import SessionClient
-from bmoe.shm_cache import SHM_DIR
+from bmoe.shm_cache import segments_of
 from bmoe.streaming.expert_cache import file_regions, working_sets
 from tests.conftest import REPO, bmoe_segments
 
@@ -29,7 +29,7 @@ WORDS = ("river stone king winter market lantern harbour garden letter bridge fo
 
 
 def slab_resident(pid: int) -> int:
-    return sum(p.stat().st_blocks * 512 for p in SHM_DIR.glob(f"bmoe-{pid}-*"))
+    return sum(p.stat().st_blocks * 512 for p in segments_of(pid))
 
 
 def fds(pid: int) -> int:

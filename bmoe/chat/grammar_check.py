@@ -16,13 +16,13 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import msgpack
 
+from bmoe import workers
 from bmoe.chat.grammar import Grammar, GrammarError, check_gbnf
 
 CHECK_S = 10.0  # one grammar's parse; a longer one is refused as too complex
@@ -34,7 +34,7 @@ class GrammarCheck:
     """The checker process for one model file, started on first use; thread-safe."""
 
     def __init__(self, model_path: str, deadline_s: float = CHECK_S) -> None:
-        self.cmd = [sys.executable, "-m", "bmoe.workers.grammar_worker", model_path]
+        self.cmd = workers.command("bmoe.workers.grammar_worker", model_path)
         self.deadline_s = deadline_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.unpacker = msgpack.Unpacker()

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bmoe import workers
 from bmoe.base.errors import ModelError
 from bmoe.base.units import GB, MiB
 from bmoe.base.user_cache import cache_dir
@@ -161,8 +162,8 @@ def routing_report(path: str | os.PathLike[str], prompt: str = STATS_PROMPT, n_p
     say(f"stats: recording the routes of a {n_predict}-token answer with bmoe-cli")
     with tempfile.TemporaryDirectory(prefix="bmoe-demo-stats-") as tmp:
         trace_path = Path(tmp) / "routes.jsonl"
-        r = subprocess.run([sys.executable, "-m", "bmoe.cli", "-m", str(path), "-p", prompt, "--chat",
-                            "-n", str(n_predict), "--cache-mb", "0", "--route-trace", str(trace_path)],
+        r = subprocess.run(workers.command("bmoe.cli", "-m", str(path), "-p", prompt, "--chat",
+                                           "-n", str(n_predict), "--cache-mb", "0", "--route-trace", str(trace_path)),
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"bmoe-cli could not record a route trace: {r.stderr.strip()}")

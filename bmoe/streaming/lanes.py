@@ -14,6 +14,7 @@ from typing import IO, TYPE_CHECKING, NamedTuple, TypeVar
 
 import msgpack
 
+from bmoe import workers
 from bmoe.base.errors import LaneError
 from bmoe.workers.io_lane import CANCELLED
 
@@ -76,7 +77,7 @@ class Lane:
     """One lane process, restartable: its in-flight orders are kept so they can be re-issued."""
 
     def __init__(self, index: int, shm_name: str, paths: list[str], odirect: bool) -> None:
-        self.cmd = [sys.executable, "-m", "bmoe.workers.io_lane", str(index), "--shm", shm_name]
+        self.cmd = workers.command("bmoe.workers.io_lane", str(index), "--shm", shm_name)
         if not odirect:
             self.cmd.append("--no-odirect")
         self.cmd += list(paths)

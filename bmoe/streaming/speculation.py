@@ -14,12 +14,12 @@ import math
 import os
 import select
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
 import msgpack
 
+from bmoe import workers
 from bmoe.base.model_files import ModelFiles
 from bmoe.base.settings import SpecSettings
 from bmoe.shm_cache import Slab
@@ -46,11 +46,11 @@ class SpecGate:
         self._sent: dict[int, float] = {}
         self.ring = Slab(RING_SLOTS * n_embd * 4, shm_backend)
         self.proc: subprocess.Popen | None = None
-        cmd = [sys.executable, "-m", "bmoe.workers.spec_gate", "--ring", self.ring.name,
-               "--slots", str(RING_SLOTS), "--embd", str(n_embd), "--arch", files.arch,
-               "--top-k", str(files.n_expert_used), "--layers", ",".join(map(str, layers)),
-               *(["--gating", gating.func, "--groups", "{},{}".format(*gating.groups)] if gating else []),
-               *[str(p) for p in files.paths]]
+        gate_args = ["--gating", gating.func, "--groups", "{},{}".format(*gating.groups)] if gating else []
+        cmd = workers.command("bmoe.workers.spec_gate", "--ring", self.ring.name,
+                              "--slots", str(RING_SLOTS), "--embd", str(n_embd), "--arch", files.arch,
+                              "--top-k", str(files.n_expert_used), "--layers", ",".join(map(str, layers)),
+                              *gate_args, *[str(p) for p in files.paths])
         try:  # a signal while the gate starts (it reads every router) must not leave it or the ring behind
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self.pid = self.proc.pid

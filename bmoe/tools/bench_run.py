@@ -153,6 +153,16 @@ class RunEnv:
     warm_start_trees: frozenset[Path | None] = frozenset()
 
 
+def _run_env(checkout: Path | None) -> dict[str, str]:
+    """The environment of one run. A checkout's bmoe-cli starts in its tree, so `-m` finds it there;
+    its workers start without the cwd on sys.path (bmoe.workers.command), so PYTHONPATH names the
+    tree for them too: every process of the run is the checkout's code."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if checkout is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(checkout), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
     """One bmoe-cli process from a cold page cache, under the limit, its memory sampled: its record."""
     stem = f"{index:03d}-{cfg.name}-{phase}{rnd}"
@@ -200,7 +210,7 @@ def run_one(env: RunEnv, index: int, phase: str, rnd: int, cfg: Config) -> dict:
         t0 = time.monotonic()
         with open(out_path, "w") as fo, open(err_path, "w") as fe:
             proc = subprocess.Popen(argv, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, cwd=cfg.checkout,
-                                    start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                    start_new_session=True, env=_run_env(cfg.checkout))
             sampler = bench_sys.TreeSampler(proc.pid, env.interval).start()
             try:
                 rc = proc.wait(timeout=env.timeout or None)

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import psutil
 
+from bmoe import workers
 from bmoe.base import MiB
-from bmoe.shm_cache import SHM_DIR, SHM_PREFIX
+from bmoe.shm_cache import SHM_DIR, segment_owner
 
 CGROUP_PREFIX = "bmoe-bench-"
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -326,7 +327,7 @@ class Balloon:
     def __init__(self, nbytes: int, timeout: float = 300.0, cgroup: Cgroup | None = None) -> None:
         self.nbytes = nbytes
         self.locked = False
-        cmd = [sys.executable, "-m", "bmoe.tools.bench_sys", "balloon", str(nbytes)]
+        cmd = workers.command("bmoe.tools.bench_sys", "balloon", str(nbytes))
         self.proc = subprocess.Popen(cgroup.wrap(cmd) if cgroup else cmd,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         t = threading.Timer(timeout, self.proc.kill)
@@ -416,10 +417,8 @@ def shm_bytes(pids: set[int]) -> int:
     except OSError:
         return 0
     for e in entries:
-        if not e.name.startswith(SHM_PREFIX):
-            continue
-        owner = e.name[len(SHM_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and int(owner) in pids:
+        owner = segment_owner(e.name)
+        if owner is not None and owner[1] in pids:
             try:
                 total += e.stat().st_blocks * 512
             except OSError:
