@@ -1,18 +1,23 @@
-"""Closing a model while it generates: Model.close from another thread, and the interpreter's exit
-with a stream going.
+"""Closing a model while it generates: Model.close from another thread, the interpreter's exit with
+a stream going, and bmoe-server's shutdown (bounded, a second signal acting).
 
-Each case runs 50 times in a process of its own (tests/close_driver.py), so a crash is a failed
-test, not a dead pytest.
+The Model cases run 50 times each in a process of their own (tests/close_driver.py), so a crash
+is a failed test, not a dead pytest; the server case runs a real bmoe-server.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import httpx
 
 import bmoe
-from tests.conftest import REPO, bmoe_segments
+from tests.conftest import REPO, bmoe_segments, still_running
+from tests.test_server import FLAGS, LONG, Server, _first_token, _stream
 
 TRIES = 50
 
@@ -47,3 +52,55 @@ def test_a_closed_model_refuses_new_generations(small_moe) -> None:
             assert "closed" in str(e)
         else:
             raise AssertionError("a closed model generated")
+
+
+def test_a_second_sigterm_ends_a_stuck_shutdown_at_once_and_frees_the_shared_memory(small_moe) -> None:
+    """The lanes are stopped (SIGSTOP) mid-stream, so the running decode waits for reads that do not
+    come and the first SIGTERM's cancel cannot stop it; the second SIGTERM ends the process at
+    once, well before the --shutdown-timeout bound, with its lanes killed and /dev/shm clean."""
+    before = bmoe_segments()
+    s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "600")
+    lanes = s.workers()
+    assert len(lanes) == 2 and bmoe_segments() - before
+    with httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
+        _first_token(r.iter_lines())
+        for lane in lanes:
+            lane.suspend()
+        s.proc.send_signal(signal.SIGTERM)
+        _said(s, "shutting down")
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(600)
+        took = time.monotonic() - t0
+    assert rc == 143, s.stderr
+    assert took < 300, f"the second SIGTERM took {took:.0f} s to end the process"
+    assert bmoe_segments() == before
+    assert not still_running(lanes)
+
+
+def test_a_stuck_shutdown_ends_at_its_bound_and_frees_the_shared_memory(small_moe) -> None:
+    """As above with one SIGTERM: the process ends once --shutdown-timeout has passed, not when the
+    stuck read would have (the lanes' 600 s --lane-timeout)."""
+    before = bmoe_segments()
+    s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "2")
+    lanes = s.workers()
+    with httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
+        _first_token(r.iter_lines())
+        for lane in lanes:
+            lane.suspend()
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(600)
+        took = time.monotonic() - t0
+    assert rc == 143, s.stderr
+    assert 2 <= took < 300, f"the shutdown took {took:.0f} s"
+    assert "did not end within 2 s" in s.stderr
+    assert bmoe_segments() == before
+    assert not still_running(lanes)
+
+
+def _said(s: Server, text: str) -> None:
+    """Wait (as long as it takes) until the server's stderr, read on the Server's own thread, holds `text`."""
+    while text not in s.stderr:
+        assert s.proc.poll() is None, s.stderr
+        time.sleep(0.01)
