@@ -7,13 +7,16 @@ is a failed test, not a dead pytest; the server case runs a real bmoe-server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
+import psutil
 
 import bmoe
 from tests.conftest import REPO, bmoe_segments, still_running
@@ -62,7 +65,7 @@ def test_a_second_sigterm_ends_a_stuck_shutdown_at_once_and_frees_the_shared_mem
     s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "600")
     lanes = s.workers()
     assert len(lanes) == 2 and bmoe_segments() - before
-    with httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
+    with _killed_at_the_end(s, lanes), httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
         _first_token(r.iter_lines())
         for lane in lanes:
             lane.suspend()
@@ -84,7 +87,7 @@ def test_a_stuck_shutdown_ends_at_its_bound_and_frees_the_shared_memory(small_mo
     before = bmoe_segments()
     s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "2")
     lanes = s.workers()
-    with httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
+    with _killed_at_the_end(s, lanes), httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
         _first_token(r.iter_lines())
         for lane in lanes:
             lane.suspend()
@@ -104,3 +107,18 @@ def _said(s: Server, text: str) -> None:
     while text not in s.stderr:
         assert s.proc.poll() is None, s.stderr
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _killed_at_the_end(s: Server, lanes: list[psutil.Process]) -> Iterator[None]:
+    """A test that fails in the block leaves no stuck server, nor lanes stopped for good (SIGKILL ends
+    a stopped process too); one that passes leaves them to the checks after it."""
+    try:
+        yield
+    except BaseException:
+        for p in lanes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        s.proc.kill()
+        s.proc.wait()
+        raise
