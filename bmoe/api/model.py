@@ -228,8 +228,9 @@ class Model:
 
     def close(self, timeout: float | None = None) -> bool:
         """Stop the running generations and wait for them, then stop the I/O lanes and free the shared
-        memory and llama.cpp's objects; idempotent. A generation the close cut short raises
-        ModelClosed in its caller (a `stream` consumer's next chunk), as does any call after it.
+        memory and llama.cpp's objects; idempotent (a second call has nothing left to do and returns
+        True). A generation the close cut short raises ModelClosed in its caller (a `stream`
+        consumer's next chunk), as does any call after it.
 
         `timeout` bounds the wait (None: as long as it takes; the interpreter's exit waits
         EXIT_WAIT_S). A generation still stuck past it (a read that never comes) keeps llama.cpp's
