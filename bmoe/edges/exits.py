@@ -4,6 +4,7 @@ server's bounded shutdown (`Shutdown`), which a second signal cuts short."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Callable
@@ -45,6 +46,7 @@ class Shutdown:
         self.code: int | None = None  # the first signal's exit code, once one came
 
     def install(self) -> None:
+        """Take SIGTERM and SIGINT for the rest of the process."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
@@ -52,8 +54,8 @@ class Shutdown:
         if self.code is not None:
             self.now(f"a second {signal.Signals(signum).name} came")
         self.code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
-        console.notice(f"shutting down ({signal.Signals(signum).name}); it takes {self.bound:g} s at most "
-                       "(--shutdown-timeout), a second signal ends it at once")
+        _say(console.notice, f"shutting down ({signal.Signals(signum).name}); it takes {self.bound:g} s at most "
+                             "(--shutdown-timeout), a second signal ends it at once")
         timer = threading.Timer(self.bound, self.now, (f"the shutdown did not end within {self.bound:g} s",))
         timer.daemon = True
         timer.start()
@@ -63,7 +65,15 @@ class Shutdown:
         """End the process at once (from the signal handler or the clock's thread)."""
         code = self.code if self.code is not None else EXIT_ERROR
         try:
-            console.error(f"{why}; exiting now (workers stopped, shared memory freed)", self.prog)
+            _say(lambda msg: console.error(msg, self.prog),
+                 f"{why}; exiting now (workers stopped, shared memory freed)")
             self.release()
         finally:
             exit_at_once(code)
+
+
+def _say(write: Callable[[str], None], msg: str) -> None:
+    """A line from a signal handler: the signal may have interrupted a write to stderr, and Python
+    refuses a write that re-enters it (RuntimeError); the line is lost then, never the shutdown."""
+    with contextlib.suppress(RuntimeError, OSError):
+        write(msg)
