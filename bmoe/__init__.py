@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from bmoe.api import *  # noqa: F403 - the type checker sees the API's names; __all__ says which are bmoe's
 
-__all__ = ["Ask", "Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelStats", "load",
-           "setting_names"]
+__all__ = ["Ask", "Chunk", "Completion", "ConfigError", "GenerationStats", "Model", "ModelClosed", "ModelStats",
+           "load", "setting_names"]
 
 
 def __getattr__(name: str) -> Any:

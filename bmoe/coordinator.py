@@ -470,6 +470,8 @@ class Engine:
         ctx = self.context
         return self.hook.run(lambda: llama.decode(ctx, parts, no_logit=no_logit))
 
-    def close(self) -> None:
-        """Free llama.cpp objects, then release workers and shared memory; idempotent."""
-        self._parts.close()
+    def close(self, in_use: bool = False) -> None:
+        """Free llama.cpp objects, then release workers and shared memory; idempotent. `in_use`: a
+        decode may still be running (a close that could not wait for it, a process ending at once):
+        only the workers and the shared memory's names go (Loaded.close)."""
+        self._parts.close(in_use)

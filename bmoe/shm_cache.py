@@ -142,6 +142,15 @@ class Slab:
         if end > start:
             self.mm.madvise(mmap.MADV_REMOVE, start, end - start)
 
+    def unlink(self) -> None:
+        """Remove the segment's name (the memory goes once the last mapping does) but keep this
+        process's mapping: for a close that cannot unmap under a decode still reading it."""
+        if self._shm is not None:
+            try:
+                self._shm.unlink()
+            except posix_ipc.ExistentialError:
+                pass
+
     def close(self) -> None:
         """Unmap and unlink; safe to call twice and from a signal path."""
         if not self._open:

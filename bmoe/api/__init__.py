@@ -14,6 +14,7 @@ from bmoe.api.model import (
     ContentTokens,
     GenerationStats,
     Model,
+    ModelClosed,
     ModelStats,
     Request,
     TokenLogprob,

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from bmoe.api import source as model_source
 from bmoe.base import telemetry
-from bmoe.base.errors import ConfigError, ContextTooLong, FieldError
+from bmoe.base.errors import ConfigError, ContextTooLong, FieldError, ModelClosed
 from bmoe.base.settings import (
     FLAGS,
     KEYWORDS,
@@ -60,6 +60,7 @@ from bmoe.base.settings import names as setting_names
 from bmoe.base.units import MiB
 from bmoe.chat.grammar_check import GrammarCheck
 from bmoe.chat.limits import check_stop_strings
+from bmoe.generation.driver import CLOSED, Driver
 from bmoe.generation.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
 from bmoe.generation.records import Chunk, Completion, GenerationStats, Request, Turn
 from bmoe.generation.request_life import Generation, Slot
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
     from bmoe.streaming.readahead import ReadAheadCounts
 
 __all__ = ["TOP_LOGPROBS_MAX", "Alternative", "Ask", "Chunk", "Completion", "ConfigError", "ContentTokens",
-           "ContextTooLong", "GenerationStats", "Model", "ModelStats", "Request", "TokenLogprob",
+           "ContextTooLong", "GenerationStats", "Model", "ModelClosed", "ModelStats", "Request", "TokenLogprob",
            "content_logprobs", "load", "open_model", "setting_names"]
 
 log = logging.getLogger("bmoe")
@@ -103,9 +104,15 @@ def open_model(settings: Settings, notice: Callable[[str], None], words: Naming 
     return Model(Engine(load_engine(model_source.resolve(settings, notice), notice, words)))
 
 
-def _close(engine: Engine, grammars: GrammarCheck) -> None:
-    grammars.close()
-    engine.close()
+EXIT_WAIT_S = 10.0  # how long the interpreter's exit waits for a running generation to stop (Model.close)
+
+
+def _close(driver: Driver, grammars: GrammarCheck, timeout: float | None) -> bool:
+    """Model.close's work, also its finalizer's: the Model itself is not reached (it may be gone)."""
+    try:
+        return driver.close(timeout)
+    finally:
+        grammars.close()
 
 
 @dataclass(frozen=True)
@@ -185,8 +192,6 @@ class Model:
     one goes through the one loop, bmoe.generation.driver.Driver (`driver`)."""
 
     def __init__(self, engine: Engine) -> None:
-        from bmoe.generation.driver import Driver
-
         self.engine = engine
         self.driver = Driver(engine)
         self.name = Path(engine.settings.model).stem
@@ -199,12 +204,11 @@ class Model:
             from bmoe.generation.prompt_cache import PromptKV
 
             self.prompt_cache = PromptKV(engine, engine.settings.prompt_cache, engine.settings.prompt_cache_mb)
-        self._lock = threading.Lock()  # guards _live
-        self._live: list[Generation] = []  # made and not finished: what `cancel` reaches
         self._generations = self._tokens = self._read_bytes = 0
         self._last: GenerationStats | None = None
         self.grammars = GrammarCheck(str(engine.settings.model))  # its process starts with the first grammar
-        self._finalizer = weakref.finalize(self, _close, engine, self.grammars)
+        # also at the interpreter's exit, while a daemon thread may be decoding: stopped, waited for (bounded)
+        self._finalizer = weakref.finalize(self, _close, self.driver, self.grammars, EXIT_WAIT_S)
 
     @property
     def messages(self) -> list[Turn]:
@@ -222,9 +226,25 @@ class Model:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Stop the I/O lanes and free the shared memory and llama.cpp's objects; idempotent."""
-        self._finalizer()
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the running generations and wait for them, then stop the I/O lanes and free the shared
+        memory and llama.cpp's objects; idempotent (a second call has nothing left to do and returns
+        True). A generation the close cut short raises ModelClosed in its caller (a `stream`
+        consumer's next chunk), as does any call after it.
+
+        `timeout` bounds the wait (None: as long as it takes; the interpreter's exit waits
+        EXIT_WAIT_S). A generation still stuck past it (a read that never comes) keeps llama.cpp's
+        objects until the process exits, so it cannot crash; the lanes and the shared memory are
+        released all the same, and False is returned."""
+        if self._finalizer.detach() is None:
+            return True
+        return _close(self.driver, self.grammars, timeout)
+
+    def release_now(self) -> None:
+        """For a process ending at once (a second signal, a shutdown past its bound): stop the workers
+        and unlink the shared memory without waiting for anything; llama.cpp's objects, and the
+        mappings a decode still running may read, go with the process. Safe from a signal handler."""
+        self.engine.close(in_use=True)
 
     # -- the simple calls --
 
@@ -258,7 +278,7 @@ class Model:
         return self._stream(self._checked(messages=messages, **options))
 
     def _checked(self, **kw: Any) -> Request:
-        self.engine.check_unchanged(RELOAD_FIX)
+        self.check_unchanged(RELOAD_FIX)
         return self.prepare(Ask(**kw))
 
     def _stream(self, req: Request) -> Iterator[Chunk]:
@@ -311,7 +331,9 @@ class Model:
         return s
 
     def prepare(self, ask: Ask) -> Request:
-        """What `ask` asks as a Request ready to run; ConfigError when it cannot run."""
+        """What `ask` asks as a Request ready to run; ConfigError when it cannot run, ModelClosed once closed."""
+        if self.driver.closed:
+            raise ModelClosed(CLOSED)
         if (ask.prompt is None) == (ask.messages is None):
             raise TypeError("give a prompt or messages, not both or neither")
         max_tokens = ask.max_tokens
@@ -375,8 +397,7 @@ class Model:
         """`req` as a Generation on `slot` (default: the first KV sequence), for `run` or a driver of
         several (bmoe.server.scheduler); `cancel` reaches it from now until it finishes."""
         gen = Generation(self.engine, slot or self.slots[0], req, on_chunk, self._stats, self.prompt_cache)
-        with self._lock:
-            self._live = [g for g in self._live if not g.finished] + [gen]
+        self.driver.track(gen)
         return gen
 
     def cancel(self, req: Request | None = None) -> None:
@@ -385,10 +406,9 @@ class Model:
         Each ends with finish_reason "cancelled" and its KV rolled back to what it held before; a
         generation running alone stops mid-token, one in a batch after the step in flight.
         """
-        with self._lock:
-            live = [g for g in self._live if not g.finished and (req is None or g.req is req)]
-        for g in live:
-            self.driver.cancel(g)
+        for g in self.driver.live():
+            if req is None or g.req is req:
+                self.driver.cancel(g)
 
     def extends(self, messages: Sequence[Turn]) -> bool:
         """Whether `messages` continue the conversation the first KV sequence holds."""
@@ -451,7 +471,10 @@ class Model:
     # -- what an edge asks of the load, besides generations --
 
     def check_unchanged(self, fix: str) -> None:
-        """ModelError when the model file changed since the load (what bmoe reads would be another's)."""
+        """ModelError when the model file changed since the load (what bmoe reads would be another's);
+        ModelClosed once the model is closed."""
+        if self.driver.closed:
+            raise ModelClosed(CLOSED)
         self.engine.check_unchanged(fix)
 
     def check_lossless(self, fix: str) -> None:
@@ -459,8 +482,11 @@ class Model:
         self.engine.check_lossless(fix)
 
     def follow_memory(self) -> None:
-        """Between generations: an adaptive cache budget follows the room (see Engine.follow_memory)."""
-        self.engine.follow_memory()
+        """Between generations: an adaptive cache budget follows the room (see Engine.follow_memory);
+        nothing once closed. It holds the driver's turn, so a close waits for it."""
+        with self.driver.turn:
+            if not self.driver.closed:
+                self.engine.follow_memory()
 
     def tokenize(self, text: str) -> list[int]:
         """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""

@@ -46,3 +46,8 @@ class LaneError(BmoeError, RuntimeError):
 
 class Cancelled(Exception):
     """A cancel stopped the generation; the engine stays usable (not an error to report)."""
+
+
+class ModelClosed(BmoeError, RuntimeError):
+    """The model was closed (Model.close, the interpreter's exit, a server's shutdown) while a
+    generation ran or before it began: what it held is freed, so nothing more runs on it."""

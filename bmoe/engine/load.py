@@ -69,9 +69,22 @@ class Loaded:
     dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
     gating: Gating | None = None  # how the model routes (read from the warm-up graph while streaming)
     scratch: seam.Scratch | None = None  # llama.cpp's compute buffer (from the warm-up graph while streaming)
+    abandoned: bool = False  # closed while a decode may have been running: llama.cpp's objects are left alone
 
-    def close(self) -> None:
-        """Free llama.cpp's objects, then release workers and shared memory; idempotent."""
+    def close(self, in_use: bool = False) -> None:
+        """Free llama.cpp's objects, then release workers and shared memory; idempotent.
+
+        `in_use`: a decode may still be running in llama.cpp on another thread. Then the workers
+        are killed and the shared segments unlinked (Streamer.abandon), but llama.cpp's objects and
+        the slab's mapping, which that decode reads, are left for the process's exit to take: freeing
+        them under it would crash it. A close after that one does nothing more."""
+        if self.abandoned:
+            return
+        if in_use:
+            self.abandoned = True
+            if self.streamer is not None:
+                self.streamer.abandon()
+            return
         if self.warm is not None and self.streamer is not None:
             self.warm.save()
         st, self.streamer = self.streamer, None

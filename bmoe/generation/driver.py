@@ -8,15 +8,21 @@ Cancelling is one mechanism, `Driver.cancel`: the generation is flagged and ends
 being decoded (`Generation.take`) or before its next step. When every generation in the llama.cpp
 decode under way is cancelled, that decode is interrupted too (Engine.interrupt), so a lone
 request stops mid-prefill or mid-token; a batch step with one live member runs to its end.
+
+Closing is `Driver.close`, for every edge (Model.close, its finalizer at the interpreter's exit,
+the session's and the server's ends): no generation begins after it (ModelClosed), the live ones
+are cancelled and waited for, and only then is the engine freed, so no thread is left decoding in
+a freed llama.cpp context or an unmapped slab. A `Driver.run` a close cut short raises ModelClosed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from bmoe.base.errors import Cancelled
+from bmoe.base.errors import Cancelled, ModelClosed
 from bmoe.generation.records import Completion
 from bmoe.generation.request_life import Generation
 
@@ -25,6 +31,8 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
+CLOSED = "the model was closed; load it again to generate"
+
 
 class Driver:
     """Drives the engine for generations: prefill one, decode a step for several, finish them."""
@@ -32,15 +40,69 @@ class Driver:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.turn = threading.RLock()  # whoever drives the engine holds it (a run: for all of it)
-        self._lock = threading.Lock()  # guards `_decoding` against `cancel` from other threads
+        self._lock = threading.Lock()  # guards `_decoding`, `_live` and `closed` against other threads
         self._decoding: list[Generation] = []  # the generations in the llama_decode under way
+        self._live: list[Generation] = []  # made and not finished: what `live` and `close` reach
+        self._driver: int | None = None  # the thread holding `turn`
+        self.closed = False  # `close` began: nothing drives the engine any more
+
+    def track(self, gen: Generation) -> None:
+        """`gen` was made (Model.generation): `live` and `close` reach it until it finishes;
+        ModelClosed once the driver is closed."""
+        with self._lock:
+            if self.closed:
+                raise ModelClosed(CLOSED)
+            self._live = [g for g in self._live if not g.finished] + [gen]
+
+    def live(self) -> list[Generation]:
+        """The generations made and not finished."""
+        with self._lock:
+            return [g for g in self._live if not g.finished]
+
+    @contextlib.contextmanager
+    def driving(self) -> Iterator[None]:
+        """Hold `turn` to drive the engine; ModelClosed once the driver is closed (a caller that
+        waited for the turn while a close took it finds the engine gone)."""
+        with self.turn:
+            outer, self._driver = self._driver, threading.get_ident()
+            try:
+                if self.closed:
+                    raise ModelClosed(CLOSED)
+                yield
+            finally:
+                self._driver = outer
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Free the engine once nothing drives it: new generations are refused (ModelClosed), the
+        live ones cancelled (a lone decode stops mid-token), and the driver's turn awaited, at most
+        `timeout` seconds (None: as long as it takes). True when the engine was freed in full; False
+        when the turn was still held at the bound (a decode stuck outside llama.cpp's graph, such as
+        a read that does not come): then only the workers and the shared memory's names go, and
+        llama.cpp's objects and the mappings that decode reads stay until the process exits.
+        Idempotent; not from a generation's own thread (an on_chunk callback), which holds the turn."""
+        if self._driver == threading.get_ident():
+            raise RuntimeError("close() was called from inside one of the model's generations (an on_chunk "
+                               "callback); cancel it there, and close the model once the call returned")
+        with self._lock:
+            self.closed = True
+            live = [g for g in self._live if not g.finished]
+        for g in live:
+            self.cancel(g)
+        if not self.turn.acquire(timeout=-1 if timeout is None else timeout):
+            self.engine.close(in_use=True)
+            return False
+        try:
+            self.engine.close()
+        finally:
+            self.turn.release()
+        return True
 
     def run(self, gens: Sequence[Generation]) -> list[Completion]:
         """Prefill each of `gens` in order, then decode them together, a step for every one still
         going, until each has ended; their Completions in order. An engine error finishes every
-        generation begun (KV rolled back) and is raised."""
+        generation begun (KV rolled back) and is raised; ModelClosed when a close cut them short."""
         done: dict[int, Completion] = {}
-        with self.turn:
+        with self.driving():
             try:
                 for g in gens:
                     if (c := self.begin(g)) is not None:
@@ -51,6 +113,8 @@ class Driver:
             except BaseException as e:
                 self._abandon([g for g in gens if id(g) not in done and g.slot.busy], e)
                 raise
+        if self.closed and any(c.finish_reason == "cancelled" for c in done.values()):
+            raise ModelClosed(f"{CLOSED} (it was closed while this generation ran)")
         return [done[id(g)] for g in gens]
 
     def begin(self, gen: Generation) -> Completion | None:
@@ -58,7 +122,7 @@ class Driver:
 
         A ConfigError (the request cannot run) or an engine error is raised after `gen` was
         finished and its KV rolled back."""
-        with self.turn:
+        with self.driving():
             try:
                 self._decode([gen], gen.begin)
             except Cancelled as e:
@@ -73,7 +137,7 @@ class Driver:
         ended with their Completions. A cancelled one ends before the step, without decoding.
         An engine error is raised as is: the caller finishes what it began (`run`, the scheduler)."""
         ended: list[tuple[Generation, Completion]] = []
-        with self.turn:
+        with self.driving():
             going = []
             for g in gens:
                 if g.cancelled:

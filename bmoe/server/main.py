@@ -51,7 +51,10 @@ Decisions:
   a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own);
   under /api/ it is Ollama's `{"error": "..."}` (an `{"error": ...}` line in a stream).
 - SIGTERM / SIGINT: the running generation is cancelled, waiting requests get 503, and the
-  process exits 143 / 130 with its I/O lanes stopped and its shared memory freed. A lane that
+  process exits 143 / 130 with its I/O lanes stopped and its shared memory freed. The shutdown
+  takes `--shutdown-timeout` seconds at most (open responses ending, the generation stopping);
+  past it, or at a second signal, the process exits at once, its lanes killed and its shared
+  memory unlinked, llama.cpp's objects left to the exit (bmoe.edges.exits.Shutdown). A lane that
   keeps failing or a model file changed under the server is fatal: the request gets a 500 and
   the server exits 1, as the session does.
 """
@@ -60,10 +63,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
+import math
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +162,11 @@ class ServeSettings:
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
                                      "checked)")
     webui: bool = setting(True, "--no-webui", help="serve no chat page at / (the API and its events stay)")
+    shutdown_timeout: float = setting(
+        10.0, "--shutdown-timeout", parse=positive_float, metavar="S",
+        help="seconds a shutdown (SIGTERM/SIGINT) may take while open responses end and the running generation "
+             "stops; past it, or at a second signal, the server exits at once with its I/O lanes stopped and its "
+             "shared memory freed (default {default})")
 
 
 SERVE = schema_of(ServeSettings)
@@ -205,7 +216,11 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server with bmoe's start line and a shutdown that cancels the generation at once."""
+    """uvicorn's server with bmoe's start line and a shutdown that cancels the generation at once.
+
+    Signals are bmoe's (exits.Shutdown, which calls `handle_exit` on the first): uvicorn's own
+    handlers would be put back once it stops serving, leaving a second signal during the rest of
+    the shutdown (the scheduler's join, the model's close) to nobody, and re-raise the first."""
 
     def __init__(self, config: uvicorn.Config, sched: Scheduler, url: str, chat_page: bool) -> None:
         super().__init__(config)
@@ -223,6 +238,10 @@ class Server(uvicorn.Server):
             if self.chat_page:
                 console.notice(f"chat page at {self.url}/")
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
         if self.loop is not None:
@@ -234,7 +253,8 @@ class Server(uvicorn.Server):
 
 
 def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket) -> int:
-    """Serve until a signal (which re-raises here: exit 143/130) or a fatal error (exit 1)."""
+    """Serve until a signal (exit 143/130, bounded by --shutdown-timeout: exits.Shutdown) or a fatal
+    error (exit 1)."""
     fatal: list[BaseException] = []
     server: Server | None = None
 
@@ -248,9 +268,13 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, http=HeadDeadline,
-                            limit_concurrency=opts.max_connections, timeout_keep_alive=opts.idle_timeout)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),
+                            http=HeadDeadline, limit_concurrency=opts.max_connections,
+                            timeout_keep_alive=opts.idle_timeout)
     server = Server(config, sched, url, opts.webui)
+    shutdown = exits.Shutdown(opts.shutdown_timeout, lambda sig: server.handle_exit(sig, None), model.release_now,
+                              PROG)
+    shutdown.install()
     sched.start()
     try:
         server.run(sockets=[sock])
@@ -261,7 +285,9 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
         e = fatal[0]
         console.error(f"{type(e).__name__}: {e}", PROG)
         return exits.EXIT_ERROR
-    return exits.EXIT_OK
+    if shutdown.code == exits.EXIT_SIGINT:
+        console.error("interrupted", PROG)
+    return shutdown.code or exits.EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,8 @@ busy time is bmoe.streaming.lane_stats'.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from bmoe.streaming.lanes import CANCELLED, LanePool
 from bmoe.streaming.orders import Order, OrdersInFlight
 from bmoe.streaming.readahead import ReadAhead, ReadAheadCounts
 from bmoe.streaming.speculation import SpecGate
+
+ABANDON_REAP_S = 2.0  # a killed worker is waited for this long (one in uninterruptible I/O may take longer)
 
 WATCH_STEP = 64 * 2**20  # an adaptive budget is checked again once the cache has taken this much more
 ON_FILE = (-1, -1)  # Streamer.direct's entry for a layer bound to llama.cpp's own mapping of the file
@@ -402,6 +406,23 @@ class Streamer:
         out.hits, out.lookups = looked[0] - self.looked[0], looked[1] - self.looked[1]
         self.looked = looked
         return out
+
+    def abandon(self) -> None:
+        """Release what can go while a decode may still run (Loaded.close in_use): every worker killed
+        and reaped, the slab's and the spec-gate ring's names unlinked. The mappings stay: the
+        decode reads them until the process exits."""
+        procs = [lane.proc for lane in self.pool.lanes] if self.pool is not None else []
+        gate = self.ahead.gate
+        if gate is not None:
+            if gate.proc is not None:
+                procs.append(gate.proc)
+            gate.ring.unlink()
+        self.slab.unlink()
+        for p in procs:
+            p.kill()
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(ABANDON_REAP_S)
 
     def close(self) -> None:
         try:
