@@ -7,14 +7,21 @@ holds a connection for ever, and `--max-connections` of them shut every other cl
 the clock starts when the connection opens (and again after each response) and stops only when a
 request's whole head has arrived; past `--idle-timeout` the connection is closed.
 
-A client that leaves a response unread past `--write-timeout` is cut by bmoe.server.app's RequestGuard
-(SlowReader); a stream's generator (its cleanup cancels the generation, or drops an events watcher) is
-then closed by ClosingStream at once, not whenever the suspended generator is collected.
+Once the head is in, bmoe.server.app's RequestGuard reads the body against BodyLimits: a request's
+body must arrive within `--body-timeout` of its head, plus a second for each `--min-body-rate` KB it has
+brought (408 past it: one byte every few seconds holds a connection no longer), and the bodies of every
+connection together are bounded by `--max-bodies-mb` (BodiesHeld: 503 past it), so many large bodies at
+once cannot exhaust memory.
+
+A client that leaves a response unread past `--write-timeout` is cut by RequestGuard (SlowReader); a
+stream's generator (its cleanup cancels the generation, or drops an events watcher) is then closed by
+ClosingStream at once, not whenever the suspended generator is collected.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import h11
 from starlette.responses import StreamingResponse
@@ -24,6 +31,36 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 class SlowReader(Exception):
     """A client left a piece of its response unread past the write timeout."""
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a request body may take: `size` bytes at most, `timeout` seconds after its head plus a second
+    for each `rate` bytes it has brought, and `total` bytes for every connection's bodies together."""
+
+    size: int
+    timeout: float
+    rate: float
+    total: int
+
+
+class BodiesHeld:
+    """The bytes of request bodies the server holds, every connection's together (on the event loop's
+    thread), against `bound`: a body that would pass it is refused rather than buffered."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        """Counts `n` more bytes held; False (nothing counted) when they would pass the bound."""
+        if self.held + n > self.bound:
+            return False
+        self.held += n
+        return True
+
+    def give_back(self, n: int) -> None:
+        self.held -= n
 
 
 class ClosingStream(StreamingResponse):
