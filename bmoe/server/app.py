@@ -167,15 +167,15 @@ class RequestGuard:
                                code="request_too_large")
         headers = Headers(scope=scope)
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limits.size:
-            await refuse(too_large)
-            return
-        if route is not None and self.key.guards(route) and (wrong := self.key.refusal(headers)) is not None:
-            await refuse(wrong)
-            return
         loop = asyncio.get_running_loop()
         start, body, held, more = loop.time(), bytearray(), 0, True
         try:
+            if declared.isdigit() and int(declared) > limits.size:
+                await refuse(too_large)
+                return
+            if route is not None and self.key.guards(route) and (wrong := self.key.refusal(headers)) is not None:
+                await refuse(wrong)
+                return
             while more:
                 left = start + limits.timeout + held / limits.rate - loop.time()
                 try:
