@@ -8,7 +8,6 @@ responses; the decisions are in bmoe.server's notes.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,8 +18,6 @@ from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
-from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -32,7 +29,7 @@ from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.server import anthropic_wire, ollama_wire, responses_wire
 from bmoe.server.answer_shape import AnswerShape, Finished
 from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
-from bmoe.server.connections import BodiesHeld, BodyLimits, ClosingStream, SlowReader
+from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, ClosingStream, SlowReader
 from bmoe.server.events import EVENTS, Feed
 from bmoe.server.http_errors import (
     QueueFull,
@@ -253,34 +250,6 @@ async def _on_bug(r: HttpRequest, exc: Exception) -> JSONResponse:
 # and Ollama's shapes on their routes)
 HANDLERS = ((ServeError, _on_serve_error), (RequestValidationError, _on_invalid), (HTTPException, _on_http),
             (Exception, _on_bug))
-
-
-class ApiKey:
-    """`--api-key` as each API's clients send it: `Authorization: Bearer` (OpenAI's, the Responses API's,
-    Ollama's) or `x-api-key` (Anthropic's). A keyed route declares `authorized` as its dependency;
-    RequestGuard checks the same headers before it reads a body, so a client without the key holds nothing."""
-
-    def __init__(self, key: str | None) -> None:
-        self.key = key
-
-    def refusal(self, headers: Headers) -> ServeError | None:
-        """The 401 of a request whose headers lack the key; None when they have it, or no key is set."""
-        if self.key is None:
-            return None
-        scheme, bearer = get_authorization_scheme_param(headers.get("authorization"))
-        sent = bearer if scheme.lower() == "bearer" and bearer else headers.get("x-api-key")
-        if sent is None or not secrets.compare_digest(sent.encode(), self.key.encode()):
-            return ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
-                              "(or 'x-api-key: KEY')", code="invalid_api_key")
-        return None
-
-    async def authorized(self, request: HttpRequest) -> None:
-        if (wrong := self.refusal(request.headers)) is not None:
-            raise wrong
-
-    def guards(self, route: Route) -> bool:
-        """Whether `route` needs the key (it depends on `authorized`)."""
-        return isinstance(route, APIRoute) and any(d.dependency == self.authorized for d in route.dependencies)
 
 
 class Endpoints:

@@ -7,7 +7,8 @@ holds a connection for ever, and `--max-connections` of them shut every other cl
 the clock starts when the connection opens (and again after each response) and stops only when a
 request's whole head has arrived; past `--idle-timeout` the connection is closed.
 
-Once the head is in, bmoe.server.app's RequestGuard reads the body against BodyLimits: a request's
+Once the head is in, bmoe.server.app's RequestGuard refuses a keyed route's request without the key
+(ApiKey: 401) before it reads any body, then reads the body against BodyLimits: a request's
 body must arrive within `--body-timeout` of its head, plus a second for each `--min-body-rate` KB it has
 brought (408 past it: one byte every few seconds holds a connection no longer), and the bodies of every
 connection together are bounded by `--max-bodies-mb` (BodiesHeld: 503 past it), so many large bodies at
@@ -21,12 +22,20 @@ ClosingStream at once, not whenever the suspended generator is collected.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 
 import h11
+from fastapi import Request
+from fastapi.routing import APIRoute
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
 from starlette.responses import StreamingResponse
+from starlette.routing import Route
 from starlette.types import Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from bmoe.server.http_errors import ServeError
 
 
 class SlowReader(Exception):
@@ -61,6 +70,34 @@ class BodiesHeld:
 
     def give_back(self, n: int) -> None:
         self.held -= n
+
+
+class ApiKey:
+    """`--api-key` as each API's clients send it: `Authorization: Bearer` (OpenAI's, the Responses API's,
+    Ollama's) or `x-api-key` (Anthropic's). A keyed route declares `authorized` as its dependency;
+    RequestGuard checks the same headers before it reads a body, so a client without the key holds nothing."""
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+
+    def refusal(self, headers: Headers) -> ServeError | None:
+        """The 401 of a request whose headers lack the key; None when they have it, or no key is set."""
+        if self.key is None:
+            return None
+        scheme, bearer = get_authorization_scheme_param(headers.get("authorization"))
+        sent = bearer if scheme.lower() == "bearer" and bearer else headers.get("x-api-key")
+        if sent is None or not secrets.compare_digest(sent.encode(), self.key.encode()):
+            return ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
+                              "(or 'x-api-key: KEY')", code="invalid_api_key")
+        return None
+
+    async def authorized(self, request: Request) -> None:
+        if (wrong := self.refusal(request.headers)) is not None:
+            raise wrong
+
+    def guards(self, route: Route) -> bool:
+        """Whether `route` needs the key (it depends on `authorized`)."""
+        return isinstance(route, APIRoute) and any(d.dependency == self.authorized for d in route.dependencies)
 
 
 class ClosingStream(StreamingResponse):
