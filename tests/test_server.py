@@ -360,12 +360,14 @@ def test_every_route_is_counted_under_a_metrics_label_of_its_own() -> None:
     from starlette.routing import Route
 
     from bmoe.server.app import UNROUTED, create_app
+    from bmoe.server.connections import BodyLimits
 
     stats = SimpleNamespace(engine=SimpleNamespace(resident_bytes=0, budget_bytes=0), load_s=0.0)
     model = SimpleNamespace(name="m", slots=[], stats=stats)
     sched = SimpleNamespace(waiting=[], active=[], capacity=1, batching=SimpleNamespace(steps={}),
                             close=lambda: None, join=lambda: None)
-    app = create_app(model, sched, api_key=KEY, max_body=1024, n_predict=8)
+    limits = BodyLimits(size=1024, timeout=10.0, rate=1024.0, total=1 << 20)
+    app = create_app(model, sched, api_key=KEY, limits=limits, n_predict=8)
     routes = [r for r in app.routes if isinstance(r, Route)]
     assert len({r.path for r in routes}) >= 28  # every API's routes, the metrics, the events, the pages
     with TestClient(app) as client:

@@ -8,18 +8,16 @@ responses; the decisions are in bmoe.server's notes.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import psutil
-from fastapi import Depends, FastAPI, Header
+from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -31,7 +29,7 @@ from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.server import anthropic_wire, ollama_wire, responses_wire
 from bmoe.server.answer_shape import AnswerShape, Finished
 from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
-from bmoe.server.connections import ClosingStream, SlowReader
+from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, ClosingStream, SlowReader
 from bmoe.server.events import EVENTS, Feed
 from bmoe.server.http_errors import (
     QueueFull,
@@ -108,74 +106,107 @@ class Metrics:
 
 
 class RequestGuard:
-    """ASGI middleware at the app's edge: counts every answer by route and status, answers a body over
-    `limit` bytes with a 413 error object before the app reads any of it, and drops a client that
-    leaves a piece of its response unread for `write_timeout` seconds (its socket's buffer full): the
-    response ends there, and a generation still running for it is cancelled like any client's who left.
-    `routes` are the app's (its router's list, so routes added later count): a request is counted under the path
-    of the route it matches."""
+    """ASGI middleware at the app's edge: counts every answer by route and status; refuses, before it reads
+    any of the body, a request that declares a body over the limit (413) or that a keyed route gets without
+    the key (401); reads the body within its time and against every connection's bodies together
+    (`limits`: 408 and 503 past them, 413 past its size), so a slow or large body holds neither a connection
+    nor memory for long; and drops a client that leaves a piece of its response unread for `write_timeout`
+    seconds (its socket's buffer full): the response ends there, and a generation still running for it is
+    cancelled like any client's who left. A refusal closes the connection (the rest of the body is never
+    read). `routes` are the app's (its router's list, so routes added later count): a request is counted
+    under the path of the route it matches."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute], limit: int,
-                 write_timeout: float) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute], key: ApiKey, limits: BodyLimits,
+                 bodies: BodiesHeld, write_timeout: float) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = routes
-        self.limit = limit
+        self.key = key
+        self.limits = limits
+        self.bodies = bodies
         self.write_timeout = write_timeout
 
-    def label(self, scope: Scope) -> str:
-        """The metrics label of a request: the path its route was declared with (one label for every
+    def match(self, scope: Scope) -> tuple[str, Route | None]:
+        """The metrics label of a request, the path its route was declared with (one label for every
         /v1/responses/{response_id}), as the router picks the route (a method the path does not serve
-        counts under the path); UNROUTED where no route has its path."""
+        counts under the path; UNROUTED where no route has its path); and the route it fully matches."""
         partial = UNROUTED
         for r in (r for r in self.routes if isinstance(r, Route)):
             match = r.matches(scope)[0]
             if match == Match.FULL:
-                return r.path
+                return r.path, r
             if match == Match.PARTIAL and partial == UNROUTED:
                 partial = r.path
-        return partial
+        return partial, None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = self.label(scope)
+        label, route = self.match(scope)
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(route, str(message["status"])).inc()
+                self.metrics.requests.labels(label, str(message["status"])).inc()
             try:
                 await asyncio.wait_for(send(message), self.write_timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 self.metrics.slow_readers.inc()
                 raise SlowReader() from None
 
-        too_large = _error_response(scope["path"], ServeError(
-            413, f"the request body is over {self.limit} bytes (bmoe-server --max-body-kb)", code="request_too_large"))
-        declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
-            await too_large(scope, receive, counted)
-            return
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.limit:
-                await too_large(scope, receive, counted)
-                return
-        pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+        async def refuse(e: ServeError) -> None:
+            answer = _error_response(scope["path"], e)
+            answer.headers["connection"] = "close"
+            await answer(scope, receive, counted)
 
-        async def replay() -> Message:
-            return pending.pop() if pending else await receive()
-
+        limits = self.limits
+        too_large = ServeError(413, f"the request body is over {limits.size} bytes (bmoe-server --max-body-kb)",
+                               code="request_too_large")
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length", "")
+        loop = asyncio.get_running_loop()
+        start, body, held, more = loop.time(), bytearray(), 0, True
         try:
+            if declared.isdigit() and int(declared) > limits.size:
+                await refuse(too_large)
+                return
+            if route is not None and self.key.guards(route) and (wrong := self.key.refusal(headers)) is not None:
+                await refuse(wrong)
+                return
+            while more:
+                left = start + limits.timeout + held / limits.rate - loop.time()
+                try:
+                    message = await asyncio.wait_for(receive(), max(left, 0.0))
+                except asyncio.TimeoutError:
+                    await refuse(ServeError(
+                        408, f"the request body came too slowly: {held} bytes in {loop.time() - start:.0f} s "
+                        f"(bmoe-server --body-timeout, --min-body-rate)", code="request_timeout"))
+                    return
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                more = message.get("more_body", False)
+                if held + len(chunk) > limits.size:
+                    await refuse(too_large)
+                    return
+                if not self.bodies.take(len(chunk)):
+                    await refuse(ServeError(
+                        503, f"the server holds {self.bodies.bound >> 20} MiB of request bodies, its bound "
+                        "(bmoe-server --max-bodies-mb); send it again later", "server_error", "bodies_full"))
+                    return
+                held += len(chunk)
+                body += chunk
+            pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+            body.clear()
+
+            async def replay() -> Message:
+                return pending.pop() if pending else await receive()
+
             await self.app(scope, replay, counted)
         except SlowReader:  # the connection closes with the response unfinished: the client sees it cut
             pass
+        finally:
+            self.bodies.give_back(held)
 
 
 async def _disconnected(request: HttpRequest) -> None:
@@ -219,30 +250,18 @@ async def _on_bug(r: HttpRequest, exc: Exception) -> JSONResponse:
 # and Ollama's shapes on their routes)
 HANDLERS = ((ServeError, _on_serve_error), (RequestValidationError, _on_invalid), (HTTPException, _on_http),
             (Exception, _on_bug))
-_BEARER = HTTPBearer(auto_error=False)
 
 
 class Endpoints:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
-    def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, api_key: str | None, n_predict: int,
+    def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, n_predict: int,
                  alias: str | None = None) -> None:
         self.model, self.sched, self.metrics = model, sched, metrics
-        self.api_key, self.n_predict = api_key, n_predict
+        self.n_predict = n_predict
         self.model_id = alias or model.name  # what /v1/models lists and responses name
         self.kept = ResponseStore()  # /v1/responses' stored responses (previous_response_id)
         self.facts: ModelFacts | None = None  # the model as Ollama's clients see it (read on first use)
-
-    async def authorized(self, creds: HTTPAuthorizationCredentials | None = Depends(_BEARER),
-                         x_api_key: str | None = Header(None)) -> None:
-        """The key as each API's clients send it: `Authorization: Bearer` (OpenAI's, the Responses API's,
-        Ollama's) or `x-api-key` (Anthropic's)."""
-        if self.api_key is None:
-            return
-        sent = creds.credentials if creds is not None else x_api_key
-        if sent is None or not secrets.compare_digest(sent.encode(), self.api_key.encode()):
-            raise ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
-                             "(or 'x-api-key: KEY')", code="invalid_api_key")
 
     @asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -505,16 +524,19 @@ def _ended(s: GenerationStats) -> GenerationStats:
     return s
 
 
-def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body: int, n_predict: int,
+def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, n_predict: int,
                alias: str | None = None, webui: bool = True, write_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
-    every route but /health and the chat page's files behind the API key, errors as each API's error
-    objects (HANDLERS), the body limit and metrics by route (RequestGuard), the events feed
-    (bmoe.server.events) and the page (bmoe.server.webui)."""
+    every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
+    error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
+    (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui)."""
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
+    bodies = BodiesHeld(limits.total)
     Gauge("bmoe_event_watchers", f"clients following {EVENTS}", registry=metrics.registry).set_function(
         lambda: len(feed.watchers))
+    Gauge("bmoe_request_body_bytes", "request body bytes held, every connection's together (bound: "
+          "--max-bodies-mb)", registry=metrics.registry).set_function(lambda: bodies.held)
 
     def generated(s: GenerationStats) -> None:
         metrics.generation(s)
@@ -522,16 +544,17 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
 
     sched.on_generation = generated
     sched.on_close = feed.close
-    routes = Endpoints(model, sched, metrics, api_key, n_predict, alias)
+    routes = Endpoints(model, sched, metrics, n_predict, alias)
+    keyed = ApiKey(api_key)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
-    app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, limit=max_body,
-                       write_timeout=write_timeout)
+    app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, key=keyed, limits=limits,
+                       bodies=bodies, write_timeout=write_timeout)
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)
     if webui:
         add_pages(app)
-    key = [Depends(routes.authorized)]  # the routes of the APIs, the metrics and the events
+    key = [Depends(keyed.authorized)]  # the routes of the APIs, the metrics and the events
     app.get("/metrics", dependencies=key)(routes.prometheus)
     app.get("/v1/models", dependencies=key)(routes.models)
     app.get("/v1/models/{model_id:path}", dependencies=key)(routes.model_by_id)

@@ -7,23 +7,97 @@ holds a connection for ever, and `--max-connections` of them shut every other cl
 the clock starts when the connection opens (and again after each response) and stops only when a
 request's whole head has arrived; past `--idle-timeout` the connection is closed.
 
-A client that leaves a response unread past `--write-timeout` is cut by bmoe.server.app's RequestGuard
-(SlowReader); a stream's generator (its cleanup cancels the generation, or drops an events watcher) is
-then closed by ClosingStream at once, not whenever the suspended generator is collected.
+Once the head is in, bmoe.server.app's RequestGuard refuses a keyed route's request without the key
+(ApiKey: 401) before it reads any body, then reads the body against BodyLimits: a request's
+body must arrive within `--body-timeout` of its head, plus a second for each `--min-body-rate` KB it has
+brought (408 past it: one byte every few seconds holds a connection no longer), and the bodies of every
+connection together are bounded by `--max-bodies-mb` (BodiesHeld: 503 past it), so many large bodies at
+once cannot exhaust memory.
+
+A client that leaves a response unread past `--write-timeout` is cut by RequestGuard (SlowReader); a
+stream's generator (its cleanup cancels the generation, or drops an events watcher) is then closed by
+ClosingStream at once, not whenever the suspended generator is collected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
+from dataclasses import dataclass
 
 import h11
+from fastapi import Request
+from fastapi.routing import APIRoute
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
 from starlette.responses import StreamingResponse
+from starlette.routing import Route
 from starlette.types import Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from bmoe.server.http_errors import ServeError
 
 
 class SlowReader(Exception):
     """A client left a piece of its response unread past the write timeout."""
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a request body may take: `size` bytes at most, `timeout` seconds after its head plus a second
+    for each `rate` bytes it has brought, and `total` bytes for every connection's bodies together."""
+
+    size: int
+    timeout: float
+    rate: float
+    total: int
+
+
+class BodiesHeld:
+    """The bytes of request bodies the server holds, every connection's together (on the event loop's
+    thread), against `bound`: a body that would pass it is refused rather than buffered."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        """Counts `n` more bytes held; False (nothing counted) when they would pass the bound."""
+        if self.held + n > self.bound:
+            return False
+        self.held += n
+        return True
+
+    def give_back(self, n: int) -> None:
+        self.held -= n
+
+
+class ApiKey:
+    """`--api-key` as each API's clients send it: `Authorization: Bearer` (OpenAI's, the Responses API's,
+    Ollama's) or `x-api-key` (Anthropic's). A keyed route declares `authorized` as its dependency;
+    RequestGuard checks the same headers before it reads a body, so a client without the key holds nothing."""
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+
+    def refusal(self, headers: Headers) -> ServeError | None:
+        """The 401 of a request whose headers lack the key; None when they have it, or no key is set."""
+        if self.key is None:
+            return None
+        scheme, bearer = get_authorization_scheme_param(headers.get("authorization"))
+        sent = bearer if scheme.lower() == "bearer" and bearer else headers.get("x-api-key")
+        if sent is None or not secrets.compare_digest(sent.encode(), self.key.encode()):
+            return ServeError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' "
+                              "(or 'x-api-key: KEY')", code="invalid_api_key")
+        return None
+
+    async def authorized(self, request: Request) -> None:
+        if (wrong := self.refusal(request.headers)) is not None:
+            raise wrong
+
+    def guards(self, route: Route) -> bool:
+        """Whether `route` needs the key (it depends on `authorized`)."""
+        return isinstance(route, APIRoute) and any(d.dependency == self.authorized for d in route.dependencies)
 
 
 class ClosingStream(StreamingResponse):

@@ -44,9 +44,12 @@ Decisions:
 - Security: binds 127.0.0.1 by default; `--api-key` (or `BMOE_API_KEY`) requires
   `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health and the
   chat page's static files (the page sends the key it is given on its own API calls); a
-  non-loopback `--host` without a key is refused unless `--insecure`. Bodies over `--max-body-kb`
-  get 413. Every error is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`;
-  in a stream that has begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
+  non-loopback `--host` without a key is refused unless `--insecure`; a keyed route refuses a
+  request without the key (401) before it reads the body. Bodies over `--max-body-kb` get 413; a body
+  must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB (408), and
+  every connection's bodies together are bounded by `--max-bodies-mb` (503). Every error is an
+  OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
+  begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
   a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own);
   under /api/ it is Ollama's `{"error": "..."}` (an `{"error": ...}` line in a stream).
@@ -77,7 +80,7 @@ try:
     import uvicorn
 
     from bmoe.server.app import create_app
-    from bmoe.server.connections import HeadDeadline
+    from bmoe.server.connections import BodyLimits, HeadDeadline
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
                      "pip install 'bmoe[server]'") from None
@@ -148,6 +151,16 @@ class ServeSettings:
              "otherwise)")
     max_body_kb: int = setting(1024, "--max-body-kb", parse=positive_int, metavar="KB",
                                help="largest request body; larger gets 413 (default {default})")
+    body_timeout: float = setting(10.0, "--body-timeout", parse=positive_float, metavar="S",
+                                  help="seconds a request's body may take to arrive after its head, plus one for "
+                                       "every --min-body-rate KB it has brought; then it gets 408 and the "
+                                       "connection is closed (default {default})")
+    min_body_rate: int = setting(32, "--min-body-rate", parse=positive_int, metavar="KB",
+                                 help="KB a second a body must keep up past --body-timeout's first seconds "
+                                      "(default {default})")
+    max_bodies_mb: int = setting(64, "--max-bodies-mb", parse=positive_int, metavar="MB",
+                                 help="request bodies held at once, every connection's together; a body that "
+                                      "would pass it gets 503 (default {default})")
     write_timeout: float = setting(30.0, "--write-timeout", parse=positive_float, metavar="S",
                                    help="seconds a client may leave a piece of its response unread (a slow or stuck "
                                         "reader); then the response is cut and its generation cancelled "
@@ -187,10 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_settings(ap: argparse.ArgumentParser, a: argparse.Namespace) -> ServeSettings:
-    """The server's own flags; a network address without a key is a usage error (exit 2)."""
+    """The server's own flags; a network address without a key, or a bound on every body below one body's,
+    is a usage error (exit 2)."""
     s = ServeSettings(**{e.field.name: v for e, v in ((e, getattr(a, e.name)) for e in SERVE) if v is not None})
     if s.api_key is None and os.environ.get("BMOE_API_KEY"):
         s = dataclasses.replace(s, api_key=os.environ["BMOE_API_KEY"])
+    if s.max_bodies_mb * 1024 < s.max_body_kb:
+        ap.error(f"--max-bodies-mb {s.max_bodies_mb} holds less than one body of --max-body-kb {s.max_body_kb}; "
+                 "raise it or lower --max-body-kb")
     if not _loopback(s.host) and not s.api_key and not s.insecure:
         ap.error(f"--host {s.host} lets other machines reach the model; give --api-key KEY (or set BMOE_API_KEY), "
                  "or say --insecure to serve it without a key")
@@ -264,8 +281,10 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
         server.end()
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RESTART_FIX, batching=opts.batching)
-    app = create_app(model, sched, api_key=opts.api_key, max_body=opts.max_body_kb * 1024, n_predict=n_predict,
-                     alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout)
+    limits = BodyLimits(size=opts.max_body_kb * 1024, timeout=opts.body_timeout, rate=opts.min_body_rate * 1024,
+                        total=opts.max_bodies_mb << 20)
+    app = create_app(model, sched, api_key=opts.api_key, limits=limits, n_predict=n_predict, alias=opts.alias,
+                     webui=opts.webui, write_timeout=opts.write_timeout)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),
