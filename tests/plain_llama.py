@@ -190,8 +190,9 @@ def with_llama_defaults(path: str | Path, prompt: str, n: int = 8) -> str:
 
     One crash is llama.cpp's and not the file's: weights in an extra buffer type that crashes on this
     CPU (docs/architecture.md's seam facts: on AMX CPUs, an abort where MLA multiplies a permuted
-    query, and SIGILL in the AMX matmul of two or more tokens on one VM). When the child died with an extra buffer type in
-    use and the same child, loading as bmoe does, runs, the test is marked xfail naming the buffers;
+    query, and SIGILL in the AMX matmul of two or more tokens on one VM). When the child died with an
+    extra buffer type in use and the same child, loading as bmoe does, runs, the test is marked xfail
+    naming the buffers;
     any other failure fails it."""
     r = _child(Path(path), prompt, n, bmoe_way=False)
     if r.returncode == 0:
