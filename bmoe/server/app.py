@@ -513,7 +513,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     every route but /health and the chat page's files behind the API key, errors as each API's error
     objects (HANDLERS), the body limit and metrics by route (RequestGuard), the events feed
     (bmoe.server.events) and the page (bmoe.server.webui). Without a key, every request's Host and
-    Origin are checked first (HostCheck: `trusted`, by default loopback's; bmoe.server.hosts)."""
+    Origin are checked before any route runs (HostCheck: `trusted`, by default loopback's; bmoe.server.hosts)."""
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
     Gauge("bmoe_event_watchers", f"clients following {EVENTS}", registry=metrics.registry).set_function(
@@ -527,7 +527,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, max_body:
     sched.on_close = feed.close
     routes = Endpoints(model, sched, metrics, api_key, n_predict, alias)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
-    if api_key is None:  # inside RequestGuard (added after it): a refusal is counted under its route
+    if api_key is None:  # added before RequestGuard, so it runs inside it: a refusal is counted under its route
         app.add_middleware(HostCheck, trusted=trusted or Trusted(), answer=_error_response)
     app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, limit=max_body,
                        write_timeout=write_timeout)
