@@ -8,6 +8,8 @@ Screenshots go to $BMOE_WEBUI_SHOTS when set (the lead's reports), else to the t
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import queue
@@ -32,8 +34,10 @@ from tests.test_server_agents import THINK, WEATHER
 
 EVENTS = "/v1/bmoe/events"
 CHROMIUM = Path("/usr/bin/chromium")
+REBOUND = "rebind.example"  # the browser resolves it to 127.0.0.1, as after a DNS rebinding
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"]
 WAIT_S = 300  # the longest any one wait here may take on a loaded 2-core machine
 STATIC = REPO / "bmoe" / "server" / "static"
 TEMPLATES = REPO / "tests" / "data" / "templates"
@@ -352,3 +356,48 @@ def test_the_page_shows_reasoning_folded_and_tool_calls(server: Server, browser:
     assert set(args) == {"city", "days"} and args["city"] in ("Paris", "Oslo", "Rome")
     page.screenshot(path=str(Path(os.environ.get("BMOE_WEBUI_SHOTS") or tmp_path) / "tool-call.png"))
     assert not errors, errors
+
+
+def test_without_a_key_the_page_works_from_its_own_origin_only(small_moe: Path, browser: Any, tmp_path: Path) -> None:
+    """No key: the page at 127.0.0.1 and at localhost streams an answer (its fetches carry its own
+    origin); at a name rebound to 127.0.0.1 the browser gets the server's 403 and no page; and a
+    request the page sends to the server under another origin (localhost's page to 127.0.0.1: a
+    cross-origin POST, as a foreign site's would be) is refused before it runs."""
+    s = Server("-m", str(small_moe), "-t", "1", "--io-threads", "2", "--cache-mb", "1", "-c", "4096",
+               env={k: v for k, v in os.environ.items() if k != "BMOE_API_KEY"})
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
+        http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    foreign = f"http://127.0.0.1:{other.server_address[1]}/"
+    try:
+        port = s.url.rsplit(":", 1)[1]
+        page = browser.new_page(viewport={"width": 1200, "height": 760})
+        page.set_default_timeout(WAIT_S * 1000)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        for n, name in enumerate(("127.0.0.1", "localhost")):
+            page.goto(f"http://{name}:{port}/")
+            page.wait_for_selector("#link[data-state=live]")  # its events stream, without a key
+            page.evaluate("() => { document.getElementById('settings').open = true; }")  # closed: no key to ask
+            page.fill("#max_tokens", "4")
+            page.fill("#prompt", "Why is the sky blue?")
+            page.press("#prompt", "Enter")
+            page.wait_for_selector(".msg.assistant[data-state=done]")
+            assert page.locator(".msg.assistant").get_attribute("data-finish") == "length", name
+            assert metric(s, "bmoe_generations_total") == n + 1
+
+        # a page of another origin (another server on this machine) POSTs a chat, as a form would
+        page.goto(foreign)
+        page.evaluate(f"""() => fetch("http://127.0.0.1:{port}/v1/chat/completions", {{method: "POST",
+            mode: "no-cors", body: JSON.stringify({{messages: [{{role: "user", content: "hi"}}], max_tokens: 2}})}})
+            .then(() => null)""")
+        assert metric(s, 'bmoe_requests_total{route="/v1/chat/completions",status="403"}') == 1
+        assert metric(s, "bmoe_generations_total") == 2
+
+        r = page.goto(f"http://{REBOUND}:{port}/")
+        assert r.status == 403 and f"--allowed-host {REBOUND}" in r.json()["error"]["message"]
+        assert page.locator("#prompt").count() == 0
+        assert not errors, errors
+    finally:
+        other.shutdown()
+        s.stop()

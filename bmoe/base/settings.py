@@ -66,6 +66,7 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     toggle: bool = False  # a bool with both --X and --no-X
+    repeat: bool = False  # the flag may be given again: `parse` returns a tuple (a comma list) and they add up
     ok: Callable[[Any], bool] | None = None  # the bound, checked for every edge (None values are not checked)
     rule: str = ""  # the bound in words, after the offending value
     auto: str | None = None  # what None means, as the user writes it ("auto")

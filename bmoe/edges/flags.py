@@ -43,6 +43,15 @@ def _shown(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+class _Extend(argparse.Action):
+    """A repeatable flag whose values are tuples: each given adds to the ones before (argparse's "extend"
+    makes a list, and settings are frozen)."""
+
+    def __call__(self, ap: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(ns, self.dest, (getattr(ns, self.dest) or ()) + tuple(values))
+
+
 def add_options(ap: Flags, entries: tuple[Entry, ...],
                 before: dict[str, Adder] | None = None) -> None:
     """A flag per declared setting, in declaration order; `before[name]` adds an edge's own flags
@@ -57,6 +66,8 @@ def add_options(ap: Flags, entries: tuple[Entry, ...],
                             else "store_false" if o.flag.startswith("--no-") else "store_true")
         else:
             kw.update(type=o.parse, metavar=o.metavar, choices=o.choices)
+            if o.repeat:
+                kw["action"] = _Extend
         ap.add_argument(*filter(None, (o.short, o.flag)), **kw)
 
 

@@ -31,6 +31,7 @@ from bmoe.server.answer_shape import AnswerShape, Finished
 from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
 from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, ClosingStream, SlowReader
 from bmoe.server.events import EVENTS, Feed
+from bmoe.server.hosts import HostCheck, Trusted
 from bmoe.server.http_errors import (
     QueueFull,
     ServeError,
@@ -525,11 +526,14 @@ def _ended(s: GenerationStats) -> GenerationStats:
 
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, n_predict: int,
-               alias: str | None = None, webui: bool = True, write_timeout: float = 30.0) -> FastAPI:
+               alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
+               trusted: Trusted | None = None) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
-    (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui)."""
+    (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
+    every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
+    loopback's; bmoe.server.hosts)."""
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
     bodies = BodiesHeld(limits.total)
@@ -547,6 +551,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     routes = Endpoints(model, sched, metrics, n_predict, alias)
     keyed = ApiKey(api_key)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
+    if api_key is None:  # added before RequestGuard, so it runs inside it: a refusal is counted under its route
+        app.add_middleware(HostCheck, trusted=trusted or Trusted(), answer=_error_response)
     app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, key=keyed, limits=limits,
                        bodies=bodies, write_timeout=write_timeout)
     for exc, handler in HANDLERS:

@@ -45,10 +45,13 @@ Decisions:
   `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health and the
   chat page's static files (the page sends the key it is given on its own API calls); a
   non-loopback `--host` without a key is refused unless `--insecure`; a keyed route refuses a
-  request without the key (401) before it reads the body. Bodies over `--max-body-kb` get 413; a body
-  must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB (408), and
-  every connection's bodies together are bounded by `--max-bodies-mb` (503). Every error is an
-  OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
+  request without the key (401) before it reads the body. Without a key, a request whose `Host`
+  names neither an IP address, localhost, `--host` nor an `--allowed-host`, or that comes from a web
+  page of another origin than the chat page's (`--allowed-origin`), gets 403: a page cannot rebind
+  its name to 127.0.0.1 and drive the server (bmoe.server.hosts). Bodies over `--max-body-kb` get
+  413; a body must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB
+  (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). Every error
+  is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
   begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
   a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own);
@@ -81,6 +84,7 @@ try:
 
     from bmoe.server.app import create_app
     from bmoe.server.connections import BodyLimits, HeadDeadline
+    from bmoe.server.hosts import Trusted, host_names, origins
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
                      "pip install 'bmoe[server]'") from None
@@ -113,6 +117,8 @@ examples:
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
   bmoe-server -m model.gguf --alias my-moe        # clients see (and may ask for) the model as "my-moe"
   bmoe-server -m model.gguf --no-webui             # the API only: no chat page at /
+  bmoe-server -m model.gguf --allowed-host my-alias,bmoe.home --allowed-origin chrome-extension://abcdef
+                      # no key: also answer names that /etc/hosts points here, and requests from that extension
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
@@ -140,6 +146,16 @@ class ServeSettings:
                                        "$BMOE_API_KEY; none)")
     insecure: bool = setting(False, "--insecure",
                              help="allow a non-loopback --host without an API key (anyone who reaches it can use it)")
+    allowed_hosts: tuple[str, ...] = setting(
+        (), "--allowed-host", parse=host_names, repeat=True, metavar="NAME",
+        help="without an API key, also answer requests sent to this name (repeat it or give a comma list; * for "
+             "any): by default only IP addresses, localhost and --host are answered, so a web page cannot point "
+             "its own name at this server (DNS rebinding); with a key, names are not checked")
+    allowed_origins: tuple[str, ...] = setting(
+        (), "--allowed-origin", parse=origins, repeat=True, metavar="ORIGIN",
+        help="without an API key, also serve requests a web page at ORIGIN (SCHEME://HOST[:PORT], or null) sends "
+             "(repeat it or give a comma list; * for any): by default only the server's own chat page and "
+             "clients that send no Origin are; with a key, origins are not checked")
     queue: int = setting(8, "--queue", parse=nonneg_int, metavar="N",
                          help="requests that may wait for a KV sequence (see --parallel); more get 429 (default "
                               "{default})")
@@ -284,7 +300,8 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
     limits = BodyLimits(size=opts.max_body_kb * 1024, timeout=opts.body_timeout, rate=opts.min_body_rate * 1024,
                         total=opts.max_bodies_mb << 20)
     app = create_app(model, sched, api_key=opts.api_key, limits=limits, n_predict=n_predict, alias=opts.alias,
-                     webui=opts.webui, write_timeout=opts.write_timeout)
+                     webui=opts.webui, write_timeout=opts.write_timeout,
+                     trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins))
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),

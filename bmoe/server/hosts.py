@@ -1,0 +1,135 @@
+"""Which `Host` and `Origin` a server without an API key answers: the defence against DNS rebinding.
+
+A server on 127.0.0.1 without a key trusts whoever can connect. A web page can make the user's
+browser connect: it rebinds its own name to 127.0.0.1, and its scripts' requests are then
+same-origin for the browser and reach this server carrying `Host: evil.example:8000`. A page of another
+origin can also send requests to 127.0.0.1 outright (a form's POST or a `no-cors` fetch: it cannot read the
+answer but it can start a generation); the browser sends `Origin: http://evil.example` with them.
+A browser never lets a page set either header, so the two checks (HostCheck) stop both:
+
+- Host: an IP address (a name can be rebound to an address, an address cannot be rebound: a
+  browser that sends `Host: 127.0.0.1:8000` connected to 127.0.0.1), `localhost` and names under
+  `.localhost` (browsers resolve them to loopback themselves), the `--host` given, and the names
+  given with `--allowed-host` (`*`: any); the port is not looked at. An empty name is refused, a
+  missing header (HTTP/1.0, never a browser) is not.
+- Origin: none (clients that are not browsers, and a page's own GETs), the request's own origin (the chat
+  page at `/`, whose fetches send `Origin: http://<its Host>`), and those given with
+  `--allowed-origin` (`*`: any). `null` (a sandboxed frame, a file:// page) is foreign unless given.
+
+With an API key the checks are off (create_app does not install HostCheck): the key is the check.
+A rebinding page does not have it (the browser adds no `Authorization` of its own, and the key the chat page
+keeps is in the real origin's storage, not the rebound name's), and a keyed server is meant to be reached by
+names the server cannot list (a LAN name, a container's, a reverse proxy's); Ollama, the reference here, checks
+the Host only on a loopback listener, and llama-server's defence is its key too. What stays open
+to any Host with a key is what is open without one: /health and the page's static files.
+
+Refused requests get 403 in the error shape of the route's API, naming the flag that would admit them.
+The server sends no CORS headers: an admitted origin's requests are served, but a browser still keeps a
+cross-origin page from reading the answer (`--allowed-origin` serves clients that send an Origin and
+are not bound by CORS: browser extensions, desktop apps' web views).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from collections.abc import Callable, Iterable
+from urllib.parse import urlsplit
+
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from bmoe.server.http_errors import ServeError
+
+ANY = "*"
+KEY_FIX = "or give the server a key (--api-key KEY or BMOE_API_KEY), which turns these checks off"
+
+
+def host_names(text: str) -> tuple[str, ...]:
+    """--allowed-host: host names, comma-separated, as a Host header has them but without the port."""
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    for n in names:
+        if n != ANY and (not n or any(c in n for c in ":/[]@ ")):
+            raise argparse.ArgumentTypeError(f"{n!r} is not a host name: give the name alone, without a scheme or "
+                                             "port (e.g. my-box.lan); IP addresses are always served")
+    return names
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """--allowed-origin: origins, comma-separated, as a browser sends them: SCHEME://HOST[:PORT], or null."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        origin = part.lower().rstrip("/")
+        if origin not in (ANY, "null"):
+            u = urlsplit(origin)
+            if not u.scheme or not u.netloc or u.path or u.query or u.fragment:
+                raise argparse.ArgumentTypeError(f"{part!r} is not an origin: SCHEME://HOST[:PORT] with no path "
+                                                 "(e.g. http://localhost:3000), or null")
+        out.append(origin)
+    return tuple(out)
+
+
+def name_of(host: str) -> str:
+    """The name in a Host header: without its port, an IPv6 address without its brackets."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host if host.count(":") > 1 else host.partition(":")[0]
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class Trusted:
+    """The Hosts and Origins a server without a key answers (see the module notes); `listen_host` is --host."""
+
+    def __init__(self, listen_host: str = "localhost", hosts: Iterable[str] = (), origins: Iterable[str] = ()) -> None:
+        self.hosts = frozenset({"localhost", listen_host.lower(), *hosts})
+        self.origins = frozenset(origins)
+
+    def host_ok(self, host: str) -> bool:
+        """Whether a Host header names this server (see the module notes)."""
+        name = name_of(host.lower())
+        return bool(name) and (ANY in self.hosts or name in self.hosts or name.endswith(".localhost")
+                               or _is_address(name))
+
+    def refusal(self, scope: Scope) -> ServeError | None:
+        """Why this request is refused, or None when it is served."""
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if host is not None and not self.host_ok(host):
+            name = name_of(host.lower())
+            return ServeError(403, f"this server does not answer to the name {name!r} (a web page may have pointed "
+                              f"that name at it): to serve it, restart bmoe-server with --allowed-host "
+                              f"{name or 'NAME'}, {KEY_FIX}", code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin is None or ANY in self.origins:
+            return None
+        origin = origin.lower()
+        if origin in self.origins or (host is not None and origin == f"{scope['scheme']}://{host.lower()}"):
+            return None
+        return ServeError(403, f"requests from the web page at {origin} are refused: it is not this server's own "
+                          f"page; to serve it, restart bmoe-server with --allowed-origin {origin}, {KEY_FIX}",
+                          code="origin_not_allowed")
+
+
+class HostCheck:
+    """ASGI middleware: every HTTP request's Host and Origin checked against `trusted` before any route
+    runs; a refused one is answered by `answer` (the route's API's error shape)."""
+
+    def __init__(self, app: ASGIApp, trusted: Trusted, answer: Callable[[str, ServeError], JSONResponse]) -> None:
+        self.app = app
+        self.trusted = trusted
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refused = self.trusted.refusal(scope) if scope["type"] == "http" else None
+        if refused is not None:
+            await self.answer(scope["path"], refused)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
