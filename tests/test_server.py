@@ -510,8 +510,10 @@ def test_a_lane_failure_is_a_500_and_ends_the_server_with_exit_1(model: str) -> 
         rest = list(lines)
     assert s.proc.wait() == 1, s.stderr
     errors = [json.loads(x[6:])["error"] for x in rest if x.startswith('data: {"error"')]
-    assert errors and errors[-1]["code"] == "internal_error" and "lane" in errors[-1]["message"]
+    assert errors and errors[-1]["code"] == "internal_error" and "generation failed" in errors[-1]["message"]
+    ref = re.search(r"\(error ([0-9a-f]+);", errors[-1]["message"])  # the details are on stderr under its id
     assert rest[-2:] == ["data: [DONE]", ""] and "bmoe-server: error:" in s.stderr
+    assert ref and re.search(rf"error {ref.group(1)}: .*lane", s.stderr, re.I), (errors, s.stderr)
     assert bmoe_segments() == before
 
 

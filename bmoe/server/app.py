@@ -37,6 +37,7 @@ from bmoe.server.http_errors import (
     ServeError,
     ShuttingDown,
     http_error,
+    internal,
     renamed,
     serve_error,
     shutting_down,
@@ -243,8 +244,7 @@ async def _on_http(r: HttpRequest, exc: Exception) -> JSONResponse:
 
 
 async def _on_bug(r: HttpRequest, exc: Exception) -> JSONResponse:
-    return _error_response(r.url.path, ServeError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                  "server_error", "internal_error"))
+    return _error_response(r.url.path, internal("internal error", f"{type(exc).__name__}: {exc}"))
 
 
 # every error a route can meet, as the error object a client receives (bmoe.server.http_errors; Anthropic's

@@ -2,12 +2,16 @@
 
 The scheduler raises QueueFull, ShuttingDown and GenerationFailed; a route raises ServeError with
 its HTTP status; `serve_error`, `http_error` and `validation_error` turn the others into one. A
-request field's own error (a bmoe.base.FieldError) becomes a 400 naming that field.
+request field's own error (a bmoe.base.FieldError) becomes a 400 naming that field. A server error
+(`internal`: the engine failed, or a bug) tells the client what failed and an error id, never the
+exception's text, which can name the model's files and other paths: that goes to the server's
+stderr under the same id.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from bmoe.base import ConfigError, FieldError
+from bmoe.edges import console
 
 
 class QueueFull(Exception):
@@ -54,6 +59,15 @@ def shutting_down() -> ServeError:
                       "server_error", "shutting_down")
 
 
+def internal(what: str, e: BaseException | str) -> ServeError:
+    """A 500 saying `what` failed and an error id; `e` itself (its text may name the model's files) is
+    logged on the server's stderr under that id, not sent."""
+    ref = secrets.token_hex(4)
+    console.notice(f"error {ref}: {what}: {e}")
+    return ServeError(500, f"{what} (error {ref}; the details are in the server's log)", "server_error",
+                      "internal_error")
+
+
 def serve_error(e: Exception) -> ServeError:
     """What a request hears of a scheduler's exception (bmoe.server.scheduler)."""
     if isinstance(e, ShuttingDown):
@@ -63,7 +77,7 @@ def serve_error(e: Exception) -> ServeError:
     if isinstance(e, ConfigError):
         return ServeError(400, str(e))
     assert isinstance(e, GenerationFailed), e
-    return ServeError(500, f"generation failed: {e}", "server_error", "internal_error")
+    return internal("generation failed", e)
 
 
 def http_error(exc: HTTPException) -> ServeError:

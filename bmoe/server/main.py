@@ -41,7 +41,7 @@ Decisions:
   A stream's finish chunk carries `bmoe`; `usage` only with `stream_options.include_usage`, as the
   spec has it: `null` on every chunk, then a last chunk of its own with `choices: []`.
 - A client that disconnects cancels its generation at once, or leaves the queue.
-- Security: binds 127.0.0.1 by default; `--api-key` (or `BMOE_API_KEY`) requires
+- Security: binds 127.0.0.1 by default; `--api-key` (or `--api-key-file`, or `BMOE_API_KEY`) requires
   `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health and the
   chat page's static files (the page sends the key it is given on its own API calls); a
   non-loopback `--host` without a key is refused unless `--insecure`; a keyed route refuses a
@@ -113,7 +113,8 @@ examples:
   bmoe-server                                      # the demo model at http://127.0.0.1:8000/v1
   bmoe-server -m model.gguf --cache-mb 2000 --io-threads 4 --queue 16
   bmoe-server -m model.gguf --parallel 4          # up to 4 requests decode at once, batched when it pays
-  bmoe-server -m model.gguf --host 0.0.0.0 --api-key "$KEY"   # reachable from the network, with a key
+  bmoe-server -m model.gguf --host 0.0.0.0 --api-key-file ~/.bmoe-key  # from the network, with the key in a file
+                      # (its first line; unlike --api-key KEY, not in the process list other local users can read)
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
   bmoe-server -m model.gguf --alias my-moe        # clients see (and may ask for) the model as "my-moe"
   bmoe-server -m model.gguf --no-webui             # the API only: no chat page at /
@@ -143,7 +144,11 @@ class ServeSettings:
     port: int = setting(8000, "--port", parse=_port, help="TCP port (default {default}; 0: any free port, printed)")
     api_key: str | None = setting(None, "--api-key", metavar="KEY",
                                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                                       "$BMOE_API_KEY; none)")
+                                       "$BMOE_API_KEY; none); any local user can read it in the process list: "
+                                       "prefer --api-key-file or $BMOE_API_KEY")
+    api_key_file: str | None = setting(None, "--api-key-file", metavar="PATH",
+                                       help="--api-key's KEY read from the first line of this file (stripped), so "
+                                            "it is not in the process list")
     insecure: bool = setting(False, "--insecure",
                              help="allow a non-loopback --host without an API key (anyone who reaches it can use it)")
     allowed_hosts: tuple[str, ...] = setting(
@@ -219,15 +224,32 @@ def serve_settings(ap: argparse.ArgumentParser, a: argparse.Namespace) -> ServeS
     """The server's own flags; a network address without a key, or a bound on every body below one body's,
     is a usage error (exit 2)."""
     s = ServeSettings(**{e.field.name: v for e, v in ((e, getattr(a, e.name)) for e in SERVE) if v is not None})
+    if s.api_key_file is not None:
+        if s.api_key is not None:
+            ap.error("give either --api-key or --api-key-file, not both")
+        s = dataclasses.replace(s, api_key=_key_from(ap, s.api_key_file))
     if s.api_key is None and os.environ.get("BMOE_API_KEY"):
         s = dataclasses.replace(s, api_key=os.environ["BMOE_API_KEY"])
     if s.max_bodies_mb * 1024 < s.max_body_kb:
         ap.error(f"--max-bodies-mb {s.max_bodies_mb} holds less than one body of --max-body-kb {s.max_body_kb}; "
                  "raise it or lower --max-body-kb")
     if not _loopback(s.host) and not s.api_key and not s.insecure:
-        ap.error(f"--host {s.host} lets other machines reach the model; give --api-key KEY (or set BMOE_API_KEY), "
-                 "or say --insecure to serve it without a key")
+        ap.error(f"--host {s.host} lets other machines reach the model; give --api-key-file PATH, "
+                 "--api-key KEY or BMOE_API_KEY, or say --insecure to serve it without a key")
     return s
+
+
+def _key_from(ap: argparse.ArgumentParser, path: str) -> str:
+    """--api-key-file's key: the file's first line, stripped; an unreadable or empty file is a usage error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        ap.error(f"--api-key-file {path}: cannot read it ({getattr(e, 'strerror', None) or e}); give a readable file "
+                 "whose first line is the key")
+    if not key:
+        ap.error(f"--api-key-file {path}: its first line is empty; put the key on it")
+    return key
 
 
 def _loopback(host: str) -> bool:
