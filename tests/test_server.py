@@ -13,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -237,6 +239,30 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Ser
         error_of(h.get(url + "/completions"), 405)
     assert completion(server) == want
     assert server.proc.poll() is None
+
+
+# OpenAI's bounds on `metadata` (bmoe.server.request_base): 16 keys at the bounds, and one past each bound
+METADATA_AT_BOUNDS = {f"{i:064d}": "v" * 512 for i in range(16)}
+METADATA_PAST = [({f"k{i}": "v" for i in range(17)}, "metadata", "at most 16 keys"),
+                 ({"k" * 65: "v"}, "metadata." + "k" * 65, "a key of at most 64 characters"),
+                 ({"k": "v" * 513}, "metadata.k", "a value of at most 512 characters")]
+
+
+def check_metadata_bounds(create: Callable[[dict[str, str]], Any]) -> Any:
+    """`create(metadata)`, a route's call through the openai client: a 400 naming the field past each of
+    OpenAI's bounds; at them, the answer (returned)."""
+    for metadata, param, words in METADATA_PAST:
+        with pytest.raises(openai.BadRequestError) as e:
+            create(metadata)
+        assert e.value.body["param"] == param and words in e.value.message, (param, e.value.body)
+    return create(METADATA_AT_BOUNDS)
+
+
+def test_chat_metadata_is_held_to_openais_bounds(server: Server) -> None:
+    c = server.client()
+    r = check_metadata_bounds(lambda metadata: c.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": CHAT_PROMPT}], max_tokens=2, metadata=metadata))
+    assert r.choices[0].message.content is not None
 
 
 def _runs(body: bytes) -> bool:

@@ -21,7 +21,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.plain_llama import plain_llama
-from tests.test_server import KEY, Server, auth, error_of
+from tests.test_server import KEY, METADATA_AT_BOUNDS, Server, auth, check_metadata_bounds, error_of
 from tests.test_server_agents import FLAGS, TEMPLATES, THINK, qwen3_synth, thinker  # noqa: F401 (fixtures)
 
 ALIAS = "tiny-moe"
@@ -215,6 +215,14 @@ def test_what_the_responses_route_cannot_take_is_a_400_naming_it(demo: Server) -
                                "metadata": {"k": "v"}, "user": "u", "some_vendor_field": 1})
         assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "v"}, ok.text
 
+
+
+def test_responses_metadata_is_held_to_openais_bounds_and_echoed(demo: Server) -> None:
+    c = demo.client()
+    r = check_metadata_bounds(lambda metadata: c.responses.create(model="x", input=HELLO, max_output_tokens=2,
+                                                                  metadata=metadata))
+    assert r.status == "completed" or r.status == "incomplete"
+    assert r.metadata == METADATA_AT_BOUNDS
 
 def test_a_thinking_model_gives_a_reasoning_item_streamed_and_not(thinker: Server) -> None:  # noqa: F811
     c = thinker.client()

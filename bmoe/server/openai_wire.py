@@ -23,7 +23,7 @@ from bmoe.base import FieldError, telemetry
 from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
-from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
+from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented
 
 # Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
 # that ask for nothing (accepted as sent): any other value is a 400 naming the field, never silently
@@ -123,6 +123,7 @@ class ChatBody(RequestBody):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     grammar: str | None = None
+    metadata: Metadata | None = None  # OpenAI's bounds (bmoe.server.request_base); nothing is stored
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatBody:

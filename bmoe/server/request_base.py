@@ -1,15 +1,16 @@
 """What the request bodies of bmoe-server's four APIs share (OpenAI's chat and completions, OpenAI's
 Responses, Anthropic's Messages, Ollama's): the sampling fields bounded by the settings' own
-declarations, bmoe's `"bmoe": {...}` extension and the refusal of a field bmoe does not implement
-unless it asks for nothing. Each API's own bodies are in its `*_wire` module.
+declarations, bmoe's `"bmoe": {...}` extension, OpenAI's `metadata` within OpenAI's bounds and the
+refusal of a field bmoe does not implement unless it asks for nothing. Each API's own bodies are in its
+`*_wire` module.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bmoe.base import SAMPLING_FIELDS, FieldError, check_sampling, logit_bias_of
 
@@ -56,6 +57,29 @@ def in_bounds(v: Any, info: ValidationInfo) -> Any:
     if v is not None and info.field_name in SAMPLING_FIELDS:
         check_sampling(info.field_name, logit_bias_of(v) if info.field_name == "logit_bias" else v)
     return v
+
+
+# OpenAI's bounds on `metadata` (the chat and Responses routes): keys, characters of a key, of a value
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def metadata_in_bounds(v: dict[str, str]) -> dict[str, str]:
+    """A body's `metadata` (string keys and values, pydantic has checked): within OpenAI's bounds, else a
+    FieldError naming `metadata` (too many keys) or `metadata.<key>` (a key or its value too long)."""
+    if len(v) > METADATA_KEYS:
+        raise FieldError(f"metadata: at most {METADATA_KEYS} keys (it has {len(v)})", param="metadata")
+    for key, value in v.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise FieldError(f"metadata.{key}: a key of at most {METADATA_KEY_CHARS} characters (it has "
+                             f"{len(key)})", param=f"metadata.{key}")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise FieldError(f"metadata.{key}: a value of at most {METADATA_VALUE_CHARS} characters (it has "
+                             f"{len(value)})", param=f"metadata.{key}")
+    return v
+
+
+# `metadata` as OpenAI defines it: at most 16 keys of at most 64 characters, string values of at most 512
+Metadata = Annotated[dict[str, str], AfterValidator(metadata_in_bounds)]
 
 
 def sampling_of(body: BaseModel) -> dict[str, Any]:

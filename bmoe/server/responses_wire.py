@@ -32,7 +32,8 @@ What is taken and what is not (docs/server.md says the same for users):
 - `include`: `reasoning.encrypted_content` is accepted (bmoe encrypts nothing: a reasoning item
   carries its text and is read back as sent); any other is a 400. `background`, `conversation`,
   `prompt`, `max_tool_calls`, `truncation: "auto"`, `top_logprobs` and `context_management` are a
-  400 unless they ask for nothing; `metadata` is echoed; `user`, `safety_identifier`,
+  400 unless they ask for nothing; `metadata` is echoed (within OpenAI's bounds: 16 keys, keys of 64
+  characters, string values of 512; else a 400 naming it); `user`, `safety_identifier`,
   `service_tier`, `prompt_cache_key`, `prompt_cache_retention`, `stream_options` and other fields
   bmoe does not know change no text and are ignored, as on the chat route.
 - `usage`: `input_tokens` (the conversation as rendered), `input_tokens_details.cached_tokens`
@@ -59,7 +60,7 @@ from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
 from bmoe.server.openai_wire import ChatBody
-from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented, sampling_of
+from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented, sampling_of
 
 PATH = "/v1/responses"
 KEPT = 100  # responses kept for previous_response_id
@@ -103,7 +104,7 @@ class ResponsesBody(SamplingFields):
     store: bool = True
     previous_response_id: str | None = None
     include: list[str] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None  # OpenAI's bounds (bmoe.server.request_base), echoed
     stop: str | list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)  # bmoe's extension
     grammar: str | None = None  # bmoe's extension (GBNF)
     bmoe: BmoeOptions = BmoeOptions()
