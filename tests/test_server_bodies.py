@@ -168,6 +168,25 @@ def test_a_request_without_the_key_is_refused_before_its_body_is_read(server: Se
             assert body["error"]["code"] == "invalid_api_key", body
 
 
+def test_a_refused_body_sent_in_full_still_gets_its_answer(server: Server) -> None:
+    """A client that sends its whole body before it reads (as most clients do) and is refused mid-body, 413
+    for a body over --max-body-kb, 401 without the key: the answer reaches it and the connection ends
+    cleanly, ten times in a row. Closed at once, the server's socket would answer the bytes still coming
+    with a reset, which makes the client's system drop the unread answer ("connection reset by peer")."""
+    cases = [("/v1/completions", 2_000_000, auth(), b"HTTP/1.1 413 "),  # over the default 1024 KiB
+             ("/v1/chat/completions", 500_000, {}, b"HTTP/1.1 401 ")]
+    for path, length, headers, status in cases:
+        for _ in range(10):
+            with socket.create_connection(address(server)) as s:
+                s.settimeout(HANG_S)
+                s.sendall(head(path, length, headers) + b" " * length)
+                got = b""
+                while chunk := s.recv(1 << 16):
+                    got += chunk
+            assert got.startswith(status), (path, got[:200])
+            assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"], got
+
+
 BODY_KB = 64  # --max-body-kb of the bounded server
 HOLDERS = 16  # bodies of BODY_KB less a byte that fill its --max-bodies-mb 1
 

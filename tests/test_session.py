@@ -94,7 +94,10 @@ def test_independent_prompts_warm_the_cache_and_equal_one_shot(model: str) -> No
         ev2, _ = s.ask(2, P2, n_predict=16)
         d1, d2 = check_turn(ev1, 1, 16), check_turn(ev2, 2, 16)
         assert d1["n_past"] == d1["n_prompt"] + d1["tokens"] and d2["n_past"] == d2["n_prompt"] + d2["tokens"]
-        assert 0 < read_mb(ev2) < read_mb(ev1), (read_mb(ev1), read_mb(ev2))
+        # the second prompt finds the first one's experts: it reads less (nothing at all, when the first
+        # turn happened to touch every expert it routes to; how many it shares depends on the CPU's kernels)
+        assert read_mb(ev2) < read_mb(ev1), (read_mb(ev1), read_mb(ev2))
+        assert d2["cache_hit_pct"] >= d1["cache_hit_pct"], (d1["cache_hit_pct"], d2["cache_hit_pct"])
         assert d1["cache_budget_mib"] == 100.0 and 0 < d1["cache_resident_mib"] <= d2["cache_resident_mib"]
         assert s.close() == 0
     assert not s.stray

@@ -1,11 +1,18 @@
-"""What a connection may hold: uvicorn's HTTP protocol (h11) with a deadline for a request's head,
-and streamed responses that let go at once of a client cut for reading too slowly.
+"""What a connection may hold: uvicorn's HTTP protocol (h11) with a deadline for a request's head and a
+lingering close, and streamed responses that let go at once of a client cut for reading too slowly.
 
 uvicorn times out an idle keep-alive connection only after a response, and any byte that arrives
 restarts its clock: a client that connects and sends nothing, or sends its headers a byte at a time,
 holds a connection for ever, and `--max-connections` of them shut every other client out (503). Here
 the clock starts when the connection opens (and again after each response) and stops only when a
 request's whole head has arrived; past `--idle-timeout` the connection is closed.
+
+A refusal sent while the client is still sending its body (413 on the declared length, 401 before the
+body) must not close the socket at once: the kernel answers a close with unread bytes, or bytes that
+arrive after it, with a reset, and a reset makes the client's system throw away the answer it has not
+read yet, so the client sees "connection reset" instead of the 413. Such a close lingers, as web
+servers' do: the answer is sent and the write side shut (the client reads it and its end), what the
+client still sends is read and dropped, and the socket closes at the client's end or after LINGER_S.
 
 Once the head is in, bmoe.server.app's RequestGuard refuses a keyed route's request without the key
 (ApiKey: 401) before it reads any body, then reads the body against BodyLimits: a request's
@@ -37,6 +44,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from bmoe.server.http_errors import ServeError
 
+LINGER_S = 2.0  # how long a refused body is read and dropped before the socket closes anyway
 
 class SlowReader(Exception):
     """A client left a piece of its response unread past the write timeout."""
@@ -112,19 +120,53 @@ class ClosingStream(StreamingResponse):
                 await close()
 
 
+class _Lingering:
+    """The transport uvicorn's protocol writes to: the real one, whose close lingers (HeadDeadline.linger)
+    while the client is in the middle of a body."""
+
+    def __init__(self, real: asyncio.Transport, protocol: HeadDeadline) -> None:
+        self.real = real
+        self.protocol = protocol
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+    def close(self) -> None:
+        if self.protocol.conn.their_state is h11.SEND_BODY and not self.is_closing() and self.real.can_write_eof():
+            self.protocol.linger()
+        else:
+            self.real.close()
+
+    def is_closing(self) -> bool:
+        return self.protocol.lingering is not None or self.real.is_closing()
+
+
 class HeadDeadline(H11Protocol):
-    """h11 with a deadline from connecting (or the last response) to a complete request head."""
+    """h11 with a deadline from connecting (or the last response) to a complete request head, and a close
+    that lingers while the client still sends a body."""
 
     deadline: asyncio.TimerHandle | None = None
+    lingering: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self.socket = transport
+        super().connection_made(_Lingering(transport, self))  # type: ignore[arg-type]
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering is not None:  # the rest of a refused body: dropped
+            return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is in: the request has its answer's time
             self._disarm()
+
+    def linger(self) -> None:
+        """Shut the write side once the answer is out, read and drop what comes, close at the client's end
+        (asyncio closes a half-closed socket at EOF) or after LINGER_S."""
+        self._disarm()
+        self.lingering = self.loop.call_later(LINGER_S, self.socket.close)
+        self.socket.write_eof()
+        self.socket.resume_reading()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -133,6 +175,8 @@ class HeadDeadline(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.lingering is not None:
+            self.lingering.cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
