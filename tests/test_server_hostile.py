@@ -81,6 +81,9 @@ def test_connections_that_send_no_request_are_closed_and_do_not_shut_others_out(
                 break
         except TimeoutError:
             pass
+        except ConnectionResetError:  # the byte sent just as the server closed: the kernel answers it with a reset
+            cut = True
+            break
     assert cut, "a head sent a byte at a time was never cut off"
     assert time.monotonic() - start >= IDLE_S * 0.9
     assert all(closed_by_server(s) for s in idle), "idle connections are closed"
