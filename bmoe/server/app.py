@@ -46,7 +46,8 @@ from bmoe.server.http_errors import (
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
 from bmoe.server.openai_wire import ChatBody, CompletionBody, OpenAIShape, RequestBody
 from bmoe.server.request_base import sampling_of
-from bmoe.server.responses_wire import ResponsesBody, ResponsesShape, ResponseStore
+from bmoe.server.response_store import ResponseStore
+from bmoe.server.responses_wire import ResponsesBody, ResponsesShape
 from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
 from bmoe.server.webui import add_pages
 
@@ -257,11 +258,12 @@ class Endpoints:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
     def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, n_predict: int,
-                 alias: str | None = None) -> None:
+                 alias: str | None = None, kept: ResponseStore | None = None) -> None:
         self.model, self.sched, self.metrics = model, sched, metrics
         self.n_predict = n_predict
         self.model_id = alias or model.name  # what /v1/models lists and responses name
-        self.kept = ResponseStore()  # /v1/responses' stored responses (previous_response_id)
+        # /v1/responses' stored responses (previous_response_id, GET and DELETE)
+        self.kept = kept if kept is not None else ResponseStore()
         self.facts: ModelFacts | None = None  # the model as Ollama's clients see it (read on first use)
 
     @asynccontextmanager
@@ -527,13 +529,14 @@ def _ended(s: GenerationStats) -> GenerationStats:
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, n_predict: int,
                alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
-               trusted: Trusted | None = None) -> FastAPI:
+               trusted: Trusted | None = None, kept: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
     (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
     every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
-    loopback's; bmoe.server.hosts)."""
+    loopback's; bmoe.server.hosts). `kept`: the Responses API's stored responses (by default
+    bmoe.server.response_store's bounds)."""
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
     bodies = BodiesHeld(limits.total)
@@ -548,7 +551,11 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
 
     sched.on_generation = generated
     sched.on_close = feed.close
-    routes = Endpoints(model, sched, metrics, n_predict, alias)
+    routes = Endpoints(model, sched, metrics, n_predict, alias, kept)
+    Gauge("bmoe_stored_responses", "responses kept for previous_response_id (bound: --store-responses)",
+          registry=metrics.registry).set_function(lambda: len(routes.kept.kept))
+    Gauge("bmoe_stored_response_bytes", "memory the kept responses take (bound: --store-responses-mb)",
+          registry=metrics.registry).set_function(lambda: routes.kept.held)
     keyed = ApiKey(api_key)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
     if api_key is None:  # added before RequestGuard, so it runs inside it: a refusal is counted under its route

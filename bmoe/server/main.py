@@ -50,7 +50,9 @@ Decisions:
   page of another origin than the chat page's (`--allowed-origin`), gets 403: a page cannot rebind
   its name to 127.0.0.1 and drive the server (bmoe.server.hosts). Bodies over `--max-body-kb` get
   413; a body must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB
-  (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). Every error
+  (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). The
+  Responses API's stored responses take `--store-responses-mb` of memory at most, every field
+  counted (bmoe.server.response_store). Every error
   is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
   begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
@@ -85,6 +87,7 @@ try:
     from bmoe.server.app import create_app
     from bmoe.server.connections import BodyLimits, HeadDeadline
     from bmoe.server.hosts import Trusted, host_names, origins
+    from bmoe.server.response_store import ENTRY_BYTES, KEPT, KEPT_MB, ResponseStore
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
                      "pip install 'bmoe[server]'") from None
@@ -191,6 +194,15 @@ class ServeSettings:
     idle_timeout: int = setting(5, "--idle-timeout", parse=positive_int, metavar="S",
                                 help="seconds a connection may stay open without a request: from connecting, or "
                                      "from its last answer, to a request's complete head (default {default})")
+    store_responses: int = setting(
+        KEPT, "--store-responses", parse=nonneg_int, metavar="N",
+        help="responses the Responses API keeps for previous_response_id and GET /v1/responses/ID, the least "
+             "recently used dropped first (default {default}; 0 keeps none)")
+    store_responses_mb: int = setting(
+        KEPT_MB, "--store-responses-mb", parse=positive_int, metavar="MB",
+        help="MiB of memory the kept responses take together, every field of each counted: each is held as "
+             f"its JSON bytes plus {ENTRY_BYTES} bytes, and one larger than this alone is not kept (default "
+             "{default})")
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
@@ -323,7 +335,8 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
                         total=opts.max_bodies_mb << 20)
     app = create_app(model, sched, api_key=opts.api_key, limits=limits, n_predict=n_predict, alias=opts.alias,
                      webui=opts.webui, write_timeout=opts.write_timeout,
-                     trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins))
+                     trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins),
+                     kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20))
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),

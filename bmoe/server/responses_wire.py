@@ -2,7 +2,7 @@
 translation into the chat request the chat route runs (`chat_body_of_response`: one request inside, so the
 engine, scheduler, grammars, tool-call reading, prompt cache, limits and errors are the chat
 route's), the answer as a Response object or its stream of events (`ResponsesShape`), and the
-responses kept for `previous_response_id` (`ResponseStore`).
+responses kept for `previous_response_id` (bmoe.server.response_store's `ResponseStore`).
 
 What is taken and what is not (docs/server.md says the same for users):
 - `input`: text (one user message), or items: messages (`user`, `system`, `developer`, `assistant`;
@@ -23,10 +23,10 @@ What is taken and what is not (docs/server.md says the same for users):
   `max_output_tokens`), the sampling fields as on the chat route (`temperature`, `top_p`, and the
   extensions `top_k`, `min_p`, `seed`, the penalties, `logit_bias`), and bmoe's extensions `stop`,
   `grammar`, `"bmoe": {"lossless": true}`.
-- `store` (default true) and `previous_response_id`: the last KEPT responses (their conversations'
-  text within KEPT_CHARS, the least recently used dropped first; none across a restart) are kept
-  in memory, so a follow-up that names one is that conversation and its new input, which reuses
-  the KV sequence that answered it while the sequence holds it. A response not kept (never stored,
+- `store` (default true) and `previous_response_id`: the last `--store-responses` responses, within
+  `--store-responses-mb` of memory (bmoe.server.response_store; the least recently used dropped first;
+  none across a restart) are kept, so a follow-up that names one is that conversation and its new
+  input, which reuses the KV sequence that answered it while the sequence holds it. A response not kept (never stored,
   dropped, or from before a restart) is a 400 saying to send the conversation as `input` instead.
   `GET` and `DELETE /v1/responses/{id}` read and drop a kept response.
 - `include`: `reasoning.encrypted_content` is accepted (bmoe encrypts nothing: a reasoning item
@@ -48,7 +48,6 @@ import dataclasses
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,10 +60,9 @@ from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
 from bmoe.server.openai_wire import ChatBody
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented, sampling_of
+from bmoe.server.response_store import ResponseStore
 
 PATH = "/v1/responses"
-KEPT = 100  # responses kept for previous_response_id
-KEPT_CHARS = 32 * 2**20  # the JSON text of their conversations, together at most
 # fields of the Responses API bmoe does not implement, each with the values that ask for nothing
 _UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
@@ -280,55 +278,6 @@ def _think(reasoning: dict[str, Any] | None) -> bool:
     if effort is not None and effort not in EFFORTS:
         raise _bad("reasoning.effort", f"one of {', '.join(EFFORTS)}")
     return effort != "none"
-
-
-# ---- kept responses --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Kept:
-    items: tuple[dict[str, Any], ...]  # the conversation: earlier items, the input, the output
-    response: dict[str, Any]
-    chars: int
-
-
-class ResponseStore:
-    """The responses kept for previous_response_id and GET: at most `most`, their conversations' JSON
-    text within `chars`, the least recently used dropped first. Used on the event loop only."""
-
-    def __init__(self, most: int = KEPT, chars: int = KEPT_CHARS) -> None:
-        self.most, self.chars = most, chars
-        self.kept: OrderedDict[str, Kept] = OrderedDict()
-        self.total = 0
-
-    def keep(self, response: dict[str, Any], items: Sequence[dict[str, Any]]) -> None:
-        k = Kept(tuple(items), response, len(json.dumps(items, ensure_ascii=False)))
-        if k.chars > self.chars:
-            return
-        self.kept[response["id"]] = k
-        self.total += k.chars
-        while len(self.kept) > self.most or self.total > self.chars:
-            self.total -= self.kept.popitem(last=False)[1].chars
-
-    def _find(self, rid: str, param: str) -> Kept:
-        k = self.kept.get(rid)
-        if k is None:
-            raise ServeError(400 if param else 404, f"{param or 'the response'}: {rid!r} is not among the responses "
-                             f"this server keeps (the last {self.most} stored, in memory: none from before a restart); "
-                             "send the whole conversation as input instead", param=param or None,
-                             code=None if param else "not_found")
-        self.kept.move_to_end(rid)
-        return k
-
-    def items(self, rid: str) -> tuple[dict[str, Any], ...]:
-        """The conversation of response `rid`, to go on from (400 when it is not kept)."""
-        return self._find(rid, "previous_response_id").items
-
-    def get(self, rid: str) -> dict[str, Any]:
-        return self._find(rid, "").response
-
-    def drop(self, rid: str) -> None:
-        self.total -= self.kept.pop(self._find(rid, "").response["id"]).chars
 
 
 # ---- the answer ------------------------------------------------------------------------------------

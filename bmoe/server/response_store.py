@@ -1,0 +1,91 @@
+"""The responses `POST /v1/responses` keeps for `previous_response_id` and `GET /v1/responses/{id}`.
+
+Its bound is on memory, not on a proxy for it (issue 50): a kept response is held as the compact JSON
+bytes of everything kept (the whole Response object, the conversation to go on from) and decoded when
+it is used, so what the store counts (`held`) is what it holds. Python objects cost 10-20 times their
+JSON, and a proxy that counted only part of the fields let 60 requests grow the server by 200 MiB past
+a 32 MiB bound. Each entry also costs ENTRY_BYTES besides its two byte strings (its id, the pair, the
+dict's slot and ordering node), checked against tracemalloc by tests/test_response_store.py.
+
+The ids are `resp_` and a uuid4: 122 bits from the system's random source: a response can be read,
+continued or dropped only by a client that was given its id, and no route lists them. Every client with
+the key (or, without a key, every client the server answers) shares the one store; docs/server.md's
+Security section says what that means.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from bmoe.server.http_errors import ServeError
+
+KEPT = 100  # responses kept at most (--store-responses)
+KEPT_MB = 32  # MiB they take together at most (--store-responses-mb)
+ENTRY_BYTES = 512  # what an entry costs besides its two byte strings' own size
+
+
+def _encoded(value: Any) -> bytes:
+    # surrogatepass: a lone surrogate a client sent (JSON's "\ud800") is kept as it came
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+def _decoded(blob: bytes) -> Any:
+    return json.loads(blob.decode("utf-8", "surrogatepass"))
+
+
+class ResponseStore:
+    """At most `most` responses taking `bound` bytes together, each held as (items, response) JSON bytes,
+    the least recently used dropped first; one larger than `bound` alone is not kept. Used on the event
+    loop only."""
+
+    def __init__(self, most: int = KEPT, bound: int = KEPT_MB << 20) -> None:
+        self.most, self.bound = most, bound
+        self.kept: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
+        self.held = 0  # bytes, every entry's size() together
+
+    @staticmethod
+    def size(entry: tuple[bytes, bytes]) -> int:
+        """What an entry takes: its byte strings as Python holds them, and ENTRY_BYTES."""
+        return sys.getsizeof(entry[0]) + sys.getsizeof(entry[1]) + ENTRY_BYTES
+
+    def keep(self, response: dict[str, Any], items: Sequence[dict[str, Any]]) -> bool:
+        """Keeps `response` and its conversation `items` (what a follow-up goes on from) under the
+        response's id, dropping the least recently used past the bounds; False when it is not kept."""
+        entry = (_encoded(list(items)), _encoded(response))
+        n = self.size(entry)
+        if self.most == 0 or n > self.bound:
+            return False
+        self.kept[response["id"]] = entry
+        self.held += n
+        while len(self.kept) > self.most or self.held > self.bound:
+            self.held -= self.size(self.kept.popitem(last=False)[1])
+        return True
+
+    def _find(self, rid: str, param: str) -> tuple[bytes, bytes]:
+        entry = self.kept.get(rid)
+        if entry is None:
+            raise ServeError(400 if param else 404, f"{param or 'the response'}: {rid!r} is not among the responses "
+                             f"this server keeps (the last {self.most} stored, {self.bound / 2**20:g} MiB at most, "
+                             "in memory: none from before a restart); send the whole conversation as input instead",
+                             param=param or None, code=None if param else "not_found")
+        self.kept.move_to_end(rid)
+        return entry
+
+    def items(self, rid: str) -> list[dict[str, Any]]:
+        """The conversation of response `rid`, to go on from (400 when it is not kept)."""
+        items: list[dict[str, Any]] = _decoded(self._find(rid, "previous_response_id")[0])
+        return items
+
+    def get(self, rid: str) -> dict[str, Any]:
+        """The Response object of `rid` as it was answered (404 when it is not kept)."""
+        response: dict[str, Any] = _decoded(self._find(rid, "")[1])
+        return response
+
+    def drop(self, rid: str) -> None:
+        """Forgets `rid` (404 when it is not kept)."""
+        self._find(rid, "")
+        self.held -= self.size(self.kept.pop(rid))
