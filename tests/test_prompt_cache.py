@@ -5,7 +5,9 @@ read from disk is trusted."""
 from __future__ import annotations
 
 import os
+import struct
 import time
+import tracemalloc
 from pathlib import Path
 
 import llama_cpp
@@ -13,18 +15,20 @@ import numpy as np
 import pytest
 
 from bmoe.engine.prompt_calls import FA_TILE
-from bmoe.generation.prompt_cache import PromptCache, cut, model_identity, pieces, usable
+from bmoe.generation.prompt_cache import KV_MAGIC, PromptCache, cut, model_identity, pieces, usable
 from bmoe.seam.llama import seq_state, set_seq_state
 from tests.plain_llama import Plain
 
 ID = b"\x01" * 32
+N_CTX = 4096
+OTHER = 12345  # a uid no one on the machine has: "another user" (root can chown to it)
 # the architectures whose memory holds more than attention KV a suffix can be cut from (docs/architectures.md)
 RECURRENT = ["qwen35moe", "qwen3next", "qwen4exp", "deepseek4", "lfm2moe", "bailingmoe3"]
 
 
 def store(folder: Path, mb: float = 10.0, identity: bytes = ID) -> tuple[PromptCache, list[str]]:
     notes: list[str] = []
-    return PromptCache(folder, mb, identity, notes.append), notes
+    return PromptCache(folder, mb, identity, N_CTX, notes.append), notes
 
 
 def test_an_entry_comes_back_for_a_prompt_that_begins_with_it(tmp_path: Path) -> None:
@@ -58,14 +62,12 @@ def test_a_truncated_or_corrupt_file_is_ignored_with_a_notice_and_removed(tmp_pa
     c, _ = store(tmp_path)
     cut = c.save([1, 2], b"x" * 1000)
     flip = c.save([1, 2, 3], b"y" * 1000)
-    junk = tmp_path / "junk.kv"
-    junk.write_bytes(b"not a cache file at all")
     with open(cut.path, "r+b") as f:
         f.truncate(cut.size - 10)
     again, notes = store(tmp_path)
-    assert {n.split(" is ")[0] for n in notes} == {f"prompt cache: {cut.path.name}", "prompt cache: junk.kv"}
-    assert all(n.endswith("; ignored and removed") for n in notes)
-    assert not cut.path.exists() and not junk.exists()
+    assert notes == [f"prompt cache: {cut.path.name} is cut short or padded ({cut.size - 10} bytes, the header says "
+                     f"{cut.size}); ignored and removed"]
+    assert not cut.path.exists()
     raw = bytearray(flip.path.read_bytes())
     raw[-1] ^= 0xFF
     flip.path.write_bytes(bytes(raw))
@@ -73,6 +75,107 @@ def test_a_truncated_or_corrupt_file_is_ignored_with_a_notice_and_removed(tmp_pa
     assert e.tokens == (1, 2, 3) and again.load(e) is None
     assert notes[-1] == f"prompt cache: {flip.path.name} is corrupt (its checksum does not match); ignored and removed"
     assert not flip.path.exists() and again.match([1, 2, 3, 4]) is None
+
+
+def entry_file(folder: Path, n_tokens: int, payload_bytes: int, identity: bytes = ID, size: int | None = None,
+               name: str = "ab" * 20 + ".kv") -> Path:
+    """A file named as an entry whose header declares `n_tokens` and `payload_bytes`, `size` bytes long
+    (sparse; default: the header alone)."""
+    p = folder / name
+    head = struct.pack("<8s32sIQ32s", KV_MAGIC, identity, n_tokens, payload_bytes, b"\0" * 32)
+    with open(p, "wb") as f:
+        f.write(head)
+        f.truncate(size or len(head))
+    return p
+
+
+def peak_bytes(work) -> int:
+    """The most memory Python held at once while `work()` ran (tracemalloc sees every bytes object)."""
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_header_declaring_huge_sizes_is_removed_before_anything_is_read_by_them(tmp_path: Path) -> None:
+    """A header saying 2^32 - 1 tokens (16 GiB of them) and a 1 TiB payload in an 84-byte file: the start
+    takes the sizes apart against the file's before reading by them (it used to read 16 GiB first:
+    a MemoryError where memory is short, 16 GiB of address space where it is not)."""
+    huge = entry_file(tmp_path, 2**32 - 1, 2**40)
+    notes: list[str] = []
+    peak = peak_bytes(lambda: notes.extend(store(tmp_path)[1]))
+    assert peak < 2**20, f"{peak / 2**30:.1f} GiB allocated for an 84-byte file"
+    assert notes == [f"prompt cache: {huge.name} is cut short or padded (84 bytes, the header says "
+                     f"{84 + 4 * (2**32 - 1) + 2**40}); ignored and removed"]
+    assert not huge.exists()
+
+
+def test_an_entry_of_more_tokens_than_the_context_is_not_read(tmp_path: Path) -> None:
+    """A whole entry (sizes that add up: a 16 MiB sparse file) of 4M tokens, past any prompt this
+    context can hold: not read, not used, and left for a run with a longer context."""
+    n = 1 << 22
+    long = entry_file(tmp_path, n, 0, size=84 + 4 * n)
+    made: list[tuple[PromptCache, list[str]]] = []
+    peak = peak_bytes(lambda: made.append(store(tmp_path)))
+    (c, notes), = made
+    assert peak < 2**20 and c.entries == {} and not notes and long.exists()
+
+
+def test_a_users_own_files_in_the_folder_are_never_removed(tmp_path: Path) -> None:
+    """Only bmoe's own entries are removed, as damaged or to keep the bound: a user's `notes.kv`, and a
+    file of theirs that happens to have an entry's name but not its magic, stay (the oldest and
+    largest in the folder, first in line for the bound as it used to count)."""
+    mib = 2**20
+    notes_kv = tmp_path / "notes.kv"
+    notes_kv.write_bytes(b"my notes" * mib)
+    look_alike = tmp_path / ("0" * 40 + ".kv")
+    look_alike.write_bytes(b"not bmoe's")
+    for p in (notes_kv, look_alike):
+        os.utime(p, (0, 0))
+    c, notes = store(tmp_path, mb=2.5)
+    assert notes == [f"prompt cache: {look_alike.name} is not a bmoe prompt-cache file (no magic); ignored and "
+                     "left alone"]
+    c.save([1], b"a" * mib)
+    c.save([2], b"b" * mib)
+    c.save([3], b"c" * mib)
+    assert notes_kv.read_bytes() == b"my notes" * mib and look_alike.read_bytes() == b"not bmoe's"
+    assert sorted(e.tokens for e in c.entries.values()) == [(2,), (3,)], "the bound counts bmoe's entries"
+
+
+def test_an_entry_others_can_write_is_neither_loaded_nor_removed(tmp_path: Path) -> None:
+    """An entry another user could have written passes its own hash check whatever it holds, so it never
+    reaches llama.cpp: ignored with a notice at the start, or at its load when it became writable after
+    the start, and left where it is."""
+    c, _ = store(tmp_path)
+    writable = c.save([1, 2], b"two")
+    later = c.save([3, 4], b"four")
+    os.chmod(writable.path, 0o666)
+    again, notes = store(tmp_path)
+    assert notes == [f"prompt cache: {writable.path.name} can be written by other users (mode 666); ignored and "
+                     "left alone"]
+    assert again.match([1, 2, 3]) is None and writable.path.exists()
+    e = again.match([3, 4, 5])
+    os.chmod(later.path, 0o620)  # group-writable counts: nothing says who is in the group
+    assert again.load(e) is None and later.path.exists() and again.match([3, 4, 5]) is None
+    assert notes[-1] == f"prompt cache: {later.path.name} can be written by other users (mode 620); ignored and " \
+                        "left alone"
+
+
+def test_an_entry_owned_by_another_user_is_neither_loaded_nor_removed(tmp_path: Path) -> None:
+    """The same for an entry another uid owns (it may rewrite it at will), even one only it can write."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another uid needs root")
+    c, _ = store(tmp_path)
+    theirs = c.save([1, 2], b"two")
+    mine = c.save([5, 6], b"six")
+    os.chown(theirs.path, OTHER, OTHER)
+    again, notes = store(tmp_path)
+    assert notes == [f"prompt cache: {theirs.path.name} is owned by uid {OTHER}, not by you (uid 0) or root; "
+                     "ignored and left alone"]
+    assert again.match([1, 2, 3]) is None and theirs.path.exists()
+    assert again.load(again.match([5, 6, 7])) == b"six" and mine.path.exists()
 
 
 def test_another_models_entries_are_left_alone(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """bmoe on a machine it shares with other users: their segments in /dev/shm (left there by a run
-that died, or planted to stop ours) and a `bmoe/` folder where the user starts a run. A start leaves
-what is not its own alone, still sweeps its own user's leftovers, and runs only the installed bmoe."""
+that died, or planted to stop ours), a `bmoe/` folder where the user starts a run, and a prompt-cache
+folder they could write. A start leaves what is not its own alone, still sweeps its own user's
+leftovers, runs only the installed bmoe, and loads no prompt-cache entry another user could have made."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ast
 import functools
 import os
 import re
+import stat
 import subprocess
 import sys
 import traceback
@@ -19,11 +21,12 @@ import pytest
 
 from bmoe import shm_cache, workers
 from bmoe.base.model_files import read_model_files
+from bmoe.base.private_files import private_folder
 from bmoe.base.units import MiB
 from bmoe.chat.grammar import Grammar
 from bmoe.chat.grammar_check import GrammarCheck
 from bmoe.shm_cache import PAGE, SHM_DIR, Slab, segment_name, sweep_stale_segments
-from tests.conftest import complete, load, reference
+from tests.conftest import complete, load, reference, run_cli
 
 FLAGS = ("-c", 256, "-t", 2)
 PROMPT = "Once upon a time, in a village by the sea,"
@@ -181,3 +184,81 @@ def test_workers_never_run_a_bmoe_folder_where_the_user_stands(small_moe, tmp_pa
         checker.close()
     assert not marker.exists(), marker.read_text()
     assert res.ids == reference(str(small_moe), PROMPT, N_PREDICT, *FLAGS).ids
+
+
+# ---- a prompt cache's folder (bmoe.base.private_files): its entries go to llama.cpp's state loader ----
+
+
+def open_folder(parent: Path, mode: int) -> Path:
+    """A folder of `mode` under `parent` (chmod, past the umask)."""
+    d = parent / f"mode-{mode:o}"
+    d.mkdir()
+    os.chmod(d, mode)
+    return d
+
+
+def test_a_prompt_cache_folder_others_can_write_is_refused_before_the_model_loads(small_moe, tmp_path) -> None:
+    """A folder anyone can write (0777, no sticky bit): any local user could put an entry there whose own
+    hash matches. bmoe.load refuses it in one line naming the folder and the fix, before llama.cpp loads
+    anything, and reads nothing in it."""
+    import bmoe
+
+    folder = open_folder(tmp_path, 0o777)
+    planted = folder / ("ab" * 20 + ".kv")
+    planted.write_bytes(b"a state for llama.cpp to load")
+    with pytest.raises(bmoe.ConfigError) as e:
+        bmoe.load(str(small_moe), prompt_cache=str(folder), threads=2)
+    assert str(e.value) == (f"prompt_cache={str(folder)!r}: {folder} can be written by other users (mode 777), so "
+                            f"another user could swap the files bmoe loads from it; run `chmod go-w {folder}` or "
+                            "choose a folder of your own")
+    assert planted.read_bytes() == b"a state for llama.cpp to load"
+
+
+def test_bmoe_cli_names_the_folder_above_that_others_can_write(small_moe, tmp_path) -> None:
+    """Whoever can write a folder on the path can rename the cache folder away and put theirs in its
+    place: a group-writable parent is named, in the flag's words, exit 1, one line."""
+    folder = open_folder(tmp_path, 0o775) / "cache"
+    r = run_cli("-m", str(small_moe), "--prompt-cache", str(folder), "-p", PROMPT, "-n", "1", "-t", "2")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == (f"bmoe-cli: error: --prompt-cache {folder}: {folder.parent} can be written by other users "
+                        f"(mode 775), so another user could swap the files bmoe loads from it; run `chmod go-w "
+                        f"{folder.parent}` or choose a folder of your own\n")
+
+
+def test_a_prompt_cache_folder_another_user_owns_is_refused(small_moe, tmp_path) -> None:
+    """A folder of another uid, even one only that user can write: it could swap the entries at will."""
+    import bmoe
+
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another uid needs root")
+    folder = open_folder(tmp_path, 0o700)
+    os.chown(folder, OTHER, OTHER)
+    with pytest.raises(bmoe.ConfigError, match=rf": {folder} is owned by uid {OTHER}, not by you \(uid 0\) or root, "
+                       "so another user could swap the files bmoe loads from it; chown it or choose a folder of "
+                       "your own$"):
+        bmoe.load(str(small_moe), prompt_cache=str(folder), threads=2)
+
+
+def test_a_missing_prompt_cache_folder_is_made_for_its_user_alone_and_a_sticky_one_taken(tmp_path) -> None:
+    """What bmoe makes (the folder and any missing above it) is 0700 whatever the umask, so it never
+    refuses its own work; a sticky folder others can write (like /tmp) is taken, since they can add files
+    there but not replace ours, and the entries they add are theirs (refused one by one)."""
+    deep = tmp_path / "a" / "b" / "cache"
+    old = os.umask(0o002)
+    try:
+        assert private_folder(deep) is None
+    finally:
+        os.umask(old)
+    assert [stat.S_IMODE(d.stat().st_mode) for d in (deep, deep.parent, deep.parent.parent)] == [0o700] * 3
+    sticky = open_folder(tmp_path, 0o1777)
+    assert private_folder(sticky) is None and private_folder(sticky / "mine") is None
+
+
+def test_a_prompt_cache_that_names_a_file_is_refused(small_moe, tmp_path) -> None:
+    import bmoe
+
+    f = tmp_path / "cache"
+    f.write_text("a file")
+    with pytest.raises(bmoe.ConfigError, match=rf"^prompt_cache='{f}': {f} is not a folder; name a folder \(bmoe "
+                       r"makes it when it is missing\)$"):
+        bmoe.load(str(small_moe), prompt_cache=str(f), threads=2)

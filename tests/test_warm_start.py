@@ -69,6 +69,42 @@ def test_a_profile_round_trips_and_stays_small_for_a_large_model(tmp_path) -> No
     assert shares == sorted(shares, reverse=True), "most used first"
 
 
+def keep_two_profiles(folder: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Four profiles saved one after another into `folder`, which keeps two (MAX_PROFILES, lowered):
+    the four paths, oldest first."""
+    monkeypatch.setattr(usage_profile, "MAX_PROFILES", 2)
+    ident = {"path": "/m.gguf", "sizes": [1], "mtimes": [1.0], "header_sha256": ["ab" * 32]}
+    paths = [folder / f"model{i}-{i:012x}.json" for i in range(4)]
+    for i, p in enumerate(paths):
+        usage_profile.save(p, ident, Usage({0: np.array([1, 0])}, {0: 1}))
+        os.utime(p, (1000 + i, 1000 + i))
+    return paths
+
+
+def test_a_folder_keeps_its_newest_profiles_and_never_removes_a_users_files(tmp_path, monkeypatch) -> None:
+    """Past MAX_PROFILES the oldest of bmoe's profiles go; a user's `my.json` and a file of theirs named like
+    a profile, older than all of them, stay (bmoe's are told by name and by how they begin)."""
+    mine = tmp_path / "my.json"
+    look_alike = tmp_path / "notes-0123456789ab.json"
+    for p in (mine, look_alike):
+        p.write_text('{"format": "mine"}')
+        os.utime(p, (0, 0))
+    paths = keep_two_profiles(tmp_path, monkeypatch)
+    assert sorted(tmp_path.iterdir()) == sorted([mine, look_alike, *paths[2:]])
+
+
+def test_another_users_profile_is_never_removed(tmp_path, monkeypatch) -> None:
+    """A profile bmoe wrote as another user, in a folder both use: theirs to keep, however old."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another uid needs root")
+    theirs = tmp_path / "theirs-0123456789ab.json"
+    usage_profile.save(theirs, {"path": "/t.gguf"}, Usage({0: np.array([1])}, {0: 1}))
+    os.chown(theirs, 12345, 12345)
+    os.utime(theirs, (0, 0))
+    paths = keep_two_profiles(tmp_path, monkeypatch)
+    assert sorted(tmp_path.iterdir()) == sorted([theirs, *paths[2:]])
+
+
 def test_merging_keeps_half_the_old_counts() -> None:
     old = Usage({0: np.array([8, 0, 4])}, {0: 10})
     new = Usage({0: np.array([1, 3, 0])}, {0: 4})
@@ -172,7 +208,7 @@ def test_the_fill_never_evicts(model: Path, tmp_path) -> None:
         m.close()
 
 
-@pytest.mark.parametrize("case", ["mtime", "header", "damaged", "garbage", "checksum", "layers"])
+@pytest.mark.parametrize("case", ["mtime", "header", "damaged", "garbage", "nested", "checksum", "layers"])
 def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(model: Path, tmp_path, case: str) -> None:
     usage = tmp_path / "usage"
     copy = tmp_path / "model.gguf"
@@ -199,6 +235,8 @@ def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(mode
         path.write_bytes(path.read_bytes()[:-40])
     elif case == "garbage":
         path.write_bytes(os.urandom(300))
+    elif case == "nested":  # within the size bound, past the JSON parser's recursion limit: not a crash at start
+        path.write_bytes(b"[" * 200_000)
     elif case == "checksum":
         doc = json.loads(path.read_text())
         doc["layers"]["0"]["counts"][0] += 1
@@ -211,6 +249,7 @@ def test_a_foreign_or_damaged_profile_is_ignored_with_a_notice_and_replaced(mode
     want = {"mtime": "it was written for another version of the model file (its mtime differs)",
             "header": "it was written for another version of the model file (its header hash differs)",
             "damaged": "it is damaged (JSONDecodeError", "garbage": "it is damaged (",
+            "nested": "it is damaged (RecursionError",
             "checksum": "it is damaged (checksum mismatch)", "layers": "its layers do not match the model's"}[case]
     notes: list[str] = []
     m = start(copy, usage, "--cache-mb", PART, notes=notes)

@@ -7,7 +7,9 @@ pools, cache, I/O lanes), the spec-gate, the route trace, lossy routing and a re
 hooks them into llama.cpp's eval callback through `StreamingStops`. A new streaming mode is wired
 here, in `_stream`; what it does at the graph's stops lives in bmoe.streaming.graph_stops.
 
-What a load made is released by `Loaded.close`, also when the load fails half-way.
+Before llama.cpp loads anything it reads a replayed trace and makes and checks `--prompt-cache`'s
+folder (bmoe.base.private_files), so a setting that cannot work fails at once. What a load made is
+released by `Loaded.close`, also when the load fails half-way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from bmoe import seam
 from bmoe.base.errors import ConfigError, ModelError
 from bmoe.base.model_files import ModelFiles, read_model_files
+from bmoe.base.private_files import private_folder
 from bmoe.base.settings import Naming, Settings
 from bmoe.base.units import MiB
 from bmoe.engine import prompt_calls
@@ -119,6 +122,7 @@ def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming
     try:
         parts.fixed_k = _fixed_k(parts, moe, streaming)
         replay = _read_replay(parts, moe)
+        _prompt_cache_folder(parts)
         _load_llama(parts, streaming)
         if streaming:
             _stream(parts, replay)
@@ -160,6 +164,20 @@ def _read_replay(p: Loaded, moe: bool) -> Trace | None:
                           "give a trace written by bmoe-cli --route-trace, or route_trace v1 CSV") from None
     except (TraceError, ValueError, KeyError) as e:
         raise ConfigError(f"{p.words.value('replay_routes', path)}: {e}") from None
+
+
+def _prompt_cache_folder(p: Loaded) -> None:
+    """--prompt-cache's folder, made and checked before the model loads: its entries go to llama.cpp's
+    state loader, so no other user may be able to change them (bmoe.base.private_files)."""
+    folder = p.settings.prompt_cache
+    if not folder:
+        return
+    try:
+        why = private_folder(Path(folder))
+    except OSError as e:
+        why = f"cannot create it ({e.strerror}); choose a folder you can write to"
+    if why:
+        raise ConfigError(f"{p.words.value('prompt_cache', folder)}: {why}")
 
 
 def _load_llama(p: Loaded, streaming: bool) -> None:

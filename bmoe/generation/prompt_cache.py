@@ -7,10 +7,18 @@ the model's identity and the exact tokens; a request uses the longest entry its 
 
 Nothing read back is trusted: a file must have the magic, this model's identity, the tokens it is
 looked up by, its full length and the SHA-256 of its payload, and llama.cpp must accept the
-payload, or it is ignored with a notice (and removed when it is corrupt or cut short). Files of
-other models are left alone. The folder as a whole stays within the bound: the least recently
+payload, or it is ignored with a notice (and removed when it is corrupt or cut short: a damaged
+entry costs its prefill, never the start). The header's sizes are checked against the file's before
+anything is read by them, and an entry of more tokens than the context is not read at all. Files
+of other models are left alone. The folder as a whole stays within the bound: the least recently
 used files go first (a file's mtime is its last use). Each file is written under a temporary
 name and renamed, so no reader sees half of one.
+
+Only bmoe's own files are read or removed: named as `_key` names them (`ENTRY_NAME`: 40 hex
+digits and `.kv`) and starting with the magic; anything else in the folder (a user's `notes.kv`)
+is not touched. The hash checks an entry against damage, not against a forger, so the folder and
+each entry must be changeable by no other user (bmoe.base.private_files): bmoe.engine.load refuses
+a folder that is, and an entry owned or writable by another user is ignored and left alone.
 
 Where a prompt is cut (`cut`, `usable`, `pieces`): saving a prefix means decoding the prompt in
 parts, [0, P) and then the rest, where plain llama.cpp decodes it in one call; a restart decodes
@@ -33,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import stat
 import struct
 import tempfile
 import time
@@ -43,6 +53,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from bmoe.base.private_files import changeable_by_others
 from bmoe.engine.prompt_calls import FA_TILE, REGIME_UBATCH
 
 if TYPE_CHECKING:
@@ -51,6 +62,7 @@ if TYPE_CHECKING:
 KV_MAGIC = b"BMOEKV\x00\x01"
 _HEAD = struct.Struct("<8s32sIQ32s")
 SUFFIX = ".kv"
+ENTRY_NAME = re.compile(r"[0-9a-f]{40}\.kv")  # an entry's name (`_key`); no other file in the folder is touched
 _SAMPLES = 16  # 4 KiB blocks read from each model file for its identity
 _BLOCK = 4096
 
@@ -107,48 +119,81 @@ class KeptPrefix:
 
 
 class CorruptEntry(Exception):
-    pass
+    """bmoe's own entry, damaged: it is removed."""
 
 
-def _read_head(f: BinaryIO, size: int) -> tuple[bytes, tuple[int, ...], int, bytes]:
-    """(identity, tokens, payload length, payload digest) of an open entry; CorruptEntry naming the flaw."""
+class LeftAlone(Exception):
+    """A file under an entry's name that is neither loaded nor removed (not bmoe's, or another user
+    could have changed it); the message says why."""
+
+
+def _open(path: Path) -> BinaryIO:
+    """The entry at `path`, open for reading: a regular file (no link followed, no FIFO waited on) that
+    no other user can change; LeftAlone otherwise."""
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb")
+    st = os.fstat(f.fileno())
+    why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else changeable_by_others(st)
+    if why:
+        f.close()
+        raise LeftAlone(why)
+    return f
+
+
+def _read_head(f: BinaryIO, identity: bytes, max_tokens: int) -> tuple[tuple[int, ...], int, bytes] | None:
+    """(tokens, payload length, payload digest) of an open entry, its header's sizes checked against the
+    file's before anything is read by them; None for another model's entry or one of more than
+    `max_tokens` tokens (left alone); LeftAlone without the magic, CorruptEntry naming a flaw."""
+    size = os.fstat(f.fileno()).st_size
     raw = f.read(_HEAD.size)
+    if raw[:len(KV_MAGIC)] != KV_MAGIC:
+        raise LeftAlone("is not a bmoe prompt-cache file (no magic)")
     if len(raw) < _HEAD.size:
         raise CorruptEntry(f"cut short ({size} bytes)")
-    magic, ident, n, length, digest = _HEAD.unpack(raw)
-    if magic != KV_MAGIC:
-        raise CorruptEntry("not a bmoe prompt-cache file (bad magic)")
-    toks = f.read(4 * n)
-    if len(toks) < 4 * n or _HEAD.size + 4 * n + length != size:
+    _, ident, n, length, digest = _HEAD.unpack(raw)
+    if _HEAD.size + 4 * n + length != size:
         raise CorruptEntry(f"cut short or padded ({size} bytes, the header says {_HEAD.size + 4 * n + length})")
-    return ident, tuple(np.frombuffer(toks, "<i4").tolist()), length, digest
+    if ident != identity or n > max_tokens:
+        return None
+    toks = f.read(4 * n)
+    if len(toks) < 4 * n:
+        raise CorruptEntry(f"cut short while read ({len(toks)} of {4 * n} bytes of tokens)")
+    return tuple(np.frombuffer(toks, "<i4").tolist()), length, digest
 
 
 class PromptCache:
-    """The entries of one model in `folder` (see the module notes)."""
+    """The entries of one model in `folder` (made and checked by bmoe.engine.load; see the module
+    notes), of `max_tokens` tokens at most (the context's: a longer one could not be used)."""
 
-    def __init__(self, folder: str | os.PathLike[str], limit_mb: float, identity: bytes,
+    def __init__(self, folder: str | os.PathLike[str], limit_mb: float, identity: bytes, max_tokens: int,
                  notice: Callable[[str], None] = lambda s: None) -> None:
         self.folder = Path(folder)
         self.limit = int(limit_mb * 2**20)
         self.identity = identity
+        self.max_tokens = max_tokens
         self.notice = notice
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.entries: dict[Path, KeptPrefix] = {}
-        for p in sorted(self.folder.glob(f"*{SUFFIX}")):
+        for p in self._names():
             try:
-                size = p.stat().st_size
-                with open(p, "rb") as f:
-                    ident, tokens, _, _ = _read_head(f, size)
+                with _open(p) as f:
+                    head = _read_head(f, identity, max_tokens)
+                    size = os.fstat(f.fileno()).st_size
+            except LeftAlone as e:
+                self.notice(f"prompt cache: {p.name} {e}; ignored and left alone")
+                continue
             except CorruptEntry as e:
                 self._drop(p, str(e))
                 continue
             except OSError:
                 continue  # gone meanwhile (another process evicted it)
-            if ident == identity:
-                self.entries[p] = KeptPrefix(p, tokens, size)
+            if head is not None:
+                self.entries[p] = KeptPrefix(p, head[0], size)
+
+    def _names(self) -> list[Path]:
+        """The folder's files named as entries, whoever wrote them."""
+        return [self.folder / n for n in sorted(os.listdir(self.folder)) if ENTRY_NAME.fullmatch(n)]
 
     def _drop(self, path: Path, why: str) -> None:
+        """Remove an entry of bmoe's (its magic read, no other user able to change it)."""
         self.notice(f"prompt cache: {path.name} is {why}; ignored and removed")
         self.entries.pop(path, None)
         path.unlink(missing_ok=True)
@@ -171,21 +216,25 @@ class PromptCache:
     def load(self, entry: KeptPrefix) -> bytes | None:
         """The entry's KV state, checked whole; None (with a notice) when it fails a check."""
         try:
-            with open(entry.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                ident, tokens, length, digest = _read_head(f, size)
-                payload = f.read(length)
+            with _open(entry.path) as f:
+                head = _read_head(f, self.identity, self.max_tokens)
+                if head is None or head[0] != entry.tokens:
+                    self.notice(f"prompt cache: {entry.path.name} changed on disk to another model's or prompt's; "
+                                "ignored")
+                    self.entries.pop(entry.path, None)
+                    return None
+                payload = f.read(head[1])
+        except LeftAlone as e:
+            self.notice(f"prompt cache: {entry.path.name} {e}; ignored and left alone")
+            self.entries.pop(entry.path, None)
+            return None
         except CorruptEntry as e:
             self._drop(entry.path, str(e))
             return None
         except OSError:
             self.entries.pop(entry.path, None)
             return None
-        if ident != self.identity or tokens != entry.tokens:
-            self.notice(f"prompt cache: {entry.path.name} changed on disk to another model's or prompt's; ignored")
-            self.entries.pop(entry.path, None)
-            return None
-        if hashlib.sha256(payload).digest() != digest:
+        if hashlib.sha256(payload).digest() != head[2]:
             self._drop(entry.path, "corrupt (its checksum does not match)")
             return None
         os.utime(entry.path)  # last use
@@ -224,12 +273,16 @@ class PromptCache:
         return entry
 
     def _trim(self, keep: Path) -> None:
-        """Remove the least recently used files of the folder (any model's) until it is within the bound."""
+        """Remove the least recently used entries of the folder (any model's, bmoe's own only) until
+        the entries are within the bound."""
         files = []
-        for p in self.folder.glob(f"*{SUFFIX}"):
+        for p in self._names():
             try:
-                st = p.stat()
-            except OSError:
+                with _open(p) as f:
+                    if f.read(len(KV_MAGIC)) != KV_MAGIC:
+                        continue
+                    st = os.fstat(f.fileno())
+            except (LeftAlone, OSError):
                 continue
             files.append((st.st_mtime, p, st.st_size))
         total = sum(s for _, _, s in files)
@@ -256,7 +309,7 @@ class PromptKV:
         self.engine = engine
         self.n_ubatch = REGIME_UBATCH
         identity = model_identity(engine.files.paths, f"n_seq={engine.settings.parallel} k={engine.fixed_k}")
-        self.store = PromptCache(folder, limit_mb, identity, engine.notice)
+        self.store = PromptCache(folder, limit_mb, identity, engine.n_ctx, engine.notice)
 
     def prefill(self, seq: int, tokens: Sequence[int], prefix: int) -> tuple[int, int, float]:
         """Fill empty sequence `seq` with the start of `tokens`: the longest kept prefix it can use,

@@ -10,7 +10,14 @@ A profile names the model file it was written for: its size, mtime and a hash of
 (its header, with the tensor table) per shard. One that names another file (the model was replaced
 or edited), or that cannot be read whole (a damaged file, another format), is ignored with a notice
 and rewritten at exit. The file is JSON, a few tens of KB (48 layers x 128 experts: ~30 KB),
-written whole to a temporary file and renamed; the directory keeps the MAX_PROFILES most recent.
+written whole to a temporary file and renamed; the directory keeps the MAX_PROFILES most recent of
+bmoe's own profiles: regular files named as `profile_path` names them (`PROFILE_NAME`) that begin
+with `MARK` and belong to this user. A user's `my.json` beside them, or another user's profile, is
+never removed. Reading one reads MAX_PROFILE_BYTES at most.
+
+A profile is data checked field by field, and all it steers is which experts are read first, so
+one is used wherever it lies (a folder others can write included), unlike a prompt-cache entry
+(bmoe.generation.prompt_cache), which goes to llama.cpp.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +41,8 @@ VERSION = 1
 HEADER_BYTES = 1 << 20  # hashed per shard: the GGUF header and the start of the tensor table
 MAX_PROFILES = 64  # profiles kept in a directory; the least recently written go first
 MAX_PROFILE_BYTES = 1 << 20
+PROFILE_NAME = re.compile(r".+-[0-9a-f]{12}\.json")  # profile_path's names
+MARK = json.dumps({"format": FORMAT}, separators=(",", ":"))[:-1].encode()  # how `save` begins every profile
 
 
 def default_dir() -> Path:
@@ -113,9 +124,11 @@ def read_profile(path: Path, model: dict, layers: dict[int, int]) -> tuple[Usage
         return None, None
     what = f"ignoring the usage profile {path}"
     try:
-        if path.stat().st_size > MAX_PROFILE_BYTES:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+        if len(raw) > MAX_PROFILE_BYTES:
             return None, f"{what}: larger than {MAX_PROFILE_BYTES >> 20} MiB, not one bmoe wrote"
-        doc = json.loads(path.read_text())
+        doc = json.loads(raw)
         body = {k: v for k, v in doc.items() if k != "checksum"}
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
             return None, f"{what}: not a version-{VERSION} bmoe usage profile"
@@ -135,7 +148,7 @@ def read_profile(path: Path, model: dict, layers: dict[int, int]) -> tuple[Usage
             if routings[layer] < 0 or (counts[layer] < 0).any() or (counts[layer] > routings[layer]).any():
                 return None, f"{what}: it is damaged (counts out of range)"
         return Usage(counts, routings), None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         return None, f"{what}: it is damaged ({type(e).__name__}: {e})"
 
 
@@ -144,7 +157,7 @@ def save(path: Path, model: dict, usage: Usage) -> None:
     body = {"format": FORMAT, "version": VERSION, "model": model,
             "layers": {str(layer): {"routings": int(usage.routings.get(layer, 0)), "counts": [int(x) for x in c]}
                        for layer, c in sorted(usage.counts.items())}}
-    doc = {**body, "checksum": _checksum(body)}
+    doc = {**body, "checksum": _checksum(body)}  # "format" first: the file begins with MARK
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     try:
@@ -154,9 +167,22 @@ def save(path: Path, model: dict, usage: Usage) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    try:
-        profiles = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in profiles[MAX_PROFILES:]:
-            old.unlink(missing_ok=True)
-    except OSError:  # another process pruned or wrote at the same time: the next save prunes
-        pass
+    for _, old in sorted(_own_profiles(path.parent), reverse=True)[MAX_PROFILES:]:
+        old.unlink(missing_ok=True)
+
+
+def _own_profiles(directory: Path) -> list[tuple[float, Path]]:
+    """(mtime, path) of each profile bmoe wrote in `directory` as this user (see the module notes)."""
+    out = []
+    for name in os.listdir(directory):
+        if not PROFILE_NAME.fullmatch(name):
+            continue
+        try:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone meanwhile (another process pruned it), or a link
+            continue
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and f.read(len(MARK)) == MARK:
+                out.append((st.st_mtime, directory / name))
+    return out
