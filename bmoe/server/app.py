@@ -115,8 +115,8 @@ class RequestGuard:
     nor memory for long; and drops a client that leaves a piece of its response unread for `write_timeout`
     seconds (its socket's buffer full): the response ends there, and a generation still running for it is
     cancelled like any client's who left. A refusal closes the connection (the rest of the body is dropped
-    unread: bmoe.server.connections' lingering close). `routes` are the app's (its router's list, so routes added later count): a request is counted
-    under the path of the route it matches."""
+    unread: bmoe.server.connections' lingering close). `routes` are the app's (its router's list, so routes
+    added later count): a request is counted under the path of the route it matches."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute], key: ApiKey, limits: BodyLimits,
                  bodies: BodiesHeld, write_timeout: float) -> None:
