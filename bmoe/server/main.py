@@ -15,7 +15,8 @@ Decisions:
   at once); a stream also says `: queue position N` (an SSE comment, which clients skip) as it
   moves up.
 - A request is checked before it queues (pydantic with strict types; the prompt against the
-  context), so a bad one gets its 400 at once and never waits.
+  context; a new grammar parsed by llama.cpp on threads of its own, so that slow grammars hold up
+  no other request: bmoe.server.grammar_pool), so a bad one gets its 400 at once and never waits.
 - Options a request leaves out take the server's flags: `max_tokens` is `-n`, sampling is
   `--temp/--top-k/--top-p/--min-p/--seed`, the penalties and `--logit-bias` (greedy by default, so a
   request's answer equals `bmoe-cli`'s for the same prompt and settings). `top_k`, `min_p`,
@@ -50,7 +51,9 @@ Decisions:
   page of another origin than the chat page's (`--allowed-origin`), gets 403: a page cannot rebind
   its name to 127.0.0.1 and drive the server (bmoe.server.hosts). Bodies over `--max-body-kb` get
   413; a body must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB
-  (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). Every error
+  (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). New grammars
+  are parsed within `--grammar-timeout` (400 past it), `--grammar-checks` at a time with
+  `--grammar-queue` more waiting (503 past them). Every error
   is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
   begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
@@ -84,6 +87,7 @@ try:
 
     from bmoe.server.app import create_app
     from bmoe.server.connections import BodyLimits, HeadDeadline
+    from bmoe.server.grammar_pool import GrammarPool
     from bmoe.server.hosts import Trusted, host_names, origins
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
@@ -102,6 +106,7 @@ from bmoe.base import (
     schema_of,
     setting,
 )
+from bmoe.chat import CHECK_S
 from bmoe.edges import console, exits, flags
 from bmoe.server.scheduler import MODES, Scheduler
 
@@ -191,6 +196,16 @@ class ServeSettings:
     idle_timeout: int = setting(5, "--idle-timeout", parse=positive_int, metavar="S",
                                 help="seconds a connection may stay open without a request: from connecting, or "
                                      "from its last answer, to a request's complete head (default {default})")
+    grammar_checks: int = setting(2, "--grammar-checks", parse=positive_int, metavar="N",
+                                  help="new grammars (a request's grammar, response_format or tools) llama.cpp "
+                                       "parses at once, each in a process of its own, on threads no other request "
+                                       "waits for (default {default})")
+    grammar_queue: int = setting(8, "--grammar-queue", parse=nonneg_int, metavar="N",
+                                 help="new grammars that may wait for one of --grammar-checks; more get 503 at once "
+                                      "(default {default}); a grammar that passed before does not wait")
+    grammar_timeout: float = setting(CHECK_S, "--grammar-timeout", parse=positive_float, metavar="S",
+                                     help="seconds llama.cpp may take to parse a new grammar; a slower one gets 400 "
+                                          "naming its field (default {default})")
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
@@ -321,8 +336,9 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RESTART_FIX, batching=opts.batching)
     limits = BodyLimits(size=opts.max_body_kb * 1024, timeout=opts.body_timeout, rate=opts.min_body_rate * 1024,
                         total=opts.max_bodies_mb << 20)
-    app = create_app(model, sched, api_key=opts.api_key, limits=limits, n_predict=n_predict, alias=opts.alias,
-                     webui=opts.webui, write_timeout=opts.write_timeout,
+    grammars = GrammarPool(str(model.settings.model), opts.grammar_checks, opts.grammar_queue, opts.grammar_timeout)
+    app = create_app(model, sched, api_key=opts.api_key, limits=limits, grammars=grammars, n_predict=n_predict,
+                     alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout,
                      trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins))
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
