@@ -209,7 +209,7 @@ def test_hostile_schemas_grammars_and_stops_are_refused_and_the_model_keeps_serv
                 m.generate(**kw) if "prompt" in kw else m.chat(**kw)
             assert e.value.param == param and words in str(e.value), (param, str(e.value))
         assert m.generate(PROMPT, max_tokens=4, response_format={"type": "json_object"}).startswith("{")
-        checker = m.grammars.proc
+        checker = m.grammars.checkers[0].proc
         assert checker is not None and checker.poll() is None
         assert m.generate(PROMPT, max_tokens=4) == want
     assert checker.poll() is not None, "closing the Model ends the grammar checker"

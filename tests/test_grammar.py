@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import threading
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -205,7 +206,7 @@ def test_gbnf_past_a_bound_is_refused_before_llama_cpp(checker: GrammarCheck, te
     with pytest.raises(GrammarError) as e:
         checker.check(Grammar(text))
     assert str(e.value).startswith("grammar") and e.value.param == "grammar" and words in str(e.value), str(e.value)
-    assert checker.proc is None, "refused by reading the text: no process was asked"
+    assert checker.checkers[0].proc is None, "refused by reading the text: no process was asked"
 
 
 def test_braces_and_parentheses_inside_literals_and_classes_are_text(checker: GrammarCheck) -> None:
@@ -230,14 +231,14 @@ def test_a_grammar_that_crashes_llama_cpp_takes_down_only_the_checker(checker: G
     stack: the checker process dies of it, the caller gets an error, and the next grammar is
     checked by a new process."""
     checker.check(Grammar('root ::= "a"'))
-    first = checker.proc
+    first = checker.checkers[0].proc
     assert first is not None
     monkeypatch.setattr(grammar_module, "GRAMMAR_NESTING_MAX", 10**9)
     with pytest.raises(GrammarError, match=r"^grammar: llama.cpp's grammar parser crashed on this grammar \(signal "):
         checker.check(Grammar("root ::= " + "(" * 200_000 + '"a"' + ")" * 200_000))
-    assert first.poll() is not None and checker.proc is None
+    assert first.poll() is not None and checker.checkers[0].proc is None
     checker.check(Grammar('root ::= "b"'))
-    assert checker.proc is not None and checker.proc.pid != first.pid
+    assert checker.checkers[0].proc is not None and checker.checkers[0].proc.pid != first.pid
 
 
 def test_a_grammar_llama_cpp_refuses_names_its_complaint(checker: GrammarCheck) -> None:
@@ -246,14 +247,42 @@ def test_a_grammar_llama_cpp_refuses_names_its_complaint(checker: GrammarCheck) 
     checker.check(Grammar('root ::= "ok"'))  # the same process goes on
 
 
+def test_a_slow_grammar_holds_one_checker_while_another_checks_a_new_grammar(plain_path: Path) -> None:
+    """With two checkers, a grammar llama.cpp takes minutes to parse (its first stacks are deduplicated
+    pairwise: 150000 alternatives) holds one of them until its deadline; a new grammar is checked by the
+    other meanwhile, and the slow one is refused as past its bound."""
+    c = GrammarCheck(str(plain_path), deadline_s=5, checkers=2, bound="the test's deadline")
+    refused: list[GrammarError] = []
+
+    def slow() -> None:
+        with pytest.raises(GrammarError) as e:
+            c.check(Grammar("root ::= " + "|".join(['"a"'] * 150_000)))
+        refused.append(e.value)
+
+    waiting = threading.Thread(target=slow)
+    try:
+        waiting.start()
+        while c.idle.qsize() == 2 and waiting.is_alive():  # until the slow grammar took a checker
+            waiting.join(0.01)
+        c.check(Grammar('root ::= "b"'))
+        assert waiting.is_alive(), "the new grammar was checked only after the slow one"
+        assert c.known(Grammar('root ::= "b"')) and not c.known(Grammar('root ::= "c"'))
+        waiting.join()
+    finally:
+        c.close()
+    [e] = refused
+    assert str(e) == ("grammar: llama.cpp took longer than 5 s to parse the grammar (the bound: the test's deadline); "
+                      "simplify it"), str(e)
+
+
 def test_a_parse_past_the_deadline_is_refused_and_the_checker_replaced(plain_path: Path) -> None:
     c = GrammarCheck(str(plain_path), deadline_s=0)
     try:
         with pytest.raises(GrammarError, match=r"took longer than 0 s to parse the grammar"):
             c.check(Grammar('root ::= "a"'))
-        assert c.proc is None
+        assert c.checkers[0].proc is None
         c.deadline_s = 60
         c.check(Grammar('root ::= "a"'))
     finally:
         c.close()
-    assert c.proc is None
+    assert c.checkers[0].proc is None

@@ -330,8 +330,10 @@ class Model:
                                  "logit_bias")
         return s
 
-    def prepare(self, ask: Ask) -> Request:
-        """What `ask` asks as a Request ready to run; ConfigError when it cannot run, ModelClosed once closed."""
+    def prepare(self, ask: Ask, verify: bool = True) -> Request:
+        """What `ask` asks as a Request ready to run; ConfigError when it cannot run, ModelClosed once closed.
+        `verify` False leaves llama.cpp's parse of the request's grammar (a GrammarCheck's `check(req.grammar)`)
+        to the caller: bmoe-server runs it on threads of its own (bmoe.server.grammar_pool)."""
         if self.driver.closed:
             raise ModelClosed(CLOSED)
         if (ask.prompt is None) == (ask.messages is None):
@@ -356,7 +358,8 @@ class Model:
                                      logprobs=logprobs)
         if ask.messages is not None:
             parts = f.parts(ask.messages, ask.think, response_format=ask.response_format, grammar=ask.grammar,
-                            tools=ask.tools, tool_choice=ask.tool_choice, parallel_tool_calls=ask.parallel_tool_calls)
+                            tools=ask.tools, tool_choice=ask.tool_choice, parallel_tool_calls=ask.parallel_tool_calls,
+                            verify=verify)
             tokens = e.tokenize(parts.text)
             e.check_fits(len(tokens), max_tokens, ask.fix)
             prefix = (f.stable_prefix(parts.messages, ask.think, parts.tools, tokens, e.tokenize)
@@ -368,7 +371,7 @@ class Model:
         if not isinstance(ask.prompt, str):
             raise ConfigError(f"the prompt is a string, not {type(ask.prompt).__name__}")
         g = f.check_grammar(ask.response_format, ask.grammar)
-        if g is not None:
+        if g is not None and verify:
             f.verify(g)
         tokens = e.tokenize(ask.prompt)
         e.check_fits(len(tokens), max_tokens, ask.fix)

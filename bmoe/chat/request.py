@@ -93,8 +93,9 @@ class ChatFormat:
 
     def parts(self, messages: Sequence[Mapping[str, Any]], think: bool = True, tools: Any = None,
               tool_choice: Any = None, parallel_tool_calls: Any = None, response_format: Any = None,
-              grammar: str | None = None) -> ChatParts:
-        """Check a chat request and render it (see the module notes)."""
+              grammar: str | None = None, verify: bool = True) -> ChatParts:
+        """Check a chat request and render it (see the module notes); `verify` False leaves llama.cpp's parse of
+        its grammar to the caller (Model.prepare)."""
         msgs = check_messages(messages)
         t = check_tools(tools, tool_choice, parallel_tool_calls)
         g = self.check_grammar(response_format, grammar)
@@ -118,7 +119,7 @@ class ChatFormat:
             g = with_reasoning(syntax, g, think_open)
         reading = (Reading(syntax, calls, think_open)
                    if calls or syntax.think or syntax.name == HARMONY else None)
-        if g is not None:
+        if g is not None and verify:
             self.verify(g)
         return ChatParts(text, msgs, g, reading, self.markers if reading else frozenset(), shown)
 

@@ -31,6 +31,7 @@ from bmoe.server.answer_shape import AnswerShape, Finished
 from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
 from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, ClosingStream, SlowReader
 from bmoe.server.events import EVENTS, Feed
+from bmoe.server.grammar_pool import GrammarPool
 from bmoe.server.hosts import HostCheck, Trusted
 from bmoe.server.http_errors import (
     QueueFull,
@@ -257,9 +258,9 @@ HANDLERS = ((ServeError, _on_serve_error), (RequestValidationError, _on_invalid)
 class Endpoints:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
-    def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, n_predict: int,
+    def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, grammars: GrammarPool, n_predict: int,
                  alias: str | None = None, kept: ResponseStore | None = None) -> None:
-        self.model, self.sched, self.metrics = model, sched, metrics
+        self.model, self.sched, self.metrics, self.grammars = model, sched, metrics, grammars
         self.n_predict = n_predict
         self.model_id = alias or model.name  # what /v1/models lists and responses name
         # /v1/responses' stored responses (previous_response_id, GET and DELETE)
@@ -271,6 +272,7 @@ class Endpoints:
         yield
         self.sched.close()
         await asyncio.to_thread(self.sched.join)
+        await asyncio.to_thread(self.grammars.close)
 
     async def health(self) -> dict[str, Any]:
         sched = self.sched
@@ -417,7 +419,8 @@ class Endpoints:
         return {"input_tokens": len(req.tokens)}
 
     async def prepare(self, body: RequestBody, max_tokens: int | None, fix: str, **what: Any) -> Request:
-        """The request as tokens, checked against the context (off the event loop: tokenizing takes a while)."""
+        """The request as tokens, checked against the context (off the event loop: tokenizing takes a while), its
+        new grammar parsed by llama.cpp on the grammar checks' own threads (bmoe.server.grammar_pool)."""
         model = self.model
         if body.bmoe.lossless:
             try:
@@ -427,7 +430,10 @@ class Endpoints:
         try:
             ask = Ask(**what, **sampling_of(body), max_tokens=max_tokens or self.n_predict, stop=body.stop,
                       fix=fix, lossless=body.bmoe.lossless)
-            return await asyncio.to_thread(model.prepare, ask)
+            req = await asyncio.to_thread(model.prepare, ask, False)
+            if req.grammar is not None:
+                await self.grammars.check(req.grammar)
+            return req
         except FieldError as e:  # a stop, schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:
@@ -527,16 +533,15 @@ def _ended(s: GenerationStats) -> GenerationStats:
     return s
 
 
-def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, n_predict: int,
-               alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
+def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
+               n_predict: int, alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
                trusted: Trusted | None = None, kept: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
     (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
     every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
-    loopback's; bmoe.server.hosts). `kept`: the Responses API's stored responses (by default
-    bmoe.server.response_store's bounds)."""
+    loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses."""
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
     bodies = BodiesHeld(limits.total)
@@ -544,6 +549,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
         lambda: len(feed.watchers))
     Gauge("bmoe_request_body_bytes", "request body bytes held, every connection's together (bound: "
           "--max-bodies-mb)", registry=metrics.registry).set_function(lambda: bodies.held)
+    Gauge("bmoe_grammar_checks", "new grammars being checked or waiting for a check (bound: --grammar-checks plus "
+          "--grammar-queue)", registry=metrics.registry).set_function(lambda: grammars.held)
 
     def generated(s: GenerationStats) -> None:
         metrics.generation(s)
@@ -551,7 +558,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
 
     sched.on_generation = generated
     sched.on_close = feed.close
-    routes = Endpoints(model, sched, metrics, n_predict, alias, kept)
+    routes = Endpoints(model, sched, metrics, grammars, n_predict, alias, kept)
     Gauge("bmoe_stored_responses", "responses kept for previous_response_id (bound: --store-responses)",
           registry=metrics.registry).set_function(lambda: len(routes.kept.kept))
     Gauge("bmoe_stored_response_bytes", "memory the kept responses take (bound: --store-responses-mb)",

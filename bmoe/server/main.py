@@ -15,7 +15,8 @@ Decisions:
   at once); a stream also says `: queue position N` (an SSE comment, which clients skip) as it
   moves up.
 - A request is checked before it queues (pydantic with strict types; the prompt against the
-  context), so a bad one gets its 400 at once and never waits.
+  context; a new grammar parsed by llama.cpp on threads of its own, so that slow grammars hold up
+  no other request: bmoe.server.grammar_pool), so a bad one gets its 400 at once and never waits.
 - Options a request leaves out take the server's flags: `max_tokens` is `-n`, sampling is
   `--temp/--top-k/--top-p/--min-p/--seed`, the penalties and `--logit-bias` (greedy by default, so a
   request's answer equals `bmoe-cli`'s for the same prompt and settings). `top_k`, `min_p`,
@@ -52,7 +53,8 @@ Decisions:
   413; a body must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB
   (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). The
   Responses API's stored responses take `--store-responses-mb` of memory at most, every field
-  counted (bmoe.server.response_store). Every error
+  counted (bmoe.server.response_store). New grammars are parsed within `--grammar-timeout` (400
+  past it), `--grammar-checks` at a time with `--grammar-queue` more waiting (503 past them). Every error
   is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
   begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
@@ -86,6 +88,7 @@ try:
 
     from bmoe.server.app import create_app
     from bmoe.server.connections import BodyLimits, HeadDeadline
+    from bmoe.server.grammar_pool import GrammarPool
     from bmoe.server.hosts import Trusted, host_names, origins
     from bmoe.server.response_store import ENTRY_BYTES, KEPT, KEPT_MB, ResponseStore
 except ImportError as e:  # the server extra is not installed
@@ -105,6 +108,7 @@ from bmoe.base import (
     schema_of,
     setting,
 )
+from bmoe.chat import CHECK_S
 from bmoe.edges import console, exits, flags
 from bmoe.server.scheduler import MODES, Scheduler
 
@@ -203,6 +207,16 @@ class ServeSettings:
         help="MiB of memory the kept responses take together, every field of each counted: each is held as "
              f"its JSON bytes plus {ENTRY_BYTES} bytes, and one larger than this alone is not kept (default "
              "{default})")
+    grammar_checks: int = setting(2, "--grammar-checks", parse=positive_int, metavar="N",
+                                  help="new grammars (a request's grammar, response_format or tools) llama.cpp "
+                                       "parses at once, each in a process of its own, on threads no other request "
+                                       "waits for (default {default})")
+    grammar_queue: int = setting(8, "--grammar-queue", parse=nonneg_int, metavar="N",
+                                 help="new grammars that may wait for one of --grammar-checks; more get 503 at once "
+                                      "(default {default}); a grammar that passed before does not wait")
+    grammar_timeout: float = setting(CHECK_S, "--grammar-timeout", parse=positive_float, metavar="S",
+                                     help="seconds llama.cpp may take to parse a new grammar; a slower one gets 400 "
+                                          "naming its field (default {default})")
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
@@ -333,8 +347,9 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RESTART_FIX, batching=opts.batching)
     limits = BodyLimits(size=opts.max_body_kb * 1024, timeout=opts.body_timeout, rate=opts.min_body_rate * 1024,
                         total=opts.max_bodies_mb << 20)
-    app = create_app(model, sched, api_key=opts.api_key, limits=limits, n_predict=n_predict, alias=opts.alias,
-                     webui=opts.webui, write_timeout=opts.write_timeout,
+    grammars = GrammarPool(str(model.settings.model), opts.grammar_checks, opts.grammar_queue, opts.grammar_timeout)
+    app = create_app(model, sched, api_key=opts.api_key, limits=limits, grammars=grammars, n_predict=n_predict,
+                     alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout,
                      trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins),
                      kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20))
     host, port = sock.getsockname()[:2]
