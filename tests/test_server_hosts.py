@@ -95,6 +95,23 @@ def test_loopback_names_addresses_and_the_pages_own_origin_are_served(open_serve
     assert send(s, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200  # no Origin
 
 
+def preflight(server: Server, origin: str) -> httpx.Response:
+    """A browser's CORS preflight for a page at `origin` that posts JSON with a key."""
+    return send(server, "OPTIONS", "/v1/chat/completions", **{"origin": origin, "access-control-request-method": "POST",
+                                                                 "access-control-request-headers": "content-type"})
+
+
+def test_no_cors_by_default(open_server: Server) -> None:
+    """Without --allowed-origin no page of another origin gets CORS headers: not on the preflight (405, as any
+    method a route does not serve), not on the chat page's own requests."""
+    s, p = open_server, port(open_server)
+    for origin, status in ((f"http://127.0.0.1:{p}", 405), ("http://localhost:3000", 403)):  # its own page, another
+        r = preflight(s, origin)
+        assert r.status_code == status and not any(h.startswith("access-control-") for h in r.headers), origin
+    r = send(s, "POST", "/v1/chat/completions", CHAT, origin=f"http://127.0.0.1:{p}")
+    assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers)
+
+
 def test_a_foreign_origin_gets_403_and_its_chat_does_not_run(open_server: Server) -> None:
     s, p = open_server, port(open_server)
     before = generations(s)
@@ -116,8 +133,15 @@ def test_allowed_host_and_allowed_origin_admit_what_they_name(small_moe) -> None
             assert r.status_code == 200, (host, r.text)
         refused(send(s, "GET", "/v1/models", host=f"rebind.example:{p}"), "/v1/models")
         for origin in ("http://localhost:3000", "chrome-extension://abcdef"):
-            assert send(s, "POST", "/v1/chat/completions", CHAT, origin=origin).status_code == 200, origin
-        refused(send(s, "POST", "/v1/chat/completions", CHAT, origin="http://localhost:3001"), "/v1/chat/completions")
+            r = send(s, "POST", "/v1/chat/completions", CHAT, origin=origin)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, origin
+            assert preflight(s, origin).headers["access-control-allow-origin"] == origin
+        # CORS is the same list: another page's preflight is refused, and so is its request
+        r = preflight(s, "http://localhost:3001")
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = send(s, "POST", "/v1/chat/completions", CHAT, origin="http://localhost:3001")
+        refused(r, "/v1/chat/completions")
+        assert "access-control-allow-origin" not in r.headers
     finally:
         s.stop()
     s = Server("-m", str(small_moe), *FLAGS, "--allowed-host", "*", "--allowed-origin", "*", env=without_key())

@@ -136,7 +136,7 @@ class Ask:
     logit_bias: OpenAI's token id -> bias map) are the load's settings of the same names.
     """
 
-    prompt: str | None = None
+    prompt: str | Sequence[int] | None = None  # text, or the model's token ids as they are (llama-server's)
     messages: Sequence[Mapping[str, Any]] | None = None
     max_tokens: int = N_PREDICT
     temperature: float | None = None
@@ -368,12 +368,10 @@ class Model:
                            specials=parts.specials, reading=parts.reading, cache_prefix=prefix, **extra)
         if ask.tools is not None or ask.tool_choice is not None:
             raise ConfigError("tools: a plain prompt has no tools; send messages (a chat) to use them")
-        if not isinstance(ask.prompt, str):
-            raise ConfigError(f"the prompt is a string, not {type(ask.prompt).__name__}")
+        tokens = e.tokenize(ask.prompt) if isinstance(ask.prompt, str) else self.token_ids(ask.prompt)
         g = f.check_grammar(ask.response_format, ask.grammar)
         if g is not None and verify:
             f.verify(g)
-        tokens = e.tokenize(ask.prompt)
         e.check_fits(len(tokens), max_tokens, ask.fix)
         return Request(tuple(tokens), max_tokens, sampler, stop_strings, None, grammar=g, cache_prefix=len(tokens),
                        **extra)
@@ -494,6 +492,31 @@ class Model:
     def tokenize(self, text: str) -> list[int]:
         """Text as the model's tokens, with the special tokens (BOS) the vocab asks for."""
         return self.engine.tokenize(text)
+
+    def token_ids(self, tokens: Any) -> list[int]:
+        """`tokens` as the model's token ids, each checked against the vocabulary (ConfigError naming the first
+        that is not one of its ids)."""
+        if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+            raise ConfigError(f"the prompt is a string or a list of token ids, not {type(tokens).__name__}")
+        n = self.n_vocab
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+                raise ConfigError(f"prompt[{i}]: {t!r} is not a token id of this model (0 to {n - 1})")
+        return list(tokens)
+
+    def vocab_tokens(self, text: str, add_special: bool) -> list[int]:
+        """Text as token ids, the special tokens (BOS) added only when `add_special` (llama-server's /tokenize)."""
+        return self.engine.vocab.tokenize(text, add_special=add_special)
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes as detokenizing writes them, a special token's text included."""
+        return self.engine.vocab.piece(token, special=True)
+
+    def marker_texts(self) -> tuple[str, str]:
+        """The BOS and EOS tokens' text ("" where the vocabulary has none), as llama-server's /props tells them."""
+        v = self.engine.vocab
+        bos, eos = (self.piece(t).decode(errors="replace") if t >= 0 else "" for t in (v.bos, v.eos))
+        return bos, eos
 
     @property
     def n_vocab(self) -> int:

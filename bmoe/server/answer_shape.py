@@ -1,9 +1,9 @@
 """What the server's one answer loop (bmoe.server.app.Endpoints.answer, whole or streamed) asks of an
 API's shapes: `AnswerShape`, written once per API, in its `*_wire` module (OpenAI's chunks
 `OpenAIShape`, the Responses API's events `ResponsesShape`, Anthropic's events `AnthropicShape`,
-Ollama's JSON lines `OllamaShape`). The loop owns the queue, the reading of a chat answer into
-reasoning, content and calls (bmoe.chat.output), errors and cancelling; a shape only turns what it
-is handed into the bytes or the object its clients read.
+Ollama's JSON lines `OllamaShape`, llama-server's `LlamaShape`). The loop owns the queue, the
+reading of a chat answer into reasoning, content and calls (bmoe.chat.output), errors and cancelling;
+a shape only turns what it is handed into the bytes or the object its clients read.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""bmoe-server's HTTP app: the routes of its four APIs (OpenAI's completions and chat, OpenAI's
-Responses, Anthropic's Messages, Ollama's), the metrics route (bmoe.server.metrics) and the request
-guard that counts answers by route and bounds request bodies (FastAPI on uvicorn's event loop). Requests are checked and
+"""bmoe-server's HTTP app: the routes of its five APIs (OpenAI's completions and chat, OpenAI's
+Responses, Anthropic's Messages, Ollama's, llama-server's native ones: bmoe.server.llama_routes), the
+metrics route (bmoe.server.metrics) and the request guard that counts answers by route and bounds
+request bodies (FastAPI on uvicorn's event loop). Requests are checked and
 tokenized here, then handed to the scheduler (bmoe.server.scheduler) as jobs whose events become
 responses; the decisions are in bmoe.server's notes.
 """
@@ -32,7 +33,7 @@ from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
 from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, ClosingStream, SlowReader
 from bmoe.server.events import EVENTS, Feed
 from bmoe.server.grammar_pool import GrammarPool
-from bmoe.server.hosts import HostCheck, Trusted
+from bmoe.server.hosts import HostCheck, Trusted, add_cors
 from bmoe.server.http_errors import (
     QueueFull,
     ServeError,
@@ -44,6 +45,8 @@ from bmoe.server.http_errors import (
     shutting_down,
     validation_error,
 )
+from bmoe.server.llama_routes import LlamaEndpoints, add_llama_routes
+from bmoe.server.llama_wire import LlamaCompletionBody
 from bmoe.server.metrics import Metrics
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
 from bmoe.server.openai_wire import ChatBody, CompletionBody, OpenAIShape, RequestBody
@@ -366,7 +369,8 @@ class Endpoints:
         req = await self.chat_request(anthropic_wire.chat_body_of_messages(body))
         return {"input_tokens": len(req.tokens)}
 
-    async def prepare(self, body: RequestBody, max_tokens: int | None, fix: str, **what: Any) -> Request:
+    async def prepare(self, body: RequestBody | LlamaCompletionBody, max_tokens: int | None, fix: str,
+                      **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while), its
         new grammar parsed by llama.cpp on the grammar checks' own threads (bmoe.server.grammar_pool)."""
         model = self.model
@@ -517,6 +521,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
         app.add_middleware(HostCheck, trusted=trusted or Trusted(), answer=_error_response)
     app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, key=keyed, limits=limits,
                        bodies=bodies, write_timeout=write_timeout)
+    add_cors(app, trusted or Trusted())  # outermost: every answer, refusals too, has the CORS headers
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)
@@ -524,15 +529,16 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
         add_pages(app)
     key = [Depends(keyed.authorized)]  # the routes of the APIs, the metrics and the events
     app.get("/metrics", dependencies=key)(routes.prometheus)
-    app.get("/v1/models", dependencies=key)(routes.models)
-    app.get("/v1/models/{model_id:path}", dependencies=key)(routes.model_by_id)
-    app.post("/v1/completions", dependencies=key)(routes.completions)
-    app.post("/v1/chat/completions", dependencies=key)(routes.chat)
+    for v1 in ("/v1", ""):  # "": the paths llama-server also serves them at (a base URL without /v1)
+        app.get(v1 + "/models", dependencies=key)(routes.models)
+        app.get(v1 + "/models/{model_id:path}", dependencies=key)(routes.model_by_id)
+        app.post(v1 + "/chat/completions", dependencies=key)(routes.chat)
+        app.post(v1 + responses_wire.RESOURCE, dependencies=key)(routes.responses)
+        app.get(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.response_by_id)
+        app.delete(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.drop_response)
+    app.post("/v1/completions", dependencies=key)(routes.completions)  # /completions is llama-server's own
     app.post("/v1/messages", dependencies=key)(routes.messages)
     app.post("/v1/messages/count_tokens", dependencies=key)(routes.count_tokens)
-    app.post(responses_wire.PATH, dependencies=key)(routes.responses)
-    app.get(responses_wire.PATH + "/{response_id}", dependencies=key)(routes.response_by_id)
-    app.delete(responses_wire.PATH + "/{response_id}", dependencies=key)(routes.drop_response)
     app.post("/api/chat", dependencies=key)(routes.ollama_chat)
     app.post("/api/generate", dependencies=key)(routes.ollama_generate)
     app.get("/api/tags", dependencies=key)(routes.ollama_tags)
@@ -544,5 +550,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     for refused in ("/api/create", "/api/copy", "/api/push", "/api/embed", "/api/embeddings"):
         app.post(refused, dependencies=key)(routes.ollama_refused)
     app.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"], dependencies=key)(routes.ollama_refused)
+    add_llama_routes(app, LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare,
+                                         routes.answer), key)
     app.get(EVENTS, dependencies=key)(feed.route)
     return app

@@ -24,9 +24,14 @@ the Host only on a loopback listener, and llama-server's defence is its key too.
 to any Host with a key is what is open without one: /health and the page's static files.
 
 Refused requests get 403 in the error shape of the route's API, naming the flag that would admit them.
-The server sends no CORS headers: an admitted origin's requests are served, but a browser still keeps a
-cross-origin page from reading the answer (`--allowed-origin` serves clients that send an Origin and
-are not bound by CORS: browser extensions, desktop apps' web views).
+
+CORS agrees with that list, with or without a key: the origins of `--allowed-origin` (`*`: any) are the
+web pages that may use the server from a browser, and exactly they get CORS headers (add_cors): their
+preflight (OPTIONS) is answered, their answers (errors included) may be read, `X-Queue-Position` too.
+Any other origin's preflight is refused (400), and without a key its requests get 403 as above; with
+a key a listed page must still send it (`Authorization: Bearer KEY` is a header the preflight allows,
+not a cookie: no credentials mode). With no `--allowed-origin` no CORS header is sent at all, and
+an OPTIONS is a 405 as on any route that does not serve it.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import ipaddress
 from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bmoe.server.http_errors import ServeError
@@ -133,3 +140,17 @@ class HostCheck:
             await self.answer(scope["path"], refused)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+CORS_METHODS = ("GET", "POST", "DELETE", "HEAD")
+CORS_MAX_AGE_S = 600  # how long a browser may keep a preflight's answer
+
+
+def add_cors(app: FastAPI, trusted: Trusted) -> None:
+    """CORS headers for `trusted`'s origins (see the module notes); none without --allowed-origin. Added
+    last, so it wraps every other middleware: a refusal (401, 403, 413) reaches an allowed page readable."""
+    if not trusted.origins:
+        return
+    allowed = ["*"] if ANY in trusted.origins else sorted(trusted.origins)
+    app.add_middleware(CORSMiddleware, allow_origins=allowed, allow_methods=CORS_METHODS, allow_headers=["*"],
+                       expose_headers=["X-Queue-Position"], max_age=CORS_MAX_AGE_S)

@@ -1,10 +1,12 @@
-"""`bmoe-server`: one loaded model served over HTTP (FastAPI + uvicorn) in four APIs: OpenAI's
+"""`bmoe-server`: one loaded model served over HTTP (FastAPI + uvicorn) in five APIs: OpenAI's
 completions and chat completions (bmoe.server.openai_wire), OpenAI's Responses API
-(bmoe.server.responses_wire), Anthropic's Messages API (bmoe.server.anthropic_wire) and Ollama's API
-(bmoe.server.ollama_wire). Each request is translated into the chat route's, so one engine, scheduler,
-grammar and prompt cache answer them all, through one answer loop (bmoe.server.app's Endpoints.answer);
-every generation goes through bmoe.generation.request_life.Generation. The routes, and what each takes
-and refuses, are listed once: docs/server.md.
+(bmoe.server.responses_wire), Anthropic's Messages API (bmoe.server.anthropic_wire), Ollama's API
+(bmoe.server.ollama_wire) and llama-server's native API (bmoe.server.llama_wire), the OpenAI routes
+also without `/v1` as llama-server serves them. Each request is translated into the chat route's
+(or the completions route's), so one engine, scheduler, grammar and prompt cache answer them all,
+through one answer loop (bmoe.server.app's Endpoints.answer); every generation goes through
+bmoe.generation.request_life.Generation. The routes, and what each takes and refuses, are listed
+once: docs/server.md.
 
 Decisions:
 
@@ -49,7 +51,8 @@ Decisions:
   request without the key (401) before it reads the body. Without a key, a request whose `Host`
   names neither an IP address, localhost, `--host` nor an `--allowed-host`, or that comes from a web
   page of another origin than the chat page's (`--allowed-origin`), gets 403: a page cannot rebind
-  its name to 127.0.0.1 and drive the server (bmoe.server.hosts). Bodies over `--max-body-kb` get
+  its name to 127.0.0.1 and drive the server (bmoe.server.hosts). CORS headers go to exactly the
+  `--allowed-origin` pages, keyed or not; none by default (a preflight is then a 405). Bodies over `--max-body-kb` get
   413; a body must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB
   (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). The
   Responses API's stored responses take `--store-responses-mb` of memory at most, every field
@@ -127,6 +130,8 @@ examples:
   bmoe-server -m model.gguf --no-webui             # the API only: no chat page at /
   bmoe-server -m model.gguf --allowed-host my-alias,bmoe.home --allowed-origin chrome-extension://abcdef
                       # no key: also answer names that /etc/hosts points here, and requests from that extension
+  bmoe-server -m model.gguf --api-key-file ~/.bmoe-key --allowed-origin http://localhost:5173
+                      # a browser app at that origin may call the server (CORS), with the key
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
@@ -165,9 +170,10 @@ class ServeSettings:
              "its own name at this server (DNS rebinding); with a key, names are not checked")
     allowed_origins: tuple[str, ...] = setting(
         (), "--allowed-origin", parse=origins, repeat=True, metavar="ORIGIN",
-        help="without an API key, also serve requests a web page at ORIGIN (SCHEME://HOST[:PORT], or null) sends "
-             "(repeat it or give a comma list; * for any): by default only the server's own chat page and "
-             "clients that send no Origin are; with a key, origins are not checked")
+        help="let a web page at ORIGIN (SCHEME://HOST[:PORT], or null) use this server from a browser (repeat it "
+             "or give a comma list; * for any): it gets CORS headers, with or without a key, and without a key "
+             "its requests are served; by default no page gets CORS headers and, without a key, only the server's "
+             "own chat page and clients that send no Origin are served")
     queue: int = setting(8, "--queue", parse=nonneg_int, metavar="N",
                          help="requests that may wait for a KV sequence (see --parallel); more get 429 (default "
                               "{default})")

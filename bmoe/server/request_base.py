@@ -1,6 +1,6 @@
-"""What the request bodies of bmoe-server's four APIs share (OpenAI's chat and completions, OpenAI's
-Responses, Anthropic's Messages, Ollama's): the sampling fields bounded by the settings' own
-declarations, bmoe's `"bmoe": {...}` extension, OpenAI's `metadata` within OpenAI's bounds and the
+"""What the request bodies of bmoe-server's five APIs share (OpenAI's chat and completions, OpenAI's
+Responses, Anthropic's Messages, Ollama's, llama-server's native one): the sampling fields bounded by
+the settings' own declarations, bmoe's `"bmoe": {...}` extension, OpenAI's `metadata` within OpenAI's bounds and the
 refusal of a field bmoe does not implement unless it asks for nothing. Each API's own bodies are in its
 `*_wire` module.
 """

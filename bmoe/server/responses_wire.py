@@ -62,7 +62,7 @@ from bmoe.server.openai_wire import ChatBody
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented, sampling_of
 from bmoe.server.response_store import ResponseStore
 
-PATH = "/v1/responses"
+RESOURCE = "/responses"  # under /v1, and without it as llama-server serves it
 # fields of the Responses API bmoe does not implement, each with the values that ask for nothing
 _UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),

@@ -1,0 +1,122 @@
+"""llama-server's native API on bmoe-server: `/completion` (and `/completions`, which llama-server
+serves the same), `/tokenize`, `/detokenize`, `/apply-template` and `/props` (bodies and shapes in
+bmoe.server.llama_wire). A completion goes through bmoe.server.app's Endpoints (`prepare` and the one
+answer loop `answer`, handed in), behind the same key, Host/Origin checks and limits as the `/v1`
+routes, and is counted under its own path in /metrics.
+
+`/completions` is llama-server's native completion, not OpenAI's: llama-server's route table says
+so (its OpenAI completions are only `/v1/completions`), and scripts written for it send native fields
+there and read `content`. The OpenAI routes llama-server also serves without `/v1` (`/chat/completions`,
+`/models`, `/responses`) are bmoe.server.app's, registered under both prefixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.params import Depends
+from fastapi.responses import Response
+
+from bmoe.api import Model, Request
+from bmoe.base import SAMPLING_FIELDS, ConfigError, FieldError
+from bmoe.server.answer_shape import AnswerShape
+from bmoe.server.http_errors import ServeError, renamed
+from bmoe.server.llama_wire import (
+    LLAMA_FIELD_NAMES,
+    LLAMA_TOO_LONG_FIX,
+    DetokenizeBody,
+    LlamaCompletionBody,
+    LlamaShape,
+    TokenizeBody,
+    generation_settings,
+    piece_of,
+)
+from bmoe.server.openai_wire import ChatBody
+
+Prepare = Callable[..., Awaitable[Request]]  # Endpoints.prepare: a body as the engine's checked request
+AnswerLoop = Callable[[HttpRequest, Request, AnswerShape, bool], Awaitable[Response]]  # Endpoints.answer: the loop
+
+
+class LlamaEndpoints:
+    """llama-server's native routes over one server's model (named `model_id`, its -n `n_predict`, its
+    --parallel `slots`) and its Endpoints' `prepare` and `answer`."""
+
+    def __init__(self, model: Model, model_id: str, n_predict: int, slots: int, prepare: Prepare,
+                 answer: AnswerLoop) -> None:
+        self.model, self.model_id, self.n_predict, self.slots = model, model_id, n_predict, slots
+        self.prepare, self.answer = prepare, answer
+
+    async def completion(self, body: LlamaCompletionBody, request: HttpRequest) -> Response:
+        """A plain prompt (text or token ids), answered in llama-server's shapes through the answer loop."""
+        try:
+            prompt = body.one_prompt
+            req = await self.prepare(body, body.n_tokens, LLAMA_TOO_LONG_FIX, prompt=prompt,
+                                   response_format=body.format, grammar=body.grammar)
+        except (ServeError, FieldError) as e:
+            raise renamed(e, LLAMA_FIELD_NAMES) from None
+        text = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.text_of, prompt)
+        settings = generation_settings(self.model.stats.n_ctx, req.max_tokens, req.sampler, req.stop)
+        return await self.answer(request, req, LlamaShape(self.model_id, text, settings), body.stream)
+
+    def text_of(self, tokens: list[int]) -> str:
+        return b"".join(self.model.piece(t) for t in tokens).decode(errors="replace")
+
+    async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        model = self.model
+        tokens = await asyncio.to_thread(model.vocab_tokens, body.content, body.add_special)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": t, "piece": piece_of(model.piece(t))} for t in tokens]}
+
+    async def detokenize(self, body: DetokenizeBody) -> dict[str, str]:
+        try:
+            tokens = self.model.token_ids(body.tokens)
+        except ConfigError as e:
+            raise ServeError(400, str(e).replace("prompt", "tokens", 1), param="tokens") from None
+        return {"content": await asyncio.to_thread(self.text_of, tokens)}
+
+    async def apply_template(self, body: ChatBody) -> dict[str, str]:
+        """The conversation as the chat route renders it with the model's template, not generated from."""
+        fmt = self.model.chat_format
+        try:
+            parts = await asyncio.to_thread(
+                fmt.parts, [m.as_dict() for m in body.messages], body.think, tools=body.tools,
+                tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls, verify=False)
+        except FieldError as e:
+            raise ServeError(400, str(e), param=e.param) from None
+        except ConfigError as e:
+            raise ServeError(400, str(e), param="messages") from None
+        return {"prompt": parts.text}
+
+    async def props(self) -> dict[str, Any]:
+        """What llama-server's /props tells, as it is on this server (-c, --parallel, -m, --alias, -n, the
+        sampling flags, the GGUF's chat template); bmoe has no slots, props or LoRA endpoints."""
+        model = self.model
+        sampler = model.settings.sampler
+        params: dict[str, Any] = {name: getattr(sampler, field) for name, field in SAMPLING_FIELDS.items()}
+        params["logit_bias"] = [list(p) for p in params["logit_bias"]]
+        params["n_predict"] = self.n_predict
+        bos, eos = model.marker_texts()
+        template = model.chat_format.renderer.template
+        return {"default_generation_settings": {"n_ctx": model.stats.n_ctx, "params": params},
+                "total_slots": self.slots, "model_alias": self.model_id, "model_path": str(model.settings.model),
+                "modalities": {"vision": False, "video": False, "audio": False},
+                "chat_template": (template or b"").decode(errors="replace"),
+                "bos_token": bos, "eos_token": eos,
+                "build_info": f"bmoe {metadata.version('bmoe')}", "endpoint_slots": False, "endpoint_props": False,
+                "endpoint_metrics": True, "is_sleeping": False}
+
+
+def add_llama_routes(app: FastAPI, native: LlamaEndpoints, key: list[Depends]) -> None:
+    """llama-server's native routes, behind `key` as the /v1 routes are."""
+    for path in ("/completion", "/completions"):
+        app.post(path, dependencies=key)(native.completion)
+    app.post("/tokenize", dependencies=key)(native.tokenize)
+    app.post("/detokenize", dependencies=key)(native.detokenize)
+    app.post("/apply-template", dependencies=key)(native.apply_template)
+    app.get("/props", dependencies=key)(native.props)

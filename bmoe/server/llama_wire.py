@@ -1,0 +1,223 @@
+"""llama-server's native API as bmoe-server speaks it, on the same port: the bodies of `POST /completion`
+(and `/completions`, which llama-server serves the same), `/tokenize`, `/detokenize`, and the answer in
+llama-server's shapes (`LlamaShape`: one object with `content`, `stop_type`, `timings`, ...; or
+server-sent events, one `{"content", "stop": false}` per token and a last `"stop": true` with the
+rest), for the one answer loop (bmoe.server.app's Endpoints.answer), so the engine, scheduler,
+grammars, limits and errors are the other APIs'. The routes are bmoe.server.llama_routes'.
+
+What is taken and what is not (docs/server.md says the same for users):
+- `prompt`: a string, a list of token ids (generated from as they are), or a list of one string;
+  several prompts, mixed lists and multimodal objects are a 400.
+- `n_predict` (or `max_tokens`): -1 or left out takes the server's `-n`; 0 is a 400 (bmoe generates
+  at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
+  `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
+  `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map),
+  `grammar`, `json_schema`, `response_format`. `cache_prompt` either way (bmoe reuses a KV prefix
+  whenever it can; the answer is the same) and `n_keep` (bmoe never shifts the context: nothing to keep).
+- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, per-token timings, ...) is a 400 naming the
+  field unless it asks for nothing; fields read only by a sampler that is off (DRY's, XTC's threshold,
+  mirostat's tau and eta) change nothing and are taken. Any other unknown field is ignored, as on the
+  other routes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from bmoe.api import Chunk, GenerationStats
+from bmoe.base import SAMPLING_FIELDS, FieldError
+from bmoe.chat import STOP_STRINGS_MAX, Delta
+from bmoe.server.answer_shape import SSE, Finished, sse_comment
+from bmoe.server.http_errors import ServeError
+from bmoe.server.openai_wire import sse
+from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
+
+LLAMA_TOO_LONG_FIX = "shorten the prompt, lower n_predict, or restart bmoe-server with a larger -c"
+# llama-server's /completion fields bmoe does not implement, each with the values that ask for nothing
+NATIVE_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0), "n_probs": (None, 0),
+    "post_sampling_probs": (None, False), "min_keep": (None, 0), "t_max_predict_ms": (None, 0),
+    "typical_p": (None, 1), "dynatemp_range": (None, 0), "dynatemp_exponent": (None, 1),
+    "dry_multiplier": (None, 0), "xtc_probability": (None, 0), "mirostat": (None, 0), "top_n_sigma": (None, -1),
+    "ignore_eos": (None, False), "samplers": (None,), "id_slot": (None, -1), "return_tokens": (None, False),
+    "timings_per_token": (None, False), "return_progress": (None, False), "response_fields": (None, []),
+    "lora": (None, []), "sse_ping_interval": (None,), "multimodal_data": (None, []),
+}
+# a /completion's field as the chat and completions requests' checks name it, renamed to llama-server's
+LLAMA_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "json_schema"), (r"max_tokens", "n_predict"))
+
+
+class LlamaCompletionBody(SamplingFields):
+    """`POST /completion`'s body (see the module notes); unknown fields are ignored."""
+
+    prompt: str | list[int] | list[str]
+    n_predict: int | None = None
+    max_tokens: int | None = None  # llama-server reads it when n_predict is left out
+    stream: bool = False
+    stop: list[str] | str | None = Field(None, max_length=STOP_STRINGS_MAX)
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    cache_prompt: bool = True
+    n_keep: int | None = None
+    model: str | None = None
+    bmoe: BmoeOptions = BmoeOptions()
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _native(cls, data: Any) -> Any:
+        """UNIMPLEMENTED refused; llama-server's random seed (-1) and logit_bias pairs as the sampler takes them."""
+        data = implemented(data, NATIVE_UNIMPLEMENTED)
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("seed") == -1 and not isinstance(data.get("seed"), bool):
+                data["seed"] = None
+            pairs = data.get("logit_bias")
+            if isinstance(pairs, list):
+                if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) for p in pairs):
+                    raise FieldError("logit_bias: [[token id, bias], ...] (token ids, not text)", param="logit_bias")
+                data["logit_bias"] = {str(tok): bias for tok, bias in pairs}
+        return data
+
+    @property
+    def one_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids; a 400 for several prompts."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if all(isinstance(t, int) for t in p):
+            return [int(t) for t in p]
+        if len(p) != 1:
+            raise ServeError(400, "prompt: one prompt per request (a string, a list of token ids, or a list of one "
+                             "string)", param="prompt")
+        return str(p[0])
+
+    @property
+    def n_tokens(self) -> int | None:
+        """The tokens to generate at most; None: the server's -n."""
+        n = self.n_predict if self.n_predict is not None else self.max_tokens
+        if n is None or n == -1:
+            return None
+        if n < 1:
+            name = "n_predict" if self.n_predict is not None else "max_tokens"
+            raise ServeError(400, f"{name}: {n} tokens; bmoe-server generates at least 1 (-1: its -n)", param=name)
+        return n
+
+    @property
+    def format(self) -> dict[str, Any] | None:
+        """`json_schema` as the response_format the chat request's grammars hold an answer to."""
+        if self.json_schema is not None:
+            if self.response_format is not None:
+                raise ServeError(400, "json_schema: give it or response_format, not both", param="json_schema")
+            return {"type": "json_schema", "json_schema": {"name": "output", "schema": self.json_schema}}
+        return self.response_format
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parsed(cls, data: Any) -> Any:
+        return implemented(data, {"parse_special": (None, True)})  # bmoe's tokenizer always parses them
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    tokens: list[int] = Field(default_factory=list)
+
+
+def piece_of(piece: bytes) -> str | list[int]:
+    """A token's piece as /tokenize shows it: its text, or its bytes where they are not whole UTF-8."""
+    try:
+        return piece.decode()
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+# ---- the answer ------------------------------------------------------------------------------------
+
+
+def stop_type(s: GenerationStats, stop: str | None) -> str:
+    if s.finish_reason == "length":
+        return "limit"
+    return "word" if stop is not None else "eos"
+
+
+def timings(s: GenerationStats) -> dict[str, Any]:
+    """llama-server's `timings` of a generation (prompt: the tokens decoded, the reused prefix is `cache_n`)."""
+    prompt_ms = s.prefill_s * 1000
+    predicted_ms = s.completion_tokens / s.tok_s * 1000 if s.tok_s > 0 else 0.0
+    return {"cache_n": s.prompt_tokens - s.prefill_tokens, "prompt_n": s.prefill_tokens, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / s.prefill_tokens if s.prefill_tokens else 0.0,
+            "prompt_per_second": s.prefill_tokens / s.prefill_s if s.prefill_s > 0 else 0.0,
+            "predicted_n": s.completion_tokens, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / s.completion_tokens if s.completion_tokens else 0.0,
+            "predicted_per_second": s.tok_s}
+
+
+class LlamaShape:
+    """One /completion answer in llama-server's shapes for the answer loop (bmoe.server.answer_shape).
+    `prompt`: the prompt as text (what the answer's `prompt` says); `settings`: its generation_settings."""
+
+    media_type = SSE
+
+    def __init__(self, model: str, prompt: str, settings: dict[str, Any]) -> None:
+        self.model, self.prompt, self.settings = model, prompt, settings
+        self.predicted = 0
+
+    def _last(self, content: str, s: GenerationStats, stop: str | None, ahead: int) -> dict[str, Any]:
+        return {"index": 0, "content": content, "tokens": [], "stop": True, "model": self.model,
+                "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
+                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
+                "truncated": False, "stop_type": stop_type(s, stop), "stopping_word": stop or "",
+                "tokens_cached": s.prompt_tokens - s.prefill_tokens, "timings": timings(s),
+                "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
+
+    # -- AnswerShape --
+
+    def whole(self, done: Finished) -> dict[str, Any]:
+        return self._last(done.text, done.stats, done.stop, done.ahead)
+
+    def comment(self, text: str) -> bytes:
+        return sse_comment(text)
+
+    def start(self) -> bytes:
+        return b""
+
+    def token(self, c: Chunk, d: Delta | None) -> bytes:
+        if c.token is not None:
+            self.predicted += 1
+        if not c.text:
+            return b""
+        return sse({"index": 0, "content": c.text, "stop": False, "tokens_predicted": self.predicted})
+
+    def finish(self, d: Delta) -> bytes:
+        return b""  # a plain prompt's answer is not read
+
+    def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
+        return sse(self._last("", s, stop, ahead))
+
+    def error(self, e: ServeError) -> bytes:
+        return sse(e.body())
+
+    def close(self) -> bytes:
+        return b""
+
+
+def generation_settings(n_ctx: int, n_predict: int, sampler: Any, stop: tuple[str, ...]) -> dict[str, Any]:
+    """What a request ran with, by llama-server's names (`sampler`: its bmoe.base SamplerSettings)."""
+    out: dict[str, Any] = {"n_ctx": n_ctx, "n_predict": n_predict, "stop": list(stop)}
+    for name, field in SAMPLING_FIELDS.items():
+        value = getattr(sampler, field)
+        out[name] = [list(p) for p in value] if name == "logit_bias" else value
+    return json.loads(json.dumps(out, default=str))

@@ -1,0 +1,175 @@
+"""llama-server's own API and paths on a real bmoe-server, as its clients meet them: the native
+`/completion` (raw HTTP, its response and stream shapes), `/tokenize`, `/detokenize`,
+`/apply-template`, `/props`; the OpenAI routes without `/v1` (the official `openai` client with
+llama-server's base URL); and CORS for the pages `--allowed-origin` lists, on a keyed server (a
+browser's preflight and request, raw HTTP with `Origin`). The keyless side of CORS is in
+tests/test_server_hosts.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.test_server import FLAGS, KEY, PROMPT, Server, auth, error_of, metric
+
+APP = "http://app.example:3000"  # the web page --allowed-origin lets use the server
+N = 8
+
+
+@pytest.fixture(scope="module")
+def server(small_moe) -> Iterator[Server]:
+    s = Server("-m", str(small_moe), *FLAGS, "--allowed-origin", APP, env={"BMOE_API_KEY": KEY})
+    yield s
+    s.stop()
+
+
+def post(server: Server, path: str, body: dict, **headers: str) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers={**auth(), **headers}, timeout=120)
+
+
+def events(server: Server, path: str, body: dict) -> list[dict]:
+    """A streamed answer's `data:` objects, in order."""
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, headers=auth(), timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+# ---- /completion ---------------------------------------------------------------------------------
+
+
+def test_completion_is_the_v1_completions_answer_in_llama_servers_shapes(server: Server) -> None:
+    want = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": N}).json()["choices"][0]["text"]
+    assert want
+    r = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "cache_prompt": True, "seed": -1})
+    got = r.json()
+    assert r.status_code == 200 and got["content"] == want, got
+    assert got["stop"] is True and got["stop_type"] == "limit" and got["tokens_predicted"] == N
+    assert got["tokens_evaluated"] == got["bmoe"]["prompt_tokens"] > 0 and got["truncated"] is False
+    assert got["prompt"] == PROMPT and got["generation_settings"]["n_predict"] == N
+    t = got["timings"]
+    assert t["predicted_n"] == N and t["prompt_n"] + t["cache_n"] == got["tokens_evaluated"]
+    assert t["predicted_per_second"] > 0 and t["prompt_ms"] >= 0
+    # streamed: one object per piece, `stop: false`, then the last with the rest; no [DONE]
+    *pieces, last = events(server, "/completions", {"prompt": PROMPT, "n_predict": N})
+    assert "".join(p["content"] for p in pieces) == want and not any(p["stop"] for p in pieces)
+    assert last["stop"] is True and last["content"] == "" and last["stop_type"] == "limit"
+    assert last["tokens_predicted"] == N and "timings" in last
+    # the prompt as token ids (/tokenize's, BOS added as bmoe's own tokenizing adds it) is the same prompt
+    ids = post(server, "/tokenize", {"content": PROMPT, "add_special": True}).json()["tokens"]
+    by_ids = post(server, "/completion", {"prompt": ids, "n_predict": N}).json()
+    assert by_ids["content"] == want and by_ids["tokens_evaluated"] == len(ids)
+
+
+def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
+    text = post(server, "/completion", {"prompt": PROMPT, "n_predict": N}).json()["content"]
+    word = text.split()[1]
+    r = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "stop": [word]}).json()
+    assert r["stop_type"] == "word" and r["stopping_word"] == word and word not in r["content"], r
+    r = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "json_schema": {"const": "42"}}).json()
+    assert json.loads(r["content"]) == "42" and r["stop_type"] == "eos", r
+    r = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "grammar": 'root ::= "yes" | "no"'}).json()
+    assert r["content"] in ("yes", "no"), r
+    r = post(server, "/completion", {"prompt": PROMPT, "n_predict": 2, "logit_bias": [[7, -100]], "temperature": 0.5,
+                                     "top_k": 5, "min_p": 0.1, "repeat_penalty": 1.1, "n_keep": -1})
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 2, r.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n_predict": 0}, "n_predict"), ({"mirostat": 2}, "mirostat"), ({"n_probs": 3}, "n_probs"),
+    ({"samplers": ["top_k"]}, "samplers"), ({"return_tokens": True}, "return_tokens"), ({"id_slot": 1}, "id_slot"),
+    ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": [0, 10 ** 9]}, "prompt"),
+    ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", -1]]}, "logit_bias"),
+    ({"n_predict": 10 ** 6}, "prompt"),
+])
+def test_what_completion_does_not_take_is_a_400_naming_it(server: Server, body: dict, param: str) -> None:
+    err = error_of(post(server, "/completion", {"prompt": PROMPT, **body}), 400)
+    assert err["param"] == param and param.split(".")[0] in err["message"], err
+    if param == "prompt" and "n_predict" in body:  # too long: the fix in llama-server's words
+        assert "lower n_predict" in err["message"]
+
+
+# ---- /tokenize, /detokenize, /apply-template, /props ---------------------------------------------
+
+
+def test_tokenize_detokenize_and_apply_template(server: Server) -> None:
+    plain = post(server, "/tokenize", {"content": PROMPT}).json()["tokens"]
+    pieces = post(server, "/tokenize", {"content": PROMPT, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == plain
+    text = "".join(p["piece"] for p in pieces)  # as llama-server's: a piece's leading space is kept
+    assert text.strip() == PROMPT and post(server, "/detokenize", {"tokens": plain}).json() == {"content": text}
+    # a piece that is not whole UTF-8 comes as its bytes
+    odd = "unicode 媽 and emoji 🤗"
+    pieces = post(server, "/tokenize", {"content": odd, "with_pieces": True}).json()["tokens"]
+    raw = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert raw.decode().strip() == odd and any(isinstance(p["piece"], list) for p in pieces), pieces
+    assert error_of(post(server, "/detokenize", {"tokens": [-1]}), 400)["param"] == "tokens"
+    err = error_of(post(server, "/tokenize", {"content": "x", "parse_special": False}), 400)
+    assert err["param"] == "parse_special"
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = post(server, "/apply-template", {"messages": messages}).json()["prompt"]
+    assert "hello there" in prompt
+    # the template's text is what the chat route decodes: as many tokens as its usage counts
+    used = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert len(post(server, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]) == \
+        used["prompt_tokens"]
+
+
+def test_props_tell_the_truth_about_the_server(server: Server, small_moe) -> None:
+    p = httpx.get(server.url + "/props", headers=auth()).json()
+    assert p["default_generation_settings"]["n_ctx"] == 4096 and p["total_slots"] == 1
+    assert p["model_path"] == str(small_moe) and p["model_alias"] == small_moe.stem
+    assert p["default_generation_settings"]["params"]["temperature"] == 0  # greedy by default, as bmoe-cli
+    shown = post(server, "/api/show", {"model": small_moe.stem}).json()  # the GGUF's template, read the Ollama way
+    assert p["chat_template"] == shown["template"] and p["chat_template"]
+    assert httpx.get(server.url + "/props").status_code == 401  # behind the key as every API route
+
+
+# ---- the OpenAI routes without /v1 ---------------------------------------------------------------
+
+
+def test_the_openai_client_with_llama_servers_base_url(server: Server, small_moe) -> None:
+    bare = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+    assert [m.id for m in bare.models.list()] == [small_moe.stem]
+    assert bare.models.retrieve(small_moe.stem).id == small_moe.stem
+    msgs = [{"role": "user", "content": "hello there"}]
+    want = server.client().chat.completions.create(model="x", messages=msgs, max_tokens=N).choices[0].message.content
+    before = metric(server, 'bmoe_requests_total{route="/chat/completions",status="200"}')
+    assert bare.chat.completions.create(model="x", messages=msgs, max_tokens=N).choices[0].message.content == want
+    assert metric(server, 'bmoe_requests_total{route="/chat/completions",status="200"}') == before + 1
+    r = bare.responses.create(model="x", input="hello there", max_output_tokens=N)
+    assert r.output_text and bare.responses.retrieve(r.id).id == r.id
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).chat.completions.create(
+            model="x", messages=msgs, max_tokens=1)
+
+
+# ---- CORS, with a key ----------------------------------------------------------------------------
+
+
+def preflight(server: Server, origin: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.options(server.url + path, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                     "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_answers_the_allowed_page_and_no_other(server: Server) -> None:
+    for path in ("/v1/chat/completions", "/completion", "/chat/completions"):
+        r = preflight(server, APP, path)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP, (path, r.text)
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = post(server, "/v1/chat/completions", chat, origin=APP)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
+    assert "x-queue-position" in r.headers["access-control-expose-headers"].lower()
+    # the page still needs the key, and it can read why it was refused
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, headers={"origin": APP}, timeout=60)
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == APP
+    # another page: its preflight is refused and no answer carries CORS headers (its browser reads none)
+    r = preflight(server, "http://evil.example")
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = post(server, "/v1/chat/completions", chat, origin="http://evil.example")
+    assert "access-control-allow-origin" not in r.headers
