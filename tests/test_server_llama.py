@@ -58,6 +58,12 @@ def test_completion_is_the_v1_completions_answer_in_llama_servers_shapes(server:
     assert "".join(p["content"] for p in pieces) == want and not any(p["stop"] for p in pieces)
     assert last["stop"] is True and last["content"] == "" and last["stop_type"] == "limit"
     assert last["tokens_predicted"] == N and "timings" in last
+    # the token ids: each piece's, and with return_tokens the whole answer's, which detokenize to its text
+    ids = [t for p in [*pieces, last] for t in p["tokens"]]
+    assert len(ids) == N and all(p["tokens"] for p in pieces) and got["tokens"] == []
+    whole = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "return_tokens": True}).json()
+    assert whole["tokens"] == ids
+    assert post(server, "/detokenize", {"tokens": ids}).json()["content"] == want
     # the prompt as token ids (/tokenize's, BOS added as bmoe's own tokenizing adds it) is the same prompt
     ids = post(server, "/tokenize", {"content": PROMPT, "add_special": True}).json()["tokens"]
     by_ids = post(server, "/completion", {"prompt": ids, "n_predict": N}).json()
@@ -80,7 +86,7 @@ def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
 
 @pytest.mark.parametrize("body, param", [
     ({"n_predict": 0}, "n_predict"), ({"mirostat": 2}, "mirostat"), ({"n_probs": 3}, "n_probs"),
-    ({"samplers": ["top_k"]}, "samplers"), ({"return_tokens": True}, "return_tokens"), ({"id_slot": 1}, "id_slot"),
+    ({"samplers": ["top_k"]}, "samplers"), ({"lora": [{"id": 0, "scale": 1}]}, "lora"), ({"id_slot": 1}, "id_slot"),
     ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": [0, 10 ** 9]}, "prompt"),
     ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", -1]]}, "logit_bias"),
     ({"n_predict": 10 ** 6}, "prompt"),

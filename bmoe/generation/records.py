@@ -66,6 +66,7 @@ class Chunk:
     logits: np.ndarray | None = None  # with Request.logits: the distribution this token was chosen from
     stop: str | None = None  # the last chunk's: the stop string that ended the answer, if one did
     logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the tokens whose text this chunk completes
+    token_id: int | None = None  # the generated token's id (None on the held-back text and the last chunk)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ class Generation:
             released = self.spans.release(self.text.sent, self.text.cut)
             self.logprobs += released
         if self.on_chunk:
-            self.on_chunk(Chunk(new, line, logits=logits if self.req.logits else None, logprobs=released))
+            self.on_chunk(Chunk(new, line, logits=logits if self.req.logits else None, logprobs=released, token_id=tok))
         if self.text.cut is not None or (self.calls is not None and self.calls.push(new, len(self.ids))):
             self.ended, self.done = _Stopped(), True
         elif self.cancelled:

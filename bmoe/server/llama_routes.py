@@ -61,7 +61,8 @@ class LlamaEndpoints:
             raise renamed(e, LLAMA_FIELD_NAMES) from None
         text = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.text_of, prompt)
         settings = generation_settings(self.model.stats.n_ctx, req.max_tokens, req.sampler, req.stop)
-        return await self.answer(request, req, LlamaShape(self.model_id, text, settings), body.stream)
+        return await self.answer(request, req, LlamaShape(self.model_id, text, settings, body.return_tokens),
+                                 body.stream)
 
     def text_of(self, tokens: list[int]) -> str:
         return b"".join(self.model.piece(t) for t in tokens).decode(errors="replace")
@@ -86,7 +87,8 @@ class LlamaEndpoints:
         try:
             parts = await asyncio.to_thread(
                 fmt.parts, [m.as_dict() for m in body.messages], body.think, tools=body.tools,
-                tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls, verify=False)
+                tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                response_format=body.response_format, grammar=body.grammar, verify=False)
         except FieldError as e:
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:

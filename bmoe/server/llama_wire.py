@@ -1,9 +1,10 @@
 """llama-server's native API as bmoe-server speaks it, on the same port: the bodies of `POST /completion`
 (and `/completions`, which llama-server serves the same), `/tokenize`, `/detokenize`, and the answer in
 llama-server's shapes (`LlamaShape`: one object with `content`, `stop_type`, `timings`, ...; or
-server-sent events, one `{"content", "stop": false}` per token and a last `"stop": true` with the
-rest), for the one answer loop (bmoe.server.app's Endpoints.answer), so the engine, scheduler,
-grammars, limits and errors are the other APIs'. The routes are bmoe.server.llama_routes'.
+server-sent events, one `{"content", "tokens", "stop": false}` per piece of text and a last
+`"stop": true` with the rest), for the one answer loop (bmoe.server.app's Endpoints.answer), so the
+engine, scheduler, grammars, limits and errors are the other APIs'. The routes are
+bmoe.server.llama_routes'.
 
 What is taken and what is not (docs/server.md says the same for users):
 - `prompt`: a string, a list of token ids (generated from as they are), or a list of one string;
@@ -12,12 +13,13 @@ What is taken and what is not (docs/server.md says the same for users):
   at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
   `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
   `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map),
-  `grammar`, `json_schema`, `response_format`. `cache_prompt` either way (bmoe reuses a KV prefix
-  whenever it can; the answer is the same) and `n_keep` (bmoe never shifts the context: nothing to keep).
-- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, per-token timings, ...) is a 400 naming the
-  field unless it asks for nothing; fields read only by a sampler that is off (DRY's, XTC's threshold,
-  mirostat's tau and eta) change nothing and are taken. Any other unknown field is ignored, as on the
-  other routes.
+  `grammar`, `json_schema`, `response_format`, `return_tokens`. `cache_prompt` either way (bmoe
+  reuses a KV prefix where the answer stays a full prefill's) and `n_keep` (bmoe never shifts the
+  context: nothing to keep).
+- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, per-token timings, ...) is a 400
+  naming the field unless it asks for nothing; fields read only by a sampler that is off (DRY's,
+  XTC's threshold, mirostat's tau and eta) change nothing and are taken. Any other unknown field is
+  ignored, as on the other routes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ NATIVE_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "post_sampling_probs": (None, False), "min_keep": (None, 0), "t_max_predict_ms": (None, 0),
     "typical_p": (None, 1), "dynatemp_range": (None, 0), "dynatemp_exponent": (None, 1),
     "dry_multiplier": (None, 0), "xtc_probability": (None, 0), "mirostat": (None, 0), "top_n_sigma": (None, -1),
-    "ignore_eos": (None, False), "samplers": (None,), "id_slot": (None, -1), "return_tokens": (None, False),
+    "ignore_eos": (None, False), "samplers": (None,), "id_slot": (None, -1),
     "timings_per_token": (None, False), "return_progress": (None, False), "response_fields": (None, []),
     "lora": (None, []), "sse_ping_interval": (None,), "multimodal_data": (None, []),
 }
@@ -63,6 +65,7 @@ class LlamaCompletionBody(SamplingFields):
     json_schema: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     cache_prompt: bool = True
+    return_tokens: bool = False
     n_keep: int | None = None
     model: str | None = None
     bmoe: BmoeOptions = BmoeOptions()
@@ -167,16 +170,19 @@ def timings(s: GenerationStats) -> dict[str, Any]:
 
 class LlamaShape:
     """One /completion answer in llama-server's shapes for the answer loop (bmoe.server.answer_shape).
-    `prompt`: the prompt as text (what the answer's `prompt` says); `settings`: its generation_settings."""
+    `prompt`: the prompt as text (what the answer's `prompt` says); `settings`: its generation_settings;
+    `return_tokens`: a whole answer lists its token ids (a streamed piece always lists those it completes)."""
 
     media_type = SSE
 
-    def __init__(self, model: str, prompt: str, settings: dict[str, Any]) -> None:
-        self.model, self.prompt, self.settings = model, prompt, settings
+    def __init__(self, model: str, prompt: str, settings: dict[str, Any], return_tokens: bool = False) -> None:
+        self.model, self.prompt, self.settings, self.return_tokens = model, prompt, settings, return_tokens
         self.predicted = 0
+        self.pending: list[int] = []  # streamed: ids of tokens whose text is held back (a possible stop string)
 
-    def _last(self, content: str, s: GenerationStats, stop: str | None, ahead: int) -> dict[str, Any]:
-        return {"index": 0, "content": content, "tokens": [], "stop": True, "model": self.model,
+    def _last(self, content: str, tokens: list[int], s: GenerationStats, stop: str | None, ahead: int
+              ) -> dict[str, Any]:
+        return {"index": 0, "content": content, "tokens": tokens, "stop": True, "model": self.model,
                 "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
                 "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
                 "truncated": False, "stop_type": stop_type(s, stop), "stopping_word": stop or "",
@@ -186,7 +192,8 @@ class LlamaShape:
     # -- AnswerShape --
 
     def whole(self, done: Finished) -> dict[str, Any]:
-        return self._last(done.text, done.stats, done.stop, done.ahead)
+        ids = [c.token_id for c in done.chunks if c.token_id is not None] if self.return_tokens else []
+        return self._last(done.text, ids, done.stats, done.stop, done.ahead)
 
     def comment(self, text: str) -> bytes:
         return sse_comment(text)
@@ -195,17 +202,20 @@ class LlamaShape:
         return b""
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
-        if c.token is not None:
+        if c.token_id is not None:
             self.predicted += 1
+            self.pending.append(c.token_id)
         if not c.text:
             return b""
-        return sse({"index": 0, "content": c.text, "stop": False, "tokens_predicted": self.predicted})
+        tokens, self.pending = self.pending, []
+        return sse({"index": 0, "content": c.text, "tokens": tokens, "stop": False,
+                    "tokens_predicted": self.predicted})
 
     def finish(self, d: Delta) -> bytes:
         return b""  # a plain prompt's answer is not read
 
     def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
-        return sse(self._last("", s, stop, ahead))
+        return sse(self._last("", self.pending, s, stop, ahead))
 
     def error(self, e: ServeError) -> bytes:
         return sse(e.body())
