@@ -64,6 +64,14 @@ def test_completion_is_the_v1_completions_answer_in_llama_servers_shapes(server:
     whole = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "return_tokens": True}).json()
     assert whole["tokens"] == ids
     assert post(server, "/detokenize", {"tokens": ids}).json()["content"] == want
+    # n_probs: each token's log-probability and its likeliest, joining into the text, streamed or not
+    probs = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "n_probs": 3}).json()
+    probs = probs["completion_probabilities"]
+    assert len(probs) == N and "".join(p["token"] for p in probs) == want and [p["id"] for p in probs] == ids
+    assert all(len(p["top_logprobs"]) == 3 and p["top_logprobs"][0]["id"] == p["id"] for p in probs)  # greedy
+    assert all(p["logprob"] == p["top_logprobs"][0]["logprob"] <= 0 for p in probs)
+    streamed = events(server, "/completion", {"prompt": PROMPT, "n_predict": N, "n_probs": 3})
+    assert [p for e in streamed for p in e["completion_probabilities"]] == probs
     # the prompt as token ids (/tokenize's, BOS added as bmoe's own tokenizing adds it) is the same prompt
     ids = post(server, "/tokenize", {"content": PROMPT, "add_special": True}).json()["tokens"]
     by_ids = post(server, "/completion", {"prompt": ids, "n_predict": N}).json()
@@ -85,7 +93,8 @@ def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"n_predict": 0}, "n_predict"), ({"mirostat": 2}, "mirostat"), ({"n_probs": 3}, "n_probs"),
+    ({"n_predict": 0}, "n_predict"), ({"mirostat": 2}, "mirostat"), ({"n_probs": 21}, "n_probs"),
+    ({"post_sampling_probs": True}, "post_sampling_probs"),
     ({"samplers": ["top_k"]}, "samplers"), ({"lora": [{"id": 0, "scale": 1}]}, "lora"), ({"id_slot": 1}, "id_slot"),
     ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": [0, 10 ** 9]}, "prompt"),
     ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", -1]]}, "logit_bias"),

@@ -56,13 +56,14 @@ class LlamaEndpoints:
         try:
             prompt = body.one_prompt
             req = await self.prepare(body, body.n_tokens, LLAMA_TOO_LONG_FIX, prompt=prompt,
-                                   response_format=body.format, grammar=body.grammar)
+                                   response_format=body.format, grammar=body.grammar,
+                                   logprobs=body.n_probs or None)
         except (ServeError, FieldError) as e:
             raise renamed(e, LLAMA_FIELD_NAMES) from None
         text = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.text_of, prompt)
         settings = generation_settings(self.model.stats.n_ctx, req.max_tokens, req.sampler, req.stop)
-        return await self.answer(request, req, LlamaShape(self.model_id, text, settings, body.return_tokens),
-                                 body.stream)
+        shape = LlamaShape(self.model_id, text, settings, body.return_tokens, bool(body.n_probs))
+        return await self.answer(request, req, shape, body.stream)
 
     def text_of(self, tokens: list[int]) -> str:
         return b"".join(self.model.piece(t) for t in tokens).decode(errors="replace")

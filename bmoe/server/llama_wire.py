@@ -13,7 +13,8 @@ What is taken and what is not (docs/server.md says the same for users):
   at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
   `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
   `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map),
-  `grammar`, `json_schema`, `response_format`, `return_tokens`. `cache_prompt` either way (bmoe
+  `grammar`, `json_schema`, `response_format`, `return_tokens`, `n_probs` (bmoe's logprobs as
+  `completion_probabilities`). `cache_prompt` either way (bmoe
   reuses a KV prefix where the answer stays a full prefill's) and `n_keep` (bmoe never shifts the
   context: nothing to keep).
 - NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, per-token timings, ...) is a 400
@@ -30,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bmoe.api import Chunk, GenerationStats
+from bmoe.api import TOP_LOGPROBS_MAX, Chunk, GenerationStats, TokenLogprob
 from bmoe.base import SAMPLING_FIELDS, FieldError
 from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
@@ -41,7 +42,7 @@ from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
 LLAMA_TOO_LONG_FIX = "shorten the prompt, lower n_predict, or restart bmoe-server with a larger -c"
 # llama-server's /completion fields bmoe does not implement, each with the values that ask for nothing
 NATIVE_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0), "n_probs": (None, 0),
+    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0),
     "post_sampling_probs": (None, False), "min_keep": (None, 0), "t_max_predict_ms": (None, 0),
     "typical_p": (None, 1), "dynatemp_range": (None, 0), "dynatemp_exponent": (None, 1),
     "dry_multiplier": (None, 0), "xtc_probability": (None, 0), "mirostat": (None, 0), "top_n_sigma": (None, -1),
@@ -66,6 +67,7 @@ class LlamaCompletionBody(SamplingFields):
     response_format: dict[str, Any] | None = None
     cache_prompt: bool = True
     return_tokens: bool = False
+    n_probs: int = Field(0, ge=0, le=TOP_LOGPROBS_MAX)  # each token's log-probability and its n likeliest
     n_keep: int | None = None
     model: str | None = None
     bmoe: BmoeOptions = BmoeOptions()
@@ -171,19 +173,23 @@ def timings(s: GenerationStats) -> dict[str, Any]:
 class LlamaShape:
     """One /completion answer in llama-server's shapes for the answer loop (bmoe.server.answer_shape).
     `prompt`: the prompt as text (what the answer's `prompt` says); `settings`: its generation_settings;
-    `return_tokens`: a whole answer lists its token ids (a streamed piece always lists those it completes)."""
+    `return_tokens`: a whole answer lists its token ids (a streamed piece always lists those it completes);
+    `probs`: the request asked for n_probs (each answer lists its tokens' `completion_probabilities`)."""
 
     media_type = SSE
 
-    def __init__(self, model: str, prompt: str, settings: dict[str, Any], return_tokens: bool = False) -> None:
+    def __init__(self, model: str, prompt: str, settings: dict[str, Any], return_tokens: bool = False,
+                 probs: bool = False) -> None:
         self.model, self.prompt, self.settings, self.return_tokens = model, prompt, settings, return_tokens
+        self.probs = probs
         self.predicted = 0
         self.pending: list[int] = []  # streamed: ids of tokens whose text is held back (a possible stop string)
+        self.pending_probs: list[TokenLogprob] = []  # streamed: the log-probabilities not yet sent
 
-    def _last(self, content: str, tokens: list[int], s: GenerationStats, stop: str | None, ahead: int
-              ) -> dict[str, Any]:
+    def _last(self, content: str, tokens: list[int], s: GenerationStats, stop: str | None, ahead: int,
+              probs: list[TokenLogprob]) -> dict[str, Any]:
         return {"index": 0, "content": content, "tokens": tokens, "stop": True, "model": self.model,
-                "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
+                **self._probs(probs), "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
                 "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
                 "truncated": False, "stop_type": stop_type(s, stop), "stopping_word": stop or "",
                 "tokens_cached": s.prompt_tokens - s.prefill_tokens, "timings": timings(s),
@@ -193,7 +199,8 @@ class LlamaShape:
 
     def whole(self, done: Finished) -> dict[str, Any]:
         ids = [c.token_id for c in done.chunks if c.token_id is not None] if self.return_tokens else []
-        return self._last(done.text, ids, done.stats, done.stop, done.ahead)
+        probs = [t for c in done.chunks for t in c.logprobs]
+        return self._last(done.text, ids, done.stats, done.stop, done.ahead, probs)
 
     def comment(self, text: str) -> bytes:
         return sse_comment(text)
@@ -205,23 +212,34 @@ class LlamaShape:
         if c.token_id is not None:
             self.predicted += 1
             self.pending.append(c.token_id)
+        self.pending_probs += c.logprobs
         if not c.text:
             return b""
-        tokens, self.pending = self.pending, []
+        (tokens, self.pending), (probs, self.pending_probs) = (self.pending, []), (self.pending_probs, [])
         return sse({"index": 0, "content": c.text, "tokens": tokens, "stop": False,
-                    "tokens_predicted": self.predicted})
+                    "tokens_predicted": self.predicted, **self._probs(probs)})
 
     def finish(self, d: Delta) -> bytes:
         return b""  # a plain prompt's answer is not read
 
     def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
-        return sse(self._last("", self.pending, s, stop, ahead))
+        return sse(self._last("", self.pending, s, stop, ahead, self.pending_probs))
 
     def error(self, e: ServeError) -> bytes:
         return sse(e.body())
 
     def close(self) -> bytes:
         return b""
+
+    def _probs(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
+        """llama-server's `completion_probabilities` of these tokens (`token`: the answer's text each
+        completes, so that they join into it), when the request asked for them."""
+        if not self.probs:
+            return {}
+        return {"completion_probabilities": [
+            {"id": t.id, "token": t.text, "bytes": list(t.bytes), "logprob": t.logprob,
+             "top_logprobs": [{"id": a.id, "token": a.text, "bytes": list(a.bytes), "logprob": a.logprob}
+                              for a in t.top]} for t in tokens]}
 
 
 def generation_settings(n_ctx: int, n_predict: int, sampler: Any, stop: tuple[str, ...]) -> dict[str, Any]:
