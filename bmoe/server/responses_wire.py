@@ -67,6 +67,7 @@ RESOURCE = "/responses"  # under /v1, and without it as llama-server serves it
 _UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
     "truncation": (None, "disabled"), "top_logprobs": (None, 0), "context_management": (None,),
+    "background_options": (None,), "image": (None,), "moderation": (None,),
 }
 INCLUDABLE = ("reasoning.encrypted_content",)
 RESPONSES_TOO_LONG_FIX = "shorten the input, lower max_output_tokens, or restart bmoe-server with a larger -c"
