@@ -5,7 +5,7 @@ OpenAI's and Anthropic's clients (their installed packages' request types, so it
 llama-server (a literal list, from the pinned llama-cpp-python's vendor/llama.cpp/tools/server: README.md and
 server-schema.cpp) document for these routes: each is honoured (the server's known fields) or a 400 naming it.
 
-One server: a small synthetic MoE with a ChatML template, a context of 256 tokens and `-n 64`."""
+One server: a small synthetic MoE with Qwen3's chat template (ChatML that reads enable_thinking), a context of 512 tokens (Qwen3's tool preamble takes 350) and `-n 64`."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from bmoe.server import anthropic_wire, openai_wire, responses_wire
 from bmoe.server.request_base import known_fields
 from tests.test_server import KEY, Server, auth, error_of
 
-TEMPLATE = Path(__file__).parent / "data" / "templates" / "chatml-tools.jinja"
-N_CTX, N_PREDICT = 256, 64
+TEMPLATE = Path(__file__).parent / "data" / "templates" / "qwen3.jinja"
+N_CTX, N_PREDICT = 512, 64
 HELLO = [{"role": "user", "content": "hello there"}]
 
 
@@ -102,7 +102,8 @@ def test_n_predict_is_max_tokens(server: Server) -> None:
 def test_json_schema_holds_the_answer_as_response_format_does(server: Server) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
-    for path, body in (("/v1/completions", {"prompt": "Once"}), ("/v1/chat/completions", {"messages": HELLO})):
+    for path, body in (("/v1/completions", {"prompt": "Once"}),
+                       ("/v1/chat/completions", {"messages": HELLO, "think": False})):
         got = post(server, path, {**body, "json_schema": schema, "max_tokens": 12}).json()
         want = post(server, path, {**body, "max_tokens": 12, "response_format": {"type": "json_object",
                                                                                   "schema": schema}}).json()
@@ -143,6 +144,19 @@ def test_add_generation_prompt_false_opens_no_turn(server: Server) -> None:
     same = c.completions.create(model="x", max_tokens=6, prompt="<|im_start|>user\nhello there<|im_end|>\n")
     assert bare.usage.prompt_tokens == same.usage.prompt_tokens
     assert bare.choices[0].message.content == same.choices[0].text
+
+
+def test_thinking_off_by_llama_servers_and_openais_fields(server: Server) -> None:
+    def prompt_tokens(**extra: Any) -> int:
+        return post(server, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 1, **extra}).json()[
+            "usage"]["prompt_tokens"]
+
+    on, off = prompt_tokens(), prompt_tokens(think=False)
+    assert off > on, "thinking off adds the template's closed <think></think> block"
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == off
+    assert prompt_tokens(reasoning_effort="none") == off and prompt_tokens(reasoning_effort="high") == on
+    bad = post(server, "/v1/chat/completions", {"messages": HELLO, "chat_template_kwargs": {"tools_in_user": 1}})
+    assert error_of(bad, 400)["param"] == "chat_template_kwargs.tools_in_user"
 
 
 # ---- usage -----------------------------------------------------------------------------------------------
@@ -211,7 +225,7 @@ VALUES: dict[str, Any] = {
     "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low", "web_search_options": {}, "best_of": 2,
     "echo": True, "suffix": "x",
     # llama-server's
-    "n_predict": 2, "n_indent": 2, "n_keep": 4, "n_cmpl": 2, "n_cache_reuse": 8, "n_discard": 4, "top_k": 5,
+    "n_predict": 1, "n_indent": 2, "n_keep": 4, "n_cmpl": 2, "n_cache_reuse": 8, "n_discard": 4, "top_k": 5,
     "dynatemp_range": 0.5, "dynatemp_exponent": 2.0, "min_p": 0.1, "typical_p": 0.5, "repeat_penalty": 1.2,
     "repeat_last_n": 8, "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 8,
     "dry_sequence_breakers": ["\n"], "xtc_probability": 0.5, "xtc_threshold": 0.2, "mirostat": 2,
@@ -277,9 +291,9 @@ ROUTES: dict[str, tuple[dict[str, Any], set[str], frozenset[str]]] = {
     "/v1/messages": ({"messages": HELLO, "max_tokens": 1},
                      fields_of(message_create_params.MessageCreateParamsBase,
                                message_create_params.MessageCreateParamsStreaming) | set(LLAMA_SERVER_MESSAGES),
-                     known_fields(anthropic_wire.MessagesBody, anthropic_wire.NO_EFFECT)),
+                     known_fields(anthropic_wire.MessagesBody, anthropic_wire.ANTHROPIC_NO_EFFECT)),
     "/v1/messages/count_tokens": ({"messages": HELLO}, fields_of(message_count_tokens_params.MessageCountTokensParams),
-                                  known_fields(anthropic_wire.CountBody, anthropic_wire.NO_EFFECT)),
+                                  known_fields(anthropic_wire.CountBody, anthropic_wire.ANTHROPIC_NO_EFFECT)),
 }
 
 

@@ -46,11 +46,12 @@ from bmoe.server.request_base import BmoeOptions, in_bounds, sampling_of
 _PREFIX = "/v1/messages"
 REFUSED = {"container": "bmoe-server runs no code containers", "mcp_servers": "bmoe-server connects to no MCP servers"}
 # Anthropic's fields taken that change no text here, with why (docs/server.md; tests/test_server_fields.py)
-NO_EFFECT = {"metadata": "an end user's id for Anthropic's abuse monitoring; bmoe monitors no one",
-             "service_tier": "one tier: this server's", "speed": "one speed: this server's",
-             "cache_control": "bmoe's KV reuse and prompt cache key on the tokens themselves (cache_read_input_tokens)",
-             "inference_geo": "it runs here", "diagnostics": "Anthropic's own request tracing",
-             "user_profile_id": "Anthropic's accounts", "workspace_id": "Anthropic's accounts"}
+ANTHROPIC_NO_EFFECT = {
+    "metadata": "an end user's id for Anthropic's abuse monitoring; bmoe monitors no one",
+    "service_tier": "one tier: this server's", "speed": "one speed: this server's",
+    "cache_control": "bmoe's KV reuse and prompt cache key on the tokens themselves (cache_read_input_tokens)",
+    "inference_geo": "it runs here", "diagnostics": "Anthropic's own request tracing",
+    "user_profile_id": "Anthropic's accounts", "workspace_id": "Anthropic's accounts"}
 SIGNATURE = ""  # a thinking block's: bmoe signs nothing (and checks nothing sent back)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",

@@ -33,7 +33,7 @@ from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, impl
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "n_probs": (None, 0),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "functions": (None, []), "function_call": (None, "none"), "reasoning_effort": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
     "mirostat": (None, 0), "typical_p": (None, 1), "tfs_z": (None, 1), "top_n_sigma": (None, -1),
     "xtc_probability": (None, 0), "dry_multiplier": (None, 0), "dynatemp_range": (None, 0),
     "ignore_eos": (None, False), "moderation": (None,), "verbosity": (None, "medium"),
@@ -48,6 +48,8 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "preserved_tokens": (None, []), "parse_tool_calls": (None, True), "image_data": (None, []),
     "multimodal_data": (None, []),
 }
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts: none turns thinking off
 
 # ---- request bodies --------------------------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class ChatBody(RequestBody):
     add_generation_prompt: bool | None = None  # llama-server's and transformers': false renders no assistant turn
     continue_final_message: bool | str | None = None  # theirs too: true ("content") continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # llama-server's: only enable_thinking (as `think`)
+    reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]  # none: `think: false`
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -168,8 +171,10 @@ class ChatBody(RequestBody):
 
     @property
     def thinks(self) -> bool:
-        """`think`, unless chat_template_kwargs turn thinking off."""
-        return self.think and (self.chat_template_kwargs or {}).get("enable_thinking") is not False
+        """`think`, unless chat_template_kwargs or reasoning_effort turn thinking off (another effort is the
+        server's default, as on the Responses route: efforts are not graded)."""
+        return self.think and (self.chat_template_kwargs or {}).get("enable_thinking") is not False and \
+            self.reasoning_effort != "none"
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatBody:
