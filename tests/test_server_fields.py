@@ -5,7 +5,8 @@ OpenAI's and Anthropic's clients (their installed packages' request types, so it
 llama-server (a literal list, from the pinned llama-cpp-python's vendor/llama.cpp/tools/server: README.md and
 server-schema.cpp) document for these routes: each is honoured (the server's known fields) or a 400 naming it.
 
-One server: a small synthetic MoE with Qwen3's chat template (ChatML that reads enable_thinking), a context of 512 tokens (Qwen3's tool preamble takes 350) and `-n 64`."""
+One server: a small synthetic MoE with Qwen3's chat template (ChatML that reads enable_thinking), a
+context of 512 tokens (Qwen3's tool preamble takes 350) and `-n 64`."""
 
 from __future__ import annotations
 
@@ -297,6 +298,21 @@ ROUTES: dict[str, tuple[dict[str, Any], set[str], frozenset[str]]] = {
 }
 
 
+def fates_in_the_docs() -> dict[str, set[str]]:
+    """The fields docs/server.md's "Every field's fate" lists, by route."""
+    text = (Path(__file__).parents[1] / "docs" / "server.md").read_text()
+    section = text.split("## Every field's fate", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, set[str]] = {}
+    route = ""
+    for line in section.splitlines():
+        if line.startswith("`POST "):
+            route = line.split()[1].rstrip("`:")
+            out[route] = set()
+        elif line.startswith("| `") and route:
+            out[route].add(line.split("`")[1])
+    return out
+
+
 def named(r: httpx.Response, field: str) -> bool:
     """Whether a 400 names `field`, in OpenAI's or Anthropic's error object."""
     err = r.json()["error"]
@@ -322,4 +338,6 @@ def test_every_documented_field_is_honoured_or_refused_by_name(server: Server, p
             if field not in known:
                 silent.append(field)
     assert not unvalued, f"{path}: documented fields without a value to send here (add one to VALUES): {unvalued}"
+    missing = documented - set(base) - {"model", "messages", "prompt", "input"} - fates_in_the_docs().get(path, set())
+    assert not missing, f"{path}: fields docs/server.md's \"Every field's fate\" does not list: {sorted(missing)}"
     assert not silent, f"{path}: fields answered 200 that the server does not take (silently ignored): {silent}"

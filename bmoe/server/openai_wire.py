@@ -20,8 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from bmoe.api import TOP_LOGPROBS_MAX, Chunk, ContentTokens, GenerationStats, Request, TokenLogprob, content_logprobs
 from bmoe.base import FieldError, telemetry
-from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply
-from bmoe.chat.grammar import schema_grammar
+from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply, schema_grammar
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented
