@@ -42,6 +42,11 @@ def claude(server: Server, key: str = KEY) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0)
 
 
+def prompt_of(usage) -> int:
+    """The whole prompt's tokens: Anthropic's input tokens are those decoded, the rest were read from the cache."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 def text_of(m) -> str:
     return "".join(b.text for b in m.content if b.type == "text")
 
@@ -77,7 +82,7 @@ def test_a_greedy_answer_equals_the_openai_chat_routes_whole_and_streamed(demo: 
     assert text_of(m) == o.choices[0].message.content and text_of(m).strip()
     assert m.type == "message" and m.role == "assistant" and m.model == ALIAS == o.model
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
-    assert m.usage.input_tokens == o.usage.prompt_tokens and m.usage.output_tokens == 12
+    assert prompt_of(m.usage) == o.usage.prompt_tokens and m.usage.output_tokens == 12
     assert m.id.startswith("msg_") and m.model_extra["bmoe"]["completion_tokens"] == 12
 
     sent = [name for name, _ in wire_events(demo, {"model": "x", "max_tokens": 12, "messages": HELLO})]
@@ -85,7 +90,7 @@ def test_a_greedy_answer_equals_the_openai_chat_routes_whole_and_streamed(demo: 
                     "content_block_stop", "message_delta", "message_stop"], sent
     types, events = events_of(demo, model="x", max_tokens=12, messages=HELLO)
     assert types == [t for t in sent if t != "ping"]
-    assert events[0].message.usage.input_tokens == m.usage.input_tokens and events[0].message.stop_reason is None
+    assert prompt_of(events[0].message.usage) == prompt_of(m.usage) and events[0].message.stop_reason is None
     assert events[1].content_block.type == "text"
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text_of(m)
     assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 12
@@ -102,7 +107,7 @@ def test_system_and_multi_turn_as_the_chat_route_renders_them(demo: Server) -> N
     want = o.chat.completions.create(model="x", max_tokens=8, messages=[{"role": "system", "content": system},
                                                                          *HELLO])
     assert text_of(m) == want.choices[0].message.content
-    assert m.usage.input_tokens == want.usage.prompt_tokens > claude(demo).messages.count_tokens(
+    assert prompt_of(m.usage) == want.usage.prompt_tokens > claude(demo).messages.count_tokens(
         model="x", messages=HELLO).input_tokens
     turns = [*HELLO, {"role": "assistant", "content": m.content}, {"role": "user", "content": "and then what?"}]
     second = c.messages.create(model="x", max_tokens=8, system=system, messages=turns)
@@ -153,8 +158,8 @@ def test_tool_use_then_tool_result_streamed_and_not(demo: Server) -> None:
                                           "content": [{"type": "text", "text": '{"temp_c": 21}'}]}]}]
     after = c.messages.create(model="x", max_tokens=10, tools=[WEATHER], tool_choice={"type": "none"}, messages=turn)
     assert after.stop_reason in ("end_turn", "max_tokens") and [b.type for b in after.content] == ["text"]
-    assert after.usage.input_tokens > m.usage.input_tokens + 5, "the call and its result are in the prompt"
-    assert after.model_extra["bmoe"]["prefill_tokens"] < m.usage.input_tokens, \
+    assert prompt_of(after.usage) > prompt_of(m.usage) + 5, "the call and its result are in the prompt"
+    assert after.model_extra["bmoe"]["prefill_tokens"] < prompt_of(m.usage), \
         "the call sent back (its input an object again) continues the conversation: its KV is reused"
 
     types, events = events_of(demo, **kw)
@@ -170,7 +175,7 @@ def test_tool_use_then_tool_result_streamed_and_not(demo: Server) -> None:
             {"role": "tool", "tool_call_id": use.id, "content": '{"temp_c": 21}'}],
         tools=[{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                                  "parameters": WEATHER["input_schema"]}}])
-    assert text_of(after) == o.choices[0].message.content and after.usage.input_tokens == o.usage.prompt_tokens
+    assert text_of(after) == o.choices[0].message.content and prompt_of(after.usage) == o.usage.prompt_tokens
     # a named tool, and an error result
     named = c.messages.create(**{**kw, "tool_choice": {"type": "tool", "name": "get_weather",
                                                         "disable_parallel_tool_use": True}})
@@ -186,7 +191,7 @@ def test_count_tokens_is_what_a_request_decodes(demo: Server) -> None:
     c = claude(demo)
     for kw in (dict(messages=HELLO), dict(messages=ASK, system="Be brief.", tools=[WEATHER])):
         counted = c.messages.count_tokens(model="x", **kw).input_tokens
-        assert counted == c.messages.create(model="x", max_tokens=1, **kw).usage.input_tokens > 0
+        assert counted == prompt_of(c.messages.create(model="x", max_tokens=1, **kw).usage) > 0
 
 
 # ---- thinking ----------------------------------------------------------------------------------------
@@ -209,8 +214,8 @@ def test_thinking_blocks_from_a_reasoning_template(thinker: Server) -> None:  # 
     # the thinking block sent back in the next turn is taken; thinking disabled renders the closed block
     again = c.messages.create(model="x", max_tokens=4, messages=[*ask, {"role": "assistant", "content": m.content},
                                                                 {"role": "user", "content": "More?"}])
-    assert again.usage.input_tokens > m.usage.input_tokens
-    assert again.model_extra["bmoe"]["prefill_tokens"] < again.usage.input_tokens, "the conversation's KV is reused"
+    assert prompt_of(again.usage) > prompt_of(m.usage)
+    assert again.model_extra["bmoe"]["prefill_tokens"] < prompt_of(again.usage), "the conversation's KV is reused"
     on = c.messages.count_tokens(model="x", messages=ask).input_tokens
     off = c.messages.count_tokens(model="x", messages=ask, thinking={"type": "disabled"}).input_tokens
     assert off > on, "thinking disabled adds the closed <think></think> block"

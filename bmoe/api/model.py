@@ -132,6 +132,12 @@ class Ask:
     max_tokens is then their number), and `logits` puts on each Chunk the distribution its token
     was chosen from. `logprobs` N puts on each Chunk (and the Completion) its tokens' log-probabilities
     with the N likeliest alternatives at each step (0 to 20; bmoe.generation.logprobs); None: none.
+    `add_generation_prompt` False renders a conversation without the generation prompt that opens the
+    assistant's turn; `continue_final_message` continues its last (assistant) message instead of closing
+    that turn (llama-server's and transformers' fields of these names).
+    `clip` makes max_tokens a default rather than what the asker asked for: it is cut to the room the
+    prompt leaves in the context (only a prompt that leaves none is too long), as OpenAI and llama-server
+    answer a request without max_tokens (bmoe-server's `-n`).
     The sampling options besides temperature, top_p, top_k and seed (min_p, the penalties,
     logit_bias: OpenAI's token id -> bias map) are the load's settings of the same names.
     """
@@ -139,6 +145,7 @@ class Ask:
     prompt: str | Sequence[int] | None = None  # text, or the model's token ids as they are (llama-server's)
     messages: Sequence[Mapping[str, Any]] | None = None
     max_tokens: int = N_PREDICT
+    clip: bool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -157,6 +164,8 @@ class Ask:
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     lossless: bool = False
     forced: Sequence[int] = ()
     logits: bool = False
@@ -359,9 +368,9 @@ class Model:
         if ask.messages is not None:
             parts = f.parts(ask.messages, ask.think, response_format=ask.response_format, grammar=ask.grammar,
                             tools=ask.tools, tool_choice=ask.tool_choice, parallel_tool_calls=ask.parallel_tool_calls,
-                            verify=verify)
+                            verify=verify, prompt=ask.add_generation_prompt, continued=ask.continue_final_message)
             tokens = e.tokenize(parts.text)
-            e.check_fits(len(tokens), max_tokens, ask.fix)
+            max_tokens = self._fitted(len(tokens), max_tokens, ask)
             prefix = (f.stable_prefix(parts.messages, ask.think, parts.tools, tokens, e.tokenize)
                       if self.prompt_cache else 0)
             return Request(tuple(tokens), max_tokens, sampler, stop_strings, parts.messages, grammar=parts.grammar,
@@ -372,9 +381,17 @@ class Model:
         g = f.check_grammar(ask.response_format, ask.grammar)
         if g is not None and verify:
             f.verify(g)
-        e.check_fits(len(tokens), max_tokens, ask.fix)
+        max_tokens = self._fitted(len(tokens), max_tokens, ask)
         return Request(tuple(tokens), max_tokens, sampler, stop_strings, None, grammar=g, cache_prefix=len(tokens),
                        **extra)
+
+    def _fitted(self, n_tokens: int, max_tokens: int, ask: Ask) -> int:
+        """`max_tokens` for a prompt of `n_tokens`, checked against the context (ContextTooLong); with
+        `ask.clip`, cut to the room the prompt leaves (one token at least)."""
+        if ask.clip and not ask.forced:
+            max_tokens = max(1, min(max_tokens, self.engine.n_ctx - n_tokens))
+        self.engine.check_fits(n_tokens, max_tokens, ask.fix)
+        return max_tokens
 
     @property
     def renderer(self) -> Renderer:

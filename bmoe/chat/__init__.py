@@ -4,7 +4,7 @@ grammars from JSON schemas (`grammar`, checked in a throwaway process by `gramma
 bounds of one request (`limits`).
 """
 
-from bmoe.chat.grammar import Grammar
+from bmoe.chat.grammar import Grammar, schema_grammar
 from bmoe.chat.grammar_check import CHECK_S, GrammarCheck
 from bmoe.chat.limits import STOP_STRINGS_MAX
 from bmoe.chat.output import Delta, Reply

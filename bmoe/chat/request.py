@@ -93,10 +93,16 @@ class ChatFormat:
 
     def parts(self, messages: Sequence[Mapping[str, Any]], think: bool = True, tools: Any = None,
               tool_choice: Any = None, parallel_tool_calls: Any = None, response_format: Any = None,
-              grammar: str | None = None, verify: bool = True) -> ChatParts:
+              grammar: str | None = None, verify: bool = True, prompt: bool = True, continued: bool = False
+              ) -> ChatParts:
         """Check a chat request and render it (see the module notes); `verify` False leaves llama.cpp's parse of
-        its grammar to the caller (Model.prepare)."""
+        its grammar to the caller (Model.prepare). `prompt` False renders no generation prompt after the last
+        message; `continued` continues a last assistant message instead of closing its turn (the turns before
+        it, the generation prompt, then its text: llama-server's prefill)."""
         msgs = check_messages(messages)
+        if continued and (msgs[-1]["role"] != "assistant" or msgs[-1].get("tool_calls")):
+            raise FieldError("continue_final_message: the last message must be an assistant's text to continue "
+                             "(without tool calls)", "continue_final_message")
         t = check_tools(tools, tool_choice, parallel_tool_calls)
         g = self.check_grammar(response_format, grammar)
         syntax, r = self.syntax, self.renderer
@@ -109,7 +115,9 @@ class ChatFormat:
             raise GrammarError("response_format (or grammar) and tools cannot both hold the answer; send "
                                "tool_choice none to keep the tools without calls, or drop one", "response_format")
         shown = tuple(tools) if t is not None else None
-        text = r.render(list(msgs), think, tools=list(shown) if shown else None)
+        shown_tools = list(shown) if shown else None
+        text = (r.render(list(msgs[:-1]), think, shown_tools) + (msgs[-1]["content"] or "") if continued else
+                r.render(list(msgs), think, shown_tools, prompt))
         think_open = bool(syntax.think and text.rstrip().endswith(syntax.think[0]))
         thinking = syntax.think is not None and (think or not r.reads_thinking)
         if calls:

@@ -33,17 +33,20 @@ class Renderer:
         self._tools: bool | None = None
 
     def render(self, messages: Sequence[Mapping[str, Any]], think: bool,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None, prompt: bool = True) -> str:
+        """The conversation as prompt text; `prompt` False leaves out the generation prompt that opens the
+        assistant's turn (a request's `add_generation_prompt: false`)."""
         if self.template is None:
             return "".join(m.get("content") or "" for m in messages)
         thinking = {} if think or not self.reads_thinking else {"enable_thinking": False}
         if tools or any(set(m) - {"role", "content"} or m["role"] == "tool" for m in messages):
-            return self._render_jinja(template_messages(messages), tools=list(tools) if tools else None, **thinking)
+            return self._render_jinja(template_messages(messages), prompt, tools=list(tools) if tools else None,
+                                      **thinking)
         if thinking:
-            return self._render_jinja(list(messages), **thinking)
+            return self._render_jinja(list(messages), prompt, **thinking)
         assert self.template is not None
-        text = llama.apply_template(self.template, [(m["role"], m["content"]) for m in messages], True)
-        return self._render_jinja(list(messages)) if text is None else text
+        text = llama.apply_template(self.template, [(m["role"], m["content"]) for m in messages], prompt)
+        return self._render_jinja(list(messages), prompt) if text is None else text
 
     @property
     def supports_tools(self) -> bool:
@@ -53,18 +56,21 @@ class Renderer:
             probe = {"type": "function", "function": {"name": "bmoe_probe_tool_7f3a", "description": "probe",
                                                       "parameters": {"type": "object", "properties": {}}}}
             try:
-                text = self._render_jinja([{"role": "user", "content": "hi"}], tools=[probe])
+                text = self._render_jinja([{"role": "user", "content": "hi"}], True, tools=[probe])
             except ConfigError:
                 text = ""
             self._tools = "bmoe_probe_tool_7f3a" in text
         return self._tools
 
-    def _render_jinja(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+    def _render_jinja(self, messages: Sequence[Mapping[str, Any]], prompt: bool = True, **kwargs: Any) -> str:
         if self._jinja is None:
             assert self.template is not None  # render() uses llama.cpp's own formatting without one
             bos, eos = self.vocab.text(self.vocab.bos), self.vocab.text(self.vocab.eos)
-            self._jinja = (llama.jinja_formatter(self.template.decode(errors="replace"), eos, bos), bos)
-        fmt, bos = self._jinja
+            source = self.template.decode(errors="replace")
+            # one formatter with the generation prompt, one without (it is the formatter's, not the call's)
+            self._jinja = ({p: llama.jinja_formatter(source, eos, bos, p) for p in (True, False)}, bos)
+        fmts, bos = self._jinja
+        fmt = fmts[prompt]
         try:
             text = fmt(messages=messages, **kwargs).prompt
         except Exception as e:  # noqa: BLE001 - a template error is the request's, not the session's

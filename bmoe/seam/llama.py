@@ -310,11 +310,11 @@ def apply_template(template: bytes, messages: Sequence[tuple[str, str]], add_ass
     return buf.raw[:n].decode(errors="replace")
 
 
-def jinja_formatter(template: str, eos: str, bos: str) -> Any:
+def jinja_formatter(template: str, eos: str, bos: str, add_generation_prompt: bool = True) -> Any:
     """llama-cpp-python's jinja2 chat formatter for `template` (a callable of messages and options)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    return Jinja2ChatFormatter(template, eos, bos)
+    return Jinja2ChatFormatter(template, eos, bos, add_generation_prompt=add_generation_prompt)
 
 
 def seq_state(ctx: llama_cpp.llama_context_p, seq: int) -> bytes:

@@ -45,6 +45,13 @@ from bmoe.server.request_base import BmoeOptions, in_bounds, sampling_of
 
 _PREFIX = "/v1/messages"
 REFUSED = {"container": "bmoe-server runs no code containers", "mcp_servers": "bmoe-server connects to no MCP servers"}
+# Anthropic's fields taken that change no text here, with why (docs/server.md; tests/test_server_fields.py)
+ANTHROPIC_NO_EFFECT = {
+    "metadata": "an end user's id for Anthropic's abuse monitoring; bmoe monitors no one",
+    "service_tier": "one tier: this server's", "speed": "one speed: this server's",
+    "cache_control": "bmoe's KV reuse and prompt cache key on the tokens themselves (cache_read_input_tokens)",
+    "inference_geo": "it runs here", "diagnostics": "Anthropic's own request tracing",
+    "user_profile_id": "Anthropic's accounts", "workspace_id": "Anthropic's accounts"}
 SIGNATURE = ""  # a thinking block's: bmoe signs nothing (and checks nothing sent back)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -255,8 +262,6 @@ def chat_body_of_messages(body: CountBody) -> ChatBody:
         tools=[_tool(t, f"tools.{i}") for i, t in enumerate(body.tools)] if body.tools else None)
     if isinstance(body, MessagesBody):
         chat.update(max_tokens=body.max_tokens, stop=body.stop_sequences, bmoe=body.bmoe, **sampling_of(body))
-    else:
-        chat.update(max_tokens=1)  # counting: the prompt alone must fit
     try:
         return ChatBody.model_validate(chat)
     except ValidationError as e:  # a shape the checks above let through: still the client's 400
@@ -267,7 +272,12 @@ def chat_body_of_messages(body: CountBody) -> ChatBody:
 
 
 def anthropic_usage(s: GenerationStats) -> dict[str, int]:
-    return {"input_tokens": s.prompt_tokens, "output_tokens": s.completion_tokens}
+    """Anthropic's usage: its input tokens are those decoded, the KV's reused prefix (bmoe's prompt cache) is
+    `cache_read_input_tokens`, so the three input counts add up to the prompt as Anthropic's do; bmoe writes
+    no cache entry a client pays for (`cache_creation_input_tokens` 0)."""
+    cached = s.prompt_tokens - s.prefill_tokens
+    return {"input_tokens": s.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": s.completion_tokens}
 
 
 def stop_reason(s: GenerationStats, called: bool, stop: str | None) -> tuple[str, str | None]:
@@ -325,7 +335,8 @@ class AnthropicShape:
         return sse_comment(text)
 
     def start(self) -> bytes:
-        used = {"input_tokens": self.input_tokens, "output_tokens": 0}
+        used = {"input_tokens": self.input_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                "output_tokens": 0}  # what the cache holds is known at the end (message_delta's usage)
         return _event("message_start", {"message": self._head([], None, None, used)})
 
     def _open(self, block: dict[str, Any]) -> bytes:

@@ -50,7 +50,7 @@ from bmoe.server.llama_wire import LlamaCompletionBody
 from bmoe.server.metrics import Metrics
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
 from bmoe.server.openai_wire import ChatBody, CompletionBody, OpenAIShape, RequestBody
-from bmoe.server.request_base import sampling_of
+from bmoe.server.request_base import sampling_of, unasked
 from bmoe.server.response_store import ResponseStore
 from bmoe.server.responses_wire import ResponsesBody, ResponsesShape
 from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
@@ -272,10 +272,10 @@ class Endpoints:
         """A chat as the engine's request: OpenAI's chat route's, and the other APIs' translated to it
         (`fix`: what to do about a conversation too long, in the words of the route's API)."""
         return await self.prepare(body, body.max_tokens or body.max_completion_tokens, fix,
-                                  messages=[m.as_dict() for m in body.messages], think=body.think, tools=body.tools,
+                                  messages=[m.as_dict() for m in body.messages], think=body.thinks, tools=body.tools,
                                   tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                                   response_format=body.response_format, grammar=body.grammar,
-                                  logprobs=body.n_logprobs)
+                                  logprobs=body.n_logprobs, **body.template_options())
 
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
@@ -371,7 +371,8 @@ class Endpoints:
 
     async def prepare(self, body: RequestBody | LlamaCompletionBody, max_tokens: int | None, fix: str,
                       **what: Any) -> Request:
-        """The request as tokens, checked against the context (off the event loop: tokenizing takes a while), its
+        """The request as tokens, checked against the context (off the event loop: tokenizing takes a while; without
+        `max_tokens`, the server's -n cut to the room the prompt leaves, as OpenAI and llama-server do), its
         new grammar parsed by llama.cpp on the grammar checks' own threads (bmoe.server.grammar_pool)."""
         model = self.model
         if body.bmoe.lossless:
@@ -380,8 +381,8 @@ class Endpoints:
             except ConfigError as e:
                 raise ServeError(400, str(e), param="bmoe.lossless") from None
         try:
-            ask = Ask(**what, **sampling_of(body), max_tokens=max_tokens or self.n_predict, stop=body.stop,
-                      fix=fix, lossless=body.bmoe.lossless)
+            ask = Ask(**what, **sampling_of(body), max_tokens=max_tokens or self.n_predict, clip=max_tokens is None,
+                      stop=body.stop, fix=fix if max_tokens else unasked(fix), lossless=body.bmoe.lossless)
             req = await asyncio.to_thread(model.prepare, ask, False)
             if req.grammar is not None:
                 await self.grammars.check(req.grammar)

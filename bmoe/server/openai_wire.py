@@ -20,22 +20,35 @@ from pydantic_core import PydanticCustomError
 
 from bmoe.api import TOP_LOGPROBS_MAX, Chunk, ContentTokens, GenerationStats, Request, TokenLogprob, content_logprobs
 from bmoe.base import FieldError, telemetry
-from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply
+from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply, schema_grammar
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented
 
 # Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
 # that ask for nothing (accepted as sent): any other value is a 400 naming the field, never silently
-# ignored. A field neither declared nor listed here is ignored (another server's extension).
+# ignored. Documented fields that change no text here are request_base.NO_EFFECT's; a field neither
+# declared nor listed is ignored (another server's extension). tests/test_server_fields.py walks them.
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "n_probs": (None, 0),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "functions": (None, []), "function_call": (None, "none"), "reasoning_effort": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
     "mirostat": (None, 0), "typical_p": (None, 1), "tfs_z": (None, 1), "top_n_sigma": (None, -1),
     "xtc_probability": (None, 0), "dry_multiplier": (None, 0), "dynatemp_range": (None, 0),
-    "ignore_eos": (None, False),
+    "ignore_eos": (None, False), "moderation": (None,), "verbosity": (None, "medium"),
+    # llama-server's own
+    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0), "min_keep": (None, 0),
+    "t_max_predict_ms": (None, 0), "t_max_prompt_ms": (None, 0), "id_slot": (None, -1), "return_tokens": (None, False),
+    "samplers": (None,), "timings_per_token": (None, False), "post_sampling_probs": (None, False),
+    "response_fields": (None, []), "lora": (None, []), "return_progress": (None, False), "sse_ping_interval": (None,),
+    "verbose": (None, False), "adaptive_target": (None, -1), "reasoning_budget_tokens": (None, -1),
+    "reasoning_control": (None, False), "reasoning_format": (None, "auto", "deepseek"), "chat_format": (None,),
+    "chat_parser": (None,), "generation_prompt": (None,), "grammar_lazy": (None, False), "grammar_triggers": (None, []),
+    "preserved_tokens": (None, []), "parse_tool_calls": (None, True), "image_data": (None, []),
+    "multimodal_data": (None, []),
 }
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts: none turns thinking off
 
 # ---- request bodies --------------------------------------------------------------------------------
 
@@ -56,6 +69,10 @@ class RequestBody(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
+    response_format: dict[str, Any] | None = None  # json_object / json_schema (bmoe.chat.grammar)
+    grammar: str | None = None  # GBNF, as llama-server takes it
+    n_predict: int | None = Field(None, ge=-1)  # llama-server's max_tokens; -1: the server's default
+    json_schema: dict[str, Any] | None = None  # llama-server's response_format of a schema
     bmoe: BmoeOptions = BmoeOptions()
 
     @model_validator(mode="before")
@@ -63,12 +80,27 @@ class RequestBody(SamplingFields):
     def _implemented(cls, data: Any) -> Any:
         return implemented(data, UNIMPLEMENTED)
 
+    @model_validator(mode="after")
+    def _llama_server_names(self) -> RequestBody:
+        """llama-server's names for max_tokens and a schema's response_format, as those (sent with them, the
+        same value or a 400)."""
+        if self.n_predict is not None and self.n_predict != -1:
+            if self.n_predict == 0 or self.max_tokens not in (None, self.n_predict):
+                raise FieldError("n_predict: llama-server's name for max_tokens, 1 or more (-1: the server's "
+                                 "default); send one of them", param="n_predict")
+            self.max_tokens = self.n_predict
+        if self.json_schema is not None:
+            if self.response_format is not None:
+                raise FieldError("json_schema: llama-server's name for a response_format of a JSON schema; send "
+                                 "one of them", param="json_schema")
+            schema_grammar(self.json_schema, "json_schema")  # a schema's own error names this field
+            self.response_format = {"type": "json_object", "schema": self.json_schema}
+        return self
+
 
 class CompletionBody(RequestBody):
     prompt: str | list[str] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)  # the legacy shape: alternatives per token
-    response_format: dict[str, Any] | None = None  # json_object / json_schema (bmoe.chat.grammar)
-    grammar: str | None = None  # GBNF, as llama-server takes it
 
 
 class TextPart(BaseModel):
@@ -121,9 +153,27 @@ class ChatBody(RequestBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    grammar: str | None = None
     metadata: Metadata | None = None  # OpenAI's bounds (bmoe.server.request_base); nothing is stored
+    add_generation_prompt: bool | None = None  # llama-server's and transformers': false renders no assistant turn
+    continue_final_message: bool | str | None = None  # theirs too: true ("content") continues the last message
+    chat_template_kwargs: dict[str, Any] | None = None  # llama-server's: only enable_thinking (as `think`)
+    reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]  # none: `think: false`
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _only_thinking(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (v or {}).items():
+            if key != "enable_thinking" or not isinstance(value, bool):
+                raise FieldError(f"chat_template_kwargs.{key}: bmoe-server passes the chat template only "
+                                 "enable_thinking (true or false)", param=f"chat_template_kwargs.{key}")
+        return v
+
+    @property
+    def thinks(self) -> bool:
+        """`think`, unless chat_template_kwargs or reasoning_effort turn thinking off (another effort is the
+        server's default, as on the Responses route: efforts are not graded)."""
+        return self.think and (self.chat_template_kwargs or {}).get("enable_thinking") is not False and \
+            self.reasoning_effort != "none"
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatBody:
@@ -131,6 +181,25 @@ class ChatBody(RequestBody):
             raise FieldError("top_logprobs: it lists alternatives to the logprobs; send logprobs: true with it",
                              param="top_logprobs")
         return self
+
+    @model_validator(mode="after")
+    def _continuation(self) -> ChatBody:
+        """Continuing the last message opens no turn: asking for both, or for the reasoning to be continued,
+        is a 400."""
+        cont = self.continue_final_message
+        if cont not in (None, False, True, "content"):
+            raise FieldError(f"continue_final_message: {cont!r}: bmoe-server continues a message's text (true or "
+                             "\"content\"), not its reasoning", param="continue_final_message")
+        if cont not in (None, False) and self.add_generation_prompt:
+            raise FieldError("continue_final_message: it continues the last message, so no new turn can be "
+                             "opened; leave add_generation_prompt out (or false)", param="continue_final_message")
+        return self
+
+    def template_options(self) -> dict[str, bool]:
+        """How the conversation ends in the prompt (bmoe.api.Ask's fields of these names)."""
+        cont = self.continue_final_message
+        return {"add_generation_prompt": self.add_generation_prompt is not False and cont in (None, False),
+                "continue_final_message": cont not in (None, False)}
 
     @property
     def n_logprobs(self) -> int | None:
@@ -295,9 +364,12 @@ class OpenAIShape:
         return sse("[DONE]")
 
 
-def openai_usage(s: GenerationStats) -> dict[str, int]:
+def openai_usage(s: GenerationStats) -> dict[str, Any]:
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens`: the prompt's tokens the KV held already
+    (the Responses route's `input_tokens_details` count the same)."""
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens}
+            "total_tokens": s.prompt_tokens + s.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.prompt_tokens - s.prefill_tokens}}
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

@@ -8,6 +8,7 @@ refusal of a field bmoe does not implement unless it asks for nothing. Each API'
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -96,3 +97,41 @@ def implemented(data: Any, unimplemented: dict[str, tuple[Any, ...]], prefix: st
                 raise FieldError(f"{prefix}{name}: bmoe-server does not implement it; leave it out "
                                  f"(or send {json.dumps(nothing[-1])})", param=prefix + name)
     return data
+
+
+def unasked(fix: str) -> str:
+    """A too-long prompt's `fix` (the route's words) for a request that sent no max_tokens: lowering a field it
+    never sent is no fix."""
+    return re.sub(r", lower [\w.]+, or ", " or ", fix)
+
+
+# Fields OpenAI, Anthropic or llama-server document that bmoe-server takes although they change no text here,
+# with why (docs/server.md lists them by route; tests/test_server_fields.py walks every documented field).
+NO_EFFECT: dict[str, str] = {
+    "user": "an end user's id for the provider's abuse monitoring; bmoe monitors no one",
+    "safety_identifier": "an end user's id for the provider's abuse monitoring; bmoe monitors no one",
+    "service_tier": "one tier: this server's", "access_programs": "a provider's access policy",
+    "store": "chat completions are stored nowhere (the Responses route honours it)",
+    "prompt_cache_key": "bmoe's KV reuse and prompt cache key on the tokens themselves",
+    "prompt_cache_retention": "bmoe's KV reuse and prompt cache key on the tokens themselves",
+    "prompt_cache_options": "bmoe's KV reuse and prompt cache key on the tokens themselves",
+    "cache_prompt": "bmoe always reuses the KV prefix a request shares, and the reuse is exact",
+    "n_keep": "bmoe shifts no context (an answer ends at the context's end)",
+    "n_discard": "bmoe shifts no context (an answer ends at the context's end)",
+    **dict.fromkeys(("dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"),
+                    "read only by dry_multiplier, which bmoe refuses"),
+    **dict.fromkeys(("mirostat_tau", "mirostat_eta"), "read only by mirostat, which bmoe refuses"),
+    "xtc_threshold": "read only by xtc_probability, which bmoe refuses",
+    "dynatemp_exponent": "read only by dynatemp_range, which bmoe refuses",
+    "adaptive_decay": "read only by adaptive_target, which bmoe refuses",
+    **dict.fromkeys(("reasoning_budget_message", "reasoning_budget_start_tag", "reasoning_budget_end_tags"),
+                    "read only by reasoning_budget_tokens, which bmoe refuses"),
+    "backend_sampling": "where llama.cpp samples (on a GPU backend), not what",
+    "stream_options": "the Responses route's include_obfuscation: bmoe pads no events (the chat and completions "
+                      "routes honour include_usage)",
+}
+
+
+def known_fields(body: type[BaseModel], no_effect: dict[str, str] = NO_EFFECT) -> frozenset[str]:
+    """What a route takes: its body's declared fields (honoured) and the documented ones that change no text."""
+    return frozenset(body.model_fields) | frozenset(no_effect)

@@ -58,7 +58,7 @@ from bmoe.api import Chunk, GenerationStats
 from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
-from bmoe.server.openai_wire import ChatBody
+from bmoe.server.openai_wire import EFFORTS, ChatBody
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented, sampling_of
 from bmoe.server.response_store import ResponseStore
 
@@ -67,10 +67,10 @@ RESOURCE = "/responses"  # under /v1, and without it as llama-server serves it
 _UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
     "truncation": (None, "disabled"), "top_logprobs": (None, 0), "context_management": (None,),
+    "background_options": (None,), "image": (None,), "moderation": (None,),
 }
 INCLUDABLE = ("reasoning.encrypted_content",)
 RESPONSES_TOO_LONG_FIX = "shorten the input, lower max_output_tokens, or restart bmoe-server with a larger -c"
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # a field of the chat request a 400 names, as this API names it (bmoe.server.http_errors.renamed)
 RESPONSES_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "text.format.schema"),
                          (r"response_format", "text.format"),
