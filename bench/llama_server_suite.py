@@ -56,7 +56,9 @@ def as_llama_server(argv: list[str], model: str) -> list[str]:
     while i < len(argv):
         flag = argv[i]
         value = argv[i + 1] if i + 1 < len(argv) else ""
-        if flag in SAME:
+        if flag == "--n-predict" and int(value) < 0:  # llama-server's "until the context is full": bmoe's default
+            i += 2
+        elif flag in SAME:
             out += [SAME[flag], value]
             parallel = int(value) if flag == "--parallel" else parallel
             i += 2
@@ -79,11 +81,12 @@ def as_llama_server(argv: list[str], model: str) -> list[str]:
 
 
 def _sdist() -> Path:
-    """The pinned llama-cpp-python sdist's server tests, unpacked once into the cache."""
+    """The pinned llama-cpp-python sdist's llama.cpp, its server tests and the chat templates they read
+    (../../../models/templates from the tests), unpacked once into the cache; the tests' folder."""
     from importlib.metadata import version
     v = version("llama_cpp_python")
     dest = CACHE / f"llama_cpp_python-{v}"
-    if not (dest / "unit").is_dir():
+    if not (dest / SUITE / "unit").is_dir():
         CACHE.mkdir(parents=True, exist_ok=True)
         tgz = CACHE / f"llama_cpp_python-{v}.tar.gz"
         if not tgz.exists():
@@ -91,13 +94,14 @@ def _sdist() -> Path:
                   file=sys.stderr)
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", f"llama-cpp-python=={v}", "--no-deps",
                             "--no-binary", ":all:", "-d", str(CACHE)], check=True)
-        prefix = f"llama_cpp_python-{v}/{SUITE}/"
+        root = f"llama_cpp_python-{v}/"
+        wanted = (root + SUITE + "/", root + "vendor/llama.cpp/models/templates/")
         with tarfile.open(tgz) as t:
-            members = [m for m in t.getmembers() if m.name.startswith(prefix)]
+            members = [m for m in t.getmembers() if m.name.startswith(wanted)]
             for m in members:
-                m.name = m.name[len(prefix):]
+                m.name = m.name[len(root):]
             t.extractall(dest, members=members, filter="data")
-    return dest
+    return dest / SUITE
 
 
 def _venv(suite: Path) -> Path:
@@ -148,15 +152,17 @@ def main() -> int:
         model = str(build.default_model(progress=lambda msg: print(f"demo: {msg}", file=sys.stderr))[0])
     suite = _sdist()
     py = _venv(suite)
-    work = a.out or CACHE / "run"
-    shutil.rmtree(work, ignore_errors=True)
+    run = a.out or CACHE / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    work = run / SUITE
     shutil.copytree(suite, work)
+    shutil.copytree(suite.parents[2] / "models" / "templates", run / "vendor/llama.cpp/models/templates")
     wrapper = work / "llama-server"
     wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} --as-llama-server \"$@\"\n")
     wrapper.chmod(0o755)
     env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(wrapper), "BMOE_SUITE_MODEL": model,
            "PYTHONPATH": str(REPO)}
-    junit = work / "junit.xml"
+    junit = run / "junit.xml"
     cmd = [str(py), "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", f"--junitxml={junit}",
            "-o", "addopts=", "unit"] + (["-k", a.k] if a.k else [])
     print(f"llama_server_suite: {' '.join(cmd)} (in {work})", file=sys.stderr)
