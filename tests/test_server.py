@@ -4,6 +4,7 @@ client for completions and chat (streaming and not), raw HTTP (httpx) for the er
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import random
@@ -139,6 +140,9 @@ def test_chat_equals_bmoe_cli_chat_streamed_or_not(model: str, server: Server) -
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].model_extra["bmoe"]["completion_tokens"] == 12
+    # the backend configuration, as OpenAI's answers name it: the program and its version, on every object
+    fingerprint = f"bmoe-{importlib.metadata.version('bmoe')}"
+    assert r.system_fingerprint == fingerprint and {ch.system_fingerprint for ch in chunks} == {fingerprint}
 
 
 def test_a_chat_that_goes_on_reuses_the_kv(server: Server) -> None:

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any, Literal
 
 from fastapi.sse import format_sse_event
@@ -210,6 +211,11 @@ class ChatBody(RequestBody):
 # ---- responses -------------------------------------------------------------------------------------
 
 
+# what OpenAI's answers carry as the backend configuration they ran with (clients log it; llama-server's
+# and llama.cpp's server tests read it): the serving program and its version
+FINGERPRINT = f"bmoe-{metadata.version('bmoe')}"
+
+
 class OpenAIShape:
     """One completion or chat answer in OpenAI's shapes for the answer loop (bmoe.server.answer_shape):
     a whole response object, or chunks (a chat's first with the role; with logprobs asked for, each
@@ -232,7 +238,8 @@ class OpenAIShape:
     # -- the objects --
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": FINGERPRINT}
 
     def response(self, text: str, s: GenerationStats, ahead: int,
                  logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
