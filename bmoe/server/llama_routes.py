@@ -23,7 +23,7 @@ from fastapi.params import Depends
 from fastapi.responses import Response
 
 from bmoe.api import Model, Request
-from bmoe.base import SAMPLING_FIELDS, ConfigError, FieldError
+from bmoe.base import ConfigError, FieldError
 from bmoe.server.answer_shape import AnswerShape
 from bmoe.server.http_errors import ServeError, renamed
 from bmoe.server.llama_wire import (
@@ -35,6 +35,7 @@ from bmoe.server.llama_wire import (
     TokenizeBody,
     generation_settings,
     piece_of,
+    sampling_settings,
 )
 from bmoe.server.openai_wire import ChatBody
 
@@ -100,10 +101,7 @@ class LlamaEndpoints:
         """What llama-server's /props tells, as it is on this server (-c, --parallel, -m, --alias, -n, the
         sampling flags, the GGUF's chat template); bmoe has no slots, props or LoRA endpoints."""
         model = self.model
-        sampler = model.settings.sampler
-        params: dict[str, Any] = {name: getattr(sampler, field) for name, field in SAMPLING_FIELDS.items()}
-        params["logit_bias"] = [list(p) for p in params["logit_bias"]]
-        params["n_predict"] = self.n_predict
+        params = {**sampling_settings(model.settings.sampler), "n_predict": self.n_predict}
         bos, eos = model.marker_texts()
         template = model.chat_format.renderer.template
         return {"default_generation_settings": {"n_ctx": model.stats.n_ctx, "params": params},

@@ -36,20 +36,12 @@ from bmoe.base import SAMPLING_FIELDS, FieldError
 from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
-from bmoe.server.openai_wire import sse
+from bmoe.server.openai_wire import LLAMA_UNIMPLEMENTED, sse
 from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
 
 LLAMA_TOO_LONG_FIX = "shorten the prompt, lower n_predict, or restart bmoe-server with a larger -c"
 # llama-server's /completion fields bmoe does not implement, each with the values that ask for nothing
-NATIVE_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0),
-    "post_sampling_probs": (None, False), "min_keep": (None, 0), "t_max_predict_ms": (None, 0),
-    "typical_p": (None, 1), "dynatemp_range": (None, 0), "dynatemp_exponent": (None, 1),
-    "dry_multiplier": (None, 0), "xtc_probability": (None, 0), "mirostat": (None, 0), "top_n_sigma": (None, -1),
-    "ignore_eos": (None, False), "samplers": (None,), "id_slot": (None, -1),
-    "timings_per_token": (None, False), "return_progress": (None, False), "response_fields": (None, []),
-    "lora": (None, []), "sse_ping_interval": (None,), "multimodal_data": (None, []),
-}
+NATIVE_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {**LLAMA_UNIMPLEMENTED, "dynatemp_exponent": (None, 1)}
 # a /completion's field as the chat and completions requests' checks name it, renamed to llama-server's
 LLAMA_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "json_schema"), (r"max_tokens", "n_predict"))
 
@@ -242,10 +234,15 @@ class LlamaShape:
                               for a in t.top]} for t in tokens]}
 
 
+def sampling_settings(sampler: Any) -> dict[str, Any]:
+    """The sampling settings by their request names (`sampler`: a bmoe.base SamplerSettings), logit_bias as
+    llama-server's [[id, bias], ...]."""
+    out = {name: getattr(sampler, field) for name, field in SAMPLING_FIELDS.items()}
+    out["logit_bias"] = [list(p) for p in out["logit_bias"]]
+    return out
+
+
 def generation_settings(n_ctx: int, n_predict: int, sampler: Any, stop: tuple[str, ...]) -> dict[str, Any]:
     """What a request ran with, by llama-server's names (`sampler`: its bmoe.base SamplerSettings)."""
-    out: dict[str, Any] = {"n_ctx": n_ctx, "n_predict": n_predict, "stop": list(stop)}
-    for name, field in SAMPLING_FIELDS.items():
-        value = getattr(sampler, field)
-        out[name] = [list(p) for p in value] if name == "logit_bias" else value
+    out = {"n_ctx": n_ctx, "n_predict": n_predict, "stop": list(stop), **sampling_settings(sampler)}
     return json.loads(json.dumps(out, default=str))

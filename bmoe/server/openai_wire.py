@@ -26,6 +26,17 @@ from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented
 
+# llama-server's request fields bmoe does not implement, refused alike on its native /completion
+# (bmoe.server.llama_wire) and on the OpenAI routes, each with the values that ask for nothing
+LLAMA_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "mirostat": (None, 0), "typical_p": (None, 1), "top_n_sigma": (None, -1), "xtc_probability": (None, 0),
+    "dry_multiplier": (None, 0), "dynatemp_range": (None, 0), "ignore_eos": (None, False),
+    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0), "min_keep": (None, 0),
+    "t_max_predict_ms": (None, 0), "id_slot": (None, -1), "samplers": (None,), "timings_per_token": (None, False),
+    "post_sampling_probs": (None, False), "response_fields": (None, []), "lora": (None, []),
+    "return_progress": (None, False), "sse_ping_interval": (None,), "multimodal_data": (None, []),
+}
+
 # Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
 # that ask for nothing (accepted as sent): any other value is a 400 naming the field, never silently
 # ignored. Documented fields that change no text here are request_base.NO_EFFECT's; a field neither
@@ -33,20 +44,15 @@ from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, impl
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "n_probs": (None, 0),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "functions": (None, []), "function_call": (None, "none"),
-    "mirostat": (None, 0), "typical_p": (None, 1), "tfs_z": (None, 1), "top_n_sigma": (None, -1),
-    "xtc_probability": (None, 0), "dry_multiplier": (None, 0), "dynatemp_range": (None, 0),
-    "ignore_eos": (None, False), "moderation": (None,), "verbosity": (None, "medium"),
-    # llama-server's own
-    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0), "min_keep": (None, 0),
-    "t_max_predict_ms": (None, 0), "t_max_prompt_ms": (None, 0), "id_slot": (None, -1), "return_tokens": (None, False),
-    "samplers": (None,), "timings_per_token": (None, False), "post_sampling_probs": (None, False),
-    "response_fields": (None, []), "lora": (None, []), "return_progress": (None, False), "sse_ping_interval": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "tfs_z": (None, 1),
+    "moderation": (None,), "verbosity": (None, "medium"),
+    **LLAMA_UNIMPLEMENTED,
+    # llama-server's, refused here only (its native route takes return_tokens and ignores the others)
+    "t_max_prompt_ms": (None, 0), "return_tokens": (None, False),
     "verbose": (None, False), "adaptive_target": (None, -1), "reasoning_budget_tokens": (None, -1),
     "reasoning_control": (None, False), "reasoning_format": (None, "auto", "deepseek"), "chat_format": (None,),
     "chat_parser": (None,), "generation_prompt": (None,), "grammar_lazy": (None, False), "grammar_triggers": (None, []),
     "preserved_tokens": (None, []), "parse_tool_calls": (None, True), "image_data": (None, []),
-    "multimodal_data": (None, []),
 }
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts: none turns thinking off
