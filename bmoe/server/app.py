@@ -495,6 +495,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
     every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
     loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses."""
+    trusted = trusted or Trusted()
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
     bodies = BodiesHeld(limits.total)
@@ -519,10 +520,10 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     keyed = ApiKey(api_key)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
     if api_key is None:  # added before RequestGuard, so it runs inside it: a refusal is counted under its route
-        app.add_middleware(HostCheck, trusted=trusted or Trusted(), answer=_error_response)
+        app.add_middleware(HostCheck, trusted=trusted, answer=_error_response)
     app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, key=keyed, limits=limits,
                        bodies=bodies, write_timeout=write_timeout)
-    add_cors(app, trusted or Trusted())  # outermost: every answer, refusals too, has the CORS headers
+    add_cors(app, trusted)  # outermost: every answer, refusals too, has the CORS headers
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)
