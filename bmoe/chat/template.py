@@ -29,7 +29,7 @@ class Renderer:
         self.vocab = vocab
         self.template = template
         self.reads_thinking = bool(self.template and b"enable_thinking" in self.template)
-        self._jinja: Any = None
+        self._formatters: dict[bool, Any] = {}  # jinja's, by whether it adds the generation prompt; made on use
         self._tools: bool | None = None
 
     def render(self, messages: Sequence[Mapping[str, Any]], think: bool,
@@ -63,14 +63,13 @@ class Renderer:
         return self._tools
 
     def _render_jinja(self, messages: Sequence[Mapping[str, Any]], prompt: bool = True, **kwargs: Any) -> str:
-        if self._jinja is None:
-            assert self.template is not None  # render() uses llama.cpp's own formatting without one
-            bos, eos = self.vocab.text(self.vocab.bos), self.vocab.text(self.vocab.eos)
-            source = self.template.decode(errors="replace")
-            # one formatter with the generation prompt, one without (it is the formatter's, not the call's)
-            self._jinja = ({p: llama.jinja_formatter(source, eos, bos, p) for p in (True, False)}, bos)
-        fmts, bos = self._jinja
-        fmt = fmts[prompt]
+        assert self.template is not None  # render() uses llama.cpp's own formatting without one
+        bos = self.vocab.text(self.vocab.bos)
+        fmt = self._formatters.get(prompt)
+        if fmt is None:  # whether it adds the generation prompt is the formatter's, not the call's
+            eos = self.vocab.text(self.vocab.eos)
+            fmt = self._formatters[prompt] = llama.jinja_formatter(self.template.decode(errors="replace"), eos, bos,
+                                                                   prompt)
         try:
             text = fmt(messages=messages, **kwargs).prompt
         except Exception as e:  # noqa: BLE001 - a template error is the request's, not the session's
