@@ -80,7 +80,11 @@ class Loaded:
         `in_use`: a decode may still be running in llama.cpp on another thread. Then the workers
         are killed and the shared segments unlinked (Streamer.abandon), but llama.cpp's objects and
         the slab's mapping, which that decode reads, are left for the process's exit to take: freeing
-        them under it would crash it. A close after that one does nothing more."""
+        them under it would crash it. A close after that one does nothing more.
+
+        The streamer stays reachable until its own close has ended, so an `in_use` close from another
+        thread (a shutdown past its bound) while this one waits on the workers still frees the
+        shared memory's names."""
         if self.abandoned:
             return
         if in_use:
@@ -90,7 +94,6 @@ class Loaded:
             return
         if self.warm is not None and self.streamer is not None:
             self.warm.save()
-        st, self.streamer = self.streamer, None
         self.hook.stops = None
         try:
             if self.ctx:
@@ -100,8 +103,11 @@ class Loaded:
                 llama.free_model(self.model)
                 self.model = None
         finally:
-            if st:
-                st.close()
+            if self.streamer is not None:
+                try:
+                    self.streamer.close()
+                finally:
+                    self.streamer = None
 
 
 def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming) -> Loaded:
