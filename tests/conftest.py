@@ -47,6 +47,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_pycache.pop(), ignore_errors=True)
 
 
+def wide(values: list, by_default: set) -> list:
+    """A secondary matrix's parameters (its settings beyond the first architecture or format): those in
+    `by_default` run in the default suite, the rest only with `-m wide`, the full matrix. The lossless
+    gates themselves (every architecture, every budget) are never marked: what this trims is the same
+    check repeated where nothing in it depends on the architecture."""
+    return [v if v in by_default else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.wide)
+            for v in values]
+
+
 def bmoe_segments() -> set[str]:
     """Segments this test session could own: its own, or this user's of processes that have ended.
 

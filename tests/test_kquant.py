@@ -17,7 +17,7 @@ import pytest
 
 from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
-from tests.conftest import run_cli
+from tests.conftest import run_cli, wide
 
 PROMPT = "The ferry crossed the bay twice a day, and the captain knew every rock beneath the water"
 FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
@@ -40,7 +40,7 @@ def quantize(src: Path, ftype: str, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("ftype", list(FTYPES))
+@pytest.mark.parametrize("ftype", wide(list(FTYPES), {"Q4_K_M"}))
 def test_kquant_files_stream_exactly(f16: Path, tmp_path: Path, ftype: str) -> None:
     model = quantize(f16, ftype, tmp_path / f"m-{ftype}.gguf")
     types = Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(model).tensors

@@ -12,7 +12,7 @@ import pytest
 
 from bmoe.engine.prompt_calls import FA_TILE, REGIME_UBATCH, calls, width
 from bmoe.tools.synth import write_model
-from tests.conftest import complete, generate, load
+from tests.conftest import complete, generate, load, wide
 from tests.plain_llama import Plain
 
 
@@ -58,7 +58,7 @@ def _prompt(plain: Plain, n_tokens: int) -> str:
     return text
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "gemma4", "qwen35moe"])
+@pytest.mark.parametrize("arch", wide(["qwen3moe", "deepseek2", "gemma4", "qwen35moe"], {"qwen35moe"}))
 def test_a_long_prompt_gives_plain_llama_cpps_text_at_ubatches_of_512(tmp_path, arch: str) -> None:
     """1030 tokens (a remainder of 6: its own call), 1100 (one call) and 600: bmoe's answer, streamed
     with a third of the experts cached and with --no-stream, is plain llama.cpp's with n_ubatch 512."""
