@@ -24,6 +24,7 @@ from bmoe.base.argtypes import number, percent, positive_float, positive_int
 from bmoe.base.errors import ConfigError
 
 N_PREDICT = 64  # tokens a request generates when it does not say
+POOLINGS = ("none", "mean", "cls", "last")  # llama.cpp's pooling types by llama-server's --pooling names
 # the cache policies by name (bmoe.streaming.cache_policy.POLICIES makes each; a test holds the two together)
 POLICY_NAMES = ("lru", "cycle", "cycle-lfu", "next-use", "quota", "predict")
 DEFAULT_POLICY = "next-use"
@@ -61,6 +62,7 @@ class Option:
     flag: str  # the long flag; a bool whose flag starts "--no-" is on by default and the flag turns it off
     help: str  # `{default}` becomes the field's default
     short: str | None = None  # e.g. "-t"; also how errors name it
+    alias: str | None = None  # another spelling of the long flag (llama-server's), taken as it
     keyword: str | None = None  # bmoe.load's keyword; None: the flag's words ("--no-odirect" -> "odirect")
     parse: Callable[[str], Any] | None = None  # text -> value (the flag's argparse type; bmoe.load takes text too)
     metavar: str | None = None
@@ -352,6 +354,15 @@ class Settings:
         4096.0, "--prompt-cache-mb", parse=positive_float, metavar="MB", ok=lambda v: v > 0,
         rule="a number of MiB above 0",
         help="the most --prompt-cache DIR may hold; the least recently used prefixes go first (default {default})")
+    embedding: bool = setting(  # bmoe.engine.embeddings
+        False, "--embedding", alias="--embeddings",
+        help="also compute embeddings (bmoe-server's /v1/embeddings and /embeddings, bmoe.Model.embed), as "
+             "llama-server --embedding does: each input is one decode through the streamed experts")
+    pooling: str | None = setting(
+        None, "--pooling", choices=POOLINGS, ok=lambda v: v in POOLINGS, rule=f"choose one of {', '.join(POOLINGS)}",
+        help="with --embedding, how a sequence's token embeddings become one vector: none (one per token), mean, "
+             "cls (the first token's), last (the last token's); default: the model's own (its GGUF's pooling_type, "
+             "else none), as llama.cpp's")
     cache: CacheSettings = field(default_factory=CacheSettings)
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)
@@ -594,6 +605,9 @@ def validate(s: Settings, w: Naming = FLAGS, given: frozenset[str] = frozenset()
         if s.prompt_cache:
             raise ConfigError(f"{replay} computes the KV with a trace's routing, and {w.name('prompt_cache')} would "
                               "keep it for later runs of the model's own; drop one of them")
+    if s.pooling is not None and not s.embedding:
+        raise ConfigError(f"{w.name('pooling')} pools the embeddings {w.name('embedding')} computes; add it or drop "
+                          f"{w.name('pooling')}")
     if s.route_trace and s.parallel > 1:
         raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
                           f"{w.value('parallel', s.parallel)} decodes several; drop one of them")
