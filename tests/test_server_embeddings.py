@@ -77,6 +77,8 @@ def test_every_pooling_equals_plain_llama_with_the_experts_streamed(small_moe: P
         got = m.embed(TEXTS, normalize=-1)
         s = m.stats
         assert s.streaming and 0 < s.cache_budget_mib < s.engine.full_bytes / 2**20, "the experts stream"
+        m.generate("hello", max_tokens=2)
+        assert not llama_cpp.llama_get_embeddings(m.engine.context), "generation decodes without embeddings"
     want = plain(small_moe, pooling, TEXTS)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and np.array_equal(g, w), pooling
@@ -136,8 +138,11 @@ def test_every_input_shape_llama_server_takes(server: Server) -> None:
     got = vectors(post(server, "/v1/embeddings", {"input": same}))
     assert len(got) == 3 and all(np.array_equal(g, one) for g in got)
     # a list holding a number is one input: strings (only the first with its special tokens) and ids
-    mixed = post(server, "/v1/embeddings", {"input": ["hello", *hello[-1:]]})
-    assert len(vectors(mixed)) == 1
+    more = post(server, "/tokenize", {"content": " and more"}).json()["tokens"]
+    mixed = vectors(post(server, "/v1/embeddings", {"input": ["hello world", *more, " and more"]}))
+    assert len(mixed) == 1
+    ids = vectors(post(server, "/v1/embeddings", {"input": [*hello, *more, *more]}))[0]
+    assert np.array_equal(mixed[0], ids)
     assert len(vectors(post(server, "/v1/embeddings", {"input": [hello, [*hello, "more"]]}))) == 2
 
 
