@@ -558,7 +558,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     for refused in ("/api/create", "/api/copy", "/api/push", "/api/embed", "/api/embeddings"):
         app.post(refused, dependencies=key)(routes.ollama_refused)
     app.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"], dependencies=key)(routes.ollama_refused)
-    add_embedding_routes(app, EmbeddingEndpoints(model, routes.model_id, sched.submit, sched.cancel), key)
+    add_embedding_routes(app, EmbeddingEndpoints(model, routes.model_id, sched), key)
     add_llama_routes(app, LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare,
                                          routes.answer), key)
     app.get(EVENTS, dependencies=key)(feed.route)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -37,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from bmoe.api import Model
 from bmoe.base import ConfigError
 from bmoe.server.http_errors import ServeError, serve_error
-from bmoe.server.scheduler import EmbedAsk, Embedded, Job, JobEvent
+from bmoe.server.scheduler import EmbedAsk, Embedded, Job, JobEvent, Scheduler
 
 EMBED_INPUTS_MAX = 2048  # inputs in one request: OpenAI's bound
 EMBED_TOKENS_MAX = 65536  # tokens of one request's inputs together: each is a prefill through the experts
@@ -130,11 +129,10 @@ def _vector(v: np.ndarray, b64: bool) -> Any:
 
 
 class EmbeddingEndpoints:
-    """The embeddings routes over one server's model (named `model_id`) and scheduler (`submit`, `cancel`)."""
+    """The embeddings routes over one server's model (named `model_id`) and scheduler."""
 
-    def __init__(self, model: Model, model_id: str, submit: Callable[[Job], int],
-                 cancel: Callable[[Job], None]) -> None:
-        self.model, self.model_id, self.submit, self.cancel = model, model_id, submit, cancel
+    def __init__(self, model: Model, model_id: str, sched: Scheduler) -> None:
+        self.model, self.model_id, self.sched = model, model_id, sched
         self.tokenizer = Tokenizer(model)
 
     async def oai(self, body: EmbeddingsBody, request: HttpRequest) -> Any:
@@ -185,7 +183,7 @@ class EmbeddingEndpoints:
 
         job = Job(ask, deliver)
         try:
-            self.submit(job)
+            self.sched.submit(job)
         except Exception as e:  # noqa: BLE001 - QueueFull, ShuttingDown: the scheduler's refusals
             raise serve_error(e) from None
         gone = asyncio.ensure_future(_disconnected(request))
@@ -203,7 +201,7 @@ class EmbeddingEndpoints:
                     return item.vectors
         finally:
             gone.cancel()
-            self.cancel(job)
+            self.sched.cancel(job)
 
 
 def _check_bounds(inputs: list[list[int]], pooled: int, size: int, field: str) -> None:
