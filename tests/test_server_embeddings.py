@@ -8,6 +8,7 @@ the same server unchanged by the embeddings between its requests."""
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ import openai.types.embedding_create_params as embedding_params
 import pytest
 
 import bmoe
+from bmoe.api import Ask, Chunk
 from bmoe.generation.embedding import normalized
 from bmoe.server.embeddings import EMBED_INPUTS_MAX, EmbeddingsBody
 from bmoe.server.request_base import known_fields
+from bmoe.server.scheduler import EmbedAsk, Embedded, Job, Scheduler
 from tests.conftest import run_cli
 from tests.plain_llama import plain_llama
 from tests.test_server import KEY, Server, auth
@@ -125,6 +128,42 @@ def test_generation_on_an_embedding_server_is_unchanged(server: Server, small_mo
     assert post(server, "/v1/completions", ask).json()["choices"][0]["text"] == before
     cli = run_cli("-m", str(small_moe), "-p", TEXTS[0], "-n", "8", "--no-stream", *FLAGS)
     assert cli.returncode == 0 and before in cli.stdout, cli.stderr
+
+
+def test_embeddings_between_a_generations_steps_change_neither(small_moe: Path) -> None:
+    """The scheduler as the server runs it, two KV sequences: an embeddings job submitted at a generation's
+    second token runs before its third (the next turn admits it), on the other sequence."""
+    with bmoe.load(str(small_moe), embedding=True, pooling="mean", parallel=2, cache_mb=1, threads=1, n_ctx=512,
+                   io_threads=2, warm_start=False) as m:
+        alone = m.run(m.prepare(Ask(TEXTS[0], max_tokens=12))).text
+        sched = Scheduler(m, 4, on_fatal=lambda e: None)
+        sched.start()
+        pieces: list[str] = []
+        at: list[int] = []
+        got: list[np.ndarray] = []
+        ended, embedded = threading.Event(), threading.Event()
+
+        def on_embedded(item: Any) -> None:
+            if isinstance(item, Embedded):
+                at.append(len(pieces))
+                got.extend(item.vectors)
+                embedded.set()
+
+        def on_chunk(item: Any) -> None:
+            if isinstance(item, Chunk):
+                pieces.append(item.text)
+                if len(pieces) == 2:
+                    sched.submit(Job(EmbedAsk([m.tokenize(t) for t in TEXTS], -1), on_embedded))
+                if item.stats is not None:
+                    ended.set()
+
+        sched.submit(Job(m.prepare(Ask(TEXTS[0], max_tokens=12)), on_chunk))
+        assert ended.wait(300) and embedded.wait(300)
+        sched.close()
+        sched.join()
+    assert at == [2], "between the second and the third token"
+    assert "".join(pieces) == alone
+    assert all(np.array_equal(g, w) for g, w in zip(got, plain(small_moe, "mean", TEXTS), strict=True))
 
 
 # ---- inputs --------------------------------------------------------------------------------------
