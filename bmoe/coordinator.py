@@ -424,8 +424,6 @@ class Engine:
             self.lossy.begin([False] * len(tokens))
         try:
             self._decode_call([(seq, tokens, 0)], every_logit=True)
-            if st:
-                st.settle()
             if pooling == "none":
                 return llama.token_embeddings(ctx, self.model, len(tokens))
             return llama.seq_embedding(ctx, self.model, seq)
@@ -433,6 +431,7 @@ class Engine:
             llama.set_embeddings(ctx, False)
             self.clear_kv(seq)
             if st:  # its reads are no generation's
+                st.settle()
                 st.take_counters()
                 st.take_speculation()
             s = self.scratch

@@ -21,6 +21,7 @@ import pytest
 
 import bmoe
 from bmoe.api import Ask, Chunk
+from bmoe.base import Cancelled
 from bmoe.generation.embedding import normalized
 from bmoe.server.embeddings import EMBED_INPUTS_MAX, EmbeddingsBody
 from bmoe.server.request_base import known_fields
@@ -85,6 +86,32 @@ def test_every_pooling_equals_plain_llama_with_the_experts_streamed(small_moe: P
     want = plain(small_moe, pooling, TEXTS)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and np.array_equal(g, w), pooling
+
+
+def test_a_cancel_stops_the_decode_in_flight_and_leaves_the_engine_as_it_was(small_moe: Path) -> None:
+    """A client that leaves (or a shutdown) stops an input's decode mid-graph, not after it: the cancel comes
+    as the decode begins (the streamer's begin_batch), and the next embeddings and generations are whole."""
+    with bmoe.load(str(small_moe), embedding=True, pooling="mean", cache_mb=1, threads=1, n_ctx=512,
+                   io_threads=2, warm_start=False) as m:
+        st = m.engine.streamer
+        assert st is not None
+        begun: list[int] = []
+        begin = st.begin_batch
+
+        def begin_then_cancel(n: int) -> None:
+            begun.append(n)
+            m.driver.interrupt_alone()
+            begin(n)
+
+        st.begin_batch = begin_then_cancel  # type: ignore[method-assign] - the cancel's moment, on this thread
+        with pytest.raises(Cancelled):  # one input: only a stop mid-decode ends it without its vector
+            m.embed(TEXTS[:1], cancelled=lambda: bool(begun))
+        st.begin_batch = begin  # type: ignore[method-assign]
+        assert len(begun) == 1
+        got = m.embed(TEXTS, normalize=-1)
+        m.generate("hello", max_tokens=2)
+        assert not llama_cpp.llama_get_embeddings(m.engine.context)
+    assert all(np.array_equal(g, w) for g, w in zip(got, plain(small_moe, "mean", TEXTS), strict=True))
 
 
 def test_the_openai_client_gets_plain_llamas_vectors_normalized(server: Server, small_moe: Path) -> None:

@@ -11,6 +11,7 @@ generation), whose KV and what it held are gone afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,8 +76,8 @@ def check(engine: Engine, inputs: Sequence[Sequence[int]], norm: int, name: str 
 def embed(driver: Driver, engine: Engine, slot: Slot, inputs: Sequence[Sequence[int]], norm: int = L2,
           cancelled: Callable[[], bool] = lambda: False) -> list[np.ndarray]:
     """Each input's embedding on `slot`'s KV sequence (the caller holds the slot): a pooled vector normalized
-    by `norm`, or per-token rows (pooling none) as computed. `cancelled` is asked before each input
-    (Cancelled when it says so)."""
+    by `norm`, or per-token rows (pooling none) as computed. `cancelled` is asked before each input and
+    by Driver.interrupt_alone during its decode (Cancelled when it says so)."""
     check(engine, inputs, norm)
     out: list[np.ndarray] = []
     with driver.driving():
@@ -84,6 +85,6 @@ def embed(driver: Driver, engine: Engine, slot: Slot, inputs: Sequence[Sequence[
         for toks in inputs:
             if cancelled():
                 raise Cancelled()
-            v = engine.embed(slot.seq, list(toks))
+            v = driver.decode_alone(partial(engine.embed, slot.seq, list(toks)), cancelled)
             out.append(normalized(v, norm) if v.ndim == 1 else v)
     return out

@@ -215,6 +215,8 @@ class Scheduler:
         job.cancelled = True
         if job.gen is not None:
             self.model.driver.cancel(job.gen)
+        else:  # an embeddings job: its decode in flight stops too
+            self.model.driver.interrupt_alone()
 
     def close(self) -> None:
         """Stop: what waits ends with ShuttingDown, what runs is cancelled; idempotent."""
@@ -229,6 +231,7 @@ class Scheduler:
             self.cond.notify_all()
         for gen in running:
             self.model.driver.cancel(gen)
+        self.model.driver.interrupt_alone()
         self.on_close()
 
     def join(self) -> None:
