@@ -66,7 +66,7 @@ JobEvent = Chunk | Position | Embedded | Exception
 
 class Job:
     """One admitted request, where its events go, and (once it runs) its Generation (with its slot);
-    an embeddings job has no Generation, and is `cancelled` between its inputs."""
+    an embeddings job has no Generation; `cancelled` stops it (Driver.decode_alone)."""
 
     def __init__(self, req: Request | EmbedAsk, deliver: Callable[[JobEvent], None]) -> None:
         self.req = req
@@ -297,7 +297,7 @@ class Scheduler:
 
     def _embed(self, job: Job, ask: EmbedAsk, slot: Slot) -> None:
         """An embeddings job, whole, on `slot`: its answer, or why it cannot run (ConfigError); a job cancelled
-        (its client left, a shutdown) ends between its inputs."""
+        (its client left, a shutdown) stops mid-decode (`cancel`, `close`: Driver.interrupt_alone)."""
         try:
             self.model.check_unchanged(self.reload_fix)
             vectors = self.model.embed(ask.inputs, ask.norm, slot, lambda: job.cancelled)
