@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.model is None and a.prompt is None and a.file is None and not a.session:
         a.prompt, a.chat = DEMO_PROMPT, True
     settings = flags.settings_from(ap, a)
+    if settings.embedding:  # a load setting of bmoe-server and bmoe.load; bmoe-cli only generates
+        ap.error("--embedding: bmoe-cli generates text; embeddings are bmoe-server --embedding's (/v1/embeddings) "
+                 "and bmoe.load(embedding=True)'s (Model.embed)")
     exits.install_signal_handlers()
     if a.session:
         from bmoe.edges import session

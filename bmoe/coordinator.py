@@ -31,7 +31,7 @@ from bmoe.base.model_files import ModelFiles
 from bmoe.base.settings import SamplerSettings, Settings
 from bmoe.base.telemetry import TokenStat
 from bmoe.engine import prompt_calls
-from bmoe.engine.engine_stats import EngineStats
+from bmoe.engine.engine_stats import EmbeddingFacts, EngineStats
 from bmoe.engine.load import Loaded
 from bmoe.memory.budget import Adaptive
 from bmoe.memory.probe import MemoryProbe
@@ -147,6 +147,11 @@ class Engine:
     @property
     def n_ctx(self) -> int:
         return self._parts.n_ctx
+
+    def embedding_facts(self) -> EmbeddingFacts | None:
+        """How this load computes embeddings (None: loaded without --embedding)."""
+        pooling = self._parts.pooling
+        return EmbeddingFacts(pooling, llama.n_embd_out(self.model), self.call_width) if pooling else None
 
     @property
     def load_s(self) -> float:
@@ -405,6 +410,34 @@ class Engine:
         by_id = {id(s): st_ for s, st_ in zip(going, shares)}
         return [(toks[id(s)], by_id[id(s)]) if id(s) in toks else None for s in seqs]
 
+    def embed(self, seq: int, tokens: list[int]) -> np.ndarray:
+        """`tokens`' embeddings as llama.cpp computes them from an empty sequence `seq` in one llama_decode
+        (one ubatch: `call_width` tokens at most), the experts streamed as a prefill's: pooled, one vector;
+        pooling none, one per token. The KV of `seq` is empty again after it. Cancelled when interrupted."""
+        pooling = self._parts.pooling
+        assert pooling is not None, "loaded without --embedding"
+        assert 0 < len(tokens) <= self.call_width, "one ubatch"
+        st, ctx = self.streamer, self.context
+        self.clear_kv(seq)
+        llama.set_embeddings(ctx, True)
+        if self.lossy:
+            self.lossy.begin([False] * len(tokens))
+        try:
+            self._decode_call([(seq, tokens, 0)], every_logit=True)
+            if pooling == "none":
+                return llama.token_embeddings(ctx, self.model, len(tokens))
+            return llama.seq_embedding(ctx, self.model, seq)
+        finally:
+            llama.set_embeddings(ctx, False)
+            self.clear_kv(seq)
+            if st:  # its reads are no generation's
+                st.settle()
+                st.take_counters()
+                st.take_speculation()
+            s = self.scratch
+            if s is not None and len(tokens) > prompt_calls.REGIME_UBATCH:
+                llama.give_back(s.base + s.used, s.base + s.size)
+
     def _choose(self, s: EngineSequence, row: int) -> None:
         """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced
         token, else its sampler's choice (kept with the distribution when asked)."""
@@ -459,16 +492,17 @@ class Engine:
         """The widest llama_decode a prompt is decoded in: the context's ubatch."""
         return llama.ubatch_size(self.context)
 
-    def _decode_call(self, parts: list[tuple[int, list[int], int]], no_logit: bool = False) -> list[int]:
+    def _decode_call(self, parts: list[tuple[int, list[int], int]], no_logit: bool = False,
+                     every_logit: bool = False) -> list[int]:
         """One llama_decode of (sequence, tokens, first position) parts (`no_logit`: a prompt's call
-        before its last, whose logits nobody reads)."""
+        before its last, whose logits nobody reads; `every_logit`: every token an output, as embeddings ask)."""
         n = sum(len(toks) for _, toks, _ in parts)
         if self.streamer is not None:
             self.streamer.begin_batch(n)
         if self._parts.stops is not None:
             self._parts.stops.begin_batch(n, prompt=any(len(toks) > 1 for _, toks, _ in parts))
         ctx = self.context
-        return self.hook.run(lambda: llama.decode(ctx, parts, no_logit=no_logit))
+        return self.hook.run(lambda: llama.decode(ctx, parts, every_logit=every_logit, no_logit=no_logit))
 
     def close(self, in_use: bool = False) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent. `in_use`: a

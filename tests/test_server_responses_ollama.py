@@ -315,7 +315,7 @@ def test_ollama_generates_lists_shows_and_refuses_by_its_rules(demo: Server, dem
     for call, status, words in [
             (lambda: c.pull("llama3.2"), 400, "serves one model"), (lambda: c.delete(ALIAS), 400, "deletes none"),
             (lambda: c.copy(ALIAS, "other"), 400, "copies none"), (lambda: c.show("llama3.2"), 404, "not found"),
-            (lambda: c.embed(model=ALIAS, input="x"), 400, "no embeddings"),
+            (lambda: c.embed(model=ALIAS, input="x"), 400, "embeddings API is not served"),
             (lambda: c.chat(model=ALIAS, messages=[{"role": "user", "content": "x"}], options={"temprature": 1}),
              400, "options.temprature: not an option"),
             (lambda: c.chat(model=ALIAS, messages=[{"role": "user", "content": "x"}], options={"mirostat": 2}),

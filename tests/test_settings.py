@@ -42,7 +42,8 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
              ["--no-stream", "--parallel", "2"], ["--cache-floor-mb", "9", "--cache-ceil-mb", "64"],
              ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv",
               "--prompt-cache-mb", "9"],
-             ["--no-warm-start"], ["--usage-dir", "u"], ["--replay-routes", "t.csv"]]
+             ["--no-warm-start"], ["--usage-dir", "u"], ["--replay-routes", "t.csv"],
+             ["--embedding", "--pooling", "mean"]]
     changed = set()
     for argv in fixed:
         got = _leaves(_settings(argv))

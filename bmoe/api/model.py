@@ -60,16 +60,20 @@ from bmoe.base.settings import names as setting_names
 from bmoe.base.units import MiB
 from bmoe.chat.grammar_check import GrammarCheck
 from bmoe.chat.limits import check_stop_strings
+from bmoe.generation import embedding
 from bmoe.generation.driver import CLOSED, Driver
 from bmoe.generation.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
 from bmoe.generation.records import Chunk, Completion, GenerationStats, Request, Turn
 from bmoe.generation.request_life import Generation, Slot
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from bmoe.chat.output import Reply
     from bmoe.chat.request import ChatFormat
     from bmoe.chat.template import Renderer
     from bmoe.coordinator import Engine, EngineStats
+    from bmoe.engine.engine_stats import EmbeddingFacts
     from bmoe.generation.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 
@@ -457,6 +461,16 @@ class Model:
                               f"this model was loaded with parallel={len(self.slots)}")
         return self.driver.run([self.generation(r, slot=s) for r, s in zip(requests, self.slots)])
 
+    def embed(self, inputs: Sequence[str | Sequence[int]], normalize: int = 2, slot: Slot | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> list[np.ndarray]:
+        """Each input's embedding (load with `embedding=True`; text tokenized with its special tokens, token ids
+        as they are), computed as llama-server --embedding does (bmoe.generation.embedding): pooled by the
+        load's `pooling`, one float32 vector normalized by `normalize` (llama-server's embd_normalize: 2 is
+        L2, -1 none); pooling none, one row per token. On `slot`'s KV sequence (default: the first), whose
+        KV it leaves empty."""
+        ids = [self.tokenize(x) if isinstance(x, str) else self.token_ids(x) for x in inputs]
+        return embedding.embed(self.driver, self.engine, slot or self.slots[0], ids, normalize, cancelled)
+
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
                prefill_s: float, ahead: ReadAheadCounts | None, lossy: bool) -> GenerationStats:
         t = tally.totals()
@@ -534,6 +548,15 @@ class Model:
         v = self.engine.vocab
         bos, eos = (self.piece(t).decode(errors="replace") if t >= 0 else "" for t in (v.bos, v.eos))
         return bos, eos
+
+    def check_embedding(self, inputs: Sequence[Sequence[int]], normalize: int, name: str = "input") -> None:
+        """ConfigError when `embed` would refuse these token lists (named `name`[i]) or `normalize`."""
+        embedding.check(self.engine, inputs, normalize, name)
+
+    @property
+    def embedding_facts(self) -> EmbeddingFacts | None:
+        """How `embed` computes (pooling, vector size, tokens per input at most); None: loaded without them."""
+        return self.engine.embedding_facts()
 
     @property
     def n_vocab(self) -> int:

@@ -4,7 +4,7 @@ files. It imports nothing of bmoe above it.
 """
 
 from bmoe.base.argtypes import nonneg_int, number, positive_float, positive_int
-from bmoe.base.errors import BmoeError, ConfigError, ContextTooLong, FieldError, ModelError
+from bmoe.base.errors import BmoeError, Cancelled, ConfigError, ContextTooLong, FieldError, ModelError
 from bmoe.base.gguf_table import read_table
 from bmoe.base.model_files import EXPERT_TENSOR, shard_paths
 from bmoe.base.settings import (

@@ -2,7 +2,7 @@
 
 Each setting is a dataclass field declared with `setting(...)`: its name, type and default, and
 in the same place its flag, its `bmoe.load` keyword (the flag's words unless given), its help
-and its bounds (`Option`). `bmoe-cli`'s and `bmoe-server`'s flags (bmoe.edges.flags) and
+and its bounds (`Option`, bmoe.base.option). `bmoe-cli`'s and `bmoe-server`'s flags (bmoe.edges.flags) and
 `bmoe.load`'s keywords (`from_keywords`) are generated from these declarations, and `validate`
 words its errors in the caller's own vocabulary (`FLAGS` or `KEYWORDS`), so adding a setting is
 one declaration here. The order of declaration is the order of `--help`.
@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, cast, get_type_hints
 
 from bmoe.base.argtypes import number, percent, positive_float, positive_int
 from bmoe.base.errors import ConfigError
+from bmoe.base.option import Option, setting
 
 N_PREDICT = 64  # tokens a request generates when it does not say
+POOLINGS = ("none", "mean", "cls", "last")  # llama.cpp's pooling types by llama-server's --pooling names
 # the cache policies by name (bmoe.streaming.cache_policy.POLICIES makes each; a test holds the two together)
 POLICY_NAMES = ("lru", "cycle", "cycle-lfu", "next-use", "quota", "predict")
 DEFAULT_POLICY = "next-use"
@@ -52,35 +54,6 @@ def _policy(text: str) -> str:
     if text not in POLICY_NAMES:
         raise argparse.ArgumentTypeError(f"unknown cache policy {text!r}; choose one of {', '.join(POLICY_NAMES)}")
     return text
-
-
-@dataclass(frozen=True)
-class Option:
-    """How one setting is spelled, explained and bounded at every edge."""
-
-    flag: str  # the long flag; a bool whose flag starts "--no-" is on by default and the flag turns it off
-    help: str  # `{default}` becomes the field's default
-    short: str | None = None  # e.g. "-t"; also how errors name it
-    keyword: str | None = None  # bmoe.load's keyword; None: the flag's words ("--no-odirect" -> "odirect")
-    parse: Callable[[str], Any] | None = None  # text -> value (the flag's argparse type; bmoe.load takes text too)
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-    toggle: bool = False  # a bool with both --X and --no-X
-    repeat: bool = False  # the flag may be given again: `parse` returns a tuple (a comma list) and they add up
-    ok: Callable[[Any], bool] | None = None  # the bound, checked for every edge (None values are not checked)
-    rule: str = ""  # the bound in words, after the offending value
-    auto: str | None = None  # what None means, as the user writes it ("auto")
-    from_value: Callable[[Any], Any] | None = None  # a keyword's value that is not text -> the setting's
-
-    @property
-    def name(self) -> str:
-        """The keyword: bmoe.load's, and the argparse dest."""
-        return self.keyword or self.flag.removeprefix("--").removeprefix("no-").replace("-", "_")
-
-
-def setting(default: Any, flag: str, help: str, **option: Any) -> Any:  # noqa: A002 - argparse's word
-    """A settings field with its Option (see the module notes)."""
-    return field(default=default, metadata={"option": Option(flag, help, **option)})
 
 
 @dataclass(frozen=True)
@@ -352,6 +325,15 @@ class Settings:
         4096.0, "--prompt-cache-mb", parse=positive_float, metavar="MB", ok=lambda v: v > 0,
         rule="a number of MiB above 0",
         help="the most --prompt-cache DIR may hold; the least recently used prefixes go first (default {default})")
+    embedding: bool = setting(  # bmoe.engine.embeddings
+        False, "--embedding", alias="--embeddings",
+        help="also compute embeddings (bmoe-server's /v1/embeddings and /embeddings, bmoe.Model.embed), as "
+             "llama-server --embedding does: each input is one decode through the streamed experts")
+    pooling: str | None = setting(
+        None, "--pooling", choices=POOLINGS, ok=lambda v: v in POOLINGS, rule=f"choose one of {', '.join(POOLINGS)}",
+        help="with --embedding, how a sequence's token embeddings become one vector: none (one per token), mean, "
+             "cls (the first token's), last (the last token's); default: the model's own (its GGUF's pooling_type, "
+             "else none), as llama.cpp's")
     cache: CacheSettings = field(default_factory=CacheSettings)
     streaming: StreamSettings = field(default_factory=StreamSettings)
     speculation: SpecSettings = field(default_factory=SpecSettings)
@@ -594,6 +576,9 @@ def validate(s: Settings, w: Naming = FLAGS, given: frozenset[str] = frozenset()
         if s.prompt_cache:
             raise ConfigError(f"{replay} computes the KV with a trace's routing, and {w.name('prompt_cache')} would "
                               "keep it for later runs of the model's own; drop one of them")
+    if s.pooling is not None and not s.embedding:
+        raise ConfigError(f"{w.name('pooling')} pools the embeddings {w.name('embedding')} computes; add it or drop "
+                          f"{w.name('pooling')}")
     if s.route_trace and s.parallel > 1:
         raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
                           f"{w.value('parallel', s.parallel)} decodes several; drop one of them")

@@ -68,7 +68,7 @@ def add_options(ap: Flags, entries: tuple[Entry, ...],
             kw.update(type=o.parse, metavar=o.metavar, choices=o.choices)
             if o.repeat:
                 kw["action"] = _Extend
-        ap.add_argument(*filter(None, (o.short, o.flag)), **kw)
+        ap.add_argument(*filter(None, (o.short, o.flag, o.alias)), **kw)
 
 
 def given(ns: argparse.Namespace, entries: tuple[Entry, ...] = SCHEMA) -> dict[str, Any]:

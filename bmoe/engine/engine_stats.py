@@ -30,3 +30,13 @@ class EngineStats:
     memory: Room  # the tightest memory limit now and the room it leaves (bmoe.memory.probe)
     # per MoE layer (layer, one character per expert: '1' resident, '0' not); empty without streaming
     residency: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class EmbeddingFacts:
+    """How a load computes embeddings (--embedding): each input is one decode of at most `width` tokens,
+    pooled by `pooling` (none, mean, cls, last) into vectors of `size` floats."""
+
+    pooling: str
+    size: int
+    width: int

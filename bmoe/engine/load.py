@@ -62,6 +62,7 @@ class Loaded:
     load_s: float = 0.0
     llama_load_s: float = 0.0  # of load_s, llama.cpp's own load (model, then context)
     fixed_k: int = 0  # --no-stream --experts-per-token: llama.cpp's own expert count, set at load
+    pooling: str | None = None  # --embedding: how the context pools them (llama.cpp's, by --pooling's names)
     streamer: Streamer | None = None
     stops: StreamingStops | None = None
     trace: TraceWriter | None = None
@@ -201,7 +202,14 @@ def _load_llama(p: Loaded, streaming: bool) -> None:
     if not p.model:
         raise ModelError(f"llama.cpp could not load {s.model}; run with --verbose to see why")
     p.ctx = llama.new_context(p.model, s.n_ctx, s.threads, p.hook.c_callback if streaming else None,
-                              n_ubatch=prompt_calls.width(s.n_ctx), n_seq=s.parallel, eval_user=p.hook.user_data)
+                              n_ubatch=prompt_calls.width(s.n_ctx), n_seq=s.parallel, eval_user=p.hook.user_data,
+                              embeddings=s.embedding, pooling=s.pooling)
+    if s.embedding:  # made computing them (its buffer reserved for it); generation decodes without
+        llama.set_embeddings(p.ctx, False)
+        p.pooling = llama.pooling_name(p.ctx)
+        if p.pooling is None:
+            raise ModelError(f"{Path(s.model).name} pools its embeddings in a way bmoe does not serve (a reranker's); "
+                             f"give {p.words.name('pooling')} none, mean, cls or last")
     p.llama_load_s = time.perf_counter() - t0
     llama.set_abort(p.ctx, p.hook.c_abort, p.hook.user_data)
     p.n_ctx = min(llama.context_size(p.ctx), s.n_ctx)

@@ -44,6 +44,7 @@ class Driver:
         self._decoding: list[Generation] = []  # the generations in the llama_decode under way
         self._live: list[Generation] = []  # made and not finished: what `live` and `close` reach
         self._driver: int | None = None  # the thread holding `turn`
+        self._alone: Callable[[], bool] | None = None  # the cancel of the decode `decode_alone` runs
         self.closed = False  # `close` began: nothing drives the engine any more
 
     def track(self, gen: Generation) -> None:
@@ -86,6 +87,8 @@ class Driver:
         with self._lock:
             self.closed = True
             live = [g for g in self._live if not g.finished]
+            if self._alone is not None:
+                self.engine.interrupt()
         for g in live:
             self.cancel(g)
         if not self.turn.acquire(timeout=-1 if timeout is None else timeout):
@@ -171,6 +174,26 @@ class Driver:
         with self._lock:
             gen.cancelled = True
             if self._decoding and all(g.cancelled for g in self._decoding):
+                self.engine.interrupt()
+
+    def decode_alone(self, call: Callable[[], _T], cancelled: Callable[[], bool]) -> _T:
+        """Run an engine call that is no generation's (an embedding's decode; the caller holds `turn`),
+        interrupted when `interrupt_alone` finds `cancelled` true while it runs, or by `close`."""
+        with self._lock:
+            self._alone = cancelled
+            if cancelled() or self.closed:
+                self.engine.interrupt()
+        try:
+            return call()
+        finally:
+            with self._lock:
+                self._alone = None
+                self.engine.clear_interrupt()
+
+    def interrupt_alone(self) -> None:
+        """Stop the decode `decode_alone` runs, if its `cancelled` now says so; safe from any thread."""
+        with self._lock:
+            if self._alone is not None and self._alone():
                 self.engine.interrupt()
 
     def _decode(self, gens: list[Generation], call: Callable[[], _T]) -> _T:

@@ -85,15 +85,28 @@ def load_vocab(path: object) -> LlamaModel | None:
     return llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
 
 
+# llama.cpp's pooling types by llama-server's --pooling names (llama.h's enum llama_pooling_type)
+POOLING = {"none": llama_cpp.LLAMA_POOLING_TYPE_NONE, "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+           "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+
+
 def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, eval_cb: object = None,
-                n_ubatch: int | None = None, n_seq: int = 1, eval_user: int | None = None) -> llama_cpp.llama_context_p:
+                n_ubatch: int | None = None, n_seq: int = 1, eval_user: int | None = None,
+                embeddings: bool = False, pooling: str | None = None) -> llama_cpp.llama_context_p:
     """The one way bmoe makes a llama.cpp context: a batch as large as the context (a prompt is one
     `llama_decode`), ubatches of at most 512 unless asked, `threads` 0 = every core, and the eval
     callback (a ggml_backend_sched_eval_callback, called with `eval_user`) when one is given.
 
     `n_seq` sequences each get a KV of their own of `n_ctx` cells (llama.cpp's non-unified KV), so
-    sequence 0 computes as it does in a one-sequence context."""
+    sequence 0 computes as it does in a one-sequence context.
+
+    `embeddings`: the context is made computing embeddings (pooled by `pooling`, a POOLING name; None:
+    the model's own), so the compute buffer llama.cpp reserves at creation holds the embedding graph
+    too; the caller turns them off for generation (`set_embeddings`), which then never grows it."""
     cp = llama_cpp.llama_context_default_params()
+    cp.embeddings = embeddings
+    if pooling is not None:
+        cp.pooling_type = POOLING[pooling]
     cp.n_ctx = n_ctx * n_seq
     cp.n_batch = max(n_ctx, n_seq)
     cp.n_seq_max = n_seq
@@ -269,6 +282,31 @@ def logits(ctx: Context, vocab: Vocab, row: int) -> np.ndarray:
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(vocab.n_tokens,)).copy()
 
 
+def set_embeddings(ctx: Context, on: bool) -> None:
+    """Whether the next decodes compute embeddings (every token is then an output: llama.cpp's
+    output_all) or only the logits asked for."""
+    llama_cpp.llama_set_embeddings(ctx, on)
+
+
+def pooling_name(ctx: Context) -> str | None:
+    """The context's pooling type by its POOLING name (None: one bmoe does not serve, such as rank)."""
+    kind = int(llama_cpp.llama_pooling_type(ctx))
+    return next((name for name, k in POOLING.items() if k == kind), None)
+
+
+def token_embeddings(ctx: Context, model: LlamaModel, n_rows: int) -> np.ndarray:
+    """A copy of the last decode's per-token embeddings, [n_rows, n_embd_out] (pooling none)."""
+    return np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(ctx), shape=(n_rows, n_embd_out(model))).copy()
+
+
+def seq_embedding(ctx: Context, model: LlamaModel, seq: int) -> np.ndarray:
+    """A copy of the last decode's pooled embedding of sequence `seq`, [n_embd_out]."""
+    ptr = llama_cpp.llama_get_embeddings_seq(ctx, seq)
+    if not ptr:
+        raise ModelError(f"llama.cpp computed no pooled embedding for sequence {seq}")
+    return np.ctypeslib.as_array(ptr, shape=(n_embd_out(model),)).copy()
+
+
 def free_context(ctx: Context) -> None:
     llama_cpp.llama_free(ctx)
 
@@ -279,6 +317,11 @@ def free_model(model: LlamaModel) -> None:
 
 def n_embd(model: LlamaModel) -> int:
     return int(llama_cpp.llama_model_n_embd(model))
+
+
+def n_embd_out(model: LlamaModel) -> int:
+    """Floats in one of the model's embeddings (its output width; n_embd but for deepstack models)."""
+    return int(llama_cpp.llama_model_n_embd_out(model))
 
 
 def n_layer(model: LlamaModel) -> int:

@@ -1,5 +1,6 @@
 """bmoe-server's HTTP app: the routes of its five APIs (OpenAI's completions and chat, OpenAI's
-Responses, Anthropic's Messages, Ollama's, llama-server's native ones: bmoe.server.llama_routes), the
+Responses, Anthropic's Messages, Ollama's, llama-server's native ones: bmoe.server.llama_routes; the
+embeddings routes of OpenAI and llama-server: bmoe.server.embeddings), the
 metrics route (bmoe.server.metrics) and the request guard that counts answers by route and bounds
 request bodies (FastAPI on uvicorn's event loop). Requests are checked and
 tokenized here, then handed to the scheduler (bmoe.server.scheduler) as jobs whose events become
@@ -31,6 +32,7 @@ from bmoe.server import anthropic_wire, ollama_wire, responses_wire
 from bmoe.server.answer_shape import AnswerShape, Finished
 from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
 from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, ClosingStream, SlowReader
+from bmoe.server.embeddings import EmbeddingEndpoints, add_embedding_routes
 from bmoe.server.events import EVENTS, Feed
 from bmoe.server.grammar_pool import GrammarPool
 from bmoe.server.hosts import HostCheck, Trusted, add_cors
@@ -359,7 +361,8 @@ class Endpoints:
         """What would change the models the server has, or is not generation: a 400 saying so."""
         verb = request.url.path.removeprefix(ollama_wire.OLLAMA_PREFIX).split("/")[0]
         if verb in ("embed", "embeddings"):
-            raise ServeError(400, "bmoe-server computes no embeddings; it generates text", code="one_model")
+            raise ServeError(400, "Ollama's embeddings API is not served here; use /v1/embeddings (bmoe-server "
+                             "--embedding)", code="one_model")
         what = {"delete": "deletes none", "create": "creates none", "copy": "copies none", "push": "pushes none",
                 "blobs": "takes no model files"}[verb]
         raise ollama_wire.one_model(what, self.model_id)
@@ -448,7 +451,9 @@ class Endpoints:
                      ) -> AsyncIterator[bytes]:
         """The one stream loop: `job`'s events in `shape`, a chat answer read as it comes (reasoning,
         content, tool calls); a client that leaves cancels the job."""
-        reader = job.req.reading.parser() if job.req.reading is not None else None
+        req = job.req
+        assert isinstance(req, Request)  # a generation's job (embeddings: bmoe.server.embeddings)
+        reader = req.reading.parser() if req.reading is not None else None
         try:
             if ahead and (out := shape.comment(f"queue position {ahead}")):
                 yield out
@@ -463,6 +468,7 @@ class Endpoints:
                 if isinstance(item, Exception):
                     yield shape.error(serve_error(item))
                     break
+                assert isinstance(item, Chunk)
                 if item.stats is None:  # a token
                     if out := shape.token(item, reader.push(item.text) if reader is not None else None):
                         yield out
@@ -552,6 +558,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     for refused in ("/api/create", "/api/copy", "/api/push", "/api/embed", "/api/embeddings"):
         app.post(refused, dependencies=key)(routes.ollama_refused)
     app.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"], dependencies=key)(routes.ollama_refused)
+    add_embedding_routes(app, EmbeddingEndpoints(model, routes.model_id, sched), key)
     add_llama_routes(app, LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare,
                                          routes.answer), key)
     app.get(EVENTS, dependencies=key)(feed.route)

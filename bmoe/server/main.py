@@ -44,6 +44,11 @@ Decisions:
   A stream's finish chunk carries `bmoe`; `usage` only with `stream_options.include_usage`, as the
   spec has it: `null` on every chunk, then a last chunk of its own with `choices: []`.
 - A client that disconnects cancels its generation at once, or leaves the queue.
+- `--embedding` (bmoe.server.embeddings) keeps generation on, as llama-server does: the context is made
+  with embeddings on and each embeddings request turns them on for its own decodes only. Its inputs
+  queue with the generations, take a free KV sequence (one holding no conversation first) and are
+  decoded one by one between the running generations' steps, so a long embeddings request delays
+  their next token by its inputs' prefills; a client that leaves stops it mid-decode.
 - Security: binds 127.0.0.1 by default; `--api-key` (or `--api-key-file`, or `BMOE_API_KEY`) requires
   `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health and the
   chat page's static files (the page sends the key it is given on its own API calls); a

@@ -9,10 +9,14 @@ and a batch shares its fixed costs; when decode is flash-bound a batch's union o
 overflows the cache and reads more per generated token. `Batching` decides from what it
 measures (see there). A request is prefilled alone when a sequence frees up for it.
 
+An embeddings request (`EmbedAsk`, bmoe-server --embedding) queues with the generations and takes a
+free KV sequence as they do; once admitted its inputs are decoded one after another (bmoe.api's
+Model.embed, between the running generations' steps) and it ends with one `Embedded`.
+
 A job's events go to its `deliver` callable, from the worker thread: each Chunk as it comes,
-its Position in the queue when that changes (0: it runs), or an exception that ends it
-(ConfigError: the request cannot run; ShuttingDown; GenerationFailed: the engine failed, the
-scheduler has stopped). No HTTP here: bmoe.server turns events into responses.
+its Position in the queue when that changes (0: it runs), an embeddings job's Embedded, or an
+exception that ends it (ConfigError: the request cannot run; ShuttingDown; GenerationFailed: the
+engine failed, the scheduler has stopped). No HTTP here: bmoe.server turns events into responses.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from bmoe.api import Chunk, GenerationStats, Model, Request
-from bmoe.base import ConfigError
-from bmoe.generation import Completion, Generation
+from bmoe.base import Cancelled, ConfigError
+from bmoe.generation import Completion, Generation, Slot
 from bmoe.server.http_errors import GenerationFailed, QueueFull, ShuttingDown
 
 MODES = ("auto", "batch", "turns")
@@ -39,16 +45,34 @@ class Position:
     ahead: int
 
 
-JobEvent = Chunk | Position | Exception
+@dataclass(frozen=True)
+class EmbedAsk:
+    """An embeddings request: its inputs as token ids (each checked to fit one decode) and llama-server's
+    embd_normalize."""
+
+    inputs: list[list[int]]
+    norm: int
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """An embeddings job's answer: per input, its vector (pooled) or its tokens' rows (pooling none)."""
+
+    vectors: list[np.ndarray]
+
+
+JobEvent = Chunk | Position | Embedded | Exception
 
 
 class Job:
-    """One admitted request, where its events go, and (once it runs) its Generation (with its slot)."""
+    """One admitted request, where its events go, and (once it runs) its Generation (with its slot);
+    an embeddings job has no Generation; `cancelled` stops it (Driver.decode_alone)."""
 
-    def __init__(self, req: Request, deliver: Callable[[JobEvent], None]) -> None:
+    def __init__(self, req: Request | EmbedAsk, deliver: Callable[[JobEvent], None]) -> None:
         self.req = req
         self.deliver = deliver
         self.gen: Generation | None = None
+        self.cancelled = False
 
     @property
     def running(self) -> Generation:
@@ -188,8 +212,11 @@ class Scheduler:
                 self.waiting.remove(job)
                 self._positions()
                 return
+        job.cancelled = True
         if job.gen is not None:
             self.model.driver.cancel(job.gen)
+        else:  # an embeddings job: its decode in flight stops too
+            self.model.driver.interrupt_alone()
 
     def close(self) -> None:
         """Stop: what waits ends with ShuttingDown, what runs is cancelled; idempotent."""
@@ -199,9 +226,12 @@ class Scheduler:
                 job.deliver(ShuttingDown())
             self.waiting.clear()
             running = [job.gen for job in self.active if job.gen is not None]
+            for job in self.active:
+                job.cancelled = True
             self.cond.notify_all()
         for gen in running:
             self.model.driver.cancel(gen)
+        self.model.driver.interrupt_alone()
         self.on_close()
 
     def join(self) -> None:
@@ -238,21 +268,48 @@ class Scheduler:
                     self.model.follow_memory()  # idle: give memory back if the limits ask
             if self.closed and not self.active:
                 return False
-            admitted = []
-            while self.waiting and not self.closed and (slot := self.model.slot_for(self.waiting[0].req)):
+            admitted: list[tuple[Job, Slot]] = []
+            while self.waiting and not self.closed and (slot := self._slot_for(self.waiting[0].req)):
                 job = self.waiting.popleft()
                 slot.busy = True  # taken now: the next slot_for must not offer it again
-                job.gen = self.model.generation(job.req, job.deliver, slot)
+                if isinstance(job.req, Request):
+                    job.gen = self.model.generation(job.req, job.deliver, slot)
+                admitted.append((job, slot))
                 self.active.append(job)
-                admitted.append(job)
                 job.deliver(Position(0))
             if admitted:
                 self._positions()
-        for job in admitted:
-            self._begin(job)
-        if self.active:
+        for job, slot in admitted:
+            if isinstance(job.req, EmbedAsk):
+                self._embed(job, job.req, slot)
+            else:
+                self._begin(job)
+        if any(job.gen is not None for job in self.active):
             self._step()
         return True
+
+    def _slot_for(self, req: Request | EmbedAsk) -> Slot | None:
+        """A free slot: a generation's (Model.slot_for); for embeddings, which empty the KV sequence they use, the
+        least recently used of those that hold no conversation, else of all."""
+        if isinstance(req, Request):
+            return self.model.slot_for(req)
+        return min((s for s in self.model.slots if not s.busy), key=lambda s: (bool(s.kv_tokens), s.used), default=None)
+
+    def _embed(self, job: Job, ask: EmbedAsk, slot: Slot) -> None:
+        """An embeddings job, whole, on `slot`: its answer, or why it cannot run (ConfigError); a job cancelled
+        (its client left, a shutdown) stops mid-decode (`cancel`, `close`: Driver.interrupt_alone)."""
+        try:
+            self.model.check_unchanged(self.reload_fix)
+            vectors = self.model.embed(ask.inputs, ask.norm, slot, lambda: job.cancelled)
+        except Cancelled:
+            job.deliver(ShuttingDown())  # a client that left hears nothing; a shutdown is why the others end
+        except ConfigError as e:
+            job.deliver(e)
+        else:
+            job.deliver(Embedded(vectors))
+        finally:
+            slot.busy = False
+            self._drop(job)
 
     def _begin(self, job: Job) -> None:
         """Prefill `job`; a request that cannot run hears why (ConfigError) and the rest go on."""
@@ -268,7 +325,7 @@ class Scheduler:
             self._done(job, done)
 
     def _step(self) -> None:
-        jobs = list(self.active)
+        jobs = [j for j in self.active if j.gen is not None]
         mode = self.batching.choose() if len(jobs) > 1 else "turns"
         if mode == "turns":
             jobs = jobs[:1]
