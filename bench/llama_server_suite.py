@@ -38,6 +38,8 @@ SUITE = "vendor/llama.cpp/tools/server/tests"
 SAME = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed", "--alias": "--alias",
         "--threads": "-t", "--n-predict": "-n", "--api-key": "--api-key", "--cors-origins": "--allowed-origin",
         "--chat-template-file": "--chat-template-file", "--parallel": "--parallel"}
+SAME_SWITCH = {"--no-ui": "--no-webui", "--no-webui": "--no-webui", "--no-slots": "--no-slots"}
+BMOE_DEFAULT = {"--slots", "--metrics", "--offline", "--cont-batching", "--jinja"}  # what bmoe-server does anyway
 DROPPED_WITH_VALUE = {"--model-url", "--model-draft", "--hf-file", "--models-dir", "--models-max",
                       "--models-preset", "--batch-size", "--ubatch-size", "--n-gpu-layers", "--pooling", "--tags",
                       "-ctk", "-ctv", "-fa", "--slot-save-path", "--grp-attn-n", "--grp-attn-w", "--lora",
@@ -50,7 +52,7 @@ DROPPED_WITH_VALUE = {"--model-url", "--model-draft", "--hf-file", "--models-dir
 
 def as_llama_server(argv: list[str], model: str) -> list[str]:
     """bmoe-server's command line for llama-server's `argv` (--ctx-size is llama-server's total over its
-    --parallel slots; bmoe's -c is each sequence's)."""
+    --parallel slots; bmoe's -c is each sequence's; /metrics is off unless llama-server is given --metrics)."""
     out = [sys.executable, "-m", "bmoe.server", "-m", model, "--no-warm-start"]
     ctx, parallel, dropped, i = None, 1, [], 0
     while i < len(argv):
@@ -58,6 +60,9 @@ def as_llama_server(argv: list[str], model: str) -> list[str]:
         value = argv[i + 1] if i + 1 < len(argv) else ""
         if flag == "--n-predict" and int(value) < 0:  # llama-server's "until the context is full": bmoe's default
             i += 2
+        elif flag in SAME_SWITCH:
+            out.append(SAME_SWITCH[flag])
+            i += 1
         elif flag in SAME:
             out += [SAME[flag], value]
             parallel = int(value) if flag == "--parallel" else parallel
@@ -70,11 +75,13 @@ def as_llama_server(argv: list[str], model: str) -> list[str]:
             dropped.append(f"{flag} {value}")
             i += 2
         else:
-            if flag not in ("--no-slots", "--offline", "--cont-batching", "--jinja", "--no-webui"):
+            if flag not in BMOE_DEFAULT:
                 dropped.append(flag)
             i += 1
     if ctx:
         out += ["-c", str(max(64, ctx // parallel))]
+    if "--metrics" not in argv:
+        out.append("--no-metrics")
     if dropped:
         print(f"llama_server_suite: no bmoe-server meaning, dropped: {' '.join(dropped)}", file=sys.stderr)
     return out
@@ -115,8 +122,9 @@ def _venv(suite: Path) -> Path:
 
 
 def expected() -> dict[str, str]:
-    """The tests that cannot pass against bmoe-server: a test id, or a pattern of ids (fnmatch: a whole
-    file of a feature bmoe does not have), -> why."""
+    """The tests that cannot pass against bmoe-server: a test id (taken as it is: a parametrized one's
+    brackets are not a pattern), or a pattern of ids (fnmatch: a whole file of a feature bmoe does not
+    have), -> why."""
     out = {}
     for line in EXPECTED.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
@@ -168,7 +176,7 @@ def main() -> int:
     print(f"llama_server_suite: {' '.join(cmd)} (in {work})", file=sys.stderr)
     subprocess.run(cmd, cwd=work, env=env)
     got, want = outcomes(junit), expected()
-    listed = {t for t in got if any(fnmatch.fnmatchcase(t, w) for w in want)}
+    listed = {t for t in got if t in want or any(fnmatch.fnmatchcase(t, w) for w in want)}  # ids have [...]
     fail_new = sorted(t for t, ok in got.items() if not ok and t not in listed)
     # a test named on the list that passes is taken off it; under a whole feature's pattern, a test that
     # wants an error passes by the route's 404 and says nothing

@@ -5,5 +5,4 @@ prompt cache (`prompt_cache`). They drive bmoe.coordinator's Engine; nothing bel
 """
 
 from bmoe.generation.logprobs import log_softmax
-from bmoe.generation.records import Completion
 from bmoe.generation.request_life import Generation

@@ -45,7 +45,8 @@ from bmoe.server.http_errors import (
     shutting_down,
     validation_error,
 )
-from bmoe.server.llama_routes import LlamaEndpoints, add_llama_routes
+from bmoe.server.llama_routes import LlamaEndpoints, add_llama_routes, is_native_path, llama_error
+from bmoe.server.llama_slots import not_served
 from bmoe.server.llama_wire import LlamaCompletionBody
 from bmoe.server.metrics import Metrics
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
@@ -175,9 +176,11 @@ async def _disconnected(request: HttpRequest) -> None:
 
 def _error_response(path: str, e: ServeError) -> JSONResponse:
     """The error as the object the route's clients read: Anthropic's under /v1/messages, Ollama's under
-    /api/, else OpenAI's."""
+    /api/, else OpenAI's (with llama-server's types on its native routes)."""
     if anthropic_wire.is_messages_path(path):
         return anthropic_wire.anthropic_error(e)
+    if is_native_path(path):
+        return llama_error(e)
     return ollama_wire.ollama_error(e) if ollama_wire.is_ollama_path(path) else e.response()
 
 
@@ -231,7 +234,8 @@ class Endpoints:
                 "parallel": sched.capacity, "waiting": len(sched.waiting)}
 
     async def prometheus(self) -> Response:
-        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST,
+                        headers={"Process-Start-Time-Unix": str(self.metrics.started)})
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_object()]}
@@ -488,13 +492,15 @@ def _ended(s: GenerationStats) -> GenerationStats:
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
                n_predict: int, alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
-               trusted: Trusted | None = None, kept: ResponseStore | None = None) -> FastAPI:
+               trusted: Trusted | None = None, kept: ResponseStore | None = None, slots: bool = True,
+               metrics_route: bool = True) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
     (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
     every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
-    loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses."""
+    loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses.
+    `slots` and `metrics_route` false: /slots and /metrics answer 501 (--no-slots, --no-metrics)."""
     trusted = trusted or Trusted()
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
@@ -527,10 +533,10 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)
-    if webui:
-        add_pages(app)
+    add_pages(app, webui)
     key = [Depends(keyed.authorized)]  # the routes of the APIs, the metrics and the events
-    app.get("/metrics", dependencies=key)(routes.prometheus)
+    app.get("/metrics", dependencies=key)(routes.prometheus if metrics_route else not_served("/metrics",
+                                                                                             "--no-metrics"))
     for v1 in ("/v1", ""):  # "": the paths llama-server also serves them at (a base URL without /v1)
         app.get(v1 + "/models", dependencies=key)(routes.models)
         app.get(v1 + "/models/{model_id:path}", dependencies=key)(routes.model_by_id)
@@ -553,6 +559,6 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
         app.post(refused, dependencies=key)(routes.ollama_refused)
     app.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"], dependencies=key)(routes.ollama_refused)
     add_llama_routes(app, LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare,
-                                         routes.answer), key)
+                                         routes.answer, slots, metrics_route), key)
     app.get(EVENTS, dependencies=key)(feed.route)
     return app
