@@ -37,11 +37,11 @@ SUITE = "vendor/llama.cpp/tools/server/tests"
 # named on stderr): the tests that need them fail, and are on the expected list
 SAME = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed", "--alias": "--alias",
         "--threads": "-t", "--n-predict": "-n", "--api-key": "--api-key", "--cors-origins": "--allowed-origin",
-        "--chat-template-file": "--chat-template-file", "--parallel": "--parallel"}
+        "--chat-template-file": "--chat-template-file", "--parallel": "--parallel", "--tags": "--tags"}
 SAME_SWITCH = {"--no-ui": "--no-webui", "--no-webui": "--no-webui", "--no-slots": "--no-slots"}
 BMOE_DEFAULT = {"--slots", "--metrics", "--offline", "--cont-batching", "--jinja"}  # what bmoe-server does anyway
 DROPPED_WITH_VALUE = {"--model-url", "--model-draft", "--hf-file", "--models-dir", "--models-max",
-                      "--models-preset", "--batch-size", "--ubatch-size", "--n-gpu-layers", "--pooling", "--tags",
+                      "--models-preset", "--batch-size", "--ubatch-size", "--n-gpu-layers", "--pooling",
                       "-ctk", "-ctv", "-fa", "--slot-save-path", "--grp-attn-n", "--grp-attn-w", "--lora",
                       "--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-synth-len",
                       "--spec-synth-rates", "--reasoning-format", "--reasoning", "--chat-template", "--mmproj-url",

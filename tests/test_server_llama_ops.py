@@ -42,10 +42,11 @@ def ipv6_loopback() -> bool:
 
 @pytest.fixture(scope="module")
 def keyed(small_moe) -> Iterator[Server]:
-    """Two sequences, a key, every loopback page admitted, and IPv6's loopback beside IPv4's when it has one."""
+    """Two sequences, a key, every loopback page admitted, IPv6's loopback beside IPv4's when it has one, and
+    two names and two tags for the model."""
     hosts = "127.0.0.1,::1" if ipv6_loopback() else "127.0.0.1"
     s = Server("-m", str(small_moe), *FLAGS, "--parallel", "2", "--host", hosts, "--allowed-origin", "localhost",
-               env={"BMOE_API_KEY": KEY})
+               "--alias", "b-moe, a-moe,b-moe", "--tags", "small,chat", env={"BMOE_API_KEY": KEY})
     yield s
     s.stop()
 
@@ -223,6 +224,20 @@ def test_errors_on_llama_servers_routes_carry_its_types(keyed: Server) -> None:
     assert error_of(post(keyed.url, "/v1/completions", {}), 401)["type"] == "invalid_request_error"  # OpenAI's
     err = error_of(post(keyed.url, "/completion", {"prompt": PROMPT * 600, "n_predict": 4}, **auth()), 400)
     assert err["type"] == "exceed_context_size_error" and err["code"] == "context_length_exceeded"
+
+
+# ---- the model's names and tags -----------------------------------------------------------------
+
+
+def test_every_alias_names_the_model_and_the_tags_are_told(keyed: Server, small_moe) -> None:
+    client = keyed.client()
+    (listed,) = client.models.list().data
+    assert listed.id == "a-moe" and listed.model_extra == {"aliases": ["a-moe", "b-moe"], "tags": ["chat", "small"]}
+    assert httpx.get(keyed.url + "/models", headers=auth()).json()["data"][0]["id"] == "a-moe"
+    for name in ("a-moe", "b-moe", small_moe.stem):
+        assert client.models.retrieve(name).id == "a-moe"
+    assert error_of(httpx.get(keyed.url + "/v1/models/c-moe", headers=auth()), 404)["code"] == "model_not_found"
+    assert client.completions.create(model="b-moe", prompt=PROMPT, max_tokens=1).model == "a-moe"
 
 
 # ---- the public files, and the routes turned off -------------------------------------------------

@@ -213,10 +213,14 @@ class Endpoints:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
     def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, grammars: GrammarPool, n_predict: int,
-                 alias: str | None = None, kept: ResponseStore | None = None) -> None:
+                 alias: str | None = None, kept: ResponseStore | None = None, tags: tuple[str, ...] = ()) -> None:
         self.model, self.sched, self.metrics, self.grammars = model, sched, metrics, grammars
         self.n_predict = n_predict
-        self.model_id = alias or model.name  # what /v1/models lists and responses name
+        # --alias's names (a comma list), sorted as llama-server's: the first is the id /v1/models lists and
+        # responses name; every one, and the GGUF's name, finds the model
+        self.aliases = sorted({a.strip() for a in (alias or "").split(",") if a.strip()})
+        self.model_id = self.aliases[0] if self.aliases else model.name
+        self.tags = sorted(set(tags))  # --tags: told in /v1/models, as llama-server's (they route nothing)
         # /v1/responses' stored responses (previous_response_id, GET and DELETE)
         self.kept = kept if kept is not None else ResponseStore()
         self.facts: ModelFacts | None = None  # the model as Ollama's clients see it (read on first use)
@@ -241,15 +245,15 @@ class Endpoints:
         return {"object": "list", "data": [self.model_object()]}
 
     async def model_by_id(self, model_id: str) -> dict[str, Any]:
-        """The served model by its id (--alias) or its GGUF's name."""
-        if model_id not in (self.model_id, self.model.name):
+        """The served model by its id, another of its --alias names, or its GGUF's name."""
+        if model_id not in (*self.aliases, self.model.name):
             raise ServeError(404, f"the model {model_id!r} does not exist; this server serves {self.model_id!r}",
                              code="model_not_found", param="model")
         return self.model_object()
 
     def model_object(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": int(time.time() - self.model.stats.load_s),
-                "owned_by": "bmoe"}
+                "owned_by": "bmoe", "aliases": self.aliases, "tags": self.tags}
 
     async def completions(self, body: CompletionBody, request: HttpRequest) -> Response:
         req = await self.completion_request(body)
@@ -493,8 +497,8 @@ def _ended(s: GenerationStats) -> GenerationStats:
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
                n_predict: int, alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
                trusted: Trusted | None = None, kept: ResponseStore | None = None, slots: bool = True,
-               metrics_route: bool = True) -> FastAPI:
-    """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
+               metrics_route: bool = True, tags: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app serving `model` (named `alias` if given, tagged `tags`) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
     (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
@@ -518,7 +522,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
 
     sched.on_generation = generated
     sched.on_close = feed.close
-    routes = Endpoints(model, sched, metrics, grammars, n_predict, alias, kept)
+    routes = Endpoints(model, sched, metrics, grammars, n_predict, alias, kept, tags)
     Gauge("bmoe_stored_responses", "responses kept for previous_response_id (bound: --store-responses)",
           registry=metrics.registry).set_function(lambda: len(routes.kept.kept))
     Gauge("bmoe_stored_response_bytes", "memory the kept responses take (bound: --store-responses-mb)",

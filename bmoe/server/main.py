@@ -151,6 +151,10 @@ def _addresses(text: str) -> str:
     return ",".join(names)
 
 
+def _tags(text: str) -> tuple[str, ...]:
+    return tuple(sorted({t.strip() for t in text.split(",") if t.strip()}))
+
+
 def _port(text: str) -> int:
     return number(text, int, "a port number", lambda v: 0 <= v <= 65535, "must be 0 (any free port) to 65535")
 
@@ -237,7 +241,11 @@ class ServeSettings:
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
-                                     "checked)")
+                                     "checked); several comma-separated are all taken, the first in sorted order "
+                                     "being the id, as llama-server's")
+    tags: tuple[str, ...] = setting((), "--tags", parse=_tags, metavar="TAGS",
+                                    help="labels /v1/models lists with the model, comma-separated (as llama-server's; "
+                                         "informational: they route nothing)")
     webui: bool = setting(True, "--no-webui", help="serve no chat page at / (the API and its events stay)")
     slots: bool = setting(True, "--no-slots",
                           help="serve no /slots (llama-server's view of the KV sequences: each one's state and token "
@@ -386,7 +394,7 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[so
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout,
                      trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins),
                      kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20), slots=opts.slots,
-                     metrics_route=opts.metrics)
+                     metrics_route=opts.metrics, tags=opts.tags)
     host, port = socks[0].getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),
