@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO
-from tests.test_server import FLAGS, KEY, PROMPT, Server, auth, error_of
+from tests.test_server import FLAGS, KEY, PROMPT, Server, auth, error_of, metric
 
 LOOPBACK_PAGES = ("http://localhost", "http://localhost:8080", "http://127.0.0.1", "http://127.0.0.1:3000",
                   "http://[::1]", "http://[::1]:3000", "https://app.localhost:5173")
@@ -140,7 +140,8 @@ def llama_series(server: Server) -> tuple[httpx.Response, dict[str, tuple[str, f
 
 def test_metrics_has_llama_servers_series(keyed: Server) -> None:
     r, before = llama_series(keyed)
-    assert abs(int(r.headers["Process-Start-Time-Unix"]) - psutil.Process(keyed.proc.pid).create_time()) < 2
+    started = dict(r.headers.raw)[b"Process-Start-Time-Unix"]  # spelt as llama-server spells it
+    assert abs(int(started) - psutil.Process(keyed.proc.pid).create_time()) < 2
     got = []
     for n in (1, 4, 8):  # each scraped right after its answer: counted before the answer was sent
         t = post(keyed.url, "/completion", {"prompt": PROMPT, "n_predict": n}, **auth()).json()["timings"]
@@ -261,3 +262,50 @@ def test_no_slots_and_no_metrics_answer_501_naming_the_flag(bare: Server) -> Non
         assert err["type"] == "not_supported_error" and flag in err["message"], path
     props = httpx.get(bare.url + "/props").json()
     assert props["endpoint_slots"] is False and props["endpoint_metrics"] is False
+
+
+# ---- Vertex AI's prediction route ----------------------------------------------------------------
+
+
+def test_vertex_ai_predicts_each_instance_through_its_route(small_moe) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    s = Server("-m", str(small_moe), *FLAGS, env={"BMOE_API_KEY": KEY, "AIP_MODE": "PREDICTION",
+                                                  "AIP_HTTP_PORT": str(free), "AIP_HEALTH_ROUTE": "healthz"})
+    try:
+        assert port(s) == free and httpx.get(s.url + "/healthz").json()["status"] == "ok"  # Vertex's, no key
+        chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        want = post(s.url, "/v1/chat/completions", chat, **auth()).json()["choices"][0]["message"]["content"]
+        body = {"instances": [{"@requestFormat": "chatCompletions", **chat},
+                              {"@requestFormat": "/v1/completions", "prompt": PROMPT, "max_tokens": 2},
+                              {"@requestFormat": "completion", "prompt": PROMPT, "n_predict": 2},
+                              {"@requestFormat": "nowhere"}, {"@requestFormat": "completion", "prompt": PROMPT,
+                                                              "stream": True}, "text",
+                              {"@requestFormat": "completion", "prompt": PROMPT, "n_predict": 2, "mirostat": 2}],
+                "parameters": {}}
+        error_of(post(s.url, "/predict", body), 401)
+        chats = metric(s, 'bmoe_requests_total{route="/v1/chat/completions",status="200"}')
+        got = post(s.url, "/predict", body, **auth())
+        assert got.status_code == 200, got.text
+        p = got.json()["predictions"]
+        assert p[0]["choices"][0]["message"]["content"] == want and p[0]["model"] == small_moe.stem
+        assert p[1]["object"] == "text_completion" and p[2]["stop"] is True and p[2]["tokens_predicted"] == 2
+        assert [p[i]["error"]["param"] for i in (3, 4, 5, 6)] == ["@requestFormat", "stream", "instances", "mirostat"]
+        # each instance was a request of its own, counted under its route
+        assert metric(s, 'bmoe_requests_total{route="/v1/chat/completions",status="200"}') == chats + 1
+        err = error_of(post(s.url, "/predict", {"instances": [{}] * 129}, **auth()), 400)
+        assert "instances" in err["message"]
+    finally:
+        s.stop()
+
+
+def test_vertex_ais_environment_is_checked(small_moe) -> None:
+    env = {**os.environ, "AIP_MODE": "PREDICTION"}
+    cmd = [sys.executable, "-m", "bmoe.server", "-m", str(small_moe), "--port", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**env, "AIP_HTTP_PORT": "http"})
+    assert r.returncode == 1 and "AIP_HTTP_PORT='http' is not a port number" in r.stderr, r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**env, "AIP_HTTP_PORT": "0", "AIP_PREDICT_ROUTE": "/v1/chat/completions"})
+    assert r.returncode == 1 and "/v1/chat/completions is one of bmoe-server's routes" in r.stderr, r.stderr

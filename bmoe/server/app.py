@@ -55,6 +55,7 @@ from bmoe.server.request_base import sampling_of, unasked
 from bmoe.server.response_store import ResponseStore
 from bmoe.server.responses_wire import ResponsesBody, ResponsesShape
 from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
+from bmoe.server.vertex import Vertex, add_vertex
 from bmoe.server.webui import add_pages
 
 TOO_LONG_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
@@ -238,8 +239,10 @@ class Endpoints:
                 "parallel": sched.capacity, "waiting": len(sched.waiting)}
 
     async def prometheus(self) -> Response:
-        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST,
-                        headers={"Process-Start-Time-Unix": str(self.metrics.started)})
+        answer = Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        # llama-server's header, spelt as it spells it (h11 keeps a name's case): clients look it up so
+        answer.raw_headers.append((b"Process-Start-Time-Unix", str(self.metrics.started).encode()))
+        return answer
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_object()]}
@@ -497,14 +500,15 @@ def _ended(s: GenerationStats) -> GenerationStats:
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
                n_predict: int, alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
                trusted: Trusted | None = None, kept: ResponseStore | None = None, slots: bool = True,
-               metrics_route: bool = True, tags: tuple[str, ...] = ()) -> FastAPI:
+               metrics_route: bool = True, tags: tuple[str, ...] = (), vertex: Vertex | None = None) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given, tagged `tags`) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
     (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
     every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
     loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses.
-    `slots` and `metrics_route` false: /slots and /metrics answer 501 (--no-slots, --no-metrics)."""
+    `slots` and `metrics_route` false: /slots and /metrics answer 501 (--no-slots, --no-metrics); `vertex`: Vertex
+    AI's prediction route (bmoe.server.vertex)."""
     trusted = trusted or Trusted()
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
@@ -565,4 +569,6 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     add_llama_routes(app, LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare,
                                          routes.answer, slots, metrics_route), key)
     app.get(EVENTS, dependencies=key)(feed.route)
+    if vertex is not None:
+        add_vertex(app, vertex, key, routes.health)
     return app

@@ -95,6 +95,7 @@ try:
     from bmoe.server.grammar_pool import GrammarPool
     from bmoe.server.hosts import Trusted, host_names, origins
     from bmoe.server.response_store import ENTRY_BYTES, KEPT, KEPT_MB, ResponseStore
+    from bmoe.server.vertex import Vertex
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
                      "pip install 'bmoe[server]'") from None
@@ -375,7 +376,8 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[socket.socket]) -> int:
+def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[socket.socket],
+               vertex: Vertex | None = None) -> int:
     """Serve until a signal (exit 143/130, bounded by --shutdown-timeout: exits.Shutdown) or a fatal
     error (exit 1)."""
     fatal: list[BaseException] = []
@@ -394,7 +396,7 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[so
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout,
                      trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins),
                      kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20), slots=opts.slots,
-                     metrics_route=opts.metrics, tags=opts.tags)
+                     metrics_route=opts.metrics, tags=opts.tags, vertex=vertex)
     host, port = socks[0].getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),
@@ -430,10 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     exits.install_signal_handlers()
     model: Model | None = None
     try:
-        socks = listen(opts.host, opts.port)
+        vertex = Vertex.of(os.environ)  # Vertex AI's container: its port and prediction route (bmoe.server.vertex)
+        socks = listen(opts.host, vertex.port if vertex is not None else opts.port)
         try:
             model = open_model(settings, console.notice)
-            return run_server(model, opts, a.n_predict, socks)
+            return run_server(model, opts, a.n_predict, socks, vertex)
         finally:
             for sock in socks:
                 sock.close()
