@@ -49,7 +49,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bmoe.server.http_errors import ServeError
 
@@ -193,7 +193,24 @@ class Cors(CORSMiddleware):
     def preflight_response(self, request_headers: Headers) -> Response:
         if not self.is_allowed_origin(request_headers["origin"]):
             return Response(status_code=200, headers={"Vary": "Origin"})
-        return super().preflight_response(request_headers)
+        answer = super().preflight_response(request_headers)
+        answer.raw_headers = _spelt(answer.raw_headers)
+        return answer
+
+    async def send(self, message: Message, send: Send, request_headers: Headers) -> None:
+        async def spelling(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = _spelt(message.get("headers", []))
+            await send(message)
+
+        await super().send(message, spelling, request_headers)
+
+
+def _spelt(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The CORS headers' names spelt as llama-server (and most servers) send them, `Access-Control-Allow-Origin`
+    (h11 keeps a name's case): a client that looks one up as llama-server spells it finds it."""
+    return [(b"-".join(w.capitalize() for w in k.split(b"-")) if k.startswith(b"access-control-") else k, v)
+            for k, v in headers]
 
 
 def add_cors(app: FastAPI, trusted: Trusted) -> None:
