@@ -59,7 +59,8 @@ Decisions:
   Responses API's stored responses take `--store-responses-mb` of memory at most, every field
   counted (bmoe.server.response_store). New grammars are parsed within `--grammar-timeout` (400
   past it), `--grammar-checks` at a time with `--grammar-queue` more waiting (503 past them). Every error
-  is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
+  is an OpenAI error object `{"error": {"message", "type", "param", "code"}}` (llama-server's types on its
+  own routes: bmoe.server.llama_routes); in a stream that has
   begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
   a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own);
