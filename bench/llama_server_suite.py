@@ -37,12 +37,15 @@ SUITE = "vendor/llama.cpp/tools/server/tests"
 # named on stderr): the tests that need them fail, and are on the expected list
 SAME = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed", "--alias": "--alias",
         "--threads": "-t", "--n-predict": "-n", "--api-key": "--api-key", "--cors-origins": "--allowed-origin",
-        "--chat-template-file": "--chat-template-file", "--parallel": "--parallel", "--pooling": "--pooling"}
+        "--chat-template-file": "--chat-template-file", "--parallel": "--parallel", "--pooling": "--pooling",
+        "--tags": "--tags"}
+SAME_SWITCH = {"--no-ui": "--no-webui", "--no-webui": "--no-webui", "--no-slots": "--no-slots"}
+BMOE_DEFAULT = {"--slots", "--metrics", "--offline", "--cont-batching", "--jinja"}  # what bmoe-server does anyway
 # the pooling of the suite's embedding model (bert-bge-small's GGUF: bert.pooling_type 2, cls), which the
 # stand-in's GGUF does not declare: given when the suite starts --embedding without --pooling
 SUITE_POOLING = "cls"
 DROPPED_WITH_VALUE = {"--model-url", "--model-draft", "--hf-file", "--models-dir", "--models-max",
-                      "--models-preset", "--batch-size", "--ubatch-size", "--n-gpu-layers", "--tags",
+                      "--models-preset", "--batch-size", "--ubatch-size", "--n-gpu-layers",
                       "-ctk", "-ctv", "-fa", "--slot-save-path", "--grp-attn-n", "--grp-attn-w", "--lora",
                       "--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-synth-len",
                       "--spec-synth-rates", "--reasoning-format", "--reasoning", "--chat-template", "--mmproj-url",
@@ -53,7 +56,7 @@ DROPPED_WITH_VALUE = {"--model-url", "--model-draft", "--hf-file", "--models-dir
 
 def as_llama_server(argv: list[str], model: str) -> list[str]:
     """bmoe-server's command line for llama-server's `argv` (--ctx-size is llama-server's total over its
-    --parallel slots; bmoe's -c is each sequence's)."""
+    --parallel slots; bmoe's -c is each sequence's; /metrics is off unless llama-server is given --metrics)."""
     out = [sys.executable, "-m", "bmoe.server", "-m", model, "--no-warm-start"]
     ctx, parallel, dropped, i = None, 1, [], 0
     while i < len(argv):
@@ -61,6 +64,9 @@ def as_llama_server(argv: list[str], model: str) -> list[str]:
         value = argv[i + 1] if i + 1 < len(argv) else ""
         if flag == "--n-predict" and int(value) < 0:  # llama-server's "until the context is full": bmoe's default
             i += 2
+        elif flag in SAME_SWITCH:
+            out.append(SAME_SWITCH[flag])
+            i += 1
         elif flag in SAME:
             out += [SAME[flag], value]
             parallel = int(value) if flag == "--parallel" else parallel
@@ -76,13 +82,15 @@ def as_llama_server(argv: list[str], model: str) -> list[str]:
             out.append("--embedding")
             i += 1
         else:
-            if flag not in ("--no-slots", "--offline", "--cont-batching", "--jinja", "--no-webui"):
+            if flag not in BMOE_DEFAULT:
                 dropped.append(flag)
             i += 1
     if "--embedding" in out and "--pooling" not in out:
         out += ["--pooling", SUITE_POOLING]
     if ctx:
         out += ["-c", str(max(64, ctx // parallel))]
+    if "--metrics" not in argv:
+        out.append("--no-metrics")
     if dropped:
         print(f"llama_server_suite: no bmoe-server meaning, dropped: {' '.join(dropped)}", file=sys.stderr)
     return out
@@ -123,8 +131,9 @@ def _venv(suite: Path) -> Path:
 
 
 def expected() -> dict[str, str]:
-    """The tests that cannot pass against bmoe-server: a test id, or a pattern of ids (fnmatch: a whole
-    file of a feature bmoe does not have), -> why."""
+    """The tests that cannot pass against bmoe-server: a test id (taken as it is: a parametrized one's
+    brackets are not a pattern), or a pattern of ids (fnmatch: a whole file of a feature bmoe does not
+    have), -> why."""
     out = {}
     for line in EXPECTED.read_text().splitlines():
         if line.strip() and not line.startswith("#"):

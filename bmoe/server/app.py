@@ -47,7 +47,8 @@ from bmoe.server.http_errors import (
     shutting_down,
     validation_error,
 )
-from bmoe.server.llama_routes import LlamaEndpoints, add_llama_routes
+from bmoe.server.llama_routes import LlamaEndpoints, add_llama_routes, is_native_path, llama_error
+from bmoe.server.llama_slots import not_served
 from bmoe.server.llama_wire import LlamaCompletionBody
 from bmoe.server.metrics import Metrics
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
@@ -56,6 +57,7 @@ from bmoe.server.request_base import sampling_of, unasked
 from bmoe.server.response_store import ResponseStore
 from bmoe.server.responses_wire import ResponsesBody, ResponsesShape
 from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
+from bmoe.server.vertex import Vertex, add_vertex
 from bmoe.server.webui import add_pages
 
 TOO_LONG_FIX = "shorten the prompt, lower max_tokens, or restart bmoe-server with a larger -c"
@@ -177,9 +179,11 @@ async def _disconnected(request: HttpRequest) -> None:
 
 def _error_response(path: str, e: ServeError) -> JSONResponse:
     """The error as the object the route's clients read: Anthropic's under /v1/messages, Ollama's under
-    /api/, else OpenAI's."""
+    /api/, else OpenAI's (with llama-server's types on its native routes)."""
     if anthropic_wire.is_messages_path(path):
         return anthropic_wire.anthropic_error(e)
+    if is_native_path(path):
+        return llama_error(e)
     return ollama_wire.ollama_error(e) if ollama_wire.is_ollama_path(path) else e.response()
 
 
@@ -212,10 +216,14 @@ class Endpoints:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
     def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, grammars: GrammarPool, n_predict: int,
-                 alias: str | None = None, kept: ResponseStore | None = None) -> None:
+                 alias: str | None = None, kept: ResponseStore | None = None, tags: tuple[str, ...] = ()) -> None:
         self.model, self.sched, self.metrics, self.grammars = model, sched, metrics, grammars
         self.n_predict = n_predict
-        self.model_id = alias or model.name  # what /v1/models lists and responses name
+        # --alias's names (a comma list), sorted as llama-server's: the first is the id /v1/models lists and
+        # responses name; every one, and the GGUF's name, finds the model
+        self.aliases = sorted({a.strip() for a in (alias or "").split(",") if a.strip()})
+        self.model_id = self.aliases[0] if self.aliases else model.name
+        self.tags = sorted(set(tags))  # --tags: told in /v1/models, as llama-server's (they route nothing)
         # /v1/responses' stored responses (previous_response_id, GET and DELETE)
         self.kept = kept if kept is not None else ResponseStore()
         self.facts: ModelFacts | None = None  # the model as Ollama's clients see it (read on first use)
@@ -233,21 +241,24 @@ class Endpoints:
                 "parallel": sched.capacity, "waiting": len(sched.waiting)}
 
     async def prometheus(self) -> Response:
-        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        answer = Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        # llama-server's header, spelt as it spells it (h11 keeps a name's case): clients look it up so
+        answer.raw_headers.append((b"Process-Start-Time-Unix", str(self.metrics.started).encode()))
+        return answer
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_object()]}
 
     async def model_by_id(self, model_id: str) -> dict[str, Any]:
-        """The served model by its id (--alias) or its GGUF's name."""
-        if model_id not in (self.model_id, self.model.name):
+        """The served model by its id, another of its --alias names, or its GGUF's name."""
+        if model_id not in (*self.aliases, self.model.name):
             raise ServeError(404, f"the model {model_id!r} does not exist; this server serves {self.model_id!r}",
                              code="model_not_found", param="model")
         return self.model_object()
 
     def model_object(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": int(time.time() - self.model.stats.load_s),
-                "owned_by": "bmoe"}
+                "owned_by": "bmoe", "aliases": self.aliases, "tags": self.tags}
 
     async def completions(self, body: CompletionBody, request: HttpRequest) -> Response:
         req = await self.completion_request(body)
@@ -494,13 +505,16 @@ def _ended(s: GenerationStats) -> GenerationStats:
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
                n_predict: int, alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
-               trusted: Trusted | None = None, kept: ResponseStore | None = None) -> FastAPI:
-    """The FastAPI app serving `model` (named `alias` if given) through `sched`: the routes (Endpoints),
+               trusted: Trusted | None = None, kept: ResponseStore | None = None, slots: bool = True,
+               metrics_route: bool = True, tags: tuple[str, ...] = (), vertex: Vertex | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (named `alias` if given, tagged `tags`) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
     (RequestGuard), the events feed (bmoe.server.events) and the page (bmoe.server.webui). Without a key,
     every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
-    loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses."""
+    loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses.
+    `slots` and `metrics_route` false: /slots and /metrics answer 501 (--no-slots, --no-metrics); `vertex`: Vertex
+    AI's prediction route (bmoe.server.vertex)."""
     trusted = trusted or Trusted()
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
@@ -518,7 +532,7 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
 
     sched.on_generation = generated
     sched.on_close = feed.close
-    routes = Endpoints(model, sched, metrics, grammars, n_predict, alias, kept)
+    routes = Endpoints(model, sched, metrics, grammars, n_predict, alias, kept, tags)
     Gauge("bmoe_stored_responses", "responses kept for previous_response_id (bound: --store-responses)",
           registry=metrics.registry).set_function(lambda: len(routes.kept.kept))
     Gauge("bmoe_stored_response_bytes", "memory the kept responses take (bound: --store-responses-mb)",
@@ -533,10 +547,10 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)
-    if webui:
-        add_pages(app)
+    add_pages(app, webui)
     key = [Depends(keyed.authorized)]  # the routes of the APIs, the metrics and the events
-    app.get("/metrics", dependencies=key)(routes.prometheus)
+    app.get("/metrics", dependencies=key)(routes.prometheus if metrics_route else not_served("/metrics",
+                                                                                             "--no-metrics"))
     for v1 in ("/v1", ""):  # "": the paths llama-server also serves them at (a base URL without /v1)
         app.get(v1 + "/models", dependencies=key)(routes.models)
         app.get(v1 + "/models/{model_id:path}", dependencies=key)(routes.model_by_id)
@@ -560,6 +574,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     app.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"], dependencies=key)(routes.ollama_refused)
     add_embedding_routes(app, EmbeddingEndpoints(model, routes.model_id, sched), key)
     add_llama_routes(app, LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare,
-                                         routes.answer), key)
+                                         routes.answer, slots, metrics_route), key)
     app.get(EVENTS, dependencies=key)(feed.route)
+    if vertex is not None:
+        add_vertex(app, vertex, key, routes.health)
     return app

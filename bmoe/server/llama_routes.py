@@ -4,6 +4,10 @@ bmoe.server.llama_wire). A completion goes through bmoe.server.app's Endpoints (
 answer loop `answer`, handed in), behind the same key, Host/Origin checks and limits as the `/v1`
 routes, and is counted under its own path in /metrics.
 
+Errors on these routes carry llama-server's error types (`authentication_error`, `not_found_error`,
+`exceed_context_size_error`, ...: LLAMA_ERROR_TYPES), which its clients, its web UI among them, tell
+errors apart by; the object is otherwise the OpenAI one every route answers.
+
 `/completions` is llama-server's native completion, not OpenAI's: llama-server's route table says
 so (its OpenAI completions are only `/v1/completions`), and scripts written for it send native fields
 there and read `content`. The OpenAI routes llama-server also serves without `/v1` (`/chat/completions`,
@@ -20,12 +24,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.params import Depends
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from bmoe.api import Model, Request
 from bmoe.base import ConfigError, FieldError
 from bmoe.server.answer_shape import AnswerShape
 from bmoe.server.http_errors import ServeError, renamed
+from bmoe.server.llama_slots import Slots, not_served
 from bmoe.server.llama_wire import (
     LLAMA_FIELD_NAMES,
     LLAMA_TOO_LONG_FIX,
@@ -42,15 +47,32 @@ from bmoe.server.openai_wire import ChatBody
 Prepare = Callable[..., Awaitable[Request]]  # Endpoints.prepare: a body as the engine's checked request
 AnswerLoop = Callable[[HttpRequest, Request, AnswerShape, bool], Awaitable[Response]]  # Endpoints.answer: the loop
 
+NATIVE_PATHS = ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots")
+# llama-server's error type of each status bmoe answers (llama-server's server-common.h), where it is not OpenAI's
+LLAMA_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                     501: "not_supported_error", 503: "unavailable_error"}
+
+
+def is_native_path(path: str) -> bool:
+    return path in NATIVE_PATHS or path.startswith("/slots/")
+
+
+def llama_error(e: ServeError) -> JSONResponse:
+    """`e` as llama-server types it (a prompt past the context: `exceed_context_size_error`)."""
+    kind = "exceed_context_size_error" if e.code == "context_length_exceeded" else LLAMA_ERROR_TYPES.get(e.status)
+    return ServeError(e.status, e.message, kind or e.type, e.code, e.param).response()
+
 
 class LlamaEndpoints:
     """llama-server's native routes over one server's model (named `model_id`, its -n `n_predict`, its
-    --parallel `slots`) and its Endpoints' `prepare` and `answer`."""
+    --parallel `slots`) and its Endpoints' `prepare` and `answer`; `slots_route` and `metrics_route`: whether
+    /slots and /metrics are served (--no-slots, --no-metrics)."""
 
     def __init__(self, model: Model, model_id: str, n_predict: int, slots: int, prepare: Prepare,
-                 answer: AnswerLoop) -> None:
+                 answer: AnswerLoop, slots_route: bool = True, metrics_route: bool = True) -> None:
         self.model, self.model_id, self.n_predict, self.slots = model, model_id, n_predict, slots
         self.prepare, self.answer = prepare, answer
+        self.slots_route, self.metrics_route = slots_route, metrics_route
 
     async def completion(self, body: LlamaCompletionBody, request: HttpRequest) -> Response:
         """A plain prompt (text or token ids), answered in llama-server's shapes through the answer loop."""
@@ -109,15 +131,19 @@ class LlamaEndpoints:
                 "modalities": {"vision": False, "video": False, "audio": False},
                 "chat_template": (template or b"").decode(errors="replace"),
                 "bos_token": bos, "eos_token": eos,
-                "build_info": f"bmoe {metadata.version('bmoe')}", "endpoint_slots": False, "endpoint_props": False,
-                "endpoint_metrics": True, "is_sleeping": False}
+                "build_info": f"bmoe {metadata.version('bmoe')}", "endpoint_slots": self.slots_route,
+                "endpoint_props": False,
+                "endpoint_metrics": self.metrics_route, "is_sleeping": False}
 
 
 def add_llama_routes(app: FastAPI, native: LlamaEndpoints, key: list[Depends]) -> None:
-    """llama-server's native routes, behind `key` as the /v1 routes are."""
+    """llama-server's native routes, behind `key` as the /v1 routes are (`/slots` a 501 with --no-slots)."""
     for path in ("/completion", "/completions"):
         app.post(path, dependencies=key)(native.completion)
     app.post("/tokenize", dependencies=key)(native.tokenize)
     app.post("/detokenize", dependencies=key)(native.detokenize)
     app.post("/apply-template", dependencies=key)(native.apply_template)
     app.get("/props", dependencies=key)(native.props)
+    by_slot = Slots(native.model)
+    app.get("/slots", dependencies=key)(by_slot.get if native.slots_route else not_served("/slots", "--no-slots"))
+    app.post("/slots/{id_slot}", dependencies=key)(by_slot.act)

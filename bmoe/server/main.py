@@ -57,13 +57,15 @@ Decisions:
   names neither an IP address, localhost, `--host` nor an `--allowed-host`, or that comes from a web
   page of another origin than the chat page's (`--allowed-origin`), gets 403: a page cannot rebind
   its name to 127.0.0.1 and drive the server (bmoe.server.hosts). CORS headers go to exactly the
-  `--allowed-origin` pages, keyed or not; none by default (a preflight is then a 405). Bodies over `--max-body-kb` get
+  `--allowed-origin` pages (`localhost`: every loopback page), keyed or not; none by default (a preflight is
+  then a 405). Bodies over `--max-body-kb` get
   413; a body must arrive within `--body-timeout` of its head plus a second per `--min-body-rate` KB
   (408), and every connection's bodies together are bounded by `--max-bodies-mb` (503). The
   Responses API's stored responses take `--store-responses-mb` of memory at most, every field
   counted (bmoe.server.response_store). New grammars are parsed within `--grammar-timeout` (400
   past it), `--grammar-checks` at a time with `--grammar-queue` more waiting (503 past them). Every error
-  is an OpenAI error object `{"error": {"message", "type", "param", "code"}}`; in a stream that has
+  is an OpenAI error object `{"error": {"message", "type", "param", "code"}}` (llama-server's types on its
+  own routes: bmoe.server.llama_routes); in a stream that has
   begun, an `{"error": ...}` event before `[DONE]`. Under /v1/messages it is
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
   a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own);
@@ -99,6 +101,7 @@ try:
     from bmoe.server.grammar_pool import GrammarPool
     from bmoe.server.hosts import Trusted, host_names, origins
     from bmoe.server.response_store import ENTRY_BYTES, KEPT, KEPT_MB, ResponseStore
+    from bmoe.server.vertex import Vertex
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
                      "pip install 'bmoe[server]'") from None
@@ -147,6 +150,18 @@ examples:
 """
 
 
+def _addresses(text: str) -> str:
+    """--host: one address or a comma list of them, spaces dropped; none at all is a usage error."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give an address to listen on, e.g. 127.0.0.1 or 127.0.0.1,::1")
+    return ",".join(names)
+
+
+def _tags(text: str) -> tuple[str, ...]:
+    return tuple(sorted({t.strip() for t in text.split(",") if t.strip()}))
+
+
 def _port(text: str) -> int:
     return number(text, int, "a port number", lambda v: 0 <= v <= 65535, "must be 0 (any free port) to 65535")
 
@@ -155,9 +170,10 @@ def _port(text: str) -> int:
 class ServeSettings:
     """The server's own settings (the model's are bmoe.base.settings'), declared as those are."""
 
-    host: str = setting("127.0.0.1", "--host",
-                        help="address to listen on (default {default}: this machine only); any other address needs "
-                             "--api-key, or --insecure")
+    host: str = setting("127.0.0.1", "--host", parse=_addresses,
+                        help="address to listen on, or several comma-separated (e.g. 127.0.0.1,::1), all on --port "
+                             "(default {default}: this machine only); any other address needs --api-key, or "
+                             "--insecure")
     port: int = setting(8000, "--port", parse=_port, help="TCP port (default {default}; 0: any free port, printed)")
     api_key: str | None = setting(None, "--api-key", metavar="KEY",
                                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
@@ -175,8 +191,9 @@ class ServeSettings:
              "its own name at this server (DNS rebinding); with a key, names are not checked")
     allowed_origins: tuple[str, ...] = setting(
         (), "--allowed-origin", parse=origins, repeat=True, metavar="ORIGIN",
-        help="let a web page at ORIGIN (SCHEME://HOST[:PORT], or null) use this server from a browser (repeat it "
-             "or give a comma list; * for any): it gets CORS headers, with or without a key, and without a key "
+        help="let a web page at ORIGIN (SCHEME://HOST[:PORT], null, or localhost: every page on this machine's "
+             "loopback names, any scheme and port) use this server from a browser (repeat it or give a comma list; * "
+             "for any): it gets CORS headers, with or without a key, and without a key "
              "its requests are served; by default no page gets CORS headers and, without a key, only the server's "
              "own chat page and clients that send no Origin are served")
     queue: int = setting(8, "--queue", parse=nonneg_int, metavar="N",
@@ -231,8 +248,16 @@ class ServeSettings:
     alias: str | None = setting(None, "--alias", metavar="NAME",
                                 help="the model's id: what /v1/models lists and responses name (default: the GGUF's "
                                      "name, which GET /v1/models/ID takes either way; a request's `model` is not "
-                                     "checked)")
+                                     "checked); several comma-separated are all taken, the first in sorted order "
+                                     "being the id, as llama-server's")
+    tags: tuple[str, ...] = setting((), "--tags", parse=_tags, metavar="TAGS",
+                                    help="labels /v1/models lists with the model, comma-separated (as llama-server's; "
+                                         "informational: they route nothing)")
     webui: bool = setting(True, "--no-webui", help="serve no chat page at / (the API and its events stay)")
+    slots: bool = setting(True, "--no-slots",
+                          help="serve no /slots (llama-server's view of the KV sequences: each one's state and token "
+                               "count, no text); it answers 501")
+    metrics: bool = setting(True, "--no-metrics", help="serve no /metrics (Prometheus); it answers 501")
     shutdown_timeout: float = setting(
         10.0, "--shutdown-timeout", parse=positive_float, metavar="S",
         help="seconds a shutdown (SIGTERM/SIGINT) may take while open responses end and the running generation "
@@ -270,9 +295,10 @@ def serve_settings(ap: argparse.ArgumentParser, a: argparse.Namespace) -> ServeS
     if s.max_bodies_mb * 1024 < s.max_body_kb:
         ap.error(f"--max-bodies-mb {s.max_bodies_mb} holds less than one body of --max-body-kb {s.max_body_kb}; "
                  "raise it or lower --max-body-kb")
-    if not _loopback(s.host) and not s.api_key and not s.insecure:
-        ap.error(f"--host {s.host} lets other machines reach the model; give --api-key-file PATH, "
-                 "--api-key KEY or BMOE_API_KEY, or say --insecure to serve it without a key")
+    for host in s.host.split(","):
+        if not _loopback(host) and not s.api_key and not s.insecure:
+            ap.error(f"--host {host} lets other machines reach the model; give --api-key-file PATH, "
+                     "--api-key KEY or BMOE_API_KEY, or say --insecure to serve it without a key")
     return s
 
 
@@ -298,13 +324,25 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, made before the model loads so a busy port fails at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def listen(hosts: str, port: int) -> list[socket.socket]:
+    """The listening sockets, one per --host address, made before the model loads so a busy port fails at
+    once; with --port 0 the first address's free port is every address's. An IPv6 socket takes IPv6 only
+    (Python's default), so `::` beside `0.0.0.0` does not claim it twice."""
+    socks: list[socket.socket] = []
     try:
-        return socket.create_server((host, port), family=family)
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or --host") from None
+        for host in hosts.split(","):
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            try:
+                socks.append(socket.create_server((host, port), family=family))
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or "
+                                  "--host") from None
+            port = socks[0].getsockname()[1]
+    except ConfigError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 class Server(uvicorn.Server):
@@ -344,7 +382,8 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.socket) -> int:
+def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[socket.socket],
+               vertex: Vertex | None = None) -> int:
     """Serve until a signal (exit 143/130, bounded by --shutdown-timeout: exits.Shutdown) or a fatal
     error (exit 1)."""
     fatal: list[BaseException] = []
@@ -362,8 +401,9 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
     app = create_app(model, sched, api_key=opts.api_key, limits=limits, grammars=grammars, n_predict=n_predict,
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout,
                      trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins),
-                     kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20))
-    host, port = sock.getsockname()[:2]
+                     kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20), slots=opts.slots,
+                     metrics_route=opts.metrics, tags=opts.tags, vertex=vertex)
+    host, port = socks[0].getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),
                             http=HeadDeadline, limit_concurrency=opts.max_connections,
@@ -374,7 +414,7 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, sock: socket.s
     shutdown.install()
     sched.start()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
         sched.close()
         sched.join()
@@ -398,12 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     exits.install_signal_handlers()
     model: Model | None = None
     try:
-        sock = listen(opts.host, opts.port)
+        vertex = Vertex.of(os.environ)  # Vertex AI's container: its port and prediction route (bmoe.server.vertex)
+        socks = listen(opts.host, vertex.port if vertex is not None else opts.port)
         try:
             model = open_model(settings, console.notice)
-            return run_server(model, opts, a.n_predict, sock)
+            return run_server(model, opts, a.n_predict, socks, vertex)
         finally:
-            sock.close()
+            for sock in socks:
+                sock.close()
             if model is not None:
                 model.close()
     except (BmoeError, OSError) as e:

@@ -1,19 +1,27 @@
 """bmoe-server's Prometheus metrics: request and generation totals, the last generation's telemetry, and
-gauges read when scraped (queue, running generations, batching, the expert cache, the KV)."""
+gauges read when scraped (queue, running generations, batching, the expert cache, the KV); and beside
+them llama-server's own series (bmoe.server.llama_metrics)."""
 
 from __future__ import annotations
 
+import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bmoe.api import GenerationStats, Model
+from bmoe.server.llama_metrics import LlamaSeries
 from bmoe.server.scheduler import Scheduler
 
 
 class Metrics:
-    """The Prometheus registry of one server: totals, the last request's telemetry, queue and cache gauges."""
+    """The Prometheus registry of one server: totals, the last request's telemetry, queue and cache gauges,
+    llama-server's series; `started`: when the process started (Unix seconds, llama-server's
+    Process-Start-Time-Unix header)."""
 
     def __init__(self, model: Model, sched: Scheduler) -> None:
         r = self.registry = CollectorRegistry()
+        self.started = int(psutil.Process().create_time())
+        self.llama = LlamaSeries(sched)
+        r.register(self.llama)
         self.requests = Counter("bmoe_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=r)
         self.generations = Counter("bmoe_generations", "generations run, by finish reason", ["finish_reason"],
@@ -45,6 +53,7 @@ class Metrics:
             lambda: sum(len(s.kv_tokens) for s in model.slots))
 
     def generation(self, s: GenerationStats) -> None:
+        self.llama.generation(s)
         self.generations.labels(s.finish_reason).inc()
         self.generated.inc(s.completion_tokens)
         self.prefilled.inc(s.prefill_tokens)

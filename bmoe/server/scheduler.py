@@ -32,7 +32,7 @@ import numpy as np
 
 from bmoe.api import Chunk, GenerationStats, Model, Request
 from bmoe.base import Cancelled, ConfigError
-from bmoe.generation import Completion, Generation, Slot
+from bmoe.generation import Generation, Slot
 from bmoe.server.http_errors import GenerationFailed, QueueFull, ShuttingDown
 
 MODES = ("auto", "batch", "turns")
@@ -162,8 +162,8 @@ class Scheduler:
     up to `size` more wait in the queue.
 
     `on_fatal` hears of an engine failure (after which the scheduler is closed), `on_generation`
-    of each generation's stats, both on the worker thread; `on_close` of every `close`, on the
-    thread that closes it.
+    of each generation's stats (before its client hears it ended), both on the worker thread;
+    `on_close` of every `close`, on the thread that closes it.
     """
 
     def __init__(self, model: Model, size: int, on_fatal: Callable[[BaseException], None],
@@ -179,6 +179,9 @@ class Scheduler:
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # admitted and prefilled (or being prefilled), oldest first
+        self.prefills = 0  # requests prefilled
+        self.decodes = 0  # decode steps run (one llama.cpp batch each)
+        self.decoding = 0  # the sequences those steps decoded, together
         self.closed = False
         self.thread = threading.Thread(target=self._work, name="bmoe-generate", daemon=True)
 
@@ -273,7 +276,7 @@ class Scheduler:
                 job = self.waiting.popleft()
                 slot.busy = True  # taken now: the next slot_for must not offer it again
                 if isinstance(job.req, Request):
-                    job.gen = self.model.generation(job.req, job.deliver, slot)
+                    job.gen = self.model.generation(job.req, self._delivering(job), slot)
                 admitted.append((job, slot))
                 self.active.append(job)
                 job.deliver(Position(0))
@@ -311,6 +314,15 @@ class Scheduler:
             slot.busy = False
             self._drop(job)
 
+    def _delivering(self, job: Job) -> Callable[[Chunk], None]:
+        """`job`'s chunks to its client, a generation's end counted (on_generation) before the client hears
+        of it: a scrape of /metrics after an answer counts that answer."""
+        def deliver(chunk: Chunk) -> None:
+            if chunk.stats is not None:
+                self.on_generation(chunk.stats)
+            job.deliver(chunk)
+        return deliver
+
     def _begin(self, job: Job) -> None:
         """Prefill `job`; a request that cannot run hears why (ConfigError) and the rest go on."""
         try:
@@ -321,8 +333,9 @@ class Scheduler:
             self._drop(job)
             job.deliver(e)
             return
+        self.prefills += 1
         if done is not None:  # cancelled during its prefill
-            self._done(job, done)
+            self._drop(job)
 
     def _step(self) -> None:
         jobs = [j for j in self.active if j.gen is not None]
@@ -332,15 +345,13 @@ class Scheduler:
         t0 = time.perf_counter()
         before = sum(len(j.running.ids) for j in jobs)
         ended = self.model.driver.step([j.running for j in jobs])
+        self.decodes += 1
+        self.decoding += len(jobs)
         if len(self.active) > 1:
             self.batching.record(mode, sum(len(j.running.ids) for j in jobs) - before, time.perf_counter() - t0)
         of = {id(j.gen): j for j in jobs}
-        for gen, done in ended:
-            self._done(of[id(gen)], done)
-
-    def _done(self, job: Job, done: Completion) -> None:
-        self._drop(job)
-        self.on_generation(done.stats)
+        for gen, _ in ended:
+            self._drop(of[id(gen)])
 
     def _drop(self, job: Job) -> None:
         with self.cond:

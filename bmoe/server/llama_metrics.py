@@ -1,0 +1,80 @@
+"""llama-server's Prometheus series (`llamacpp:*`) on bmoe-server's /metrics, beside bmoe's own `bmoe_*`:
+the dashboards and alerts written for llama-server read the same names with the same meanings.
+
+Where bmoe measures something else, the help line says what: a prompt's tokens are the ones decoded (the
+KV prefix reused is `prompt_tokens_cached_total`), `n_decode_total` counts decode steps and prefills, the
+speculative series are 0 (bmoe runs no draft model), and `n_tokens_max` is a gauge (llama-server types it a
+counter without the `_total` a counter's name ends in, which the Prometheus library does not write). As
+llama-server's, the two throughput gauges are averaged over the window between two scrapes: each scrape
+starts a new one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from bmoe.api import GenerationStats
+from bmoe.server.scheduler import Scheduler
+
+PREFIX = "llamacpp:"
+
+
+class LlamaSeries(Collector):
+    """llama-server's series over the generations `generation` is told of and `sched`'s queue and steps."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.lock = threading.Lock()  # generations end on the scheduler's thread, scrapes on the event loop's
+        self.prompt, self.cached, self.predicted, self.n_tokens_max = 0, 0, 0, 0
+        self.prompt_s, self.predicted_s = 0.0, 0.0
+        self.window = (0, 0.0, 0, 0.0)  # since the last scrape: prompt tokens and seconds, predicted and seconds
+
+    def generation(self, s: GenerationStats) -> None:
+        decode_s = s.completion_tokens / s.tok_s if s.tok_s > 0 else 0.0
+        with self.lock:
+            self.prompt += s.prefill_tokens
+            self.cached += s.prompt_tokens - s.prefill_tokens
+            self.predicted += s.completion_tokens
+            self.prompt_s += s.prefill_s
+            self.predicted_s += decode_s
+            self.n_tokens_max = max(self.n_tokens_max, s.kv_tokens)
+            p, ps, g, gs = self.window
+            self.window = (p + s.prefill_tokens, ps + s.prefill_s, g + s.completion_tokens, gs + decode_s)
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            (p, ps, g, gs), self.window = self.window, (0, 0.0, 0, 0.0)
+            totals = self.prompt, self.cached, self.prompt_s, self.predicted, self.predicted_s, self.n_tokens_max
+        prompt, cached, prompt_s, predicted, predicted_s, n_tokens_max = totals
+        sched = self.sched
+        counters = (
+            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", prompt),
+            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache (the KV prefix)", cached),
+            ("prompt_seconds_total", "Total time spent processing prompts", prompt_s),
+            ("tokens_predicted_total", "Number of generation tokens processed", predicted),
+            ("tokens_predicted_seconds_total", "Total time spent generating tokens", predicted_s),
+            ("n_decode_total", "Decode steps (one llama.cpp batch each, whatever runs in it) and prompt prefills",
+             sched.decodes + sched.prefills),
+            ("spec_decode_num_draft_tokens_total", "Speculative: draft tokens generated (0: no draft model)", 0),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: draft tokens accepted (0: no draft model)", 0),
+            ("spec_decode_num_drafts_total", "Speculative: verification steps (0: no draft model)", 0),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        gauges = (
+            ("n_tokens_max", "Largest observed sequence length (prompt + generation)", n_tokens_max),
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s since the last scrape",
+             p / ps if ps > 0 else 0.0),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s since the last scrape",
+             g / gs if gs > 0 else 0.0),
+            ("requests_processing", "Number of requests processing", len(sched.active)),
+            ("requests_deferred", "Number of requests deferred (waiting for a KV sequence)", len(sched.waiting)),
+            ("n_busy_slots_per_decode", "Average number of sequences decoded per decode step",
+             sched.decoding / max(sched.decodes, 1)),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
