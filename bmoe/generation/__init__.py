@@ -6,5 +6,4 @@ bmoe.coordinator's Engine; nothing below imports them.
 """
 
 from bmoe.generation.logprobs import log_softmax
-from bmoe.generation.records import Completion
 from bmoe.generation.request_life import Generation, Slot
