@@ -42,7 +42,7 @@ EMBED_INPUTS_MAX = 2048  # inputs in one request: OpenAI's bound
 EMBED_TOKENS_MAX = 65536  # tokens of one request's inputs together: each is a prefill through the experts
 EMBED_VALUES_MAX = 1 << 22  # floats in one answer (16 MiB as float32; several times that as JSON)
 OAI_PATH = "/v1/embeddings"
-NATIVE_PATHS = ("/embeddings", "/embedding")  # llama-server's native route and its legacy name
+EMBEDDING_PATHS = ("/embeddings", "/embedding")  # llama-server's native route and its legacy name
 NO_EMBEDDINGS = "this server computes no embeddings; restart bmoe-server with --embedding"
 
 
@@ -224,5 +224,5 @@ async def _disconnected(request: HttpRequest) -> None:
 def add_embedding_routes(app: FastAPI, routes: EmbeddingEndpoints, key: list[Depends]) -> None:
     """The embeddings routes, behind `key` as the others are."""
     app.post(OAI_PATH, dependencies=key)(routes.oai)
-    for path in NATIVE_PATHS:
+    for path in EMBEDDING_PATHS:
         app.post(path, dependencies=key)(routes.native)

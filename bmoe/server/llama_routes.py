@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from bmoe.api import Model, Request
 from bmoe.base import ConfigError, FieldError
 from bmoe.server.answer_shape import AnswerShape
+from bmoe.server.embeddings import EMBEDDING_PATHS
 from bmoe.server.http_errors import ServeError, renamed
 from bmoe.server.llama_slots import Slots, not_served
 from bmoe.server.llama_wire import (
@@ -54,7 +55,8 @@ LLAMA_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: 
 
 
 def is_native_path(path: str) -> bool:
-    return path in NATIVE_PATHS or path.startswith("/slots/")
+    """A route of llama-server's own API, whose errors carry its types (embeddings' native routes too)."""
+    return path in NATIVE_PATHS or path in EMBEDDING_PATHS or path.startswith("/slots/")
 
 
 def llama_error(e: ServeError) -> JSONResponse:
