@@ -38,6 +38,7 @@ from bmoe.server.http_errors import (
     QueueFull,
     ServeError,
     ShuttingDown,
+    context_too_long,
     http_error,
     internal,
     renamed,
@@ -258,7 +259,7 @@ class Endpoints:
             raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         return await self.prepare(body, body.max_tokens, fix, prompt=prompt, response_format=body.response_format,
-                                  grammar=body.grammar, logprobs=body.logprobs)
+                                  grammar=body.grammar, logprobs=body.logprobs, ignore_eos=body.ignore_eos)
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
         req = await self.chat_request(body)
@@ -266,7 +267,7 @@ class Endpoints:
 
     def openai_shape(self, chat: bool, body: RequestBody, req: Request) -> OpenAIShape:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return OpenAIShape(chat, self.model_id, req, usage)
+        return OpenAIShape(chat, self.model_id, req, usage, body.timings_per_token)
 
     async def chat_request(self, body: ChatBody, fix: str = TOO_LONG_FIX) -> Request:
         """A chat as the engine's request: OpenAI's chat route's, and the other APIs' translated to it
@@ -275,7 +276,7 @@ class Endpoints:
                                   messages=[m.as_dict() for m in body.messages], think=body.thinks, tools=body.tools,
                                   tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                                   response_format=body.response_format, grammar=body.grammar,
-                                  logprobs=body.n_logprobs, **body.template_options())
+                                  logprobs=body.n_logprobs, ignore_eos=body.ignore_eos, **body.template_options())
 
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
@@ -390,9 +391,9 @@ class Endpoints:
         except FieldError as e:  # a stop, schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:
-            too_long = isinstance(e, ContextTooLong)
-            raise ServeError(400, str(e), code="context_length_exceeded" if too_long else None,
-                             param="messages" if "messages" in what else "prompt") from None
+            param = "messages" if "messages" in what else "prompt"
+            raise (context_too_long(e, param) if isinstance(e, ContextTooLong) else
+                   ServeError(400, str(e), param=param)) from None
 
     async def answer(self, request: HttpRequest, req: Request, shape: AnswerShape, stream: bool) -> Response:
         """Queue `req` and answer it in `shape`: streamed, or whole once it ends."""

@@ -58,12 +58,13 @@ class LlamaEndpoints:
             prompt = body.one_prompt
             req = await self.prepare(body, body.n_tokens, LLAMA_TOO_LONG_FIX, prompt=prompt,
                                    response_format=body.format, grammar=body.grammar,
-                                   logprobs=body.n_probs or None)
+                                   logprobs=body.n_probs or None, ignore_eos=body.ignore_eos)
         except (ServeError, FieldError) as e:
             raise renamed(e, LLAMA_FIELD_NAMES) from None
         text = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.text_of, prompt)
         settings = generation_settings(self.model.stats.n_ctx, req.max_tokens, req.sampler, req.stop)
-        shape = LlamaShape(self.model_id, text, settings, body.return_tokens, bool(body.n_probs))
+        shape = LlamaShape(self.model_id, text, settings, body.return_tokens, bool(body.n_probs), len(req.tokens),
+                           body.timings_per_token)
         return await self.answer(request, req, shape, body.stream)
 
     def text_of(self, tokens: list[int]) -> str:

@@ -14,10 +14,11 @@ What is taken and what is not (docs/server.md says the same for users):
   `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
   `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map),
   `grammar`, `json_schema`, `response_format`, `return_tokens`, `n_probs` (bmoe's logprobs as
-  `completion_probabilities`). `cache_prompt` either way (bmoe
-  reuses a KV prefix where the answer stays a full prefill's) and `n_keep` (bmoe never shifts the
-  context: nothing to keep).
-- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, per-token timings, ...) is a 400
+  `completion_probabilities`), `ignore_eos` (every end-of-generation token banned, as llama-server does).
+  `cache_prompt` either way (bmoe reuses a KV prefix where the answer stays a full prefill's) and
+  `n_keep` (bmoe never shifts the context: nothing to keep).
+- `timings_per_token`: each streamed piece carries the `timings` so far (bmoe.server.timings).
+- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, progress reports, ...) is a 400
   naming the field unless it asks for nothing; fields read only by a sampler that is off (DRY's,
   XTC's threshold, mirostat's tau and eta) change nothing and are taken. Any other unknown field is
   ignored, as on the other routes.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,6 +40,7 @@ from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.openai_wire import LLAMA_UNIMPLEMENTED, sse
 from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
+from bmoe.server.timings import TimingsSoFar, final_timings
 
 LLAMA_TOO_LONG_FIX = "shorten the prompt, lower n_predict, or restart bmoe-server with a larger -c"
 # llama-server's /completion fields bmoe does not implement, each with the values that ask for nothing
@@ -61,6 +64,8 @@ class LlamaCompletionBody(SamplingFields):
     return_tokens: bool = False
     n_probs: int = Field(0, ge=0, le=TOP_LOGPROBS_MAX)  # each token's log-probability and its n likeliest
     n_keep: int | None = None
+    timings_per_token: bool = False  # every streamed piece carries the timings so far
+    ignore_eos: bool = False  # no end of generation: the answer runs to n_predict or a stop string
     model: str | None = None
     bmoe: BmoeOptions = BmoeOptions()
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -150,30 +155,20 @@ def stop_type(s: GenerationStats, stop: str | None) -> str:
     return "word" if stop is not None else "eos"
 
 
-def timings(s: GenerationStats) -> dict[str, Any]:
-    """llama-server's `timings` of a generation (prompt: the tokens decoded, the reused prefix is `cache_n`)."""
-    prompt_ms = s.prefill_s * 1000
-    predicted_ms = s.completion_tokens / s.tok_s * 1000 if s.tok_s > 0 else 0.0
-    return {"cache_n": s.prompt_tokens - s.prefill_tokens, "prompt_n": s.prefill_tokens, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / s.prefill_tokens if s.prefill_tokens else 0.0,
-            "prompt_per_second": s.prefill_tokens / s.prefill_s if s.prefill_s > 0 else 0.0,
-            "predicted_n": s.completion_tokens, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / s.completion_tokens if s.completion_tokens else 0.0,
-            "predicted_per_second": s.tok_s}
-
-
 class LlamaShape:
     """One /completion answer in llama-server's shapes for the answer loop (bmoe.server.answer_shape).
     `prompt`: the prompt as text (what the answer's `prompt` says); `settings`: its generation_settings;
     `return_tokens`: a whole answer lists its token ids (a streamed piece always lists those it completes);
-    `probs`: the request asked for n_probs (each answer lists its tokens' `completion_probabilities`)."""
+    `probs`: the request asked for n_probs (each answer lists its tokens' `completion_probabilities`);
+    `per_token`: timings_per_token, each streamed piece has the `timings` so far (`prompt_tokens`: the prompt's)."""
 
     media_type = SSE
 
     def __init__(self, model: str, prompt: str, settings: dict[str, Any], return_tokens: bool = False,
-                 probs: bool = False) -> None:
+                 probs: bool = False, prompt_tokens: int = 0, per_token: bool = False) -> None:
         self.model, self.prompt, self.settings, self.return_tokens = model, prompt, settings, return_tokens
         self.probs = probs
+        self.so_far = TimingsSoFar(prompt_tokens) if per_token else None
         self.predicted = 0
         self.pending: list[int] = []  # streamed: ids of tokens whose text is held back (a possible stop string)
         self.pending_probs: list[TokenLogprob] = []  # streamed: the log-probabilities not yet sent
@@ -184,7 +179,7 @@ class LlamaShape:
                 **self._probs(probs), "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
                 "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
                 "truncated": False, "stop_type": stop_type(s, stop), "stopping_word": stop or "",
-                "tokens_cached": s.prompt_tokens - s.prefill_tokens, "timings": timings(s),
+                "tokens_cached": s.prompt_tokens - s.prefill_tokens, "timings": final_timings(s),
                 "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
 
     # -- AnswerShape --
@@ -201,6 +196,8 @@ class LlamaShape:
         return b""
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
+        if self.so_far is not None:
+            self.so_far.add(c)
         if c.token_id is not None:
             self.predicted += 1
             self.pending.append(c.token_id)
@@ -209,7 +206,8 @@ class LlamaShape:
             return b""
         (tokens, self.pending), (probs, self.pending_probs) = (self.pending, []), (self.pending_probs, [])
         return sse({"index": 0, "content": c.text, "tokens": tokens, "stop": False,
-                    "tokens_predicted": self.predicted, **self._probs(probs)})
+                    "tokens_predicted": self.predicted, **self._probs(probs),
+                    **({"timings": self.so_far.now()} if self.so_far is not None else {})})
 
     def finish(self, d: Delta) -> bytes:
         return b""  # a plain prompt's answer is not read
@@ -236,9 +234,10 @@ class LlamaShape:
 
 def sampling_settings(sampler: Any) -> dict[str, Any]:
     """The sampling settings by their request names (`sampler`: a bmoe.base SamplerSettings), logit_bias as
-    llama-server's [[id, bias], ...]."""
+    llama-server's [{"bias", "token"}, ...] (a token banned by ignore_eos: bias null, JSON's -inf)."""
     out = {name: getattr(sampler, field) for name, field in SAMPLING_FIELDS.items()}
-    out["logit_bias"] = [list(p) for p in out["logit_bias"]]
+    out["logit_bias"] = [{"bias": bias if math.isfinite(bias) else None, "token": tok}
+                         for tok, bias in out["logit_bias"]]
     return out
 
 
