@@ -76,6 +76,9 @@ def test_completion_is_the_v1_completions_answer_in_llama_servers_shapes(server:
     ids = post(server, "/tokenize", {"content": PROMPT, "add_special": True}).json()["tokens"]
     by_ids = post(server, "/completion", {"prompt": ids, "n_predict": N}).json()
     assert by_ids["content"] == want and by_ids["tokens_evaluated"] == len(ids)
+    # llama-server's prompt object, without media
+    by_object = post(server, "/completion", {"prompt": {"prompt_string": PROMPT}, "n_predict": N}).json()
+    assert by_object["content"] == want and by_object["prompt"] == PROMPT
 
 
 def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
@@ -117,6 +120,7 @@ def test_ignore_eos_runs_past_the_end_of_generation(server: Server) -> None:
     ({"samplers": ["top_k"]}, "samplers"), ({"return_progress": True}, "return_progress"),
     ({"lora": [{"id": 0, "scale": 1}]}, "lora"), ({"id_slot": 1}, "id_slot"),
     ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": [0, 10 ** 9]}, "prompt"),
+    ({"prompt": {"prompt_string": "<__media__>", "multimodal_data": ["AAAA"]}}, "prompt.multimodal_data"),
     ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", -1]]}, "logit_bias"),
     ({"n_predict": 10 ** 6}, "prompt"),
 ])

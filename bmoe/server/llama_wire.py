@@ -7,8 +7,9 @@ engine, scheduler, grammars, limits and errors are the other APIs'. The routes a
 bmoe.server.llama_routes'.
 
 What is taken and what is not (docs/server.md says the same for users):
-- `prompt`: a string, a list of token ids (generated from as they are), or a list of one string;
-  several prompts, mixed lists and multimodal objects are a 400.
+- `prompt`: a string, a list of token ids (generated from as they are), a list of one string, or
+  llama-server's `{"prompt_string": ...}` object without media; several prompts, mixed lists and media
+  (`multimodal_data`: bmoe loads no projector) are a 400.
 - `n_predict` (or `max_tokens`): -1 or left out takes the server's `-n`; 0 is a 400 (bmoe generates
   at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
   `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
@@ -52,7 +53,7 @@ LLAMA_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "json_schema"), (
 class LlamaCompletionBody(SamplingFields):
     """`POST /completion`'s body (see the module notes); unknown fields are ignored."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | dict[str, Any]
     n_predict: int | None = None
     max_tokens: int | None = None  # llama-server reads it when n_predict is left out
     stream: bool = False
@@ -88,8 +89,15 @@ class LlamaCompletionBody(SamplingFields):
 
     @property
     def one_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; a 400 for several prompts."""
+        """The prompt as text or token ids; a 400 for several prompts or media."""
         p = self.prompt
+        if isinstance(p, dict):
+            if p.get("multimodal_data") not in (None, []):
+                raise ServeError(400, "prompt.multimodal_data: this model takes text only (bmoe loads no multimodal "
+                                 "projector)", param="prompt.multimodal_data")
+            if not isinstance(p.get("prompt_string"), str):
+                raise ServeError(400, "prompt.prompt_string: the prompt's text", param="prompt.prompt_string")
+            return str(p["prompt_string"])
         if isinstance(p, str):
             return p
         if all(isinstance(t, int) for t in p):
