@@ -95,6 +95,18 @@ def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 2, r.text
 
 
+def test_logit_bias_of_a_text_biases_each_of_its_tokens(server: Server) -> None:
+    plain = post(server, "/completion", {"prompt": PROMPT, "n_predict": N}).json()["content"]
+    word = plain.split()[0]
+    ids = post(server, "/tokenize", {"content": " " + word}).json()["tokens"]
+    by_ids = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "logit_bias": [[t, -100] for t in ids]})
+    assert by_ids.json()["content"] != plain and word not in by_ids.json()["content"].split()
+    for bias in ([[" " + word, -100]], {" " + word: -100}):  # llama-server's pairs and OpenAI's map, keyed by text
+        got = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "logit_bias": bias}).json()
+        assert got["content"] == by_ids.json()["content"], (bias, got)
+        assert sorted(b["token"] for b in got["generation_settings"]["logit_bias"]) == sorted(ids)
+
+
 def test_ignore_eos_runs_past_the_end_of_generation(server: Server) -> None:
     eos = httpx.get(server.url + "/props", headers=auth()).json()["eos_token"]
     (end,) = post(server, "/tokenize", {"content": eos}).json()["tokens"]
@@ -121,7 +133,8 @@ def test_ignore_eos_runs_past_the_end_of_generation(server: Server) -> None:
     ({"lora": [{"id": 0, "scale": 1}]}, "lora"), ({"id_slot": 1}, "id_slot"),
     ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": [0, 10 ** 9]}, "prompt"),
     ({"prompt": {"prompt_string": "<__media__>", "multimodal_data": ["AAAA"]}}, "prompt.multimodal_data"),
-    ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", -1]]}, "logit_bias"),
+    ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", False]]}, "logit_bias"),
+    ({"logit_bias": {" king": 101}}, "logit_bias"),
     ({"n_predict": 10 ** 6}, "prompt"),
 ])
 def test_what_completion_does_not_take_is_a_400_naming_it(server: Server, body: dict, param: str) -> None:

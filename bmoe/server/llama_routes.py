@@ -56,6 +56,7 @@ class LlamaEndpoints:
         """A plain prompt (text or token ids), answered in llama-server's shapes through the answer loop."""
         try:
             prompt = body.one_prompt
+            await asyncio.to_thread(body.bias_texts, lambda text: self.model.vocab_tokens(text, False))
             req = await self.prepare(body, body.n_tokens, LLAMA_TOO_LONG_FIX, prompt=prompt,
                                    response_format=body.format, grammar=body.grammar,
                                    logprobs=body.n_probs or None, ignore_eos=body.ignore_eos)

@@ -13,7 +13,8 @@ What is taken and what is not (docs/server.md says the same for users):
 - `n_predict` (or `max_tokens`): -1 or left out takes the server's `-n`; 0 is a 400 (bmoe generates
   at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
   `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
-  `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map),
+  `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map, a text for an id biasing each
+  of its tokens),
   `grammar`, `json_schema`, `response_format`, `return_tokens`, `n_probs` (bmoe's logprobs as
   `completion_probabilities`), `ignore_eos` (every end-of-generation token banned, as llama-server does).
   `cache_prompt` either way (bmoe reuses a KV prefix where the answer stays a full prefill's) and
@@ -30,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from bmoe.api import TOP_LOGPROBS_MAX, Chunk, GenerationStats, TokenLogprob
-from bmoe.base import SAMPLING_FIELDS, FieldError
+from bmoe.base import SAMPLING_FIELDS, ConfigError, FieldError, check_sampling, logit_bias_of
 from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
@@ -71,21 +73,35 @@ class LlamaCompletionBody(SamplingFields):
     bmoe: BmoeOptions = BmoeOptions()
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    @model_validator(mode="before")
+    _text_bias: list[tuple[str, float]] = PrivateAttr(default_factory=list)  # biases of text, tokenized by the route
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _native(cls, data: Any) -> Any:
-        """UNIMPLEMENTED refused; llama-server's random seed (-1) and logit_bias pairs as the sampler takes them."""
+    def _native(cls, data: Any, handler: ModelWrapValidatorHandler[LlamaCompletionBody]) -> LlamaCompletionBody:
+        """UNIMPLEMENTED refused; llama-server's random seed (-1); logit_bias as [[id or text, bias], ...] or a map of
+        ids or texts: the ids as the sampler takes them, the texts kept for the route to tokenize."""
         data = implemented(data, NATIVE_UNIMPLEMENTED)
+        texts: list[tuple[str, float]] = []
         if isinstance(data, dict):
             data = dict(data)
             if data.get("seed") == -1 and not isinstance(data.get("seed"), bool):
                 data["seed"] = None
-            pairs = data.get("logit_bias")
-            if isinstance(pairs, list):
-                if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) for p in pairs):
-                    raise FieldError("logit_bias: [[token id, bias], ...] (token ids, not text)", param="logit_bias")
-                data["logit_bias"] = {str(tok): bias for tok, bias in pairs}
-        return data
+            bias = data.get("logit_bias")
+            if isinstance(bias, list):
+                if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int | str) for p in bias):
+                    raise FieldError("logit_bias: [[token id or text, bias], ...]", param="logit_bias")
+                bias = {str(tok) if isinstance(tok, int) else tok: b for tok, b in bias}
+            if isinstance(bias, dict):
+                texts = [(k, b) for k, b in bias.items() if not k.lstrip("-").isdigit()]
+                data["logit_bias"] = {k: b for k, b in bias.items() if k.lstrip("-").isdigit()}
+        for text, b in texts:  # a text's bias within the bounds of a token's
+            try:
+                check_sampling("logit_bias", logit_bias_of({"0": b}))
+            except ConfigError as e:
+                raise FieldError(f"logit_bias: the bias of {text!r}: {e}", param="logit_bias") from None
+        body = handler(data)
+        body._text_bias = texts
+        return body
 
     @property
     def one_prompt(self) -> str | list[int]:
@@ -117,6 +133,12 @@ class LlamaCompletionBody(SamplingFields):
             name = "n_predict" if self.n_predict is not None else "max_tokens"
             raise ServeError(400, f"{name}: {n} tokens; bmoe-server generates at least 1 (-1: its -n)", param=name)
         return n
+
+    def bias_texts(self, tokenize: Callable[[str], list[int]]) -> None:
+        """The biases given to texts, as llama-server takes them: on every token of the text (`tokenize`: without
+        BOS), added to logit_bias."""
+        for text, b in self._text_bias:
+            self.logit_bias = {**(self.logit_bias or {}), **{str(t): b for t in tokenize(text)}}
 
     @property
     def format(self) -> dict[str, Any] | None:
