@@ -218,6 +218,13 @@ def test_tokenize_detokenize_and_apply_template(server: Server) -> None:
     used = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()["usage"]
     assert len(post(server, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]) == \
         used["prompt_tokens"]
+    # and as the chat route renders it without the generation prompt (add_generation_prompt: false)
+    bare = post(server, "/apply-template", {"messages": messages, "add_generation_prompt": False}).json()["prompt"]
+    assert prompt.startswith(bare) and len(bare) < len(prompt), (bare, prompt)
+    used = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                 "add_generation_prompt": False}).json()["usage"]
+    assert len(post(server, "/tokenize", {"content": bare, "add_special": True}).json()["tokens"]) == \
+        used["prompt_tokens"]
 
 
 def test_props_tell_the_truth_about_the_server(server: Server, small_moe) -> None:

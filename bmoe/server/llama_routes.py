@@ -86,13 +86,15 @@ class LlamaEndpoints:
         return {"content": await asyncio.to_thread(self.text_of, tokens)}
 
     async def apply_template(self, body: ChatBody) -> dict[str, str]:
-        """The conversation as the chat route renders it with the model's template, not generated from."""
-        fmt = self.model.chat_format
+        """The conversation as the chat route renders it with the model's template (and its add_generation_prompt
+        and continue_final_message), not generated from."""
+        fmt, opts = self.model.chat_format, body.template_options()
         try:
             parts = await asyncio.to_thread(
                 fmt.parts, [m.as_dict() for m in body.messages], body.think, tools=body.tools,
                 tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                response_format=body.response_format, grammar=body.grammar, verify=False)
+                response_format=body.response_format, grammar=body.grammar, verify=False,
+                prompt=opts["add_generation_prompt"], continued=opts["continue_final_message"])
         except FieldError as e:
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:
