@@ -256,6 +256,17 @@ def test_the_openai_client_with_llama_servers_base_url(server: Server, small_moe
             model="x", messages=msgs, max_tokens=1)
 
 
+def test_input_tokens_count_what_the_answer_would_decode(server: Server) -> None:
+    msgs = [{"role": "user", "content": "hello there"}]
+    used = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+        assert post(server, path, {"messages": msgs}).json() == {"input_tokens": used}
+    r = server.client().responses.create(model="x", input="hello there", instructions="Be brief.", max_output_tokens=1)
+    count = server.client().responses.input_tokens.count(model="x", input="hello there", instructions="Be brief.")
+    assert count.input_tokens == r.usage.input_tokens and count.object == "response.input_tokens"
+    assert error_of(post(server, "/v1/chat/completions/input_tokens", {"messages": []}), 400)["param"] == "messages"
+
+
 # ---- CORS, with a key ----------------------------------------------------------------------------
 
 

@@ -286,14 +286,26 @@ class Endpoints:
     async def responses(self, body: ResponsesBody, request: HttpRequest) -> Response:
         """OpenAI's Responses API: the chat request, after the conversation of the response it goes on
         from (previous_response_id), answered as a Response or its events."""
-        earlier = self.kept.items(body.previous_response_id) if body.previous_response_id is not None else ()
-        try:
-            req = await self.chat_request(responses_wire.chat_body_of_response(body, earlier),
-                                          responses_wire.RESPONSES_TOO_LONG_FIX)
-        except (ServeError, FieldError) as e:
-            raise renamed(e, responses_wire.RESPONSES_FIELD_NAMES) from None
+        req, earlier = await self.responses_request(body)
         shape = ResponsesShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept)
         return await self.answer(request, req, shape, body.stream)
+
+    async def responses_request(self, body: ResponsesBody) -> tuple[Request, tuple[dict[str, Any], ...]]:
+        """A Responses request as the chat request, and the earlier items it goes on from."""
+        earlier = self.kept.items(body.previous_response_id) if body.previous_response_id is not None else ()
+        try:
+            return await self.chat_request(responses_wire.chat_body_of_response(body, earlier),
+                                           responses_wire.RESPONSES_TOO_LONG_FIX), tuple(earlier)
+        except (ServeError, FieldError) as e:
+            raise renamed(e, responses_wire.RESPONSES_FIELD_NAMES) from None
+
+    async def input_tokens(self, body: ChatBody) -> dict[str, int]:
+        """llama-server's count of a chat request's prompt tokens: what its usage.prompt_tokens would be."""
+        return {"input_tokens": len((await self.chat_request(body)).tokens)}
+
+    async def responses_input_tokens(self, body: ResponsesBody) -> dict[str, Any]:
+        """OpenAI's and llama-server's count of a Responses request's input tokens."""
+        return {"object": "response.input_tokens", "input_tokens": len((await self.responses_request(body))[0].tokens)}
 
     async def response_by_id(self, response_id: str) -> dict[str, Any]:
         return self.kept.get(response_id)
@@ -536,6 +548,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
         app.get(v1 + "/models", dependencies=key)(routes.models)
         app.get(v1 + "/models/{model_id:path}", dependencies=key)(routes.model_by_id)
         app.post(v1 + "/chat/completions", dependencies=key)(routes.chat)
+        app.post(v1 + "/chat/completions/input_tokens", dependencies=key)(routes.input_tokens)
+        app.post(v1 + responses_wire.RESOURCE + "/input_tokens", dependencies=key)(routes.responses_input_tokens)
         app.post(v1 + responses_wire.RESOURCE, dependencies=key)(routes.responses)
         app.get(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.response_by_id)
         app.delete(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.drop_response)
