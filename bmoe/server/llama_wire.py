@@ -99,9 +99,12 @@ class LlamaCompletionBody(SamplingFields):
                 check_sampling("logit_bias", logit_bias_of({"0": b}))
             except ConfigError as e:
                 raise FieldError(f"logit_bias: the bias of {text!r}: {e}", param="logit_bias") from None
-        body = handler(data)
-        body._text_bias = texts
-        return body
+        return handler(data).biased(texts)
+
+    def biased(self, texts: list[tuple[str, float]]) -> LlamaCompletionBody:
+        """This body with the biases of texts its logit_bias gave (`bias_texts` tokenizes them)."""
+        self._text_bias = texts
+        return self
 
     @property
     def one_prompt(self) -> str | list[int]:
