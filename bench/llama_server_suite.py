@@ -185,7 +185,7 @@ def main() -> int:
     print(f"llama_server_suite: {' '.join(cmd)} (in {work})", file=sys.stderr)
     subprocess.run(cmd, cwd=work, env=env)
     got, want = outcomes(junit), expected()
-    listed = {t for t in got if t in want or any(fnmatch.fnmatchcase(t, w) for w in want)}  # ids hold [...]
+    listed = {t for t in got if t in want or any(fnmatch.fnmatchcase(t, w) for w in want)}  # an id's [...] is no class
     fail_new = sorted(t for t, ok in got.items() if not ok and t not in listed)
     # a test named on the list that passes is taken off it; under a whole feature's pattern, a test that
     # wants an error passes by the route's 404 and says nothing

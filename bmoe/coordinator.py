@@ -259,7 +259,7 @@ class Engine:
             raise ConfigError("the prompt is empty (no tokens); give it some text")
         if n_tokens + n_predict > self.n_ctx:
             raise ContextTooLong(f"the prompt ({n_tokens} tokens) plus {n_predict} tokens to generate exceeds "
-                                 f"the context of {self.n_ctx} tokens; {fix}", n_tokens + n_predict, self.n_ctx)
+                                 f"the context of {self.n_ctx} tokens; {fix}", n_tokens, self.n_ctx)
 
     # ---- KV and cancel (a Slot's tokens are the KV sequence's: bmoe.generation.request_life) ----------------
 

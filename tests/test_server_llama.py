@@ -32,10 +32,10 @@ def post(server: Server, path: str, body: dict, **headers: str) -> httpx.Respons
 
 
 def events(server: Server, path: str, body: dict) -> list[dict]:
-    """A streamed answer's `data:` objects, in order."""
+    """A streamed answer's `data:` objects, in order (an OpenAI stream's `[DONE]` left out)."""
     with httpx.stream("POST", server.url + path, json={**body, "stream": True}, headers=auth(), timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
-        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 # ---- /completion ---------------------------------------------------------------------------------
@@ -76,6 +76,9 @@ def test_completion_is_the_v1_completions_answer_in_llama_servers_shapes(server:
     ids = post(server, "/tokenize", {"content": PROMPT, "add_special": True}).json()["tokens"]
     by_ids = post(server, "/completion", {"prompt": ids, "n_predict": N}).json()
     assert by_ids["content"] == want and by_ids["tokens_evaluated"] == len(ids)
+    # llama-server's prompt object, without media
+    by_object = post(server, "/completion", {"prompt": {"prompt_string": PROMPT}, "n_predict": N}).json()
+    assert by_object["content"] == want and by_object["prompt"] == PROMPT
 
 
 def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
@@ -92,12 +95,46 @@ def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 2, r.text
 
 
+def test_logit_bias_of_a_text_biases_each_of_its_tokens(server: Server) -> None:
+    plain = post(server, "/completion", {"prompt": PROMPT, "n_predict": N}).json()["content"]
+    word = plain.split()[0]
+    ids = post(server, "/tokenize", {"content": " " + word}).json()["tokens"]
+    by_ids = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "logit_bias": [[t, -100] for t in ids]})
+    assert by_ids.json()["content"] != plain and word not in by_ids.json()["content"].split()
+    for bias in ([[" " + word, -100]], {" " + word: -100}):  # llama-server's pairs and OpenAI's map, keyed by text
+        got = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "logit_bias": bias}).json()
+        assert got["content"] == by_ids.json()["content"], (bias, got)
+        assert sorted(b["token"] for b in got["generation_settings"]["logit_bias"]) == sorted(ids)
+
+
+def test_ignore_eos_runs_past_the_end_of_generation(server: Server) -> None:
+    eos = httpx.get(server.url + "/props", headers=auth()).json()["eos_token"]
+    (end,) = post(server, "/tokenize", {"content": eos}).json()["tokens"]
+    ask = {"prompt": PROMPT, "n_predict": N, "logit_bias": [[end, 50]]}  # the end of generation made likeliest
+    ended = post(server, "/completion", ask).json()
+    assert ended["stop_type"] == "eos" and ended["tokens_predicted"] < N, ended
+    assert ended["generation_settings"]["logit_bias"] == [{"bias": 50, "token": end}]
+    plain = post(server, "/completion", {"prompt": PROMPT, "n_predict": N}).json()
+    on = post(server, "/completion", {**ask, "ignore_eos": True}).json()
+    # every end-of-generation token banned (-inf: null, as llama-server writes it); the rest of the distribution
+    # as it was, so greedy gives the answer without the bias
+    assert on["stop_type"] == "limit" and on["content"] == plain["content"] and on["tokens_predicted"] == N
+    banned = [b["token"] for b in on["generation_settings"]["logit_bias"] if b["bias"] is None]
+    assert end in banned, on["generation_settings"]
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}],
+                                                 "max_tokens": N, "logit_bias": {str(end): 50}, "ignore_eos": True})
+    assert chat.json()["choices"][0]["finish_reason"] == "length" and chat.json()["usage"]["completion_tokens"] == N
+
+
 @pytest.mark.parametrize("body, param", [
     ({"n_predict": 0}, "n_predict"), ({"mirostat": 2}, "mirostat"), ({"n_probs": 21}, "n_probs"),
     ({"post_sampling_probs": True}, "post_sampling_probs"),
-    ({"samplers": ["top_k"]}, "samplers"), ({"lora": [{"id": 0, "scale": 1}]}, "lora"), ({"id_slot": 1}, "id_slot"),
+    ({"samplers": ["top_k"]}, "samplers"), ({"return_progress": True}, "return_progress"),
+    ({"lora": [{"id": 0, "scale": 1}]}, "lora"), ({"id_slot": 1}, "id_slot"),
     ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": [0, 10 ** 9]}, "prompt"),
-    ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", -1]]}, "logit_bias"),
+    ({"prompt": {"prompt_string": "<__media__>", "multimodal_data": ["AAAA"]}}, "prompt.multimodal_data"),
+    ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", False]]}, "logit_bias"),
+    ({"logit_bias": {" king": 101}}, "logit_bias"),
     ({"n_predict": 10 ** 6}, "prompt"),
 ])
 def test_what_completion_does_not_take_is_a_400_naming_it(server: Server, body: dict, param: str) -> None:
@@ -105,6 +142,56 @@ def test_what_completion_does_not_take_is_a_400_naming_it(server: Server, body: 
     assert err["param"] == param and param.split(".")[0] in err["message"], err
     if param == "prompt" and "n_predict" in body:  # too long: the fix in llama-server's words
         assert "lower n_predict" in err["message"]
+
+
+# ---- llama-server's timings, first chunk and context error on the OpenAI routes too ----------------
+
+
+def agree(t: dict, bmoe: dict) -> None:
+    """llama-server's `timings` are bmoe's own figures: the prompt decoded and reused, the tokens and their speed."""
+    assert t["prompt_n"] == bmoe["prefill_tokens"] and t["prompt_n"] + t["cache_n"] == bmoe["prompt_tokens"], t
+    assert t["predicted_n"] == bmoe["completion_tokens"] and t["prompt_ms"] == bmoe["prefill_s"] * 1000
+    assert t["predicted_per_second"] == pytest.approx(bmoe["tok_s"]) and t["predicted_ms"] > 0, t
+
+
+def test_timings_come_with_every_openai_answer_and_per_token_when_asked(server: Server) -> None:
+    chat = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": N}
+    r = server.client().chat.completions.create(model="x", **chat)
+    agree(r.model_extra["timings"], r.model_extra["bmoe"])
+    done = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": N}).json()
+    agree(done["timings"], done["bmoe"])
+    # streamed: the first chunk opens the turn with content null (as llama-server's), the last has the timings,
+    # or the usage chunk after it when include_usage asks for one
+    first, *chunks = events(server, "/v1/chat/completions", chat)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": None} and "timings" not in first
+    assert [c for c in chunks if "timings" in c] == chunks[-1:]
+    agree(chunks[-1]["timings"], chunks[-1]["bmoe"])
+    *_, last, used = events(server, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    assert "timings" not in last and used["choices"] == [] and used["timings"]["predicted_n"] == N
+    # timings_per_token: each token's chunk has the timings so far, on the OpenAI routes and /completion alike
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": PROMPT, "max_tokens": N}),
+                       ("/completion", {"prompt": PROMPT, "n_predict": N})):
+        got = events(server, path, {**body, "timings_per_token": True})
+        pieces = [e["timings"] for e in got if "timings" in e and e.get("stop") is not True]
+        assert [t["predicted_n"] for t in pieces[:-1 if path != "/completion" else None]] == list(range(1, N + 1))
+        assert all(t["prompt_n"] == pieces[-1]["prompt_n"] > 0 for t in pieces), pieces
+        assert pieces[0]["predicted_ms"] < pieces[N - 1]["predicted_ms"] and pieces[0]["prompt_ms"] > 0
+    # Anthropic's clients get Anthropic's shapes only
+    m = post(server, "/v1/messages", {"max_tokens": 2, "messages": chat["messages"]}).json()
+    assert "timings" not in m and m["type"] == "message"
+
+
+def test_a_prompt_past_the_context_is_llama_servers_error_and_openais(server: Server) -> None:
+    long = [{"role": "user", "content": "hello " * 5000}]
+    for body in ({"messages": long}, {"messages": long, "stream": True}):
+        err = error_of(post(server, "/v1/chat/completions", body), 400)
+        assert err["type"] == "exceed_context_size_error" and err["code"] == "context_length_exceeded", err
+        assert err["n_ctx"] == 4096 < err["n_prompt_tokens"], err
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model="x", messages=long)
+    assert e.value.code == "context_length_exceeded"
+    err = error_of(post(server, "/completion", {"prompt": "hello " * 5000}), 400)
+    assert err["type"] == "exceed_context_size_error" and err["n_ctx"] == 4096 < err["n_prompt_tokens"]
 
 
 # ---- /tokenize, /detokenize, /apply-template, /props ---------------------------------------------
@@ -130,6 +217,13 @@ def test_tokenize_detokenize_and_apply_template(server: Server) -> None:
     # the template's text is what the chat route decodes: as many tokens as its usage counts
     used = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()["usage"]
     assert len(post(server, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]) == \
+        used["prompt_tokens"]
+    # and as the chat route renders it without the generation prompt (add_generation_prompt: false)
+    bare = post(server, "/apply-template", {"messages": messages, "add_generation_prompt": False}).json()["prompt"]
+    assert prompt.startswith(bare) and len(bare) < len(prompt), (bare, prompt)
+    used = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                 "add_generation_prompt": False}).json()["usage"]
+    assert len(post(server, "/tokenize", {"content": bare, "add_special": True}).json()["tokens"]) == \
         used["prompt_tokens"]
 
 
@@ -160,6 +254,17 @@ def test_the_openai_client_with_llama_servers_base_url(server: Server, small_moe
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).chat.completions.create(
             model="x", messages=msgs, max_tokens=1)
+
+
+def test_input_tokens_count_what_the_answer_would_decode(server: Server) -> None:
+    msgs = [{"role": "user", "content": "hello there"}]
+    used = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+        assert post(server, path, {"messages": msgs}).json() == {"input_tokens": used}
+    r = server.client().responses.create(model="x", input="hello there", instructions="Be brief.", max_output_tokens=1)
+    count = server.client().responses.input_tokens.count(model="x", input="hello there", instructions="Be brief.")
+    assert count.input_tokens == r.usage.input_tokens and count.object == "response.input_tokens"
+    assert error_of(post(server, "/v1/chat/completions/input_tokens", {"messages": []}), 400)["param"] == "messages"
 
 
 # ---- CORS, with a key ----------------------------------------------------------------------------

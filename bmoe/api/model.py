@@ -31,7 +31,9 @@ Importing this module loads no llama.cpp; `load` does.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import queue
 import threading
 import weakref
@@ -139,6 +141,8 @@ class Ask:
     `add_generation_prompt` False renders a conversation without the generation prompt that opens the
     assistant's turn; `continue_final_message` continues its last (assistant) message instead of closing
     that turn (llama-server's and transformers' fields of these names).
+    `ignore_eos` bans every end-of-generation token (a logit bias of -inf, as llama.cpp's common sampler
+    does for its `ignore_eos`): the answer runs to max_tokens or a stop string.
     `clip` makes max_tokens a default rather than what the asker asked for: it is cut to the room the
     prompt leaves in the context (only a prompt that leaves none is too long), as OpenAI and llama-server
     answer a request without max_tokens (bmoe-server's `-n`).
@@ -174,6 +178,7 @@ class Ask:
     forced: Sequence[int] = ()
     logits: bool = False
     logprobs: int | None = None
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,6 +361,8 @@ class Model:
             raise ConfigError(f"max_tokens {max_tokens!r}: it is a whole number of tokens, 1 or more")
         stop_strings = check_stop_strings(ask.stop)
         sampler = self.sampler(**{name: getattr(ask, name) for name in SAMPLING_FIELDS})
+        if ask.ignore_eos:
+            sampler = replace(sampler, logit_bias=sampler.logit_bias + tuple((t, -math.inf) for t in self.eogs))
         logprobs = ask.logprobs
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= TOP_LOGPROBS_MAX):
@@ -388,6 +395,11 @@ class Model:
         max_tokens = self._fitted(len(tokens), max_tokens, ask)
         return Request(tuple(tokens), max_tokens, sampler, stop_strings, None, grammar=g, cache_prefix=len(tokens),
                        **extra)
+
+    @functools.cached_property
+    def eogs(self) -> tuple[int, ...]:
+        """The vocabulary's end-of-generation tokens (read once: it walks the vocabulary)."""
+        return self.engine.vocab.eog_tokens()
 
     def _fitted(self, n_tokens: int, max_tokens: int, ask: Ask) -> int:
         """`max_tokens` for a prompt of `n_tokens`, checked against the context (ContextTooLong); with

@@ -29,11 +29,11 @@ class GrammarError(FieldError):
 
 class ContextTooLong(ConfigError):
     """The prompt plus the tokens to generate do not fit the context (an OpenAI client's
-    `context_length_exceeded`)."""
+    `context_length_exceeded`): the prompt's tokens and the context's, which llama-server's clients read."""
 
-    def __init__(self, message: str, n_tokens: int, n_ctx: int) -> None:
+    def __init__(self, message: str, n_prompt: int, n_ctx: int) -> None:
         super().__init__(message)
-        self.n_tokens, self.n_ctx = n_tokens, n_ctx
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
 
 
 class ModelError(BmoeError):

@@ -67,6 +67,9 @@ class Chunk:
     stop: str | None = None  # the last chunk's: the stop string that ended the answer, if one did
     logprobs: tuple[TokenLogprob, ...] = ()  # with Request.logprobs: the tokens whose text this chunk completes
     token_id: int | None = None  # the generated token's id (None on the held-back text and the last chunk)
+    # the first token's: the prompt's tokens decoded (the reused KV prefix left out) and the prefill's seconds, so a
+    # stream can tell its speed as it goes (llama-server's timings_per_token)
+    prefill: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ class Generation:
             released = self.spans.release(self.text.sent, self.text.cut)
             self.logprobs += released
         if self.on_chunk:
-            self.on_chunk(Chunk(new, line, logits=logits if self.req.logits else None, logprobs=released, token_id=tok))
+            self.on_chunk(Chunk(new, line, logits=logits if self.req.logits else None, logprobs=released, token_id=tok,
+                                prefill=self.prefilled() if len(self.ids) == 1 else None))
         if self.text.cut is not None or (self.calls is not None and self.calls.push(new, len(self.ids))):
             self.ended, self.done = _Stopped(), True
         elif self.cancelled:
@@ -205,12 +206,16 @@ class Generation:
             slot.messages = [*self.req.messages,
                              r.turn(text.text) if r else {"role": "assistant", "content": text.text}]
         self._check_kv()
-        prefill_s = self.cached[1] + (self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0)
-        stats = self.on_end(self.tally, finish, len(tokens), len(tokens) - self.keep + self.cached[0],
-                            len(slot.kv_tokens), prefill_s, ahead, self.lossy)
+        decoded, prefill_s = self.prefilled()
+        stats = self.on_end(self.tally, finish, len(tokens), decoded, len(slot.kv_tokens), prefill_s, ahead, self.lossy)
         if self.on_chunk:
             self.on_chunk(Chunk("", finish_reason=finish, stats=stats, stop=text.matched))
         return Completion(text.text, stats, tuple(self.ids), tuple(self.tally.lines), tuple(self.logprobs))
+
+    def prefilled(self) -> tuple[int, float]:
+        """The prompt's tokens decoded (the KV prefix reused left out) and the seconds its prefill took."""
+        seconds = self.cached[1] + (self.seq.prefill_s if self.seq is not None else time.perf_counter() - self.t0)
+        return len(self.tokens) - self.keep + self.cached[0], seconds
 
     def _check_kv(self) -> None:
         """The token list must describe the KV exactly; if not (a bug), start clean rather than lie."""

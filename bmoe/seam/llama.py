@@ -403,6 +403,10 @@ class Vocab:
     def is_eog(self, tok: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.ptr, tok))
 
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token of the vocabulary (what ignoring the end of generation bans)."""
+        return tuple(t for t in range(self.n_tokens) if self.is_eog(t))
+
     @property
     def n_tokens(self) -> int:
         return int(llama_cpp.llama_vocab_n_tokens(self.ptr))

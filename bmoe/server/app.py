@@ -40,6 +40,7 @@ from bmoe.server.http_errors import (
     QueueFull,
     ServeError,
     ShuttingDown,
+    context_too_long,
     http_error,
     internal,
     renamed,
@@ -271,7 +272,7 @@ class Endpoints:
             raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         return await self.prepare(body, body.max_tokens, fix, prompt=prompt, response_format=body.response_format,
-                                  grammar=body.grammar, logprobs=body.logprobs)
+                                  grammar=body.grammar, logprobs=body.logprobs, ignore_eos=body.ignore_eos)
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
         req = await self.chat_request(body)
@@ -279,7 +280,7 @@ class Endpoints:
 
     def openai_shape(self, chat: bool, body: RequestBody, req: Request) -> OpenAIShape:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return OpenAIShape(chat, self.model_id, req, usage)
+        return OpenAIShape(chat, self.model_id, req, usage, body.timings_per_token)
 
     async def chat_request(self, body: ChatBody, fix: str = TOO_LONG_FIX) -> Request:
         """A chat as the engine's request: OpenAI's chat route's, and the other APIs' translated to it
@@ -288,7 +289,7 @@ class Endpoints:
                                   messages=[m.as_dict() for m in body.messages], think=body.thinks, tools=body.tools,
                                   tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                                   response_format=body.response_format, grammar=body.grammar,
-                                  logprobs=body.n_logprobs, **body.template_options())
+                                  logprobs=body.n_logprobs, ignore_eos=body.ignore_eos, **body.template_options())
 
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
@@ -298,14 +299,26 @@ class Endpoints:
     async def responses(self, body: ResponsesBody, request: HttpRequest) -> Response:
         """OpenAI's Responses API: the chat request, after the conversation of the response it goes on
         from (previous_response_id), answered as a Response or its events."""
-        earlier = self.kept.items(body.previous_response_id) if body.previous_response_id is not None else ()
-        try:
-            req = await self.chat_request(responses_wire.chat_body_of_response(body, earlier),
-                                          responses_wire.RESPONSES_TOO_LONG_FIX)
-        except (ServeError, FieldError) as e:
-            raise renamed(e, responses_wire.RESPONSES_FIELD_NAMES) from None
+        req, earlier = await self.responses_request(body)
         shape = ResponsesShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept)
         return await self.answer(request, req, shape, body.stream)
+
+    async def responses_request(self, body: ResponsesBody) -> tuple[Request, tuple[dict[str, Any], ...]]:
+        """A Responses request as the chat request, and the earlier items it goes on from."""
+        earlier = self.kept.items(body.previous_response_id) if body.previous_response_id is not None else ()
+        try:
+            return await self.chat_request(responses_wire.chat_body_of_response(body, earlier),
+                                           responses_wire.RESPONSES_TOO_LONG_FIX), tuple(earlier)
+        except (ServeError, FieldError) as e:
+            raise renamed(e, responses_wire.RESPONSES_FIELD_NAMES) from None
+
+    async def input_tokens(self, body: ChatBody) -> dict[str, int]:
+        """llama-server's count of a chat request's prompt tokens: what its usage.prompt_tokens would be."""
+        return {"input_tokens": len((await self.chat_request(body)).tokens)}
+
+    async def responses_input_tokens(self, body: ResponsesBody) -> dict[str, Any]:
+        """OpenAI's and llama-server's count of a Responses request's input tokens."""
+        return {"object": "response.input_tokens", "input_tokens": len((await self.responses_request(body))[0].tokens)}
 
     async def response_by_id(self, response_id: str) -> dict[str, Any]:
         return self.kept.get(response_id)
@@ -404,9 +417,9 @@ class Endpoints:
         except FieldError as e:  # a stop, schema, tools or grammar that cannot be held to: the field is named
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:
-            too_long = isinstance(e, ContextTooLong)
-            raise ServeError(400, str(e), code="context_length_exceeded" if too_long else None,
-                             param="messages" if "messages" in what else "prompt") from None
+            param = "messages" if "messages" in what else "prompt"
+            raise (context_too_long(e, param) if isinstance(e, ContextTooLong) else
+                   ServeError(400, str(e), param=param)) from None
 
     async def answer(self, request: HttpRequest, req: Request, shape: AnswerShape, stream: bool) -> Response:
         """Queue `req` and answer it in `shape`: streamed, or whole once it ends."""
@@ -555,6 +568,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
         app.get(v1 + "/models", dependencies=key)(routes.models)
         app.get(v1 + "/models/{model_id:path}", dependencies=key)(routes.model_by_id)
         app.post(v1 + "/chat/completions", dependencies=key)(routes.chat)
+        app.post(v1 + "/chat/completions/input_tokens", dependencies=key)(routes.input_tokens)
+        app.post(v1 + responses_wire.RESOURCE + "/input_tokens", dependencies=key)(routes.responses_input_tokens)
         app.post(v1 + responses_wire.RESOURCE, dependencies=key)(routes.responses)
         app.get(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.response_by_id)
         app.delete(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.drop_response)

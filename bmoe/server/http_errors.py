@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from bmoe.base import ConfigError, FieldError
+from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.edges import console
 
 
@@ -40,15 +40,17 @@ class GenerationFailed(Exception):
 
 
 class ServeError(Exception):
-    """An error answered as an OpenAI error object with its HTTP status."""
+    """An error answered as an OpenAI error object with its HTTP status (`extra`: more fields of the error object)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -66,6 +68,13 @@ def internal(what: str, e: BaseException | str) -> ServeError:
     console.notice(f"error {ref}: {what}: {e}")
     return ServeError(500, f"{what} (error {ref}; the details are in the server's log)", "server_error",
                       "internal_error")
+
+
+def context_too_long(e: ContextTooLong, param: str) -> ServeError:
+    """A prompt too long for the context: OpenAI's code (its clients read it) and llama-server's type, prompt and
+    context sizes (its clients and web UI read those)."""
+    return ServeError(400, str(e), "exceed_context_size_error", "context_length_exceeded", param,
+                      {"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx})
 
 
 def serve_error(e: Exception) -> ServeError:
@@ -119,5 +128,5 @@ def renamed(e: ServeError | FieldError, names: Sequence[tuple[str, str]]) -> Ser
         param, n = re.subn("^" + pattern, name, e.param, count=1)
         if n:
             message = re.sub("^" + pattern, name, e.message, count=1)
-            return ServeError(e.status, message, e.type, e.code, param)
+            return ServeError(e.status, message, e.type, e.code, param, e.extra)
     return e

@@ -80,14 +80,16 @@ class LlamaEndpoints:
         """A plain prompt (text or token ids), answered in llama-server's shapes through the answer loop."""
         try:
             prompt = body.one_prompt
+            await asyncio.to_thread(body.bias_texts, lambda text: self.model.vocab_tokens(text, False))
             req = await self.prepare(body, body.n_tokens, LLAMA_TOO_LONG_FIX, prompt=prompt,
                                    response_format=body.format, grammar=body.grammar,
-                                   logprobs=body.n_probs or None)
+                                   logprobs=body.n_probs or None, ignore_eos=body.ignore_eos)
         except (ServeError, FieldError) as e:
             raise renamed(e, LLAMA_FIELD_NAMES) from None
         text = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.text_of, prompt)
         settings = generation_settings(self.model.stats.n_ctx, req.max_tokens, req.sampler, req.stop)
-        shape = LlamaShape(self.model_id, text, settings, body.return_tokens, bool(body.n_probs))
+        shape = LlamaShape(self.model_id, text, settings, body.return_tokens, bool(body.n_probs), len(req.tokens),
+                           body.timings_per_token)
         return await self.answer(request, req, shape, body.stream)
 
     def text_of(self, tokens: list[int]) -> str:
@@ -108,13 +110,15 @@ class LlamaEndpoints:
         return {"content": await asyncio.to_thread(self.text_of, tokens)}
 
     async def apply_template(self, body: ChatBody) -> dict[str, str]:
-        """The conversation as the chat route renders it with the model's template, not generated from."""
-        fmt = self.model.chat_format
+        """The conversation as the chat route renders it with the model's template (and its add_generation_prompt
+        and continue_final_message), not generated from."""
+        fmt, opts = self.model.chat_format, body.template_options()
         try:
             parts = await asyncio.to_thread(
                 fmt.parts, [m.as_dict() for m in body.messages], body.think, tools=body.tools,
                 tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                response_format=body.response_format, grammar=body.grammar, verify=False)
+                response_format=body.response_format, grammar=body.grammar, verify=False,
+                prompt=opts["add_generation_prompt"], continued=opts["continue_final_message"])
         except FieldError as e:
             raise ServeError(400, str(e), param=e.param) from None
         except ConfigError as e:

@@ -7,17 +7,20 @@ engine, scheduler, grammars, limits and errors are the other APIs'. The routes a
 bmoe.server.llama_routes'.
 
 What is taken and what is not (docs/server.md says the same for users):
-- `prompt`: a string, a list of token ids (generated from as they are), or a list of one string;
-  several prompts, mixed lists and multimodal objects are a 400.
+- `prompt`: a string, a list of token ids (generated from as they are), a list of one string, or
+  llama-server's `{"prompt_string": ...}` object without media; several prompts, mixed lists and media
+  (`multimodal_data`: bmoe loads no projector) are a 400.
 - `n_predict` (or `max_tokens`): -1 or left out takes the server's `-n`; 0 is a 400 (bmoe generates
   at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
   `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
-  `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map),
+  `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map, a text for an id biasing each
+  of its tokens),
   `grammar`, `json_schema`, `response_format`, `return_tokens`, `n_probs` (bmoe's logprobs as
-  `completion_probabilities`). `cache_prompt` either way (bmoe
-  reuses a KV prefix where the answer stays a full prefill's) and `n_keep` (bmoe never shifts the
-  context: nothing to keep).
-- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, per-token timings, ...) is a 400
+  `completion_probabilities`), `ignore_eos` (every end-of-generation token banned, as llama-server does).
+  `cache_prompt` either way (bmoe reuses a KV prefix where the answer stays a full prefill's) and
+  `n_keep` (bmoe never shifts the context: nothing to keep).
+- `timings_per_token`: each streamed piece carries the `timings` so far (bmoe.server.timings).
+- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, progress reports, ...) is a 400
   naming the field unless it asks for nothing; fields read only by a sampler that is off (DRY's,
   XTC's threshold, mirostat's tau and eta) change nothing and are taken. Any other unknown field is
   ignored, as on the other routes.
@@ -27,17 +30,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from bmoe.api import TOP_LOGPROBS_MAX, Chunk, GenerationStats, TokenLogprob
-from bmoe.base import SAMPLING_FIELDS, FieldError
+from bmoe.base import SAMPLING_FIELDS, ConfigError, FieldError, check_sampling, logit_bias_of
 from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.openai_wire import LLAMA_UNIMPLEMENTED, sse
 from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
+from bmoe.server.timings import TimingsSoFar, final_timings
 
 LLAMA_TOO_LONG_FIX = "shorten the prompt, lower n_predict, or restart bmoe-server with a larger -c"
 # llama-server's /completion fields bmoe does not implement, each with the values that ask for nothing
@@ -49,7 +55,7 @@ LLAMA_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "json_schema"), (
 class LlamaCompletionBody(SamplingFields):
     """`POST /completion`'s body (see the module notes); unknown fields are ignored."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | dict[str, Any]
     n_predict: int | None = None
     max_tokens: int | None = None  # llama-server reads it when n_predict is left out
     stream: bool = False
@@ -61,30 +67,56 @@ class LlamaCompletionBody(SamplingFields):
     return_tokens: bool = False
     n_probs: int = Field(0, ge=0, le=TOP_LOGPROBS_MAX)  # each token's log-probability and its n likeliest
     n_keep: int | None = None
+    timings_per_token: bool = False  # every streamed piece carries the timings so far
+    ignore_eos: bool = False  # no end of generation: the answer runs to n_predict or a stop string
     model: str | None = None
     bmoe: BmoeOptions = BmoeOptions()
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    @model_validator(mode="before")
+    _text_bias: list[tuple[str, float]] = PrivateAttr(default_factory=list)  # biases of text, tokenized by the route
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _native(cls, data: Any) -> Any:
-        """UNIMPLEMENTED refused; llama-server's random seed (-1) and logit_bias pairs as the sampler takes them."""
+    def _native(cls, data: Any, handler: ModelWrapValidatorHandler[LlamaCompletionBody]) -> LlamaCompletionBody:
+        """UNIMPLEMENTED refused; llama-server's random seed (-1); logit_bias as [[id or text, bias], ...] or a map of
+        ids or texts: the ids as the sampler takes them, the texts kept for the route to tokenize."""
         data = implemented(data, NATIVE_UNIMPLEMENTED)
+        texts: list[tuple[str, float]] = []
         if isinstance(data, dict):
             data = dict(data)
             if data.get("seed") == -1 and not isinstance(data.get("seed"), bool):
                 data["seed"] = None
-            pairs = data.get("logit_bias")
-            if isinstance(pairs, list):
-                if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) for p in pairs):
-                    raise FieldError("logit_bias: [[token id, bias], ...] (token ids, not text)", param="logit_bias")
-                data["logit_bias"] = {str(tok): bias for tok, bias in pairs}
-        return data
+            bias = data.get("logit_bias")
+            if isinstance(bias, list):
+                if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int | str) for p in bias):
+                    raise FieldError("logit_bias: [[token id or text, bias], ...]", param="logit_bias")
+                bias = {str(tok) if isinstance(tok, int) else tok: b for tok, b in bias}
+            if isinstance(bias, dict):
+                texts = [(k, b) for k, b in bias.items() if not k.lstrip("-").isdigit()]
+                data["logit_bias"] = {k: b for k, b in bias.items() if k.lstrip("-").isdigit()}
+        for text, b in texts:  # a text's bias within the bounds of a token's
+            try:
+                check_sampling("logit_bias", logit_bias_of({"0": b}))
+            except ConfigError as e:
+                raise FieldError(f"logit_bias: the bias of {text!r}: {e}", param="logit_bias") from None
+        return handler(data).biased(texts)
+
+    def biased(self, texts: list[tuple[str, float]]) -> LlamaCompletionBody:
+        """This body with the biases of texts its logit_bias gave (`bias_texts` tokenizes them)."""
+        self._text_bias = texts
+        return self
 
     @property
     def one_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; a 400 for several prompts."""
+        """The prompt as text or token ids; a 400 for several prompts or media."""
         p = self.prompt
+        if isinstance(p, dict):
+            if p.get("multimodal_data") not in (None, []):
+                raise ServeError(400, "prompt.multimodal_data: this model takes text only (bmoe loads no multimodal "
+                                 "projector)", param="prompt.multimodal_data")
+            if not isinstance(p.get("prompt_string"), str):
+                raise ServeError(400, "prompt.prompt_string: the prompt's text", param="prompt.prompt_string")
+            return str(p["prompt_string"])
         if isinstance(p, str):
             return p
         if all(isinstance(t, int) for t in p):
@@ -104,6 +136,12 @@ class LlamaCompletionBody(SamplingFields):
             name = "n_predict" if self.n_predict is not None else "max_tokens"
             raise ServeError(400, f"{name}: {n} tokens; bmoe-server generates at least 1 (-1: its -n)", param=name)
         return n
+
+    def bias_texts(self, tokenize: Callable[[str], list[int]]) -> None:
+        """The biases given to texts, as llama-server takes them: on every token of the text (`tokenize`: without
+        BOS), added to logit_bias."""
+        for text, b in self._text_bias:
+            self.logit_bias = {**(self.logit_bias or {}), **{str(t): b for t in tokenize(text)}}
 
     @property
     def format(self) -> dict[str, Any] | None:
@@ -150,30 +188,20 @@ def stop_type(s: GenerationStats, stop: str | None) -> str:
     return "word" if stop is not None else "eos"
 
 
-def timings(s: GenerationStats) -> dict[str, Any]:
-    """llama-server's `timings` of a generation (prompt: the tokens decoded, the reused prefix is `cache_n`)."""
-    prompt_ms = s.prefill_s * 1000
-    predicted_ms = s.completion_tokens / s.tok_s * 1000 if s.tok_s > 0 else 0.0
-    return {"cache_n": s.prompt_tokens - s.prefill_tokens, "prompt_n": s.prefill_tokens, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / s.prefill_tokens if s.prefill_tokens else 0.0,
-            "prompt_per_second": s.prefill_tokens / s.prefill_s if s.prefill_s > 0 else 0.0,
-            "predicted_n": s.completion_tokens, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / s.completion_tokens if s.completion_tokens else 0.0,
-            "predicted_per_second": s.tok_s}
-
-
 class LlamaShape:
     """One /completion answer in llama-server's shapes for the answer loop (bmoe.server.answer_shape).
     `prompt`: the prompt as text (what the answer's `prompt` says); `settings`: its generation_settings;
     `return_tokens`: a whole answer lists its token ids (a streamed piece always lists those it completes);
-    `probs`: the request asked for n_probs (each answer lists its tokens' `completion_probabilities`)."""
+    `probs`: the request asked for n_probs (each answer lists its tokens' `completion_probabilities`);
+    `per_token`: timings_per_token, each streamed piece has the `timings` so far (`prompt_tokens`: the prompt's)."""
 
     media_type = SSE
 
     def __init__(self, model: str, prompt: str, settings: dict[str, Any], return_tokens: bool = False,
-                 probs: bool = False) -> None:
+                 probs: bool = False, prompt_tokens: int = 0, per_token: bool = False) -> None:
         self.model, self.prompt, self.settings, self.return_tokens = model, prompt, settings, return_tokens
         self.probs = probs
+        self.so_far = TimingsSoFar(prompt_tokens) if per_token else None
         self.predicted = 0
         self.pending: list[int] = []  # streamed: ids of tokens whose text is held back (a possible stop string)
         self.pending_probs: list[TokenLogprob] = []  # streamed: the log-probabilities not yet sent
@@ -184,7 +212,7 @@ class LlamaShape:
                 **self._probs(probs), "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
                 "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
                 "truncated": False, "stop_type": stop_type(s, stop), "stopping_word": stop or "",
-                "tokens_cached": s.prompt_tokens - s.prefill_tokens, "timings": timings(s),
+                "tokens_cached": s.prompt_tokens - s.prefill_tokens, "timings": final_timings(s),
                 "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
 
     # -- AnswerShape --
@@ -201,6 +229,8 @@ class LlamaShape:
         return b""
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
+        if self.so_far is not None:
+            self.so_far.add(c)
         if c.token_id is not None:
             self.predicted += 1
             self.pending.append(c.token_id)
@@ -209,7 +239,8 @@ class LlamaShape:
             return b""
         (tokens, self.pending), (probs, self.pending_probs) = (self.pending, []), (self.pending_probs, [])
         return sse({"index": 0, "content": c.text, "tokens": tokens, "stop": False,
-                    "tokens_predicted": self.predicted, **self._probs(probs)})
+                    "tokens_predicted": self.predicted, **self._probs(probs),
+                    **({"timings": self.so_far.now()} if self.so_far is not None else {})})
 
     def finish(self, d: Delta) -> bytes:
         return b""  # a plain prompt's answer is not read
@@ -236,9 +267,10 @@ class LlamaShape:
 
 def sampling_settings(sampler: Any) -> dict[str, Any]:
     """The sampling settings by their request names (`sampler`: a bmoe.base SamplerSettings), logit_bias as
-    llama-server's [[id, bias], ...]."""
+    llama-server's [{"bias", "token"}, ...] (a token banned by ignore_eos: bias null, JSON's -inf)."""
     out = {name: getattr(sampler, field) for name, field in SAMPLING_FIELDS.items()}
-    out["logit_bias"] = [list(p) for p in out["logit_bias"]]
+    out["logit_bias"] = [{"bias": bias if math.isfinite(bias) else None, "token": tok}
+                         for tok, bias in out["logit_bias"]]
     return out
 
 

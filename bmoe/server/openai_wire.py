@@ -25,14 +25,15 @@ from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply, schema_grammar
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented
+from bmoe.server.timings import TimingsSoFar, final_timings
 
 # llama-server's request fields bmoe does not implement, refused alike on its native /completion
 # (bmoe.server.llama_wire) and on the OpenAI routes, each with the values that ask for nothing
 LLAMA_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (None, 0), "typical_p": (None, 1), "top_n_sigma": (None, -1), "xtc_probability": (None, 0),
-    "dry_multiplier": (None, 0), "dynatemp_range": (None, 0), "ignore_eos": (None, False),
+    "dry_multiplier": (None, 0), "dynatemp_range": (None, 0),
     "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0), "min_keep": (None, 0),
-    "t_max_predict_ms": (None, 0), "id_slot": (None, -1), "samplers": (None,), "timings_per_token": (None, False),
+    "t_max_predict_ms": (None, 0), "id_slot": (None, -1), "samplers": (None,),
     "post_sampling_probs": (None, False), "response_fields": (None, []), "lora": (None, []),
     "return_progress": (None, False), "sse_ping_interval": (None,), "multimodal_data": (None, []),
 }
@@ -80,6 +81,8 @@ class RequestBody(SamplingFields):
     grammar: str | None = None  # GBNF, as llama-server takes it
     n_predict: int | None = Field(None, ge=-1)  # llama-server's max_tokens; -1: the server's default
     json_schema: dict[str, Any] | None = None  # llama-server's response_format of a schema
+    timings_per_token: bool = False  # llama-server's: every streamed chunk carries the timings so far
+    ignore_eos: bool = False  # llama-server's: no end of generation (bmoe.api.Ask's)
     bmoe: BmoeOptions = BmoeOptions()
 
     @model_validator(mode="before")
@@ -224,14 +227,16 @@ FINGERPRINT = f"bmoe-{metadata.version('bmoe')}"
 
 class OpenAIShape:
     """One completion or chat answer in OpenAI's shapes for the answer loop (bmoe.server.answer_shape):
-    a whole response object, or chunks (a chat's first with the role; with logprobs asked for, each
-    chunk those of the tokens it completes; the last with the finish reason and the telemetry, then
-    the usage with stream_options.include_usage; `[DONE]` last). `req`: the request it answers (whether
-    it asked for logprobs and reads its answer; None for neither)."""
+    a whole response object, or chunks (a chat's first with the role and content null, as llama-server's; with
+    logprobs asked for, each chunk those of the tokens it completes; the last with the finish reason and the
+    telemetry, then the usage with stream_options.include_usage; `[DONE]` last). llama-server's `timings` come
+    with the whole response and the stream's last chunk, and on every chunk with `timings_per_token` (`per_token`).
+    `req`: the request it answers (whether it asked for logprobs and reads its answer; None for neither)."""
 
     media_type = SSE
 
-    def __init__(self, chat: bool, model: str, req: Request | None = None, include_usage: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, req: Request | None = None, include_usage: bool = False,
+                 per_token: bool = False) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage  # stream_options.include_usage: usage null on each chunk, then its own
@@ -240,6 +245,7 @@ class OpenAIShape:
         self.asked = req is not None and req.logprobs is not None  # logprobs
         self.content = ContentTokens() if self.asked and req is not None and req.reading is not None else None
         self.called = False  # the answer made tool calls: finish_reason tool_calls
+        self.so_far = TimingsSoFar(len(req.tokens)) if per_token and req is not None else None
 
     # -- the objects --
 
@@ -256,7 +262,8 @@ class OpenAIShape:
         else:
             choice["text"] = text
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": openai_usage(s), "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
+                "usage": openai_usage(s), "timings": final_timings(s),
+                "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
 
     def chunk(self, delta: dict[str, Any] | str, finish: str | None = None,
               logprobs: Sequence[TokenLogprob] | None = None, **extra: Any) -> dict[str, Any]:
@@ -288,11 +295,13 @@ class OpenAIShape:
                 "top_logprobs": [{a.text: a.logprob for a in t.top} for t in tokens],
                 "text_offset": [t.offset for t in tokens]}
 
-    @staticmethod
-    def _progress(c: Chunk | None) -> dict[str, Any]:
-        """The `bmoe` field of a chunk that came with a token; none for the text held back to the end
-        (a possible stop string, a partial UTF-8 sequence), which comes without one."""
-        return {"bmoe": telemetry.progress_fields(c.token)} if c is not None and c.token is not None else {}
+    def _progress(self, c: Chunk | None) -> dict[str, Any]:
+        """The `bmoe` field of a chunk that came with a token (and with timings_per_token, the `timings` so far);
+        none for the text held back to the end (a possible stop string, a partial UTF-8 sequence), which comes
+        without one."""
+        if c is None or c.token is None:
+            return {}
+        return {"bmoe": telemetry.progress_fields(c.token), **({"timings": self.so_far.now()} if self.so_far else {})}
 
     def message(self, m: Reply, s: GenerationStats, ahead: int,
                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
@@ -326,14 +335,16 @@ class OpenAIShape:
         """The chunk with the finish reason and the request's telemetry (finish_reason tool_calls where
         the answer made tool calls)."""
         finish = "tool_calls" if self.called and s.finish_reason == "stop" else s.finish_reason
-        return self.chunk({} if self.chat else "", finish, bmoe={**dataclasses.asdict(s), "queue_position": ahead})
+        timings: dict[str, Any] = {} if self.include_usage else {"timings": final_timings(s)}  # else the usage chunk's
+        return self.chunk({} if self.chat else "", finish, None,
+                          bmoe={**dataclasses.asdict(s), "queue_position": ahead}, **timings)
 
     def usage_chunk(self, s: GenerationStats) -> dict[str, Any] | None:
         """With stream_options.include_usage, the stream's last chunk: no choices, the usage."""
         if not self.include_usage:
             return None
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": openai_usage(s)}
+                "usage": openai_usage(s), "timings": final_timings(s)}
 
     # -- AnswerShape --
 
@@ -349,9 +360,11 @@ class OpenAIShape:
         return sse_comment(text)
 
     def start(self) -> bytes:
-        return sse(self.chunk({"role": "assistant", "content": ""})) if self.chat else b""
+        return sse(self.chunk({"role": "assistant", "content": None})) if self.chat else b""
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
+        if self.so_far is not None:
+            self.so_far.add(c)
         if d is None:
             return sse(self.token_chunk(c, self.asked))
         return self._delta(d, c, self.content.push(c.text, c.logprobs, d) if self.content is not None else None)

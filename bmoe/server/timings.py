@@ -1,0 +1,50 @@
+"""llama-server's `timings` object, from bmoe's own measurements: llama-server's clients and web UI read a
+generation's speed from it (on its native answers and on its OpenAI ones), at the end or, with
+`timings_per_token`, on every streamed piece. `prompt_n` is the prompt's tokens decoded, `cache_n` those the KV
+held already; `predicted_ms` is the decode's wall time, the same time `bmoe.tok_s` divides by.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bmoe.api import Chunk, GenerationStats
+
+
+def timings(prompt_n: int, cache_n: int, prompt_s: float, predicted_n: int, predicted_ms: float) -> dict[str, Any]:
+    """llama-server's timings for these counts and times."""
+    prompt_ms = prompt_s * 1000
+    return {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+            "predicted_per_second": predicted_n * 1000 / predicted_ms if predicted_ms > 0 else 0.0}
+
+
+def final_timings(s: GenerationStats) -> dict[str, Any]:
+    """A whole generation's timings."""
+    predicted_ms = s.completion_tokens / s.tok_s * 1000 if s.tok_s > 0 else 0.0
+    return timings(s.prefill_tokens, s.prompt_tokens - s.prefill_tokens, s.prefill_s, s.completion_tokens,
+                   predicted_ms)
+
+
+class TimingsSoFar:
+    """A stream's timings as its tokens come (`prompt_tokens`: the prompt as rendered): the prefill from the first
+    token's chunk, each token's wall time added."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.prefill: tuple[int, float] = (0, 0.0)
+        self.predicted_n, self.predicted_ms = 0, 0.0
+
+    def add(self, c: Chunk) -> None:
+        if c.prefill is not None:
+            self.prefill = c.prefill
+        if c.token is not None:
+            self.predicted_n += 1
+            self.predicted_ms += c.token.wall_ms
+
+    def now(self) -> dict[str, Any]:
+        decoded, seconds = self.prefill
+        return timings(decoded, self.prompt_tokens - decoded, seconds, self.predicted_n, self.predicted_ms)
