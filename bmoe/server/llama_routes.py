@@ -60,9 +60,9 @@ def is_native_path(path: str) -> bool:
 
 
 def llama_error(e: ServeError) -> JSONResponse:
-    """`e` as llama-server types it (a prompt past the context: `exceed_context_size_error`)."""
+    """`e` as llama-server types it (a prompt past the context: `exceed_context_size_error`), its other fields kept."""
     kind = "exceed_context_size_error" if e.code == "context_length_exceeded" else LLAMA_ERROR_TYPES.get(e.status)
-    return ServeError(e.status, e.message, kind or e.type, e.code, e.param).response()
+    return ServeError(e.status, e.message, kind or e.type, e.code, e.param, e.extra).response()
 
 
 class LlamaEndpoints:
