@@ -201,7 +201,7 @@ def test_without_the_page_root_is_404_and_shutdown_ends_the_events(demo: tuple[s
 
 def test_the_page_loads_nothing_from_elsewhere() -> None:
     files = sorted(p.name for p in STATIC.iterdir())
-    assert files == ["chat.css", "chat.js", "index.html"]
+    assert files == ["chat.css", "chat.js", "index.html", "manifest.webmanifest", "sw.js"]
     for name in files:
         text = (STATIC / name).read_text()
         assert not re.search(r"(https?:)?//[\w.-]+\.\w", re.sub(r"^\s*//.*$", "", text, flags=re.M)), name
