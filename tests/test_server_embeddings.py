@@ -30,6 +30,7 @@ from tests.conftest import run_cli
 from tests.plain_llama import plain_llama
 from tests.test_server import KEY, Server, auth
 from tests.test_server_fields import fates_in_the_docs, named
+from tests.test_server_llama_ops import llama_series
 
 FLAGS = ["-t", "1", "--io-threads", "2", "--cache-mb", "1", "-c", "512"]  # a 1 MiB cache: the experts stream
 TEXTS = ["Once upon a time there was a king", "hello world", "The sky is blue because"]
@@ -194,6 +195,18 @@ def test_embeddings_between_a_generations_steps_change_neither(small_moe: Path) 
 
 
 # ---- inputs --------------------------------------------------------------------------------------
+
+
+def test_an_embeddings_request_counts_as_llama_servers_prompt(server: Server) -> None:
+    """llama-server's series count an embeddings input as a prompt decoded: its tokens and time, one decode
+    an input, no token predicted (its suite's test_metrics_embedding_prompt_is_counted)."""
+    _, before = llama_series(server)
+    r = post(server, "/v1/embeddings", {"input": ["hello world", "goodbye world"]})
+    assert r.status_code == 200, r.text
+    _, after = llama_series(server)
+    grew = {name[len("llamacpp:"):]: after[name][1] - before[name][1] for name in before}
+    assert grew["prompt_tokens_total"] == r.json()["usage"]["prompt_tokens"] > 0
+    assert grew["n_decode_total"] == 2 and grew["tokens_predicted_total"] == 0 and grew["prompt_seconds_total"] > 0
 
 
 def test_every_input_shape_llama_server_takes(server: Server) -> None:

@@ -2,7 +2,8 @@
 the dashboards and alerts written for llama-server read the same names with the same meanings.
 
 Where bmoe measures something else, the help line says what: a prompt's tokens are the ones decoded (the
-KV prefix reused is `prompt_tokens_cached_total`), `n_decode_total` counts decode steps and prefills, the
+KV prefix reused is `prompt_tokens_cached_total`; embeddings inputs count as prompts, as llama-server's),
+`n_decode_total` counts decode steps, prefills and embeddings inputs (a decode each), the
 speculative series are 0 (bmoe runs no draft model), and `n_tokens_max` is a gauge (llama-server types it a
 counter without the `_total` a counter's name ends in, which the Prometheus library does not write). As
 llama-server's, the two throughput gauges are averaged over the window between two scrapes: each scrape
@@ -51,13 +52,15 @@ class LlamaSeries(Collector):
             totals = self.prompt, self.cached, self.prompt_s, self.predicted, self.predicted_s, self.n_tokens_max
         prompt, cached, prompt_s, predicted, predicted_s, n_tokens_max = totals
         sched = self.sched
+        prompt, prompt_s = prompt + sched.embedded_tokens, prompt_s + sched.embedded_s  # embeddings cost a prompt too
         counters = (
             ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", prompt),
             ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache (the KV prefix)", cached),
             ("prompt_seconds_total", "Total time spent processing prompts", prompt_s),
             ("tokens_predicted_total", "Number of generation tokens processed", predicted),
             ("tokens_predicted_seconds_total", "Total time spent generating tokens", predicted_s),
-            ("n_decode_total", "Decode steps (one llama.cpp batch each, whatever runs in it) and prompt prefills",
+            ("n_decode_total", "Decode steps (one llama.cpp batch each, whatever runs in it), prompt prefills and "
+             "embeddings inputs",
              sched.decodes + sched.prefills),
             ("spec_decode_num_draft_tokens_total", "Speculative: draft tokens generated (0: no draft model)", 0),
             ("spec_decode_num_accepted_tokens_total", "Speculative: draft tokens accepted (0: no draft model)", 0),

@@ -179,7 +179,8 @@ class Scheduler:
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []  # admitted and prefilled (or being prefilled), oldest first
-        self.prefills = 0  # requests prefilled
+        self.prefills = 0  # requests prefilled, and embeddings inputs decoded (one decode each)
+        self.embedded_tokens, self.embedded_s = 0, 0.0  # embeddings inputs' tokens decoded, and their time
         self.decodes = 0  # decode steps run (one llama.cpp batch each)
         self.decoding = 0  # the sequences those steps decoded, together
         self.closed = False
@@ -303,12 +304,16 @@ class Scheduler:
         (its client left, a shutdown) stops mid-decode (`cancel`, `close`: Driver.interrupt_alone)."""
         try:
             self.model.check_unchanged(self.reload_fix)
+            t0 = time.perf_counter()
             vectors = self.model.embed(ask.inputs, ask.norm, slot, lambda: job.cancelled)
         except Cancelled:
             job.deliver(ShuttingDown())  # a client that left hears nothing; a shutdown is why the others end
         except ConfigError as e:
             job.deliver(e)
-        else:
+        else:  # counted before the client hears of it, as a generation's end is
+            self.prefills += len(ask.inputs)
+            self.embedded_tokens += sum(len(tokens) for tokens in ask.inputs)
+            self.embedded_s += time.perf_counter() - t0
             job.deliver(Embedded(vectors))
         finally:
             slot.busy = False
