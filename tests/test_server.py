@@ -396,7 +396,8 @@ def test_every_route_is_counted_under_a_metrics_label_of_its_own() -> None:
     stats = SimpleNamespace(engine=SimpleNamespace(resident_bytes=0, budget_bytes=0), load_s=0.0)
     model = SimpleNamespace(name="m", slots=[], stats=stats)
     sched = SimpleNamespace(waiting=[], active=[], capacity=1, batching=SimpleNamespace(steps={}),
-                            close=lambda: None, join=lambda: None, decodes=0, prefills=0, decoding=0)
+                            close=lambda: None, join=lambda: None, decodes=0, prefills=0, decoding=0,
+                            embedded_tokens=0, embedded_s=0.0)
     limits = BodyLimits(size=1024, timeout=10.0, rate=1024.0, total=1 << 20)
     app = create_app(model, sched, api_key=KEY, limits=limits, grammars=GrammarPool("m.gguf", 1, 0, 1.0), n_predict=8)
     routes = [r for r in app.routes if isinstance(r, Route)]
