@@ -37,9 +37,7 @@ from bmoe.server.events import EVENTS, Feed
 from bmoe.server.grammar_pool import GrammarPool
 from bmoe.server.hosts import HostCheck, Trusted, add_cors
 from bmoe.server.http_errors import (
-    QueueFull,
     ServeError,
-    ShuttingDown,
     context_too_long,
     http_error,
     internal,
@@ -48,6 +46,7 @@ from bmoe.server.http_errors import (
     shutting_down,
     validation_error,
 )
+from bmoe.server.job_events import answered, enqueue
 from bmoe.server.llama_routes import LlamaEndpoints, add_llama_routes, is_native_path, llama_error
 from bmoe.server.llama_slots import not_served
 from bmoe.server.llama_wire import LlamaCompletionBody
@@ -167,12 +166,6 @@ class RequestGuard:
             pass
         finally:
             self.bodies.give_back(held)
-
-
-async def _disconnected(request: HttpRequest) -> None:
-    """Returns when the client has gone (the body is read: nothing else comes before that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 # ---- the app ---------------------------------------------------------------------------------------
@@ -423,7 +416,7 @@ class Endpoints:
 
     async def answer(self, request: HttpRequest, req: Request, shape: AnswerShape, stream: bool) -> Response:
         """Queue `req` and answer it in `shape`: streamed, or whole once it ends."""
-        job, events, ahead = self.enqueue(req)
+        job, events, ahead = enqueue(self.sched, req)
         headers = {"X-Queue-Position": str(ahead)}
         if stream:
             return ClosingStream(self.stream(job, events, shape, ahead), media_type=shape.media_type, headers=headers)
@@ -431,45 +424,21 @@ class Endpoints:
         text, stats, stop = await self.whole(request, job, events, chunks)
         return JSONResponse(shape.whole(Finished(req, text, stats, stop, chunks, ahead)), headers=headers)
 
-    def enqueue(self, req: Request) -> tuple[Job, asyncio.Queue[JobEvent], int]:
-        """`req` submitted to the scheduler: its job, the queue its events arrive on, the requests ahead."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[JobEvent] = asyncio.Queue()
-
-        def deliver(item: JobEvent) -> None:  # on the scheduler's thread
-            loop.call_soon_threadsafe(events.put_nowait, item)
-
-        job = Job(req, deliver)
-        try:
-            return job, events, self.sched.submit(job)
-        except (QueueFull, ShuttingDown) as e:
-            raise serve_error(e) from None
-
     async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[JobEvent],
                     chunks: list[Chunk] | None = None) -> tuple[str, GenerationStats, str | None]:
         """The whole answer: its text, its stats, and the stop string that ended it (if one did);
         `chunks` gets every chunk (their logprobs)."""
-        gone = asyncio.ensure_future(_disconnected(request))
         parts: list[str] = []
-        try:
-            while True:
-                get = asyncio.ensure_future(events.get())
-                await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    self.sched.cancel(job)
-                    raise ServeError(499, "the client closed the connection", code="client_gone")
-                item = get.result()
-                if isinstance(item, Exception):
-                    raise serve_error(item)
-                if isinstance(item, Chunk):
-                    parts.append(item.text)
-                    if chunks is not None:
-                        chunks.append(item)
-                    if item.stats is not None:
-                        return "".join(parts), _ended(item.stats), item.stop
-        finally:
-            gone.cancel()
+
+        def took(item: JobEvent) -> tuple[str, GenerationStats, str | None] | None:
+            if not isinstance(item, Chunk):
+                return None
+            parts.append(item.text)
+            if chunks is not None:
+                chunks.append(item)
+            return None if item.stats is None else ("".join(parts), _ended(item.stats), item.stop)
+
+        return await answered(request, self.sched, job, events, took)
 
     async def stream(self, job: Job, events: asyncio.Queue[JobEvent], shape: AnswerShape, ahead: int
                      ) -> AsyncIterator[bytes]:

@@ -35,8 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bmoe.api import Model
 from bmoe.base import ConfigError
-from bmoe.server.http_errors import ServeError, serve_error
-from bmoe.server.scheduler import EmbedAsk, Embedded, Job, JobEvent, Scheduler
+from bmoe.server.http_errors import ServeError
+from bmoe.server.job_events import answered, enqueue
+from bmoe.server.scheduler import EmbedAsk, Embedded, Scheduler
 
 EMBED_INPUTS_MAX = 2048  # inputs in one request: OpenAI's bound
 EMBED_TOKENS_MAX = 65536  # tokens of one request's inputs together: each is a prefill through the experts
@@ -175,32 +176,11 @@ class EmbeddingEndpoints:
 
     async def run(self, ask: EmbedAsk, request: HttpRequest) -> list[np.ndarray]:
         """`ask` through the scheduler's queue: its vectors; a client that leaves cancels it."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[JobEvent] = asyncio.Queue()
-
-        def deliver(item: JobEvent) -> None:  # on the scheduler's thread
-            loop.call_soon_threadsafe(events.put_nowait, item)
-
-        job = Job(ask, deliver)
+        job, events, _ = enqueue(self.sched, ask)
         try:
-            self.sched.submit(job)
-        except Exception as e:  # noqa: BLE001 - QueueFull, ShuttingDown: the scheduler's refusals
-            raise serve_error(e) from None
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            while True:
-                get = asyncio.ensure_future(events.get())
-                await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    raise ServeError(499, "the client closed the connection", code="client_gone")
-                item = get.result()
-                if isinstance(item, Exception):
-                    raise serve_error(item)
-                if isinstance(item, Embedded):
-                    return item.vectors
+            return await answered(request, self.sched, job, events,
+                                  lambda item: item.vectors if isinstance(item, Embedded) else None)
         finally:
-            gone.cancel()
             self.sched.cancel(job)
 
 
@@ -213,12 +193,6 @@ def _check_bounds(inputs: list[list[int]], pooled: int, size: int, field: str) -
     values = pooled * len(inputs) if pooled else n * size
     if values > EMBED_VALUES_MAX:
         raise _input_error(field, f"the answer would hold {values} floats; at most {EMBED_VALUES_MAX} in one request")
-
-
-async def _disconnected(request: HttpRequest) -> None:
-    """Returns when the client has gone (the body is read: nothing else comes before that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def add_embedding_routes(app: FastAPI, routes: EmbeddingEndpoints, key: list[Depends]) -> None:
