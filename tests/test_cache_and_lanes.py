@@ -15,6 +15,7 @@ import pytest
 from bmoe.shm_cache import PAGE, Slab, segment_name, sweep_stale_segments
 from bmoe.streaming.expert_cache import RESIDENT, ExpertCache, Region, layout
 from bmoe.streaming.lanes import LanePool, ReadOrder, merge_keyed, spread
+from bmoe.streaming.orders import OrdersInFlight
 from bmoe.tools.bench_sys import drop_file_cache
 from bmoe.workers.io_lane import Reader
 from tests.conftest import bmoe_segments
@@ -253,6 +254,48 @@ def test_lanes_land_superset_reads_in_place(tmp_path, odirect: bool, backend: st
         pool.close()
         slab.close()
     assert all(lane.proc.returncode is not None for lane in pool.lanes)
+
+
+def test_a_layers_later_slices_queue_behind_their_experts_gate_slice_on_one_lane(tmp_path) -> None:
+    """Demand reads go out in the order the matmuls read them: the gate slices of a layer's misses over
+    the least loaded lanes, and each expert's up and down slices behind its gate slice on the same
+    lane (read in sending order), not on idle lanes where they would share the device with the gate
+    slices awaited first. Every slice still lands where ggml reads it."""
+    regs = regions_for(3 * PAGE + 100, n_expert=8, layers=1)
+    data = np.random.default_rng(2).integers(0, 256, size=regs[-1].file_offset + 8 * regs[-1].expert_bytes + PAGE,
+                                             dtype=np.uint8).tobytes()
+    path = tmp_path / "model.bin"
+    path.write_bytes(data)
+    slab = Slab(layout(regs), "posix")
+    cache = ExpertCache(slab, regs, budget=1 << 30)
+    pool = LanePool(4, slab.name, [str(path)])
+    try:
+        orders = OrdersInFlight(pool, cache)
+        missing = cache.plan(0, [1, 5])  # not neighbours: no read spans both
+        stages = [[k for k in missing if regs[k[1]].kind == kind]
+                  for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+        sent = orders.staged(stages)
+        lane_of = {(stage, k[2]): orders.inflight[oid].lane
+                   for stage, oids in enumerate(sent) for oid in oids for k in orders.inflight[oid].keys}
+        assert lane_of[(0, 1)] != lane_of[(0, 5)], "the gate slices are spread"
+        for e in (1, 5):
+            assert lane_of[(1, e)] == lane_of[(2, e)] == lane_of[(0, e)], f"expert {e}'s slices on one lane"
+        for lane in {lane_of[(0, 1)], lane_of[(0, 5)]}:
+            kinds = [regs[orders.inflight[oid].keys[0][1]].kind for oid in pool.lanes[lane].pending]
+            assert kinds == ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"], "read in the matmuls' order"
+        left = {oid for oids in sent for oid in oids}
+        while left:
+            pool.poll(0.5)
+            for oid in orders.done():
+                pool.take(oid)
+                cache.commit(orders.pop(oid).keys)
+                left.discard(oid)
+        for _, ri, e in missing:
+            at, fo = cache.slice_offset(ri, e), regs[ri].file_offset + e * regs[ri].expert_bytes
+            assert bytes(slab.mm[at:at + regs[ri].expert_bytes]) == data[fo:fo + regs[ri].expert_bytes]
+    finally:
+        pool.close()
+        slab.close()
 
 
 def test_a_range_the_page_cache_holds_is_copied_from_there(tmp_path) -> None:

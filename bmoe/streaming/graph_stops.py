@@ -177,7 +177,7 @@ class StreamingStops:
         groups: list[list[Key]] = [[], [], []]
         for k in missing:
             groups[stage(k[1])].append(k)
-        staged = [st.orders.spread(g) for g in groups]
+        staged = st.orders.staged(groups)
         if busy:
             for key in st.cache.layer_slices(layer, wanted):
                 oid = st.orders.order_of.get(key)  # a read already under way (speculative) covers this slice

@@ -68,10 +68,35 @@ class OrdersInFlight:
 
     def spread(self, keys: list[Key]) -> list[int]:
         """Demand reads over all lanes, largest first onto the least loaded; returns order ids."""
-        if not keys:
-            return []
-        shares = spread(self.reads_for(keys), self.pending_bytes())
-        return [self.send(i, share) for i, share in enumerate(shares) if share]
+        return self.staged([keys])[0]
+
+    def staged(self, stages: list[list[Key]]) -> list[list[int]]:
+        """Demand reads in the order the matmuls read them (a layer's gate slices, then up, then down),
+        each stage's order ids. The first stage is spread over the least loaded lanes; a later slice
+        queues behind its expert's earlier ones on the same lane (a read spanning experts on several
+        lanes is spread). A lane reads its orders one after another, and one stream takes nearly all
+        of the device's rate, so the slices awaited first arrive first instead of sharing the device
+        with the ones needed later, and an expert's slices cost the lane one wake."""
+        lane_of: dict[int, int] = {}  # expert -> the lane its earliest slice went to
+        out: list[list[int]] = []
+        for keys in stages:
+            shares: list[list[tuple[ReadOrder, list[Key]]]] = [[] for _ in self.pool.lanes]
+            rest = []
+            for item in self.reads_for(keys):
+                lanes = {lane_of.get(k[2]) for k in item[1]}
+                if len(lanes) == 1 and None not in lanes:
+                    shares[lanes.pop()].append(item)  # type: ignore[index]  # (None excluded above)
+                else:
+                    rest.append(item)
+            load = [b + sum(r[2] for r, _ in share) for b, share in zip(self.pending_bytes(), shares)]
+            for i, share in enumerate(spread(rest, load)):
+                shares[i] += share
+            out.append([self.send(i, share) for i, share in enumerate(shares) if share])
+            for i, share in enumerate(shares):
+                for _, ks in share:
+                    for k in ks:
+                        lane_of.setdefault(k[2], i)
+        return out
 
     def cancel(self, by_lane: dict[int, list[int]]) -> None:
         """Ask lanes to drop these speculative orders if not started (they answer CANCELLED)."""
