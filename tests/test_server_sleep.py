@@ -24,10 +24,12 @@ BOUND_S = 60.0  # a sleep or a wake that takes longer has failed
 
 @pytest.fixture(scope="module")
 def sleepy(small_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
-    """A server that sleeps after a second idle, on its own copy of the model (a test moves it away)."""
+    """A server that sleeps after a second idle, on its own copy of the model (a test moves it away), with
+    embeddings on (their route wakes it too)."""
     model = tmp_path_factory.mktemp("sleep") / small_moe.name
     shutil.copy(small_moe, model)
-    s = Server("-m", str(model), *FLAGS, "--sleep-idle-seconds", IDLE_S, env={"BMOE_API_KEY": KEY})
+    s = Server("-m", str(model), *FLAGS, "--embedding", "--pooling", "mean", "--sleep-idle-seconds", IDLE_S,
+               env={"BMOE_API_KEY": KEY})
     yield s, model
     s.stop()
 
@@ -83,6 +85,7 @@ def test_idle_server_releases_the_model_and_a_request_loads_it_again(sleepy: tup
     ("/v1/messages/count_tokens", {"model": "x", "messages": [{"role": "user", "content": "Hi"}]}, "input_tokens"),
     ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}, "prompt"),
     ("/completion", {"prompt": PROMPT, "n_predict": 2}, "content"),
+    ("/v1/embeddings", {"model": "x", "input": "Hello world"}, "data"),
     ("/api/generate", {"model": "x", "prompt": PROMPT, "stream": False, "options": {"num_predict": 2}}, "response"),
 ])
 def test_every_route_that_needs_the_model_wakes_it(sleepy: tuple[Server, Path], path: str, body: dict,
