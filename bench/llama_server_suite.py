@@ -38,7 +38,7 @@ SUITE = "vendor/llama.cpp/tools/server/tests"
 SAME = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed", "--alias": "--alias",
         "--threads": "-t", "--n-predict": "-n", "--api-key": "--api-key", "--cors-origins": "--allowed-origin",
         "--chat-template-file": "--chat-template-file", "--parallel": "--parallel", "--pooling": "--pooling",
-        "--tags": "--tags"}
+        "--tags": "--tags", "--sleep-idle-seconds": "--sleep-idle-seconds"}
 SAME_SWITCH = {"--no-ui": "--no-webui", "--no-webui": "--no-webui", "--no-slots": "--no-slots"}
 BMOE_DEFAULT = {"--slots", "--metrics", "--offline", "--cont-batching", "--jinja"}  # what bmoe-server does anyway
 # the pooling of the suite's embedding model (bert-bge-small's GGUF: bert.pooling_type 2, cls), which the
@@ -49,7 +49,7 @@ DROPPED_WITH_VALUE = {"--model-url", "--model-draft", "--hf-file", "--models-dir
                       "-ctk", "-ctv", "-fa", "--slot-save-path", "--grp-attn-n", "--grp-attn-w", "--lora",
                       "--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-synth-len",
                       "--spec-synth-rates", "--reasoning-format", "--reasoning", "--chat-template", "--mmproj-url",
-                      "--media-path", "--sleep-idle-seconds", "--cache-ram", "--log-file", "--tools",
+                      "--media-path", "--cache-ram", "--log-file", "--tools",
                       "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json", "--draft-max",
                       "--draft-min", "--reasoning-budget", "--ctx-checkpoints", "--keep"}
 

@@ -28,7 +28,7 @@ import numpy as np
 from bmoe import seam
 from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong
 from bmoe.base.model_files import ModelFiles
-from bmoe.base.settings import SamplerSettings, Settings
+from bmoe.base.settings import Naming, SamplerSettings, Settings
 from bmoe.base.telemetry import TokenStat
 from bmoe.engine import prompt_calls
 from bmoe.engine.engine_stats import EmbeddingFacts, EngineStats
@@ -78,6 +78,11 @@ class Engine:
     def notice(self) -> Callable[[str], None]:
         """Where what the user should know goes (the edge's)."""
         return self._parts.notice
+
+    @property
+    def words(self) -> Naming:
+        """How errors name settings (the edge's flags or keywords)."""
+        return self._parts.words
 
     @property
     def files(self) -> ModelFiles:

@@ -416,3 +416,22 @@ def test_the_session_and_the_server_keep_prefixes_across_restarts(cached_model, 
             srv.stop()
     assert served[0][0] == served[1][0] == plain_answers["Where are the stairs?"]
     assert served[1][1] < 200 < served[0][1]
+
+
+def test_a_server_that_slept_finds_its_prefixes_as_after_a_restart(cached_model, plain_answers, tmp_path) -> None:
+    """--sleep-idle-seconds: the wake loads the prompt cache's folder again, as a restart does."""
+    from tests.test_server import KEY, Server
+    from tests.test_server_sleep import wait_asleep
+
+    srv = Server("-m", cached_model, "-c", "2048", "-t", "2", "--io-threads", "2", "--cache-mb", "4",
+                 "--prompt-cache", str(tmp_path), "--sleep-idle-seconds", "1", env={"BMOE_API_KEY": KEY})
+    try:
+        served = []
+        for _ in range(2):  # the same first turn, before and after a sleep
+            r = srv.client().chat.completions.create(model="x", messages=ask("Where are the stairs?"), max_tokens=12)
+            served.append((r.choices[0].message.content, r.model_extra["bmoe"]["prefill_tokens"]))
+            wait_asleep(srv)
+    finally:
+        srv.stop()
+    assert served[0][0] == served[1][0] == plain_answers["Where are the stairs?"]
+    assert served[1][1] < 200 < served[0][1]

@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bmoe.api import source as model_source
+from bmoe.api.ask import Ask
 from bmoe.base import telemetry
 from bmoe.base.errors import ConfigError, ContextTooLong, FieldError, ModelClosed
 from bmoe.base.settings import (
     FLAGS,
     KEYWORDS,
-    N_PREDICT,
     SAMPLING_FIELDS,
     Naming,
     SamplerSettings,
@@ -85,7 +85,6 @@ __all__ = ["TOP_LOGPROBS_MAX", "Alternative", "Ask", "Chunk", "Completion", "Con
 
 log = logging.getLogger("bmoe")
 
-FIX = "shorten the prompt, lower max_tokens, or load the model with a larger n_ctx"
 RELOAD_FIX = "load it again with bmoe.load"
 
 def load(path: str | Path | None = None, *, notice: Callable[[str], None] = log.warning, **settings: Any) -> Model:
@@ -122,66 +121,6 @@ def _close(driver: Driver, grammars: GrammarCheck, timeout: float | None) -> boo
 
 
 @dataclass(frozen=True)
-class Ask:
-    """What a caller asks of one generation, before it is checked and tokenized (Model.prepare): a
-    prompt or a conversation (`messages`, OpenAI's), and how to answer it.
-
-    Sampling options left None keep the load's (greedy by default). `stop` strings end the answer
-    where one first appears (it is not part of the text). `think` False renders the conversation
-    with `enable_thinking=False` for templates that read it. `fix` ends the message of a prompt too
-    long for the context (ContextTooLong). `response_format` (OpenAI's: json_object or json_schema)
-    or `grammar` (GBNF) hold the answer to a form while it is sampled; `tools`, `tool_choice` and
-    `parallel_tool_calls` (OpenAI's, for a chat) show the model tools and, unless tool_choice is
-    none, read its calls (bmoe.chat.request). `lossless` asks for plain llama.cpp's output whatever
-    lossy routing the model was loaded with (bmoe.streaming.lossy). `forced` are token ids to
-    generate instead of sampled ones (teacher forcing, as `bmoe-bench quality` scores a text;
-    max_tokens is then their number), and `logits` puts on each Chunk the distribution its token
-    was chosen from. `logprobs` N puts on each Chunk (and the Completion) its tokens' log-probabilities
-    with the N likeliest alternatives at each step (0 to 20; bmoe.generation.logprobs); None: none.
-    `add_generation_prompt` False renders a conversation without the generation prompt that opens the
-    assistant's turn; `continue_final_message` continues its last (assistant) message instead of closing
-    that turn (llama-server's and transformers' fields of these names).
-    `ignore_eos` bans every end-of-generation token (a logit bias of -inf, as llama.cpp's common sampler
-    does for its `ignore_eos`): the answer runs to max_tokens or a stop string.
-    `clip` makes max_tokens a default rather than what the asker asked for: it is cut to the room the
-    prompt leaves in the context (only a prompt that leaves none is too long), as OpenAI and llama-server
-    answer a request without max_tokens (bmoe-server's `-n`).
-    The sampling options besides temperature, top_p, top_k and seed (min_p, the penalties,
-    logit_bias: OpenAI's token id -> bias map) are the load's settings of the same names.
-    """
-
-    prompt: str | Sequence[int] | None = None  # text, or the model's token ids as they are (llama-server's)
-    messages: Sequence[Mapping[str, Any]] | None = None
-    max_tokens: int = N_PREDICT
-    clip: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: Mapping[int | str, float] | None = None
-    stop: str | Sequence[str] | None = None
-    think: bool = True
-    fix: str = FIX
-    response_format: Mapping[str, Any] | None = None
-    grammar: str | None = None
-    tools: Sequence[Mapping[str, Any]] | None = None
-    tool_choice: str | Mapping[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    lossless: bool = False
-    forced: Sequence[int] = ()
-    logits: bool = False
-    logprobs: int | None = None
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
 class ModelStats:
     """The loaded model and what it has done since the load."""
 
@@ -210,11 +149,19 @@ class Model:
     one goes through the one loop, bmoe.generation.driver.Driver (`driver`)."""
 
     def __init__(self, engine: Engine) -> None:
+        self.name = Path(engine.settings.model).stem
+        self.notice = engine.notice
+        self._generations = self._tokens = self._read_bytes = 0
+        self._last: GenerationStats | None = None
+        self._asleep: ModelStats | None = None  # `sleep`: the stats as they were, the engine closed
+        self._attach(engine)
+
+    def _attach(self, engine: Engine) -> None:
+        """`engine` as this model's, with everything made from it: the driver, empty KV sequences, the
+        prompt cache, the grammar checker (its process starts with the first grammar); the load and `wake`."""
         self.engine = engine
         self.driver = Driver(engine)
-        self.name = Path(engine.settings.model).stem
         self.slots = [Slot(i) for i in range(engine.settings.parallel)]
-        self.notice = engine.notice
         self._renderer: Renderer | None = None
         self._chat_format: ChatFormat | None = None
         self.prompt_cache: PromptKV | None = None  # --prompt-cache (bmoe.generation.prompt_cache)
@@ -222,9 +169,7 @@ class Model:
             from bmoe.generation.prompt_cache import PromptKV
 
             self.prompt_cache = PromptKV(engine, engine.settings.prompt_cache, engine.settings.prompt_cache_mb)
-        self._generations = self._tokens = self._read_bytes = 0
-        self._last: GenerationStats | None = None
-        self.grammars = GrammarCheck(str(engine.settings.model))  # its process starts with the first grammar
+        self.grammars = GrammarCheck(str(engine.settings.model))
         # also at the interpreter's exit, while a daemon thread may be decoding: stopped, waited for (bounded)
         self._finalizer = weakref.finalize(self, _close, self.driver, self.grammars, EXIT_WAIT_S)
 
@@ -257,6 +202,37 @@ class Model:
         if self._finalizer.detach() is None:
             return True
         return _close(self.driver, self.grammars, timeout)
+
+    @property
+    def asleep(self) -> bool:
+        """Between `sleep` and `wake`: nothing of the load is held."""
+        return self._asleep is not None
+
+    def sleep(self) -> None:
+        """Hand the load's memory back while nobody needs it (bmoe-server --sleep-idle-seconds): the engine
+        is closed as `close` closes it (llama.cpp's objects and the KV, the I/O lanes and workers, the shared
+        memory, the usage profile saved), its KV sequences emptied; `stats` answers from what it was. Only
+        with nothing running; `wake` loads it again."""
+        if self.asleep:
+            return
+        kept = self.stats
+        self.close()
+        self.slots = [Slot(i) for i in range(len(self.slots))]
+        self._asleep = replace(kept, cache_resident_mib=0.0, kv_tokens=0, engine=replace(
+            kept.engine, resident_bytes=0, lanes=(), workers=(), residency=()))
+
+    def wake(self) -> None:
+        """After `sleep`: the model loaded again with the same (resolved) settings, as a restart would load it:
+        the usage profile read back, the KV sequences empty; what it has done so far (`stats`) carries on.
+        A load that fails raises and leaves it asleep."""
+        if not self.asleep:
+            return
+        from bmoe.coordinator import Engine
+        from bmoe.engine.load import load_engine
+
+        old = self.engine
+        self._attach(Engine(load_engine(old.settings, old.notice, old.words)))
+        self._asleep = None
 
     def release_now(self) -> None:
         """For a process ending at once (a second signal, a shutdown past its bound): stop the workers
@@ -504,6 +480,9 @@ class Model:
 
     @property
     def stats(self) -> ModelStats:
+        if self._asleep is not None:
+            return replace(self._asleep, generations=self._generations, generated_tokens=self._tokens,
+                           read_mib=self._read_bytes / MiB, last=self._last)
         e = self.engine.stats()
         return ModelStats(
             model=self.name, arch=e.arch, n_ctx=e.n_ctx, load_s=e.load_s, streaming=e.streaming,

@@ -57,6 +57,7 @@ from bmoe.server.request_base import sampling_of, unasked
 from bmoe.server.response_store import ResponseStore
 from bmoe.server.responses_wire import ResponsesBody, ResponsesShape
 from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
+from bmoe.server.sleep import Sleep
 from bmoe.server.vertex import Vertex, add_vertex
 from bmoe.server.webui import add_pages
 
@@ -488,7 +489,8 @@ def _ended(s: GenerationStats) -> GenerationStats:
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
                n_predict: int, alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
                trusted: Trusted | None = None, kept: ResponseStore | None = None, slots: bool = True,
-               metrics_route: bool = True, tags: tuple[str, ...] = (), vertex: Vertex | None = None) -> FastAPI:
+               metrics_route: bool = True, tags: tuple[str, ...] = (), vertex: Vertex | None = None,
+               sleep_idle: float | None = None) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given, tagged `tags`) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
@@ -496,7 +498,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     every request's Host and Origin are checked before any route runs (HostCheck: `trusted`, by default
     loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses.
     `slots` and `metrics_route` false: /slots and /metrics answer 501 (--no-slots, --no-metrics); `vertex`: Vertex
-    AI's prediction route (bmoe.server.vertex)."""
+    AI's prediction route (bmoe.server.vertex); `sleep_idle`: seconds idle before the model sleeps (bmoe.server.sleep:
+    the routes that need the model wake it; None: it never sleeps)."""
     trusted = trusted or Trusted()
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
@@ -531,34 +534,38 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     app.get("/health")(routes.health)
     add_pages(app, webui)
     key = [Depends(keyed.authorized)]  # the routes of the APIs, the metrics and the events
+    native = LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare, routes.answer, slots,
+                            metrics_route)
+    sleep = Sleep(model, sleep_idle, native.facts, lambda: sched.closed)
+    sched.on_idle = sleep.idle
+    awake = [*key, Depends(sleep.awake)]  # the routes that need the model loaded
     app.get("/metrics", dependencies=key)(routes.prometheus if metrics_route else not_served("/metrics",
                                                                                              "--no-metrics"))
     for v1 in ("/v1", ""):  # "": the paths llama-server also serves them at (a base URL without /v1)
         app.get(v1 + "/models", dependencies=key)(routes.models)
         app.get(v1 + "/models/{model_id:path}", dependencies=key)(routes.model_by_id)
-        app.post(v1 + "/chat/completions", dependencies=key)(routes.chat)
-        app.post(v1 + "/chat/completions/input_tokens", dependencies=key)(routes.input_tokens)
-        app.post(v1 + responses_wire.RESOURCE + "/input_tokens", dependencies=key)(routes.responses_input_tokens)
-        app.post(v1 + responses_wire.RESOURCE, dependencies=key)(routes.responses)
+        app.post(v1 + "/chat/completions", dependencies=awake)(routes.chat)
+        app.post(v1 + "/chat/completions/input_tokens", dependencies=awake)(routes.input_tokens)
+        app.post(v1 + responses_wire.RESOURCE + "/input_tokens", dependencies=awake)(routes.responses_input_tokens)
+        app.post(v1 + responses_wire.RESOURCE, dependencies=awake)(routes.responses)
         app.get(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.response_by_id)
         app.delete(v1 + responses_wire.RESOURCE + "/{response_id}", dependencies=key)(routes.drop_response)
-    app.post("/v1/completions", dependencies=key)(routes.completions)  # /completions is llama-server's own
-    app.post("/v1/messages", dependencies=key)(routes.messages)
-    app.post("/v1/messages/count_tokens", dependencies=key)(routes.count_tokens)
-    app.post("/api/chat", dependencies=key)(routes.ollama_chat)
-    app.post("/api/generate", dependencies=key)(routes.ollama_generate)
-    app.get("/api/tags", dependencies=key)(routes.ollama_tags)
-    app.get("/api/ps", dependencies=key)(routes.ollama_ps)
-    app.post("/api/show", dependencies=key)(routes.ollama_show)
+    app.post("/v1/completions", dependencies=awake)(routes.completions)  # /completions is llama-server's own
+    app.post("/v1/messages", dependencies=awake)(routes.messages)
+    app.post("/v1/messages/count_tokens", dependencies=awake)(routes.count_tokens)
+    app.post("/api/chat", dependencies=awake)(routes.ollama_chat)
+    app.post("/api/generate", dependencies=awake)(routes.ollama_generate)
+    app.get("/api/tags", dependencies=awake)(routes.ollama_tags)
+    app.get("/api/ps", dependencies=awake)(routes.ollama_ps)
+    app.post("/api/show", dependencies=awake)(routes.ollama_show)
     app.get("/api/version", dependencies=key)(routes.ollama_version)
-    app.post("/api/pull", dependencies=key)(routes.ollama_pull)
+    app.post("/api/pull", dependencies=awake)(routes.ollama_pull)
     app.delete("/api/delete", dependencies=key)(routes.ollama_refused)
     for refused in ("/api/create", "/api/copy", "/api/push", "/api/embed", "/api/embeddings"):
         app.post(refused, dependencies=key)(routes.ollama_refused)
     app.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"], dependencies=key)(routes.ollama_refused)
-    add_embedding_routes(app, EmbeddingEndpoints(model, routes.model_id, sched), key)
-    add_llama_routes(app, LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare,
-                                         routes.answer, slots, metrics_route), key)
+    add_embedding_routes(app, EmbeddingEndpoints(model, routes.model_id, sched), awake)
+    add_llama_routes(app, native, key, awake)
     app.get(EVENTS, dependencies=key)(feed.route)
     if vertex is not None:
         add_vertex(app, vertex, key, routes.health)

@@ -75,6 +75,7 @@ class LlamaEndpoints:
         self.model, self.model_id, self.n_predict, self.slots = model, model_id, n_predict, slots
         self.prepare, self.answer = prepare, answer
         self.slots_route, self.metrics_route = slots_route, metrics_route
+        self._facts: dict[str, Any] | None = None
 
     async def completion(self, body: LlamaCompletionBody, request: HttpRequest) -> Response:
         """A plain prompt (text or token ids), answered in llama-server's shapes through the answer loop."""
@@ -127,7 +128,17 @@ class LlamaEndpoints:
 
     async def props(self) -> dict[str, Any]:
         """What llama-server's /props tells, as it is on this server (-c, --parallel, -m, --alias, -n, the
-        sampling flags, the GGUF's chat template); bmoe has no slots, props or LoRA endpoints."""
+        sampling flags, the GGUF's chat template); bmoe has no slots, props or LoRA endpoints. Asleep
+        (bmoe.server.sleep) it answers without waking the model, from `facts` as read before it slept."""
+        return {**self.facts(), "is_sleeping": self.model.asleep}
+
+    def facts(self) -> dict[str, Any]:
+        """/props' fields but is_sleeping, read from the loaded model once: a wake loads the same."""
+        if self._facts is None:
+            self._facts = self._read_facts()
+        return self._facts
+
+    def _read_facts(self) -> dict[str, Any]:
         model = self.model
         params = {**sampling_settings(model.settings.sampler), "n_predict": self.n_predict}
         bos, eos = model.marker_texts()
@@ -139,17 +150,18 @@ class LlamaEndpoints:
                 "bos_token": bos, "eos_token": eos,
                 "build_info": f"bmoe {metadata.version('bmoe')}", "endpoint_slots": self.slots_route,
                 "endpoint_props": False,
-                "endpoint_metrics": self.metrics_route, "is_sleeping": False}
+                "endpoint_metrics": self.metrics_route}
 
 
-def add_llama_routes(app: FastAPI, native: LlamaEndpoints, key: list[Depends]) -> None:
-    """llama-server's native routes, behind `key` as the /v1 routes are (`/slots` a 501 with --no-slots)."""
+def add_llama_routes(app: FastAPI, native: LlamaEndpoints, key: list[Depends], awake: list[Depends]) -> None:
+    """llama-server's native routes, behind `key` as the /v1 routes are (`/slots` a 501 with --no-slots); those
+    that need the model loaded behind `awake` (bmoe.server.sleep), /props not."""
     for path in ("/completion", "/completions"):
-        app.post(path, dependencies=key)(native.completion)
-    app.post("/tokenize", dependencies=key)(native.tokenize)
-    app.post("/detokenize", dependencies=key)(native.detokenize)
-    app.post("/apply-template", dependencies=key)(native.apply_template)
+        app.post(path, dependencies=awake)(native.completion)
+    app.post("/tokenize", dependencies=awake)(native.tokenize)
+    app.post("/detokenize", dependencies=awake)(native.detokenize)
+    app.post("/apply-template", dependencies=awake)(native.apply_template)
     app.get("/props", dependencies=key)(native.props)
     by_slot = Slots(native.model)
-    app.get("/slots", dependencies=key)(by_slot.get if native.slots_route else not_served("/slots", "--no-slots"))
-    app.post("/slots/{id_slot}", dependencies=key)(by_slot.act)
+    app.get("/slots", dependencies=awake)(by_slot.get if native.slots_route else not_served("/slots", "--no-slots"))
+    app.post("/slots/{id_slot}", dependencies=awake)(by_slot.act)

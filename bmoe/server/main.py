@@ -70,6 +70,10 @@ Decisions:
   Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event in a stream), and
   a full queue is 529 `overloaded_error` there (Anthropic's clients retry it as they retry the API's own);
   under /api/ it is Ollama's `{"error": "..."}` (an `{"error": ...}` line in a stream).
+- `--sleep-idle-seconds S` (llama-server's sleep mode, bmoe.server.sleep): S seconds with no request that needs
+  the model, it is released as a shutdown releases it (the Model object stays, its engine closed); /health,
+  /props (`is_sleeping`), /models and /metrics answer without waking it, and the next request that needs it
+  loads it again with the same settings first (one load for concurrent ones; a failed load is a 503).
 - SIGTERM / SIGINT: the running generation is cancelled, waiting requests get 503, and the
   process exits 143 / 130 with its I/O lanes stopped and its shared memory freed. The shutdown
   takes `--shutdown-timeout` seconds at most (open responses ending, the generation stopping);
@@ -136,6 +140,7 @@ examples:
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
   bmoe-server -m model.gguf --alias my-moe        # clients see (and may ask for) the model as "my-moe"
   bmoe-server -m model.gguf --no-webui             # the API only: no chat page at /
+  bmoe-server -m model.gguf --sleep-idle-seconds 300  # release the model after 5 idle minutes; a request reloads it
   bmoe-server -m model.gguf --allowed-host my-alias,bmoe.home --allowed-origin chrome-extension://abcdef
                       # no key: also answer names that /etc/hosts points here, and requests from that extension
   bmoe-server -m model.gguf --api-key-file ~/.bmoe-key --allowed-origin http://localhost:5173
@@ -258,6 +263,12 @@ class ServeSettings:
                           help="serve no /slots (llama-server's view of the KV sequences: each one's state and token "
                                "count, no text); it answers 501")
     metrics: bool = setting(True, "--no-metrics", help="serve no /metrics (Prometheus); it answers 501")
+    sleep_idle_seconds: float | None = setting(
+        None, "--sleep-idle-seconds", parse=positive_float, metavar="S",
+        help="release the model after S seconds with no request that needs it (llama-server's sleep mode: its "
+             "memory, KV, I/O lanes and shared memory handed back; /health, /props, /models and /metrics answer "
+             "without waking it); the next such request loads it again with the same settings before it runs "
+             "(default: never)")
     shutdown_timeout: float = setting(
         10.0, "--shutdown-timeout", parse=positive_float, metavar="S",
         help="seconds a shutdown (SIGTERM/SIGINT) may take while open responses end and the running generation "
@@ -402,7 +413,7 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[so
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout,
                      trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins),
                      kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20), slots=opts.slots,
-                     metrics_route=opts.metrics, tags=opts.tags, vertex=vertex)
+                     metrics_route=opts.metrics, tags=opts.tags, vertex=vertex, sleep_idle=opts.sleep_idle_seconds)
     host, port = socks[0].getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),

@@ -163,7 +163,9 @@ class Scheduler:
 
     `on_fatal` hears of an engine failure (after which the scheduler is closed), `on_generation`
     of each generation's stats (before its client hears it ended), both on the worker thread;
-    `on_close` of every `close`, on the thread that closes it.
+    `on_close` of every `close`, on the thread that closes it; `on_idle`, every half second with nothing
+    queued or running, on the worker thread (by default an adaptive cache budget follows the room;
+    bmoe.server.sleep's Sleep.idle also puts the model to sleep).
     """
 
     def __init__(self, model: Model, size: int, on_fatal: Callable[[BaseException], None],
@@ -174,6 +176,7 @@ class Scheduler:
         self.on_fatal = on_fatal
         self.on_generation = on_generation
         self.on_close: Callable[[], None] = lambda: None
+        self.on_idle: Callable[[], None] = model.follow_memory
         self.reload_fix = reload_fix
         self.batching = Batching(batching, self._all_cached)
         self.cond = threading.Condition()
@@ -267,9 +270,11 @@ class Scheduler:
     def _turn(self) -> bool:
         """Admit what fits, prefill it, then one decode step; False once closed and drained."""
         with self.cond:
-            while not self.waiting and not self.active and not self.closed:
-                if not self.cond.wait(timeout=0.5):
-                    self.model.follow_memory()  # idle: give memory back if the limits ask
+            idle = not self.cond.wait_for(lambda: self.waiting or self.active or self.closed, timeout=0.5)
+        if idle:  # outside the lock: a sleep takes a while, and submits must not wait for it
+            self.on_idle()
+            return True
+        with self.cond:
             if self.closed and not self.active:
                 return False
             admitted: list[tuple[Job, Slot]] = []
