@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, PLAIN, detect
+from bmoe.chat.syntax import DEEPSEEK_R1, HARMONY, HERMES, LLAMA3, MISTRAL, PLAIN, detect
 from bmoe.chat.template import Renderer
 from bmoe.seam.llama import Vocab, init_backend, load_model
 
@@ -45,7 +45,8 @@ def turn(call_id: str) -> list[dict]:
 
 @pytest.mark.parametrize("name, syntax, tools", [
     ("qwen3", HERMES, True), ("gpt-oss", HARMONY, True), ("mistral-nemo", MISTRAL, True),
-    ("chatml-tools", HERMES, True), (None, PLAIN, False),
+    ("chatml-tools", HERMES, True), (None, PLAIN, False), ("deepseek-r1-tools", DEEPSEEK_R1, True),
+    ("deepseek-r1-distill", DEEPSEEK_R1, False), ("llama-3.3", LLAMA3, True),
 ])
 def test_the_syntax_and_tool_support_come_from_the_template(vocab, name, syntax, tools) -> None:
     r = renderer(vocab, name)

@@ -26,11 +26,29 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, Syntax
+from bmoe.chat.syntax import (
+    COMMAND_R7B,
+    DEEPSEEK_R1,
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    OPENERS,
+    R1_CALL,
+    R1_CALL_END,
+    R1_CALLS_END,
+    R1_SEP,
+    R7B_ACTION_END,
+    R7B_RESPONSE,
+    Syntax,
+)
 
 _WS = " \t\r\n"
 _SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 _NAME_ARGS = re.compile(r"([^\[]*?)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")  # mistral's `name[CALL_ID]id[ARGS]`
+# R1's call up to its arguments (its type, "function", then its name), and from them to its end
+_R1_HEAD = re.compile(re.escape(R1_CALL) + r"[^<\n]*" + re.escape(R1_SEP) + r"([^\n]*)\n```(?:json)?\n")
+_R1_TAIL = re.compile(r"\s*```\s*" + re.escape(R1_CALL_END))
 
 
 @dataclass(frozen=True)
@@ -191,7 +209,7 @@ def _call_object(t: str, i: int, final: bool) -> tuple[_Call, int | None, bool]:
         if key in ("arguments", "parameters"):
             call.args = t[i:len(t) if end is None else end]
             call.done = end is not None
-        elif key == "name" and end is not None:
+        elif key in ("name", "tool_name") and end is not None:  # tool_name: Command R7B's
             try:
                 call.name = json.loads(t[i:end])
             except ValueError:
@@ -323,18 +341,27 @@ class OutputParser:
 
     def _body(self, t: str, pos: int, final: bool, s: _Scan) -> None:
         name = self.syntax.name
-        opener = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]"}.get(name) if self.tools else None
+        opener = OPENERS.get(name) if self.tools else None
         at = t.find(opener, pos) if opener else -1
         if at < 0:
             s.content = t[pos:] if (final or not opener) else t[pos:len(t) - _hold(t, opener, pos)]
-            return
-        s.content = t[pos:at]
-        if name == HERMES:
-            self._hermes(t, at, final, s)
-        elif self.syntax.args_form:
-            self._mistral_args(t, at, final, s)
         else:
-            self._mistral_array(t, at, final, s)
+            s.content = t[pos:at]
+            if name == HERMES:
+                self._hermes(t, at, final, s)
+            elif name == LLAMA3:
+                self._objects(t, at, final, s)
+            elif name == DEEPSEEK_R1:
+                self._r1(t, at, final, s)
+            elif name == MISTRAL and self.syntax.args_form:
+                self._mistral_args(t, at, final, s)
+            else:
+                self._json_array(t, at, final, s)
+        if name == COMMAND_R7B:  # its answer's markers are not content (one may be starting)
+            for m in R7B_RESPONSE:
+                s.content = s.content.replace(m, "")
+            if not final:
+                s.content = s.content[:len(s.content) - max(_hold(s.content, m) for m in R7B_RESPONSE)]
 
     def _after_calls(self, t: str, i: int, opener: str, final: bool, s: _Scan) -> int | None:
         """After a call: the index of the next call's opener, or None (the rest is content, or held)."""
@@ -365,8 +392,11 @@ class OutputParser:
             call.raw, call.closed = t[at:j + len(close)], True
             at = self._after_calls(t, j + len(close), open_, final, s)
 
-    def _mistral_array(self, t: str, at: int, final: bool, s: _Scan) -> None:
-        i = _skip_ws(t, at + len("[TOOL_CALLS]"))
+    def _json_array(self, t: str, at: int, final: bool, s: _Scan) -> None:
+        """A JSON array of call objects after the opener (mistral's, and Command R7B's, which closes it with
+        its end marker)."""
+        opener = OPENERS[self.syntax.name]
+        i = _skip_ws(t, at + len(opener))
         if i >= len(t):
             return
         if t[i] != "[":
@@ -387,14 +417,67 @@ class OutputParser:
                 continue
             if i < len(t) and t[i] == "]":
                 call.closed = True
-                nxt = self._after_calls(t, i + 1, "[TOOL_CALLS]", final, s)
+                i += 1
+                if self.syntax.name == COMMAND_R7B:
+                    i = _skip_ws(t, i)
+                    if t.startswith(R7B_ACTION_END, i):
+                        i += len(R7B_ACTION_END)
+                    elif R7B_ACTION_END.startswith(t[i:]):
+                        return  # its end is coming (or was cut)
+                nxt = self._after_calls(t, i, opener, final, s)
                 if nxt is not None:
-                    self._mistral_array(t, nxt, final, s)
+                    self._json_array(t, nxt, final, s)
             else:
                 call.open_end = i >= len(t)
                 if i < len(t) or final:
                     call.done = False
             return
+
+    def _objects(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
+        """Llama 3's calls: JSON objects written as they are, the opener their start."""
+        opener = OPENERS[self.syntax.name]
+        while at is not None:
+            call, end, ok = _call_object(t, at, final)
+            s.calls.append(call)
+            call.raw = t[at:end] if end is not None else t[at:]
+            if not ok or end is None:
+                call.open_end = ok
+                if final or not ok:
+                    call.done = call.done and ok
+                return
+            call.closed = True
+            at = self._after_calls(t, end, opener, final, s)
+
+    def _r1(self, t: str, at: int, final: bool, s: _Scan) -> None:
+        """DeepSeek R1's calls after its opener, each
+        `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`, up to
+        `<｜tool▁calls▁end｜>`."""
+        opener = OPENERS[self.syntax.name]
+        i = at + len(opener)
+        while True:
+            i = _skip_ws(t, i)
+            if t.startswith(R1_CALLS_END, i):
+                nxt = self._after_calls(t, i + len(R1_CALLS_END), opener, final, s)
+                if nxt is not None:
+                    self._r1(t, nxt, final, s)
+                return
+            m = _R1_HEAD.match(t, i)
+            if m is None:  # the call's head is still coming, or this is no call
+                if not (t.startswith(R1_CALL, i) or R1_CALL.startswith(t[i:]) or R1_CALLS_END.startswith(t[i:])):
+                    s.content += t[i:]
+                return  # (a call cut in its head is dropped)
+            end = value_end(t, m.end(), final)
+            call = _Call(m.group(1).strip(), t[m.end():len(t) if end is None else end], done=end is not None)
+            s.calls.append(call)
+            tail = _R1_TAIL.match(t, end) if end is not None else None
+            call.raw = t[i:tail.end() if tail else len(t)]
+            if tail is None:
+                call.open_end = end is None or _r1_tail_coming(t[end:])
+                if final or not call.open_end:
+                    call.done = False
+                return
+            call.closed = True
+            i = tail.end()
 
     def _mistral_args(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
         opener = "[TOOL_CALLS]"
@@ -446,6 +529,14 @@ class OutputParser:
             if e < 0:
                 return
             i = e + len("<|end|>")
+
+
+def _r1_tail_coming(rest: str) -> bool:
+    """Whether `rest`, the text after an R1 call's arguments, may still grow into the call's end."""
+    rest = rest.lstrip(_WS)
+    if not rest.startswith("```"):
+        return "```".startswith(rest)
+    return R1_CALL_END.startswith(rest[3:].lstrip(_WS))
 
 
 def _parses(args: str) -> bool:
