@@ -34,6 +34,7 @@ MISTRAL_ARGS = Syntax(MISTRAL, ("[THINK]", "[/THINK]"), args_form=True)
 GPT_OSS = Syntax(HARMONY)
 R1 = Syntax(PLAIN, ("<think>", "</think>"))
 R1_TOOLS = Syntax(DEEPSEEK_R1, ("<think>", "</think>"))
+V31 = Syntax(DEEPSEEK_R1, ("<think>", "</think>"), args_form=True)
 R7B = Syntax(COMMAND_R7B, ("<|START_THINKING|>", "<|END_THINKING|>"))
 LLAMA = Syntax(LLAMA3)
 R1_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>")
@@ -96,6 +97,11 @@ CASES = [
      + "<｜tool▁calls▁end｜>",
      "Short.", "Let me look.", [("get_weather", '{"location": "Oslo"}')]),
     ("deepseek-r1 answer", R1_TOOLS, True, True, "Easy.\n</think>\n\nIt is 4.", "Easy.", "It is 4.", []),
+    ("deepseek-v3.1 calls", V31, True, False,
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\": \"Paris\"}<｜tool▁call▁end｜>"
+     "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": \"CET\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "", "", [("get_weather", '{"location": "Paris"}'), ("get_time", '{"zone": "CET"}')]),
+    ("cohere2 moe answer", R7B, True, False, "<|START_TEXT|>Hello there.<|END_TEXT|>", "", "Hello there.", []),
     ("command-r7b plan + calls", R7B, True, False,
      '<|START_THINKING|>I will look up the weather.<|END_THINKING|><|START_ACTION|>[\n'
      '    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"location": "Paris"}},\n'
@@ -263,7 +269,8 @@ def test_value_end_follows_strings_and_nesting(text: str, end: int | None) -> No
     ("<tool_call>", HERMES2),
     ("{{ '<think>' }}", R1),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", Syntax(PLAIN)),
-    ("{{ '<｜Assistant｜><｜tool▁calls▁begin｜>' }}", R1_TOOLS),
+    ("{{ '<｜Assistant｜><｜tool▁calls▁begin｜>' }}<think>```json", R1_TOOLS),
+    ("{{ '<｜Assistant｜><｜tool▁calls▁begin｜>' }}<think>", V31),
     ("<|START_THINKING|>{{ x }}<|END_THINKING|><|START_ACTION|>", R7B),
     ("<|start_header_id|>user<|end_header_id|>Respond in the format {\"name\": function name, \"parameters\": ...}",
      LLAMA),
@@ -315,7 +322,7 @@ def plain(synth) -> Plain:
     p.close()
 
 
-@pytest.mark.parametrize("syntax", [HERMES2, QWEN3, NEMO, MISTRAL_ARGS, GPT_OSS, R1_TOOLS, R7B, LLAMA],
+@pytest.mark.parametrize("syntax", [HERMES2, QWEN3, NEMO, MISTRAL_ARGS, GPT_OSS, R1_TOOLS, V31, R7B, LLAMA],
                          ids=lambda s: f"{s.name}{'-args' if s.args_form else ''}{'-think' if s.think else ''}")
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])

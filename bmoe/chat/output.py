@@ -49,6 +49,8 @@ _NAME_ARGS = re.compile(r"([^\[]*?)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")  # mistral's
 # R1's call up to its arguments (its type, "function", then its name), and from them to its end
 _R1_HEAD = re.compile(re.escape(R1_CALL) + r"[^<\n]*" + re.escape(R1_SEP) + r"([^\n]*)\n```(?:json)?\n")
 _R1_TAIL = re.compile(r"\s*```\s*" + re.escape(R1_CALL_END))
+_V31_HEAD = re.compile(re.escape(R1_CALL) + r"([^<\n]*)" + re.escape(R1_SEP))  # DeepSeek V3.1's: the name, then R1_SEP
+_V31_TAIL = re.compile(r"\s*" + re.escape(R1_CALL_END))
 
 
 @dataclass(frozen=True)
@@ -450,8 +452,8 @@ class OutputParser:
 
     def _r1(self, t: str, at: int, final: bool, s: _Scan) -> None:
         """DeepSeek R1's calls after its opener, each
-        `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`, up to
-        `<｜tool▁calls▁end｜>`."""
+        `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>` (V3.1's
+        `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`), up to `<｜tool▁calls▁end｜>`."""
         opener = OPENERS[self.syntax.name]
         i = at + len(opener)
         while True:
@@ -461,7 +463,7 @@ class OutputParser:
                 if nxt is not None:
                     self._r1(t, nxt, final, s)
                 return
-            m = _R1_HEAD.match(t, i)
+            m = (_V31_HEAD if self.syntax.args_form else _R1_HEAD).match(t, i)
             if m is None:  # the call's head is still coming, or this is no call
                 if not (t.startswith(R1_CALL, i) or R1_CALL.startswith(t[i:]) or R1_CALLS_END.startswith(t[i:])):
                     s.content += t[i:]
@@ -469,10 +471,10 @@ class OutputParser:
             end = value_end(t, m.end(), final)
             call = _Call(m.group(1).strip(), t[m.end():len(t) if end is None else end], done=end is not None)
             s.calls.append(call)
-            tail = _R1_TAIL.match(t, end) if end is not None else None
+            tail = (_V31_TAIL if self.syntax.args_form else _R1_TAIL).match(t, end) if end is not None else None
             call.raw = t[i:tail.end() if tail else len(t)]
             if tail is None:
-                call.open_end = end is None or _r1_tail_coming(t[end:])
+                call.open_end = end is None or _r1_tail_coming(t[end:], self.syntax.args_form)
                 if final or not call.open_end:
                     call.done = False
                 return
@@ -531,9 +533,11 @@ class OutputParser:
             i = e + len("<|end|>")
 
 
-def _r1_tail_coming(rest: str) -> bool:
-    """Whether `rest`, the text after an R1 call's arguments, may still grow into the call's end."""
+def _r1_tail_coming(rest: str, v31: bool) -> bool:
+    """Whether `rest`, the text after an R1 (V3.1) call's arguments, may still grow into the call's end."""
     rest = rest.lstrip(_WS)
+    if v31:
+        return R1_CALL_END.startswith(rest)
     if not rest.startswith("```"):
         return "```".startswith(rest)
     return R1_CALL_END.startswith(rest[3:].lstrip(_WS))

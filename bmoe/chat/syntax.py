@@ -11,10 +11,12 @@ by other means):
   `final`, a call as `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`;
 - `deepseek-r1` (DeepSeek R1/V3, and llama.cpp's llama-cpp-deepseek-r1 template):
   `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>`,
+  or with DeepSeek V3.1's templates (no ```json in them)
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`;
   reasoning in `<think>…</think>`;
-- `command-r7b`: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}}]<|END_ACTION|>`,
-  reasoning in `<|START_THINKING|>…<|END_THINKING|>`, the answer in `<|START_RESPONSE|>…<|END_RESPONSE|>`
-  (the markers are not content);
+- `command-r7b` (Command R7B, Cohere2 MoE): `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ...,
+  "parameters": {...}}]<|END_ACTION|>`, reasoning in `<|START_THINKING|>…<|END_THINKING|>`, the answer in
+  `<|START_RESPONSE|>…<|END_RESPONSE|>` (Cohere2 MoE's `<|START_TEXT|>…<|END_TEXT|>`; the markers are not content);
 - `llama3` (Llama 3.x's JSON): `{"name": ..., "parameters": {...}}`, one call per answer (the template
   renders no more);
 - otherwise `plain`: no tool calls; reasoning in `<think>…</think>` when the template has it.
@@ -44,7 +46,8 @@ DEEPSEEK_R1, COMMAND_R7B, LLAMA3 = "deepseek-r1", "command-r7b", "llama3"
 R1_CALLS, R1_CALL, R1_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
 R1_CALL_END, R1_CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 R7B_ACTION, R7B_ACTION_END = "<|START_ACTION|>", "<|END_ACTION|>"
-R7B_RESPONSE = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")  # around Command R7B's answer: not content
+# around Command R7B's answer (Cohere2 MoE's: TEXT): not content
+R7B_RESPONSE = ("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>")
 PARSED = (HERMES, MISTRAL, HARMONY, DEEPSEEK_R1, COMMAND_R7B, LLAMA3)
 # where each syntax's calls begin in the answer (a JSON array follows mistral's and Command R7B's)
 OPENERS = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]", DEEPSEEK_R1: R1_CALLS, COMMAND_R7B: R7B_ACTION,
@@ -65,7 +68,8 @@ class Syntax:
 
     name: str
     think: tuple[str, str] | None = None
-    args_form: bool = False  # mistral's `[TOOL_CALLS]name[ARGS]{...}` (else a JSON array of calls)
+    args_form: bool = False  # mistral's `[TOOL_CALLS]name[ARGS]{...}` (else a JSON array of calls); DeepSeek V3.1's
+    # name, R1_SEP, the arguments (else R1's "function", R1_SEP, the name and a ```json block)
 
     @property
     def tools(self) -> bool:
@@ -104,7 +108,7 @@ def detect(template: str | None) -> Syntax:
         return Syntax(MISTRAL, ("[THINK]", "[/THINK]") if "[THINK]" in t else None, args_form="[ARGS]" in t)
     think = ("<think>", "</think>") if "<think>" in t else None
     if R1_CALLS in t:
-        return Syntax(DEEPSEEK_R1, ("<think>", "</think>"))
+        return Syntax(DEEPSEEK_R1, ("<think>", "</think>"), args_form="```json" not in t)
     if R7B_ACTION in t:
         return Syntax(COMMAND_R7B, ("<|START_THINKING|>", "<|END_THINKING|>") if "<|START_THINKING|>" in t else None)
     if "<tool_call>" in t:
@@ -222,8 +226,9 @@ def _calls_rule(syntax: Syntax, tools: Tools, rules: Mapping[str, str]) -> str:
                                for n in tools.allowed) + ")"
         return f"{one}+" if many else one
     if syntax.name == DEEPSEEK_R1:
-        one = "(" + " | ".join(f'{literal(R1_CALL + "function" + R1_SEP + n + chr(10) + "```json" + chr(10))} '
-                               f'{rules[f"args-{n}"]} {literal(chr(10) + "```" + R1_CALL_END)}'
+        head, tail = ((R1_CALL + "{}" + R1_SEP, R1_CALL_END) if syntax.args_form else
+                      (R1_CALL + "function" + R1_SEP + "{}\n```json\n", "\n```" + R1_CALL_END))
+        one = "(" + " | ".join(f'{literal(head.format(n))} {rules[f"args-{n}"]} {literal(tail)}'
                                for n in tools.allowed) + ")"
         more = f' ("\\n"? {one})*' if many else ""
         return f'{literal(R1_CALLS)} {one}{more} {literal(R1_CALLS_END)}'
