@@ -29,7 +29,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 
 def start(model: Path, *flags: str) -> Server:
-    return Server("-m", str(model), "-t", "1", "--io-threads", "2", "--cache-mb", "1", "-c", "1024", "-n", "48",
+    return Server("-m", str(model), "-t", "1", "--io-threads", "2", "--cache-mb", "1", "-c", "2048", "-n", "48",
                   *flags, env={"BMOE_API_KEY": KEY})
 
 
@@ -79,12 +79,12 @@ def test_llama3_gets_todays_date_and_its_json_calls_are_read_whole_and_streamed(
     assert f"Today Date: {datetime.date.today().strftime('%d %b %Y')}\n" in prompt(llama3)
     assert '"name": "get_weather"' in prompt(llama3, tools=[WEATHER])
     c = llama3.client()
-    r = c.chat.completions.create(model="x", messages=HELLO, tools=[WEATHER], tool_choice="required", max_tokens=48)
+    r = c.chat.completions.create(model="x", messages=HELLO, tools=[WEATHER], tool_choice="required", max_tokens=200)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
     assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
     chunks = list(c.chat.completions.create(model="x", messages=HELLO, tools=[WEATHER], tool_choice="required",
-                                            max_tokens=48, stream=True))
+                                            max_tokens=200, stream=True))
     streamed = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
     assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", call.function.arguments)]
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -101,15 +101,21 @@ def r1_tools(small_moe: Path) -> Iterator[Server]:
 def test_deepseek_r1_shows_the_tools_and_its_calls_are_read(r1_tools: Server) -> None:
     shown = prompt(r1_tools, tools=[WEATHER])
     assert '"name": "get_weather"' in shown and shown.endswith("<｜Assistant｜><think>\n")
-    # the prompt opens the think block: a forced call comes after the reasoning the model closes
-    body = {"messages": HELLO, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 300}
+    # the prompt opens the think block; continuing an assistant turn that closes it, the forced call comes at once
+    closed = [*HELLO, {"role": "assistant", "content": "</think>\n\n"}]
+    body = {"messages": closed, "continue_final_message": True, "tools": [WEATHER], "tool_choice": "required",
+            "max_tokens": 300}
     r = post(r1_tools, "/v1/chat/completions", body).json()
     msg = r["choices"][0]["message"]
-    if r["choices"][0]["finish_reason"] == "tool_calls":
-        (call,) = msg["tool_calls"]
-        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])
-    else:  # a random model may think until max_tokens: all of it is reasoning, no markup leaks as content
-        assert r["choices"][0]["finish_reason"] == "length" and not msg.get("tool_calls") and not msg["content"]
+    assert r["choices"][0]["finish_reason"] == "tool_calls", json.dumps(r, ensure_ascii=False)[:1500]
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+    assert not msg["content"] and "｜" not in json.dumps(msg, ensure_ascii=False)
+    with httpx.stream("POST", r1_tools.url + "/v1/chat/completions", json={**body, "stream": True}, headers=auth(),
+                      timeout=120) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [t for e in events for t in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert [t["function"] for t in streamed] == [call["function"]]
 
 
 @pytest.fixture(scope="module")

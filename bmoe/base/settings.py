@@ -319,19 +319,16 @@ class Settings:
              "model whose template has none)")
     chat_template: str | None = setting(
         None, "--chat-template", metavar="NAME",
-        help="render chats with one of llama.cpp's built-in templates by name (chatml, llama3, command-r, ...: "
-             "llama.cpp's formatter, no jinja, so no tools) instead of the model's own")
+        help="render chats with a llama.cpp built-in template by name (chatml, llama3, command-r, ...; no tools)")
     jinja: bool = setting(
         False, "--jinja", toggle=True,
-        help="render every chat with its template's jinja, as llama.cpp's --jinja (llama-server's default) does, "
-             "passing it enable_thinking and today's date; default: llama.cpp's built-in formatter for the "
-             "templates it recognises (jinja for tools, thinking off and the rest)")
+        help="render every chat with its template's jinja, given enable_thinking and today's date, as llama-server "
+             "does by default; default: llama.cpp's formatter for the templates it recognises")
     reasoning: str = setting(
         "auto", "--reasoning", choices=REASONING, metavar="on|off|auto", ok=lambda v: v in REASONING,
         rule=f"choose one of {', '.join(REASONING)}",
-        help="thinking for a chat that does not say (think, enable_thinking, reasoning_effort, thinking win): off "
-             "renders the template with enable_thinking false; auto (default): on when the template reads "
-             "enable_thinking (llama-server's --reasoning)")
+        help="thinking for a chat that does not say (the template's enable_thinking; auto: on, with --jinja only "
+             "for a template that reads it), as llama-server's --reasoning")
     prompt_cache: str | None = setting(  # bmoe.generation.prompt_cache
         None, "--prompt-cache", metavar="DIR",
         help="keep the KV of each prompt's prefix (a chat's system prompt, tools and earlier turns) in DIR and, "

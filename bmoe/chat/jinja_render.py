@@ -3,7 +3,8 @@
 The environment is the one Hugging Face's transformers renders chat templates in (a sandbox with
 `trim_blocks`, `lstrip_blocks`, loop controls, the `{% generation %}` tag passed through, `tojson`
 as Python's json.dumps without ASCII escapes, `raise_exception`, `strftime_now`), which llama.cpp's
-engine follows, plus the one leniency of llama.cpp's engine templates rely on: a string joined with
+engine follows, plus what llama.cpp's engine does its own way and templates rely on: a filter's result
+(`map(...)`) is an array `tojson` writes (jinja2's is a generator it cannot), and a string joined with
 `+` to null or an undefined name is the string (firefunction's template adds `functions`, which
 llama.cpp never defines). A template is given only the variables the caller names and
 `add_generation_prompt` (llama.cpp leaves it undefined when false, which the few templates that default
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -47,9 +48,17 @@ class _Environment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+def _listed(x: Any) -> list[Any]:
+    """A filter's lazy sequence (`map`, `select`, ...) as the array llama.cpp's engine makes of it."""
+    if isinstance(x, Iterable) and not isinstance(x, (str, bytes, Mapping)):
+        return list(x)
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+
+
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                      default=_listed)
 
 
 def _raise(message: str) -> None:

@@ -121,7 +121,8 @@ class ChatFormat:
         text = (r.render(list(msgs[:-1]), think, shown_tools) + (msgs[-1]["content"] or "") if continued else
                 r.render(list(msgs), think, shown_tools, prompt))
         think_open = bool(syntax.think and text.rstrip().endswith(syntax.think[0]))
-        thinking = syntax.think is not None and (think or not r.reads_thinking)
+        closed = bool(syntax.think and text.rstrip().endswith(syntax.think[1]))  # the prompt closed the block
+        thinking = syntax.think is not None and (think or not r.reads_thinking) and not closed
         if calls:
             assert t is not None  # calls come with tools
             g = tool_grammar(syntax, t, thinking, think_open)

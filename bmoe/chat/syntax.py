@@ -52,10 +52,10 @@ PARSED = (HERMES, MISTRAL, HARMONY, DEEPSEEK_R1, COMMAND_R7B, LLAMA3)
 # where each syntax's calls begin in the answer (a JSON array follows mistral's and Command R7B's)
 OPENERS = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]", DEEPSEEK_R1: R1_CALLS, COMMAND_R7B: R7B_ACTION,
            LLAMA3: '{"name"'}
-# the same as llama.cpp's lazy-grammar trigger patterns (ECMAScript regular expressions)
+# llama.cpp's lazy-grammar trigger patterns (ECMAScript regular expressions); Llama 3's calls have no marker,
+# and llama.cpp holds its tool_choice auto to no grammar
 TRIGGERS = {HERMES: r"<tool_call>", MISTRAL: r"\[TOOL_CALLS\]", DEEPSEEK_R1: R1_CALLS,
-            COMMAND_R7B: r"<\|START_ACTION\|>", LLAMA3: r'\{"name"',
-            HARMONY: r"<\|channel\|>commentary to=functions\."}
+            COMMAND_R7B: r"<\|START_ACTION\|>", HARMONY: r"<\|channel\|>commentary to=functions\."}
 CHOICES = ("auto", "none", "required")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
 _ALNUM = string.ascii_letters + string.digits
@@ -256,9 +256,10 @@ def _reasoning_rule(syntax: Syntax, think_open: bool) -> tuple[str, str]:
 
 def tool_grammar(syntax: Syntax, tools: Tools, thinking: bool = False, think_open: bool = False) -> Grammar | None:
     """The grammar for a request's calls: forced (required, a named function) or lazy (auto);
-    None for tool_choice none. `thinking`: the template's reasoning block may come first (forced
+    None for tool_choice none, and for auto in a syntax whose calls have no marker to trigger on
+    (Llama 3's, as llama.cpp). `thinking`: the template's reasoning block may come first (forced
     only); `think_open`: the prompt ends inside one."""
-    if tools.choice == "none":
+    if tools.choice == "none" or (not tools.forced and syntax.tools and syntax.name not in TRIGGERS):
         return None
     if not syntax.tools:
         raise GrammarError(f"tools: the chat template's tool-call syntax is not one bmoe parses (it parses "
