@@ -163,3 +163,13 @@ def test_a_built_in_template_by_name_is_llama_cpps_formatter(vocab) -> None:
         "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
         "<|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
     assert r.supports_tools is False
+
+
+def test_a_string_joined_to_null_is_the_string_and_a_filters_result_is_json() -> None:
+    """llama.cpp's jinja engine, not jinja2's: firefunction's template adds `functions`, which llama.cpp never
+    defines, to its text; R1's writes `tools | map(attribute='function') | tojson`."""
+    from bmoe.chat.jinja_render import JinjaTemplate
+
+    t = JinjaTemplate("{{ 'Functions:' + functions }}|{{ none + 'x' }}|"
+                      "{{ tools | map(attribute='function') | tojson }}")
+    assert t.render([], True, tools=[{"function": {"name": "f"}}]) == 'Functions:|x|[{"name": "f"}]'
