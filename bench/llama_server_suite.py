@@ -38,9 +38,10 @@ SUITE = "vendor/llama.cpp/tools/server/tests"
 SAME = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed", "--alias": "--alias",
         "--threads": "-t", "--n-predict": "-n", "--api-key": "--api-key", "--cors-origins": "--allowed-origin",
         "--chat-template-file": "--chat-template-file", "--parallel": "--parallel", "--pooling": "--pooling",
-        "--tags": "--tags", "--sleep-idle-seconds": "--sleep-idle-seconds"}
-SAME_SWITCH = {"--no-ui": "--no-webui", "--no-webui": "--no-webui", "--no-slots": "--no-slots"}
-BMOE_DEFAULT = {"--slots", "--metrics", "--offline", "--cont-batching", "--jinja"}  # what bmoe-server does anyway
+        "--tags": "--tags", "--sleep-idle-seconds": "--sleep-idle-seconds", "--reasoning": "--reasoning",
+        "--chat-template": "--chat-template"}
+SAME_SWITCH = {"--no-ui": "--no-webui", "--no-webui": "--no-webui", "--no-slots": "--no-slots", "--jinja": "--jinja"}
+BMOE_DEFAULT = {"--slots", "--metrics", "--offline", "--cont-batching", "--no-jinja"}  # what bmoe-server does anyway
 # the pooling of the suite's embedding model (bert-bge-small's GGUF: bert.pooling_type 2, cls), which the
 # stand-in's GGUF does not declare: given when the suite starts --embedding without --pooling
 SUITE_POOLING = "cls"
@@ -48,7 +49,7 @@ DROPPED_WITH_VALUE = {"--model-url", "--model-draft", "--hf-file", "--models-dir
                       "--models-preset", "--batch-size", "--ubatch-size", "--n-gpu-layers",
                       "-ctk", "-ctv", "-fa", "--slot-save-path", "--grp-attn-n", "--grp-attn-w", "--lora",
                       "--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-synth-len",
-                      "--spec-synth-rates", "--reasoning-format", "--reasoning", "--chat-template", "--mmproj-url",
+                      "--spec-synth-rates", "--reasoning-format", "--mmproj-url",
                       "--media-path", "--cache-ram", "--log-file", "--tools",
                       "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json", "--draft-max",
                       "--draft-min", "--reasoning-budget", "--ctx-checkpoints", "--keep"}

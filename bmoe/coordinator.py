@@ -212,9 +212,12 @@ class Engine:
             residency=tuple(st.residency()) if st else ())
 
     def chat_template(self) -> bytes | None:
-        """The chat template: --chat-template-file's, else the one stored in the GGUF, if any."""
+        """The chat template: --chat-template-file's, --chat-template's name of a llama.cpp built-in, else the
+        one stored in the GGUF, if any."""
         if self.settings.chat_template_file:
             return Path(self.settings.chat_template_file).read_bytes()
+        if self.settings.chat_template:
+            return self.settings.chat_template.encode()
         return llama.chat_template(self.model)
 
     @property

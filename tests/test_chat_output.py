@@ -10,8 +10,22 @@ import random
 import pytest
 
 from bmoe.chat.grammar import GrammarError, schema_grammar
-from bmoe.chat.output import OutputParser, Reading, Reply, value_end
-from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, PLAIN, Syntax, check_tools, detect, tool_grammar, with_reasoning
+from bmoe.chat.output import OutputParser, Reading, Reply
+from bmoe.chat.partial_json import value_end
+from bmoe.chat.syntax import (
+    COMMAND_R7B,
+    DEEPSEEK_R1,
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    PLAIN,
+    Syntax,
+    check_tools,
+    detect,
+    tool_grammar,
+    with_reasoning,
+)
 from tests.plain_llama import Plain
 
 QWEN3 = Syntax(HERMES, ("<think>", "</think>"))
@@ -20,6 +34,11 @@ NEMO = Syntax(MISTRAL)
 MISTRAL_ARGS = Syntax(MISTRAL, ("[THINK]", "[/THINK]"), args_form=True)
 GPT_OSS = Syntax(HARMONY)
 R1 = Syntax(PLAIN, ("<think>", "</think>"))
+R1_TOOLS = Syntax(DEEPSEEK_R1, ("<think>", "</think>"))
+V31 = Syntax(DEEPSEEK_R1, ("<think>", "</think>"), args_form=True)
+R7B = Syntax(COMMAND_R7B, ("<|START_THINKING|>", "<|END_THINKING|>"))
+LLAMA = Syntax(LLAMA3)
+R1_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>")
 
 # (syntax, tools on, prompt ends inside the reasoning block, answer, reasoning, content, [(name, arguments)])
 CASES = [
@@ -68,6 +87,39 @@ CASES = [
      "Simple greeting.", "Hello! How can I help?", []),
     ("deepseek-r1 reasoning opened by the prompt", R1, False, True,
      "Okay, 2 + 2 is 4.\n</think>\n\nThe answer is 4.", "Okay, 2 + 2 is 4.", "The answer is 4.", []),
+    ("deepseek-r1 think + two calls", R1_TOOLS, True, True,
+     "The user wants weather and time.\n</think>\n\n<｜tool▁calls▁begin｜>"
+     + R1_CALL.format("get_weather", '{"location": "Paris"}') + "\n" + R1_CALL.format("get_time", '{"zone": "CET"}')
+     + "<｜tool▁calls▁end｜>",
+     "The user wants weather and time.", "",
+     [("get_weather", '{"location": "Paris"}'), ("get_time", '{"zone": "CET"}')]),
+    ("deepseek-r1 content then a call", R1_TOOLS, True, True,
+     "Short.</think>Let me look.<｜tool▁calls▁begin｜>" + R1_CALL.format("get_weather", '{"location": "Oslo"}')
+     + "<｜tool▁calls▁end｜>",
+     "Short.", "Let me look.", [("get_weather", '{"location": "Oslo"}')]),
+    ("deepseek-r1 answer", R1_TOOLS, True, True, "Easy.\n</think>\n\nIt is 4.", "Easy.", "It is 4.", []),
+    ("deepseek-v3.1 calls", V31, True, False,
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\": \"Paris\"}<｜tool▁call▁end｜>"
+     "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": \"CET\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "", "", [("get_weather", '{"location": "Paris"}'), ("get_time", '{"zone": "CET"}')]),
+    ("cohere2 moe answer", R7B, True, False, "<|START_TEXT|>Hello there.<|END_TEXT|>", "", "Hello there.", []),
+    ("command-r7b plan + calls", R7B, True, False,
+     '<|START_THINKING|>I will look up the weather.<|END_THINKING|><|START_ACTION|>[\n'
+     '    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"location": "Paris"}},\n'
+     '    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {"zone": "CET"}}\n]<|END_ACTION|>',
+     "I will look up the weather.", "",
+     [("get_weather", '{"location": "Paris"}'), ("get_time", '{"zone": "CET"}')]),
+    ("command-r7b answer", R7B, True, False,
+     "<|START_THINKING|>A greeting.<|END_THINKING|><|START_RESPONSE|>Hello! How can I help?<|END_RESPONSE|>",
+     "A greeting.", "Hello! How can I help?", []),
+    ("llama3 call", LLAMA, True, False, '{"name": "get_weather", "parameters": {"location": "Paris"}}',
+     "", "", [("get_weather", '{"location": "Paris"}')]),
+    ("llama3 answer with braces", LLAMA, True, False, "Use {x} in a format string.", "",
+     "Use {x} in a format string.", []),
+    ("llama3 call spaced", LLAMA, True, False, '{ "name" : "get_weather", "parameters": {"location": "Oslo"}}',
+     "", "", [("get_weather", '{"location": "Oslo"}')]),
+    ("llama3 with tool_choice none", LLAMA, False, False, '{"name": "get_weather", "parameters": {}}', "",
+     '{"name": "get_weather", "parameters": {}}', []),
 ]
 
 
@@ -117,7 +169,11 @@ def test_an_answer_parses_the_same_whole_and_piece_by_piece(case: tuple) -> None
     (NEMO, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}, "id": "a1b2c3d4e"}, ',
      '{"name": "get_weather", "arguments": {"location": "Paris"}, "id": "f5g6h7i8j"}'),
     (MISTRAL_ARGS, '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', '[TOOL_CALLS]get_weather[ARGS]{"location": "Pa'),
-], ids=["hermes-in-arguments", "hermes-in-close", "mistral-array", "mistral-args"])
+    (R1_TOOLS, "<｜tool▁calls▁begin｜>" + R1_CALL.format("get_time", '{"zone": "CET"}') + "\n",
+     R1_CALL.format("get_weather", '{"location": "Paris"}')[:-12]),
+    (R7B, '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_time", "parameters": {"zone": "CET"}}, ',
+     '{"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"location": "Pa'),
+], ids=["hermes-in-arguments", "hermes-in-close", "mistral-array", "mistral-args", "deepseek-r1", "command-r7b"])
 def test_a_call_cut_off_is_dropped_whole_and_piece_by_piece(syntax: Syntax, whole: str, cut: str) -> None:
     """max_tokens cut the second call: the first is kept, the second is in neither calls nor content,
     and no piece of it was streamed."""
@@ -216,6 +272,11 @@ def test_value_end_follows_strings_and_nesting(text: str, end: int | None) -> No
     ("<tool_call>", HERMES2),
     ("{{ '<think>' }}", R1),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", Syntax(PLAIN)),
+    ("{{ '<｜Assistant｜><｜tool▁calls▁begin｜>' }}<think>```json", R1_TOOLS),
+    ("{{ '<｜Assistant｜><｜tool▁calls▁begin｜>' }}<think>", V31),
+    ("<|START_THINKING|>{{ x }}<|END_THINKING|><|START_ACTION|>", R7B),
+    ("<|start_header_id|>user<|end_header_id|>Respond in the format {\"name\": function name, \"parameters\": ...}",
+     LLAMA),
 ])
 def test_the_syntax_is_read_from_the_template(template: str, syntax: Syntax) -> None:
     assert detect(template) == syntax
@@ -264,7 +325,7 @@ def plain(synth) -> Plain:
     p.close()
 
 
-@pytest.mark.parametrize("syntax", [HERMES2, QWEN3, NEMO, MISTRAL_ARGS, GPT_OSS],
+@pytest.mark.parametrize("syntax", [HERMES2, QWEN3, NEMO, MISTRAL_ARGS, GPT_OSS, R1_TOOLS, V31, R7B, LLAMA],
                          ids=lambda s: f"{s.name}{'-args' if s.args_form else ''}{'-think' if s.think else ''}")
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
@@ -272,7 +333,9 @@ def test_a_forced_call_is_a_valid_call_even_from_a_random_model(plain: Plain, sy
     tools = check_tools([WEATHER, TIME], choice, parallel=False)
     g = tool_grammar(syntax, tools)
     for seed in range(3):
-        text, ended = plain.generate("Call a tool:", g, n=120, temp=1.0, seed=seed)
+        # R1's and Command R7B's markers are not one token each in this vocabulary: spelt out, they take more
+        text, ended = plain.generate("Call a tool:", g, n=400 if syntax.name in (DEEPSEEK_R1, COMMAND_R7B) else 120,
+                                     temp=1.0, seed=seed)
         assert ended, text
         _, msg = run(syntax, True, False, [text])
         assert len(msg.calls) == 1 and msg.content == "", text
@@ -310,3 +373,11 @@ def test_a_reasoning_block_may_come_before_a_forced_json_answer(plain: Plain) ->
     assert plain.accepts(optional, '<think>\nHm.\n</think>\n\n"no"')
     assert plain.accepts(optional, '"no"') and not plain.accepts(optional, '"maybe"')
     assert with_reasoning(Syntax(PLAIN), answer, think_open=False) is answer
+
+
+def test_llama3_auto_gets_no_grammar_and_the_marked_syntaxes_a_lazy_one() -> None:
+    """As llama.cpp: a lazy grammar needs a marker to wake on, and Llama 3's calls have none."""
+    auto = check_tools([WEATHER], "auto")
+    assert tool_grammar(LLAMA, auto) is None and tool_grammar(LLAMA, check_tools([WEATHER], "required")) is not None
+    assert tool_grammar(R1_TOOLS, auto).triggers == ("<｜tool▁calls▁begin｜>",)
+    assert tool_grammar(R7B, auto).triggers == (r"<\|START_ACTION\|>",)

@@ -1,14 +1,16 @@
 """Tools and tool turns rendered through a model's own chat template (bmoe.chat.template.Renderer), on the
-real templates of Qwen3, gpt-oss and Mistral Nemo (tests/data/templates)."""
+real templates of Qwen3, gpt-oss, Mistral Nemo, DeepSeek R1 and Llama 3.3 (tests/data/templates), and what
+llama.cpp's jinja path gives a template (--jinja: enable_thinking as --reasoning decides, today's date)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
 import pytest
 
-from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, PLAIN, detect
+from bmoe.chat.syntax import DEEPSEEK_R1, HARMONY, HERMES, LLAMA3, MISTRAL, PLAIN, detect
 from bmoe.chat.template import Renderer
 from bmoe.seam.llama import Vocab, init_backend, load_model
 
@@ -24,11 +26,11 @@ def vocab(synth) -> Vocab:
     return Vocab(load_model(synth(arch="qwen3moe", layers=2, experts=4, top_k=2)))
 
 
-def renderer(vocab: Vocab, name: str | None) -> Renderer:
+def renderer(vocab: Vocab, name: str | None, jinja: bool = False, reasoning: str = "auto") -> Renderer:
     from bmoe.tools.synth_vocab import CHAT_TEMPLATE
 
     text = CHAT_TEMPLATE if name is None else (TEMPLATES / f"{name}.jinja").read_text()
-    return Renderer(vocab, text.encode())
+    return Renderer(vocab, text.encode(), jinja, reasoning)
 
 
 def turn(call_id: str) -> list[dict]:
@@ -43,7 +45,8 @@ def turn(call_id: str) -> list[dict]:
 
 @pytest.mark.parametrize("name, syntax, tools", [
     ("qwen3", HERMES, True), ("gpt-oss", HARMONY, True), ("mistral-nemo", MISTRAL, True),
-    ("chatml-tools", HERMES, True), (None, PLAIN, False),
+    ("chatml-tools", HERMES, True), (None, PLAIN, False), ("deepseek-r1-tools", DEEPSEEK_R1, True),
+    ("deepseek-r1-distill", DEEPSEEK_R1, False), ("llama-3.3", LLAMA3, True),
 ])
 def test_the_syntax_and_tool_support_come_from_the_template(vocab, name, syntax, tools) -> None:
     r = renderer(vocab, name)
@@ -117,3 +120,56 @@ def test_a_special_token_is_written_out_only_when_asked(vocab) -> None:
     Generation writes the Request's `specials` with their text (bmoe.chat.request.ChatFormat.markers)."""
     (tok,) = vocab.tokenize("<|im_start|>", add_special=False)
     assert vocab.piece(tok, special=True) == b"<|im_start|>" and vocab.piece(tok) == b""
+
+
+HELLO = [{"role": "user", "content": "What is today?"}]
+
+
+@pytest.mark.parametrize("reasoning, think, end", [
+    ("auto", None, "<｜Assistant｜><think>\n"), ("on", None, "<｜Assistant｜><think>\n"),
+    ("off", None, "<｜Assistant｜><think>\n</think>"), ("off", True, "<｜Assistant｜><think>\n"),
+    ("on", False, "<｜Assistant｜><think>\n</think>"),
+])
+def test_jinja_gives_the_template_enable_thinking_as_reasoning_and_the_request_decide(vocab, reasoning, think,
+                                                                                      end) -> None:
+    """R1's template (llama.cpp's copy) closes the think block unless enable_thinking is true: llama-server's
+    --reasoning sets the default, a request's own word wins."""
+    r = renderer(vocab, "deepseek-r1-distill", jinja=True, reasoning=reasoning)
+    assert r.render(HELLO, think).endswith(end)
+
+
+def test_without_jinja_a_template_llama_cpp_knows_renders_with_its_formatter(vocab) -> None:
+    """The default: llama.cpp's own formatter (no think block opened: it does not run the template), unless
+    thinking is off on a template that reads enable_thinking."""
+    r = renderer(vocab, "deepseek-r1-distill")
+    assert r.render(HELLO, None).endswith("<｜Assistant｜>")
+    assert r.render(HELLO, False).endswith("<｜Assistant｜><think>\n</think>")
+    assert renderer(vocab, "deepseek-r1-distill", reasoning="off").render(HELLO, None).endswith("</think>")
+
+
+def test_llama3_gets_todays_date_and_its_tools_in_the_first_user_message(vocab) -> None:
+    r = renderer(vocab, "llama-3.3", jinja=True)
+    text = r.render(HELLO, None, tools=[WEATHER])
+    assert f"Today Date: {datetime.date.today().strftime('%d %b %Y')}\n" in text
+    assert json.dumps(WEATHER, indent=4) + "\n\nWhat is today?<|eot_id|>" in text
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_a_built_in_template_by_name_is_llama_cpps_formatter(vocab) -> None:
+    """--chat-template command-r: llama.cpp's formatter for the name (what llama-server renders), no tools."""
+    r = Renderer(vocab, b"command-r")
+    msgs = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"}]
+    assert r.render(msgs, None) == (
+        "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
+        "<|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+    assert r.supports_tools is False
+
+
+def test_a_string_joined_to_null_is_the_string_and_a_filters_result_is_json() -> None:
+    """llama.cpp's jinja engine, not jinja2's: firefunction's template adds `functions`, which llama.cpp never
+    defines, to its text; R1's writes `tools | map(attribute='function') | tojson`."""
+    from bmoe.chat.jinja_render import JinjaTemplate
+
+    t = JinjaTemplate("{{ 'Functions:' + functions }}|{{ none + 'x' }}|"
+                      "{{ tools | map(attribute='function') | tojson }}")
+    assert t.render([], True, tools=[{"function": {"name": "f"}}]) == 'Functions:|x|[{"name": "f"}]'

@@ -43,7 +43,7 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
              ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv",
               "--prompt-cache-mb", "9"],
              ["--no-warm-start"], ["--usage-dir", "u"], ["--replay-routes", "t.csv"],
-             ["--embedding", "--pooling", "mean"]]
+             ["--embedding", "--pooling", "mean"], ["--jinja", "--reasoning", "off", "--chat-template", "chatml"]]
     changed = set()
     for argv in fixed:
         got = _leaves(_settings(argv))
@@ -97,6 +97,9 @@ def test_logit_bias_is_openais_map_as_a_keyword_and_llama_cpps_spelling_as_a_fla
     (["--temp", "-1"], "--temp -1: 0 (greedy) or more"),
     (["--logit-bias", "5-101"], "--logit-bias 5-101: each bias from -100 to 100"),
     (["--logit-bias", "5*3"], "argument --logit-bias: '5*3' is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043-100)"),
+    (["--chat-template", "chatml", "--chat-template-file", "t.jinja"],
+     "--chat-template names a built-in template and --chat-template-file gives one; give one of them"),
+    (["--reasoning", "maybe"], "argument --reasoning: invalid choice: 'maybe' (choose from 'on', 'off', 'auto')"),
 ])
 def test_flag_errors_speak_flags(argv: list[str], words: str) -> None:
     r = run_cli(*argv)

@@ -18,7 +18,8 @@ class Ask:
 
     Sampling options left None keep the load's (greedy by default). `stop` strings end the answer
     where one first appears (it is not part of the text). `think` False renders the conversation
-    with `enable_thinking=False` for templates that read it. `fix` ends the message of a prompt too
+    with `enable_thinking=False` for templates that read it; None leaves it to the load's `reasoning`
+    (bmoe.chat.template). `fix` ends the message of a prompt too
     long for the context (ContextTooLong). `response_format` (OpenAI's: json_object or json_schema)
     or `grammar` (GBNF) hold the answer to a form while it is sampled; `tools`, `tool_choice` and
     `parallel_tool_calls` (OpenAI's, for a chat) show the model tools and, unless tool_choice is
@@ -55,7 +56,7 @@ class Ask:
     presence_penalty: float | None = None
     logit_bias: Mapping[int | str, float] | None = None
     stop: str | Sequence[str] | None = None
-    think: bool = True
+    think: bool | None = None
     fix: str = FIX
     response_format: Mapping[str, Any] | None = None
     grammar: str | None = None

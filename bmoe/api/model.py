@@ -390,7 +390,8 @@ class Model:
         if self._renderer is None:
             from bmoe.chat.template import Renderer
 
-            self._renderer = Renderer(self.engine.vocab, self.engine.chat_template())
+            s = self.settings
+            self._renderer = Renderer(self.engine.vocab, self.engine.chat_template(), s.jinja, s.reasoning)
         return self._renderer
 
     @property

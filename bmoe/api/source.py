@@ -19,13 +19,21 @@ from bmoe.base.settings import Settings
 def resolve(s: Settings, progress: Callable[[str], None]) -> Settings:
     """`s` with its model: as given, downloaded by name (`hf`), or (neither) the demo model and,
     unless the cache was sized, the demo's budget. `progress` hears of a download or a first-use
-    build. ConfigError when a named model cannot be had or --chat-template-file cannot be read."""
+    build. ConfigError when a named model cannot be had, --chat-template-file cannot be read or --chat-template
+    names no template llama.cpp has."""
     if s.chat_template_file:
         try:
             Path(s.chat_template_file).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"the chat template {s.chat_template_file} cannot be read "
                               f"({getattr(e, 'strerror', None) or e}); give a jinja template file") from None
+    if s.chat_template:
+        from bmoe.seam.llama import builtin_templates
+
+        names = builtin_templates()
+        if s.chat_template not in names:
+            raise ConfigError(f"the chat template {s.chat_template!r} is not one of llama.cpp's built-in templates "
+                              f"({', '.join(names)}); give a jinja template file instead")
     if s.hf:
         from bmoe.api import hub
 

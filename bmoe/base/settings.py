@@ -26,6 +26,7 @@ from bmoe.base.option import Option, setting
 
 N_PREDICT = 64  # tokens a request generates when it does not say
 POOLINGS = ("none", "mean", "cls", "last")  # llama.cpp's pooling types by llama-server's --pooling names
+REASONING = ("on", "off", "auto")  # llama-server's --reasoning
 # the cache policies by name (bmoe.streaming.cache_policy.POLICIES makes each; a test holds the two together)
 POLICY_NAMES = ("lru", "cycle", "cycle-lfu", "next-use", "quota", "predict")
 DEFAULT_POLICY = "next-use"
@@ -316,6 +317,18 @@ class Settings:
         None, "--chat-template-file", metavar="FILE",
         help="render chats with this jinja chat template instead of the model's own (e.g. one with tools for a "
              "model whose template has none)")
+    chat_template: str | None = setting(
+        None, "--chat-template", metavar="NAME",
+        help="render chats with a llama.cpp built-in template by name (chatml, llama3, command-r, ...; no tools)")
+    jinja: bool = setting(
+        False, "--jinja", toggle=True,
+        help="render every chat with its template's jinja, given enable_thinking and today's date, as llama-server "
+             "does by default; default: llama.cpp's formatter for the templates it recognises")
+    reasoning: str = setting(
+        "auto", "--reasoning", choices=REASONING, metavar="on|off|auto", ok=lambda v: v in REASONING,
+        rule=f"choose one of {', '.join(REASONING)}",
+        help="thinking for a chat that does not say (the template's enable_thinking; auto: on, with --jinja only "
+             "for a template that reads it), as llama-server's --reasoning")
     prompt_cache: str | None = setting(  # bmoe.generation.prompt_cache
         None, "--prompt-cache", metavar="DIR",
         help="keep the KV of each prompt's prefix (a chat's system prompt, tools and earlier turns) in DIR and, "
@@ -554,6 +567,9 @@ def validate(s: Settings, w: Naming = FLAGS, given: frozenset[str] = frozenset()
                           f"give it a budget ({budget})")
     if s.hf and s.model:
         raise ConfigError(f"{w.name('model')} names a file and {w.name('hf')} a model on the hub; give one of them")
+    if s.chat_template and s.chat_template_file:
+        raise ConfigError(f"{w.name('chat_template')} names a built-in template and {w.name('chat_template_file')} "
+                          "gives one; give one of them")
     lo = s.lossy
     cached = [w.name(k) for k, v in (("drop_cold", lo.drop_cold), ("cache_routing", lo.cache_routing)) if v]
     if cached and not st.enabled:

@@ -26,11 +26,30 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from bmoe.chat.syntax import HARMONY, HERMES, MISTRAL, Syntax
+from bmoe.chat.partial_json import WS, held, skip_ws, string_end, value_end
+from bmoe.chat.syntax import (
+    COMMAND_R7B,
+    DEEPSEEK_R1,
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    OPENERS,
+    R1_CALL,
+    R1_CALL_END,
+    R1_CALLS_END,
+    R1_SEP,
+    R7B_ACTION_END,
+    R7B_RESPONSE,
+    Syntax,
+)
 
-_WS = " \t\r\n"
-_SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 _NAME_ARGS = re.compile(r"([^\[]*?)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")  # mistral's `name[CALL_ID]id[ARGS]`
+# R1's call up to its arguments (its type, "function", then its name), and from them to its end
+_R1_HEAD = re.compile(re.escape(R1_CALL) + r"[^<\n]*" + re.escape(R1_SEP) + r"([^\n]*)\n```(?:json)?\n")
+_R1_TAIL = re.compile(r"\s*```\s*" + re.escape(R1_CALL_END))
+_V31_HEAD = re.compile(re.escape(R1_CALL) + r"([^<\n]*)" + re.escape(R1_SEP))  # DeepSeek V3.1's: the name, then R1_SEP
+_V31_TAIL = re.compile(r"\s*" + re.escape(R1_CALL_END))
 
 
 @dataclass(frozen=True)
@@ -100,74 +119,21 @@ class _Scan:
     calls: list[_Call] = field(default_factory=list)
 
 
-# ---- JSON, as far as it goes --------------------------------------------------------------------
-
-
-def _skip_ws(t: str, i: int) -> int:
-    while i < len(t) and t[i] in _WS:
-        i += 1
-    return i
-
-
-def _string_end(t: str, i: int) -> int | None:
-    """The index after the JSON string starting at t[i] == '"', or None if it does not end yet."""
-    j = i + 1
-    while j < len(t):
-        c = t[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
-
-
-def value_end(t: str, i: int, final: bool = False) -> int | None:
-    """The index after the JSON value starting at t[i] (after whitespace), or None if the text ends
-    before it does. Only the structure is followed (strings, nesting); validity is json's to judge."""
-    i = _skip_ws(t, i)
-    if i >= len(t):
-        return None
-    c = t[i]
-    if c == '"':
-        return _string_end(t, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(t):
-            c = t[j]
-            if c == '"':
-                e = _string_end(t, j)
-                if e is None:
-                    return None
-                j = e
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
-    m = _SCALAR.match(t, i)
-    if m is None:
-        return i  # not JSON: let json say so
-    return m.end() if (m.end() < len(t) or final) else None
+# ---- a call written as a JSON object ------------------------------------------------------------
 
 
 def _call_object(t: str, i: int, final: bool) -> tuple[_Call, int | None, bool]:
     """A call written as a JSON object with "name" and "arguments" (any order, other keys skipped):
     (the call so far, the index after it or None, whether it is well formed so far)."""
     call = _Call(None, "")
-    i = _skip_ws(t, i)
+    i = skip_ws(t, i)
     if i >= len(t):
         return call, None, True
     if t[i] != "{":
         return call, None, False
     i += 1
     while True:
-        i = _skip_ws(t, i)
+        i = skip_ws(t, i)
         if i >= len(t):
             return call, None, True
         if t[i] == "}":
@@ -177,21 +143,21 @@ def _call_object(t: str, i: int, final: bool) -> tuple[_Call, int | None, bool]:
             continue
         if t[i] != '"':
             return call, None, False
-        e = _string_end(t, i)
+        e = string_end(t, i)
         if e is None:
             return call, None, True
         key = json.loads(t[i:e])
-        i = _skip_ws(t, e)
+        i = skip_ws(t, e)
         if i >= len(t):
             return call, None, True
         if t[i] != ":":
             return call, None, False
-        i = _skip_ws(t, i + 1)
+        i = skip_ws(t, i + 1)
         end = value_end(t, i, final)
         if key in ("arguments", "parameters"):
             call.args = t[i:len(t) if end is None else end]
             call.done = end is not None
-        elif key == "name" and end is not None:
+        elif key in ("name", "tool_name") and end is not None:  # tool_name: Command R7B's
             try:
                 call.name = json.loads(t[i:end])
             except ValueError:
@@ -199,14 +165,6 @@ def _call_object(t: str, i: int, final: bool) -> tuple[_Call, int | None, bool]:
         if end is None:
             return call, None, True
         i = end
-
-
-def _hold(t: str, marker: str, start: int = 0) -> int:
-    """How many characters at the end of t[start:] could be the beginning of `marker`."""
-    for k in range(min(len(marker) - 1, len(t) - start), 0, -1):
-        if t.endswith(marker[:k]):
-            return k
-    return 0
 
 
 # ---- the parser ---------------------------------------------------------------------------------
@@ -303,7 +261,7 @@ class OutputParser:
         if self.syntax.think is None:
             return 0
         open_, close = self.syntax.think
-        lead = _skip_ws(t, 0)
+        lead = skip_ws(t, 0)
         if self.think_open:
             start = 0
         elif t.startswith(open_, lead):
@@ -314,37 +272,47 @@ class OutputParser:
             return 0
         end = t.find(close, start)
         if end < 0:
-            stop = len(t) if final else len(t) - _hold(t, close, start)
-            s.reasoning = t[start:stop].strip(_WS)  # trailing whitespace waits: it may come before the close
+            stop = len(t) if final else len(t) - held(t, close, start)
+            s.reasoning = t[start:stop].strip(WS)  # trailing whitespace waits: it may come before the close
             return None
-        s.reasoning = t[start:end].strip(_WS)
-        pos = _skip_ws(t, end + len(close))
+        s.reasoning = t[start:end].strip(WS)
+        pos = skip_ws(t, end + len(close))
         return pos if (pos < len(t) or final) else None
 
     def _body(self, t: str, pos: int, final: bool, s: _Scan) -> None:
         name = self.syntax.name
-        opener = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]"}.get(name) if self.tools else None
-        at = t.find(opener, pos) if opener else -1
+        opener = OPENERS.get(name) if self.tools else None
+        at, hold = _llama3_call(t, pos) if opener and name == LLAMA3 else \
+            (t.find(opener, pos), held(t, opener, pos)) if opener else (-1, 0)
         if at < 0:
-            s.content = t[pos:] if (final or not opener) else t[pos:len(t) - _hold(t, opener, pos)]
-            return
-        s.content = t[pos:at]
-        if name == HERMES:
-            self._hermes(t, at, final, s)
-        elif self.syntax.args_form:
-            self._mistral_args(t, at, final, s)
+            s.content = t[pos:] if final else t[pos:len(t) - hold]
         else:
-            self._mistral_array(t, at, final, s)
+            s.content = t[pos:at]
+            if name == HERMES:
+                self._hermes(t, at, final, s)
+            elif name == LLAMA3:
+                self._objects(t, at, final, s)
+            elif name == DEEPSEEK_R1:
+                self._r1(t, at, final, s)
+            elif name == MISTRAL and self.syntax.args_form:
+                self._mistral_args(t, at, final, s)
+            else:
+                self._json_array(t, at, final, s)
+        if name == COMMAND_R7B:  # its answer's markers are not content (one may be starting)
+            for m in R7B_RESPONSE:
+                s.content = s.content.replace(m, "")
+            if not final:
+                s.content = s.content[:len(s.content) - max(held(s.content, m) for m in R7B_RESPONSE)]
 
     def _after_calls(self, t: str, i: int, opener: str, final: bool, s: _Scan) -> int | None:
         """After a call: the index of the next call's opener, or None (the rest is content, or held)."""
-        j = _skip_ws(t, i)
+        j = skip_ws(t, i)
         if t.startswith(opener, j):
             return j
         if not final and opener.startswith(t[j:]):
             return None
         if j < len(t):
-            s.content += t[j:] if final else t[j:len(t) - _hold(t, opener, j)]
+            s.content += t[j:] if final else t[j:len(t) - held(t, opener, j)]
         return None
 
     def _hermes(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
@@ -356,7 +324,7 @@ class OutputParser:
             if not ok or end is None:
                 call.raw, call.open_end = t[at:], ok
                 return
-            j = _skip_ws(t, end)
+            j = skip_ws(t, end)
             if not t.startswith(close, j):
                 call.raw, call.open_end = t[at:], close.startswith(t[j:])
                 if final or not call.open_end:
@@ -365,8 +333,11 @@ class OutputParser:
             call.raw, call.closed = t[at:j + len(close)], True
             at = self._after_calls(t, j + len(close), open_, final, s)
 
-    def _mistral_array(self, t: str, at: int, final: bool, s: _Scan) -> None:
-        i = _skip_ws(t, at + len("[TOOL_CALLS]"))
+    def _json_array(self, t: str, at: int, final: bool, s: _Scan) -> None:
+        """A JSON array of call objects after the opener (mistral's, and Command R7B's, which closes it with
+        its end marker)."""
+        opener = OPENERS[self.syntax.name]
+        i = skip_ws(t, at + len(opener))
         if i >= len(t):
             return
         if t[i] != "[":
@@ -380,21 +351,74 @@ class OutputParser:
             if not ok or end is None:
                 call.open_end = ok
                 return
-            i = _skip_ws(t, end)
+            i = skip_ws(t, end)
             if i < len(t) and t[i] == ",":
                 call.closed = True
                 i += 1
                 continue
             if i < len(t) and t[i] == "]":
                 call.closed = True
-                nxt = self._after_calls(t, i + 1, "[TOOL_CALLS]", final, s)
+                i += 1
+                if self.syntax.name == COMMAND_R7B:
+                    i = skip_ws(t, i)
+                    if t.startswith(R7B_ACTION_END, i):
+                        i += len(R7B_ACTION_END)
+                    elif R7B_ACTION_END.startswith(t[i:]):
+                        return  # its end is coming (or was cut)
+                nxt = self._after_calls(t, i, opener, final, s)
                 if nxt is not None:
-                    self._mistral_array(t, nxt, final, s)
+                    self._json_array(t, nxt, final, s)
             else:
                 call.open_end = i >= len(t)
                 if i < len(t) or final:
                     call.done = False
             return
+
+    def _objects(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
+        """Llama 3's calls: JSON objects written as they are, the opener their start."""
+        opener = OPENERS[self.syntax.name]
+        while at is not None:
+            call, end, ok = _call_object(t, at, final)
+            s.calls.append(call)
+            call.raw = t[at:end] if end is not None else t[at:]
+            if not ok or end is None:
+                call.open_end = ok
+                if final or not ok:
+                    call.done = call.done and ok
+                return
+            call.closed = True
+            at = self._after_calls(t, end, opener, final, s)
+
+    def _r1(self, t: str, at: int, final: bool, s: _Scan) -> None:
+        """DeepSeek R1's calls after its opener, each
+        `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>` (V3.1's
+        `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`), up to `<｜tool▁calls▁end｜>`."""
+        opener = OPENERS[self.syntax.name]
+        i = at + len(opener)
+        while True:
+            i = skip_ws(t, i)
+            if t.startswith(R1_CALLS_END, i):
+                nxt = self._after_calls(t, i + len(R1_CALLS_END), opener, final, s)
+                if nxt is not None:
+                    self._r1(t, nxt, final, s)
+                return
+            m = (_V31_HEAD if self.syntax.args_form else _R1_HEAD).match(t, i)
+            if m is None:  # the call's head is still coming, or this is no call
+                if not (t.startswith(R1_CALL, i) or R1_CALL.startswith(t[i:]) or R1_CALLS_END.startswith(t[i:])):
+                    s.content += t[i:]
+                return  # (a call cut in its head is dropped)
+            end = value_end(t, m.end(), final)
+            call = _Call(m.group(1).strip(), t[m.end():len(t) if end is None else end], done=end is not None)
+            s.calls.append(call)
+            tail = (_V31_TAIL if self.syntax.args_form else _R1_TAIL).match(t, end) if end is not None else None
+            call.raw = t[i:tail.end() if tail else len(t)]
+            if tail is None:
+                call.open_end = end is None or _r1_tail_coming(t[end:], self.syntax.args_form)
+                if final or not call.open_end:
+                    call.done = False
+                return
+            call.closed = True
+            i = tail.end()
 
     def _mistral_args(self, t: str, at: int | None, final: bool, s: _Scan) -> None:
         opener = "[TOOL_CALLS]"
@@ -433,7 +457,7 @@ class OutputParser:
             to = re.search(r"to=functions\.([^\s<]+)", header)
             b = m + len("<|message|>")
             e = t.find("<|end|>", b)
-            body_end = len(t) if (e < 0 and final) else e if e >= 0 else len(t) - _hold(t, "<|end|>", b)
+            body_end = len(t) if (e < 0 and final) else e if e >= 0 else len(t) - held(t, "<|end|>", b)
             body = t[b:body_end]
             if to and self.tools:
                 ended = e >= 0 or value_end(t, b) is not None
@@ -446,6 +470,30 @@ class OutputParser:
             if e < 0:
                 return
             i = e + len("<|end|>")
+
+
+def _llama3_call(t: str, pos: int) -> tuple[int, int]:
+    """Where Llama 3's call starts in t[pos:] (a "{" then, past whitespace, "name"), or -1 and how many
+    characters at the end may be its start."""
+    i = t.find("{", pos)
+    while i >= 0:
+        j = skip_ws(t, i + 1)
+        if t.startswith('"name"', j):
+            return i, 0
+        if '"name"'.startswith(t[j:]):
+            return -1, len(t) - i
+        i = t.find("{", i + 1)
+    return -1, 0
+
+
+def _r1_tail_coming(rest: str, v31: bool) -> bool:
+    """Whether `rest`, the text after an R1 (V3.1) call's arguments, may still grow into the call's end."""
+    rest = rest.lstrip(WS)
+    if v31:
+        return R1_CALL_END.startswith(rest)
+    if not rest.startswith("```"):
+        return "```".startswith(rest)
+    return R1_CALL_END.startswith(rest[3:].lstrip(WS))
 
 
 def _parses(args: str) -> bool:

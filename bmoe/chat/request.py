@@ -91,14 +91,15 @@ class ChatFormat:
         ids = [vocab.tokenize(m, add_special=False) for m in self.syntax.markers]
         self.markers = frozenset(t[0] for t in ids if len(t) == 1)
 
-    def parts(self, messages: Sequence[Mapping[str, Any]], think: bool = True, tools: Any = None,
+    def parts(self, messages: Sequence[Mapping[str, Any]], think: bool | None = None, tools: Any = None,
               tool_choice: Any = None, parallel_tool_calls: Any = None, response_format: Any = None,
               grammar: str | None = None, verify: bool = True, prompt: bool = True, continued: bool = False
               ) -> ChatParts:
         """Check a chat request and render it (see the module notes); `verify` False leaves llama.cpp's parse of
         its grammar to the caller (Model.prepare). `prompt` False renders no generation prompt after the last
         message; `continued` continues a last assistant message instead of closing its turn (the turns before
-        it, the generation prompt, then its text: llama-server's prefill)."""
+        it, the generation prompt, then its text: llama-server's prefill). `think` None is the server's
+        --reasoning (bmoe.chat.template.Renderer.thinks)."""
         msgs = check_messages(messages)
         if continued and (msgs[-1]["role"] != "assistant" or msgs[-1].get("tool_calls")):
             raise FieldError("continue_final_message: the last message must be an assistant's text to continue "
@@ -106,6 +107,7 @@ class ChatFormat:
         t = check_tools(tools, tool_choice, parallel_tool_calls)
         g = self.check_grammar(response_format, grammar)
         syntax, r = self.syntax, self.renderer
+        think = r.thinks(think)
         if t is not None and not r.supports_tools:
             raise GrammarError("tools: the model's chat template does not show the model any tools (it would "
                                "answer as if there were none); serve it with --chat-template-file naming a template "
@@ -119,7 +121,8 @@ class ChatFormat:
         text = (r.render(list(msgs[:-1]), think, shown_tools) + (msgs[-1]["content"] or "") if continued else
                 r.render(list(msgs), think, shown_tools, prompt))
         think_open = bool(syntax.think and text.rstrip().endswith(syntax.think[0]))
-        thinking = syntax.think is not None and (think or not r.reads_thinking)
+        closed = bool(syntax.think and text.rstrip().endswith(syntax.think[1]))  # the prompt closed the block
+        thinking = syntax.think is not None and (think or not r.reads_thinking) and not closed
         if calls:
             assert t is not None  # calls come with tools
             g = tool_grammar(syntax, t, thinking, think_open)
@@ -147,7 +150,7 @@ class ChatFormat:
         (bmoe.chat.grammar_check), before the request queues."""
         self.grammars.check(g)
 
-    def stable_prefix(self, messages: Sequence[Mapping[str, Any]], think: bool, tools: Any,
+    def stable_prefix(self, messages: Sequence[Mapping[str, Any]], think: bool | None, tools: Any,
                       tokens: Sequence[int], tokenize: Any) -> int:
         """How many of a chat prompt's `tokens` do not depend on its last message (the system prompt,
         tools and earlier turns): what a prompt cache keeps. A conversation of one message (a

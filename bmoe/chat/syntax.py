@@ -9,6 +9,16 @@ by other means):
   templates (`[ARGS]` in them) `[TOOL_CALLS]name[ARGS]{...}`; reasoning in `[THINK]…[/THINK]`;
 - `harmony` (gpt-oss): messages `<|channel|>analysis<|message|>…<|end|>`, the answer on channel
   `final`, a call as `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`;
+- `deepseek-r1` (DeepSeek R1/V3, and llama.cpp's llama-cpp-deepseek-r1 template):
+  `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>`,
+  or with DeepSeek V3.1's templates (no ```json in them)
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`;
+  reasoning in `<think>…</think>`;
+- `command-r7b` (Command R7B, Cohere2 MoE): `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ...,
+  "parameters": {...}}]<|END_ACTION|>`, reasoning in `<|START_THINKING|>…<|END_THINKING|>`, the answer in
+  `<|START_RESPONSE|>…<|END_RESPONSE|>` (Cohere2 MoE's `<|START_TEXT|>…<|END_TEXT|>`; the markers are not content);
+- `llama3` (Llama 3.x's JSON): `{"name": ..., "parameters": {...}}`, one call per answer (the template
+  renders no more);
 - otherwise `plain`: no tool calls; reasoning in `<think>…</think>` when the template has it.
 
 Whether a template takes tools at all is tested by rendering (bmoe.chat.template.Renderer.supports_tools).
@@ -32,6 +42,20 @@ from typing import Any
 from bmoe.chat.grammar import Grammar, GrammarError, check_schema, literal, not_containing, schema_rules
 
 HERMES, MISTRAL, HARMONY, PLAIN = "hermes", "mistral", "harmony", "plain"
+DEEPSEEK_R1, COMMAND_R7B, LLAMA3 = "deepseek-r1", "command-r7b", "llama3"
+R1_CALLS, R1_CALL, R1_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
+R1_CALL_END, R1_CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
+R7B_ACTION, R7B_ACTION_END = "<|START_ACTION|>", "<|END_ACTION|>"
+# around Command R7B's answer (Cohere2 MoE's: TEXT): not content
+R7B_RESPONSE = ("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>")
+PARSED = (HERMES, MISTRAL, HARMONY, DEEPSEEK_R1, COMMAND_R7B, LLAMA3)
+# where each syntax's calls begin in the answer (a JSON array follows mistral's and Command R7B's)
+OPENERS = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]", DEEPSEEK_R1: R1_CALLS, COMMAND_R7B: R7B_ACTION,
+           LLAMA3: '{"name"'}
+# llama.cpp's lazy-grammar trigger patterns (ECMAScript regular expressions); Llama 3's calls have no marker,
+# and llama.cpp holds its tool_choice auto to no grammar
+TRIGGERS = {HERMES: r"<tool_call>", MISTRAL: r"\[TOOL_CALLS\]", DEEPSEEK_R1: R1_CALLS,
+            COMMAND_R7B: r"<\|START_ACTION\|>", HARMONY: r"<\|channel\|>commentary to=functions\."}
 CHOICES = ("auto", "none", "required")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
 _ALNUM = string.ascii_letters + string.digits
@@ -44,7 +68,8 @@ class Syntax:
 
     name: str
     think: tuple[str, str] | None = None
-    args_form: bool = False  # mistral's `[TOOL_CALLS]name[ARGS]{...}` (else a JSON array of calls)
+    args_form: bool = False  # mistral's `[TOOL_CALLS]name[ARGS]{...}` (else a JSON array of calls); DeepSeek V3.1's
+    # name, R1_SEP, the arguments (else R1's "function", R1_SEP, the name and a ```json block)
 
     @property
     def tools(self) -> bool:
@@ -59,6 +84,10 @@ class Syntax:
             return (*tags, "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
         if self.name == HARMONY:
             return ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
+        if self.name == DEEPSEEK_R1:
+            return (*tags, R1_CALLS, R1_CALL, R1_SEP, R1_CALL_END, R1_CALLS_END)
+        if self.name == COMMAND_R7B:
+            return (*tags, R7B_ACTION, R7B_ACTION_END, *R7B_RESPONSE)
         return tags
 
     def call_id(self, salt: str, index: int) -> str:
@@ -78,7 +107,15 @@ def detect(template: str | None) -> Syntax:
     if "[TOOL_CALLS]" in t:
         return Syntax(MISTRAL, ("[THINK]", "[/THINK]") if "[THINK]" in t else None, args_form="[ARGS]" in t)
     think = ("<think>", "</think>") if "<think>" in t else None
-    return Syntax(HERMES, think) if "<tool_call>" in t else Syntax(PLAIN, think)
+    if R1_CALLS in t:
+        return Syntax(DEEPSEEK_R1, ("<think>", "</think>"), args_form="```json" not in t)
+    if R7B_ACTION in t:
+        return Syntax(COMMAND_R7B, ("<|START_THINKING|>", "<|END_THINKING|>") if "<|START_THINKING|>" in t else None)
+    if "<tool_call>" in t:
+        return Syntax(HERMES, think)
+    if "<|start_header_id|>" in t and '"parameters"' in t:
+        return Syntax(LLAMA3, think)
+    return Syntax(PLAIN, think)
 
 
 # ---- a request's tools ----------------------------------------------------------------------
@@ -152,11 +189,16 @@ def check_tools(tools: Any, tool_choice: Any = None, parallel: Any = None) -> To
 def _call_schemas(syntax: Syntax, tools: Tools) -> dict[str, Any]:
     """One schema per allowed function for what follows its opening marker."""
     out = {}
+    name_key, args_key = ("tool_name", "parameters") if syntax.name == COMMAND_R7B else \
+        ("name", "parameters") if syntax.name == LLAMA3 else ("name", "arguments")
     for name, params in tools.allowed.items():
-        if syntax.name == HERMES or (syntax.name == MISTRAL and not syntax.args_form):
-            props: dict[str, Any] = {"name": {"const": name}, "arguments": params}
+        if syntax.name in (HERMES, LLAMA3, COMMAND_R7B) or (syntax.name == MISTRAL
+                                                                       and not syntax.args_form):
+            props: dict[str, Any] = {name_key: {"const": name}, args_key: params}
             if syntax.name == MISTRAL:
                 props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
+            if syntax.name == COMMAND_R7B:
+                props = {"tool_call_id": {"type": "string", "pattern": "^[0-9]{1,3}$"}, **props}
             out[f"call-{name}"] = {"type": "object", "properties": props, "required": list(props),
                                    "additionalProperties": False}
         else:
@@ -166,18 +208,30 @@ def _call_schemas(syntax: Syntax, tools: Tools) -> dict[str, Any]:
 
 def _calls_rule(syntax: Syntax, tools: Tools, rules: Mapping[str, str]) -> str:
     """The GBNF expression for the call(s), starting at the syntax's opening marker."""
-    many = tools.parallel and syntax.name != HARMONY  # gpt-oss makes one call per message
+    many = tools.parallel and syntax.name not in (HARMONY, LLAMA3)  # gpt-oss and Llama 3 make one call an answer
     if syntax.name == HERMES:
         one = f'"<tool_call>\\n" ({" | ".join(rules.values())}) "\\n</tool_call>"'
         return f'{one} ("\\n" {one})*' if many else one
-    if syntax.name == MISTRAL and not syntax.args_form:
+    if syntax.name == LLAMA3:
+        return f'({" | ".join(rules.values())})'
+    if syntax.name == COMMAND_R7B or (syntax.name == MISTRAL and not syntax.args_form):
         calls = f'({" | ".join(rules.values())})'
-        more = f' ("," " "? {calls})*' if many else ""
+        sep = '" "?' if syntax.name == MISTRAL else "[ \\n]{0,8}"
+        more = f' ("," {sep} {calls})*' if many else ""
+        if syntax.name == COMMAND_R7B:
+            return f'{literal(R7B_ACTION)} "[" [ \\n]{{0,8}} {calls}{more} [ \\n]{{0,4}} "]" {literal(R7B_ACTION_END)}'
         return f'"[TOOL_CALLS]" "[" {calls}{more} "]"'
     if syntax.name == MISTRAL:
         one = "(" + " | ".join(f'"[TOOL_CALLS]" {literal(n)} "[ARGS]" {rules[f"args-{n}"]}'
                                for n in tools.allowed) + ")"
         return f"{one}+" if many else one
+    if syntax.name == DEEPSEEK_R1:
+        head, tail = ((R1_CALL + "{}" + R1_SEP, R1_CALL_END) if syntax.args_form else
+                      (R1_CALL + "function" + R1_SEP + "{}\n```json\n", "\n```" + R1_CALL_END))
+        one = "(" + " | ".join(f'{literal(head.format(n))} {rules[f"args-{n}"]} {literal(tail)}'
+                               for n in tools.allowed) + ")"
+        more = f' ("\\n"? {one})*' if many else ""
+        return f'{literal(R1_CALLS)} {one}{more} {literal(R1_CALLS_END)}'
     if syntax.name == HARMONY:
         alts = " | ".join(f'{literal(n)} " <|constrain|>json<|message|>" {rules[f"args-{n}"]}' for n in tools.allowed)
         return f'"<|channel|>commentary to=functions." ({alts})'
@@ -202,20 +256,18 @@ def _reasoning_rule(syntax: Syntax, think_open: bool) -> tuple[str, str]:
 
 def tool_grammar(syntax: Syntax, tools: Tools, thinking: bool = False, think_open: bool = False) -> Grammar | None:
     """The grammar for a request's calls: forced (required, a named function) or lazy (auto);
-    None for tool_choice none. `thinking`: the template's reasoning block may come first (forced
+    None for tool_choice none, and for auto in a syntax whose calls have no marker to trigger on
+    (Llama 3's, as llama.cpp). `thinking`: the template's reasoning block may come first (forced
     only); `think_open`: the prompt ends inside one."""
-    if tools.choice == "none":
+    if tools.choice == "none" or (not tools.forced and syntax.tools and syntax.name not in TRIGGERS):
         return None
     if not syntax.tools:
         raise GrammarError(f"tools: the chat template's tool-call syntax is not one bmoe parses (it parses "
-                           f"{HERMES}, {MISTRAL} and {HARMONY}); give a template of those with --chat-template-file",
-                           "tools")
+                           f"{', '.join(PARSED)}); give a template of those with --chat-template-file", "tools")
     text, rules = schema_rules(_call_schemas(syntax, tools), "tools")
     calls = _calls_rule(syntax, tools, rules)
     if not tools.forced:
-        triggers = {HERMES: (r"<tool_call>",), MISTRAL: (r"\[TOOL_CALLS\]",),
-                    HARMONY: (r"<\|channel\|>commentary to=functions\.",)}[syntax.name]
-        return Grammar(f"{text}\nroot ::= {calls}\n", triggers=triggers, where="tools")
+        return Grammar(f"{text}\nroot ::= {calls}\n", triggers=(TRIGGERS[syntax.name],), where="tools")
     prefix, extra = _reasoning_rule(syntax, think_open) if (thinking or think_open) else ("", "")
     return Grammar(f"{text}\n{extra}root ::= {prefix}{calls}\n", where="tools")
 

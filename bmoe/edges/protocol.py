@@ -44,7 +44,7 @@ class Generate:
     id: int
     prompt: str
     n_predict: int
-    think: bool
+    think: bool | None  # None: the load's --reasoning
     clear_kv: bool
     lossless: bool = False  # bmoe's: plain llama.cpp's output whatever lossy routing the session loaded with
 
@@ -93,10 +93,13 @@ def parse_request(line: bytes | str, n_predict: int) -> Generate | str | None:
     n = obj.get("n_predict", n_predict)
     if not _is_int(n) or n < 1:
         raise RequestError(rid, f"generate: field 'n_predict' must be an integer >= 1, got {safe(_short(n))}")
-    flags = {}
-    for key, default in (("think", True), ("clear_kv", True), ("lossless", False)):
-        v = obj.get(key, default)
+    flags: dict[str, bool | None] = {}
+    for key, default in (("think", None), ("clear_kv", True), ("lossless", False)):
+        if key not in obj:  # think left out: the load's --reasoning
+            flags[key] = default
+            continue
+        v = obj[key]
         if not isinstance(v, bool):
             raise RequestError(rid, f"generate: field '{key}' must be true or false, got {safe(_short(v))}")
         flags[key] = v
-    return Generate(rid, prompt, n, flags["think"], flags["clear_kv"], flags["lossless"])
+    return Generate(rid, prompt, n, flags["think"], flags["clear_kv"] is not False, flags["lossless"] is True)

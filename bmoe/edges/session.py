@@ -36,7 +36,7 @@ Decisions where the contract is silent:
   `cache_hit_pct` is cumulative over the turn's decode tokens, as in its last `BMOE_PROGRESS`
   (-1 without a cache); `cache_budget_mib` is 0 when not streaming; `spec_recall_pct` is -1 without
   a running spec-gate; `tok_s`, `stall_s_tok`, `mgmt_s_tok` are over the turn's decode tokens.
-- `think` defaults to true. The conversation is rendered by llama.cpp's
+- `think` defaults to the load's `--reasoning` (auto: true). The conversation is rendered by llama.cpp's
   `llama_chat_apply_template` with the model's own template (exactly as one-shot `--chat` renders
   a single turn). `think:false` on a template that reads `enable_thinking` renders the
   conversation with jinja2 instead (the template itself, `enable_thinking=False`), since

@@ -333,9 +333,17 @@ def chat_template(model: LlamaModel) -> bytes | None:
     return llama_cpp.llama_model_chat_template(model, None) or None
 
 
+def builtin_templates() -> tuple[str, ...]:
+    """The names of llama.cpp's built-in chat templates (what `apply_template` takes instead of a template)."""
+    cap = 256
+    names = (ctypes.c_char_p * cap)()
+    n = min(cap, llama_cpp.llama_chat_builtin_templates(names, cap))
+    return tuple((names[i] or b"").decode() for i in range(n))
+
+
 def apply_template(template: bytes, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str | None:
     """(role, content) messages through llama.cpp's own `llama_chat_apply_template` (the templates it
-    recognises); None for a template it does not know."""
+    recognises, or one of `builtin_templates` by name); None for a template it does not know."""
     msgs = (llama_cpp.llama_chat_message * len(messages))()
     keep = []  # the encoded strings must outlive the call
     for m, (role, content) in zip(msgs, messages):
@@ -351,13 +359,6 @@ def apply_template(template: bytes, messages: Sequence[tuple[str, str]], add_ass
     if n < 0:
         return None
     return buf.raw[:n].decode(errors="replace")
-
-
-def jinja_formatter(template: str, eos: str, bos: str, add_generation_prompt: bool = True) -> Any:
-    """llama-cpp-python's jinja2 chat formatter for `template` (a callable of messages and options)."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    return Jinja2ChatFormatter(template, eos, bos, add_generation_prompt=add_generation_prompt)
 
 
 def seq_state(ctx: llama_cpp.llama_context_p, seq: int) -> bytes:

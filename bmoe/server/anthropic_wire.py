@@ -222,11 +222,12 @@ def _tool_choice(c: dict[str, Any] | None) -> tuple[Any, bool | None]:
                               "{\"type\": \"tool\", \"name\": ...}")
 
 
-def _think(thinking: dict[str, Any] | None) -> bool:
+def _think(thinking: dict[str, Any] | None) -> bool | None:
+    """disabled: thinking off; enabled or adaptive (or left out): the server's --reasoning."""
     kind = (thinking or {}).get("type", "enabled")
     if kind not in ("enabled", "adaptive", "disabled"):
         raise _bad("thinking.type", "enabled, adaptive or disabled")
-    return kind != "disabled"
+    return False if kind == "disabled" else None
 
 
 def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -116,7 +116,7 @@ class LlamaEndpoints:
         fmt, opts = self.model.chat_format, body.template_options()
         try:
             parts = await asyncio.to_thread(
-                fmt.parts, [m.as_dict() for m in body.messages], body.think, tools=body.tools,
+                fmt.parts, [m.as_dict() for m in body.messages], body.thinks, tools=body.tools,
                 tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                 response_format=body.response_format, grammar=body.grammar, verify=False,
                 prompt=opts["add_generation_prompt"], continued=opts["continue_final_message"])

@@ -196,7 +196,7 @@ def _validated(cls: type[ChatBody] | type[CompletionBody], fields: dict[str, Any
 
 def chat_translated(body: OllamaChatBody) -> Translated:
     fields, warnings = _common(body)
-    fields.update(messages=_messages(body.messages), tools=body.tools, think=body.think is not False)
+    fields.update(messages=_messages(body.messages), tools=body.tools, think=_think(body.think))
     return Translated(_validated(ChatBody, fields), tuple(warnings))
 
 
@@ -210,8 +210,13 @@ def generate_translated(body: OllamaGenerateBody) -> Translated:
         return Translated(_validated(CompletionBody, {**fields, "prompt": body.prompt}), tuple(warnings))
     messages = [{"role": "system", "content": body.system}] if body.system is not None else []
     messages.append({"role": "user", "content": body.prompt})
-    fields.update(messages=messages, think=body.think is not False)
+    fields.update(messages=messages, think=_think(body.think))
     return Translated(_validated(ChatBody, fields), tuple(warnings))
+
+
+def _think(think: bool | str | None) -> bool | None:
+    """false: thinking off; true: on; a level (not graded) or left out: the server's --reasoning."""
+    return think if isinstance(think, bool) else None
 
 
 def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -159,7 +159,7 @@ class ChatBody(RequestBody):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
     max_completion_tokens: int | None = Field(None, ge=1)
-    think: bool = True
+    think: bool | None = None  # None: the server's --reasoning
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -179,11 +179,14 @@ class ChatBody(RequestBody):
         return v
 
     @property
-    def thinks(self) -> bool:
-        """`think`, unless chat_template_kwargs or reasoning_effort turn thinking off (another effort is the
+    def thinks(self) -> bool | None:
+        """Thinking off when `think`, chat_template_kwargs' enable_thinking or reasoning_effort none say so, on
+        when think or enable_thinking say so, else None: the server's --reasoning (another effort is the
         server's default, as on the Responses route: efforts are not graded)."""
-        return self.think and (self.chat_template_kwargs or {}).get("enable_thinking") is not False and \
-            self.reasoning_effort != "none"
+        said = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if self.think is False or said is False or self.reasoning_effort == "none":
+            return False
+        return True if self.think or said else None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatBody:

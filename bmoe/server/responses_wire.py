@@ -273,11 +273,12 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                               "\"name\": ..., \"schema\": {...}}")
 
 
-def _think(reasoning: dict[str, Any] | None) -> bool:
+def _think(reasoning: dict[str, Any] | None) -> bool | None:
+    """effort none: thinking off; another (or none said): the server's --reasoning."""
     effort = (reasoning or {}).get("effort")
     if effort is not None and effort not in EFFORTS:
         raise _bad("reasoning.effort", f"one of {', '.join(EFFORTS)}")
-    return effort != "none"
+    return False if effort == "none" else None
 
 
 # ---- the answer ------------------------------------------------------------------------------------
