@@ -29,7 +29,7 @@ class Sleep:
     runs first (what must be read from the model while it is loaded), `closed` says the server is stopping
     (no wake then)."""
 
-    def __init__(self, model: Model, idle_s: float | None, before: Callable[[], None] = lambda: None,
+    def __init__(self, model: Model, idle_s: float | None, before: Callable[[], object] = lambda: None,
                  closed: Callable[[], bool] = lambda: False, clock: Callable[[], float] = time.monotonic) -> None:
         self.model, self.idle_s, self.before, self.closed, self.clock = model, idle_s, before, closed, clock
         self.cond = threading.Condition()
