@@ -57,6 +57,7 @@ class EngineSequence:
     forced: list[int] = field(default_factory=list)  # tokens decoded next instead of sampled (teacher forcing)
     keep_logits: bool = False
     logits: np.ndarray | None = None  # with keep_logits: the distribution `next` was chosen from
+    kept: bool = False  # `logits` is the sampler chain's after its last sampler (log p), not the model's
 
 
 class Engine:
@@ -332,11 +333,15 @@ class Engine:
 
     def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
               fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None, *,
-              lossless: bool = False, forced: Iterable[int] = (), keep_logits: bool = False) -> EngineSequence:
+              lossless: bool = False, forced: Iterable[int] = (), keep_logits: bool = False, kept: bool = False,
+              on_call: Callable[[int, float], None] | None = None) -> EngineSequence:
         """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
         then decodes it. `lossless`: no lossy routing for this sequence. `forced`: the tokens its
         steps decode, in order, instead of sampled ones (teacher forcing). `keep_logits`: each
-        step keeps the distribution it chose from (`EngineSequence.logits`).
+        step keeps the distribution it chose from (`EngineSequence.logits`); `kept`: the sampler chain's
+        probabilities after its last sampler instead (seam.llama.sample_kept: the same token). `on_call` hears,
+        after each llama_decode call the prompt is cut into, the prompt's tokens decoded so far and the seconds
+        taken.
 
         Raises ContextTooLong when it does not fit the context (`fix` ends the message), Cancelled
         when interrupted mid-prefill. Every EngineSequence begun must be ended (`end`), also after an error.
@@ -347,7 +352,7 @@ class Engine:
             self.check_lossless("load it without one of them for lossless requests")
         st = self.streamer
         s = EngineSequence(seq, llama.make_sampler(sampler, self.vocab, grammar.gbnf if grammar else None),
-                           lossless=lossless, forced=list(forced), keep_logits=keep_logits)
+                           lossless=lossless, forced=list(forced), keep_logits=keep_logits or kept, kept=kept)
         try:
             t0 = time.perf_counter()
             if self.lossy:
@@ -355,7 +360,8 @@ class Engine:
             if self._parts.trace:
                 self._parts.trace.prompting = True
             try:
-                row = self._decode([(seq, tokens, pos)])[0]
+                after = None if on_call is None else (lambda n: on_call(n, time.perf_counter() - t0))
+                row = self._decode([(seq, tokens, pos)], after)[0]
             finally:
                 if self._parts.trace:
                     self._parts.trace.prompting = False
@@ -449,13 +455,16 @@ class Engine:
     def _choose(self, s: EngineSequence, row: int) -> None:
         """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced
         token, else its sampler's choice (kept with the distribution when asked)."""
-        if s.keep_logits:
+        if s.keep_logits and not s.kept:
             s.logits = llama.logits(self.context, self.vocab, row)
         if s.forced:
             s.next = s.forced.pop(0)
         else:
             assert s.sampler is not None, "an EngineSequence is sampled only between begin and end"
-            s.next = llama.sample(s.sampler, self.context, row)
+            if s.kept:
+                s.next, s.logits = llama.sample_kept(s.sampler, self.context, self.vocab, row)
+            else:
+                s.next = llama.sample(s.sampler, self.context, row)
 
     def end(self, s: EngineSequence) -> ReadAheadCounts:
         """Free an EngineSequence's sampler and settle the reads it left; returns what its reads ahead did."""
@@ -472,13 +481,17 @@ class Engine:
             self._parts.trace.write()
         return ahead
 
-    def _decode(self, parts: list[tuple[int, list[int], int]]) -> list[int]:
+    def _decode(self, parts: list[tuple[int, list[int], int]],
+                after: Callable[[int], None] | None = None) -> list[int]:
         """Decode (sequence, tokens, first position) parts; logits for each part's last token, whose
         batch rows are returned. One part of several tokens (a prompt) goes in the calls
-        bmoe.engine.prompt_calls cuts it into, each part of lossy routing's rows following its call;
-        anything else in one llama_decode."""
+        bmoe.engine.prompt_calls cuts it into, each part of lossy routing's rows following its call
+        (`after` hears the tokens decoded so far after each call); anything else in one llama_decode."""
         if len(parts) != 1 or len(parts[0][1]) <= 1:
-            return self._decode_call(parts)
+            one = self._decode_call(parts)
+            if after is not None:
+                after(sum(len(toks) for _, toks, _ in parts))
+            return one
         seq, toks, pos = parts[0]
         rows: list[int] = []
         mask = self.lossy.mask.tolist() if self.lossy else []
@@ -489,6 +502,8 @@ class Engine:
                 self.lossy.begin(mask[at:at + k])
             at += k
             rows = self._decode_call([(seq, toks[at - k:at], pos + at - k)], no_logit=at < len(toks))
+            if after is not None:
+                after(at)
         s = self.scratch
         if s is not None and max(calls) > prompt_calls.REGIME_UBATCH:
             # the compute buffer's pages past a decode's stay the process's after a wide call: give them back

@@ -191,10 +191,10 @@ BAD_BODIES = [
     {"prompt": PROMPT, "max_tokens": 0},
     {"prompt": PROMPT, "temperature": -1},
     {"prompt": PROMPT, "top_p": 0},
-    {"prompt": PROMPT, "n": 2},
+    {"prompt": PROMPT, "n": 17},
     {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]},
     {"prompt": PROMPT, "stream": "yes"},
-    {"prompt": [PROMPT, PROMPT]},
+    {"prompt": [PROMPT, 2.5]},
     {"prompt": 5},
     {},
 ]

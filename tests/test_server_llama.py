@@ -81,6 +81,29 @@ def test_completion_is_the_v1_completions_answer_in_llama_servers_shapes(server:
     assert by_object["content"] == want and by_object["prompt"] == PROMPT
 
 
+def test_post_sampling_probs_are_the_sampler_chains_and_sample_the_same(server: Server) -> None:
+    sampled = {"prompt": PROMPT, "n_predict": N, "temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 7, "n_probs": 10}
+    plain = post(server, "/completion", sampled).json()
+    got = post(server, "/completion", {**sampled, "post_sampling_probs": True}).json()
+    assert got["content"] == plain["content"], "the same draws"  # lossless: the chain samples as it did
+    probs = got["completion_probabilities"]
+    assert [p["id"] for p in probs] == [p["id"] for p in plain["completion_probabilities"]]
+    for p in probs:  # top_k 5 keeps five: their probabilities after the chain, which add up to 1
+        assert 0 < p["prob"] <= 1 and "logprob" not in p and len(p["top_probs"]) == 5, p
+        assert sum(a["prob"] for a in p["top_probs"]) == pytest.approx(1, abs=1e-5)
+        assert p["prob"] == next(a["prob"] for a in p["top_probs"] if a["id"] == p["id"])
+        assert [a["prob"] for a in p["top_probs"]] == sorted((a["prob"] for a in p["top_probs"]), reverse=True)
+    streamed = events(server, "/completion", {**sampled, "post_sampling_probs": True})
+    assert [p for e in streamed for p in e.get("completion_probabilities", [])] == probs
+    # greedy: the likeliest alone, with probability 1 (llama-server's chain at temperature 0 keeps only it)
+    greedy = post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "n_probs": 3,
+                                          "post_sampling_probs": True}).json()
+    assert all(p["prob"] == 1 and [a["id"] for a in p["top_probs"]] == [p["id"]]
+               for p in greedy["completion_probabilities"])
+    assert error_of(post(server, "/v1/completions", {"prompt": PROMPT, "post_sampling_probs": True}),
+                    400)["param"] == "post_sampling_probs"  # OpenAI's logprobs have no place for them
+
+
 def test_completion_holds_to_stop_schema_and_grammar(server: Server) -> None:
     text = post(server, "/completion", {"prompt": PROMPT, "n_predict": N}).json()["content"]
     word = text.split()[1]
@@ -128,20 +151,16 @@ def test_ignore_eos_runs_past_the_end_of_generation(server: Server) -> None:
 
 @pytest.mark.parametrize("body, param", [
     ({"n_predict": 0}, "n_predict"), ({"mirostat": 2}, "mirostat"), ({"n_probs": 21}, "n_probs"),
-    ({"post_sampling_probs": True}, "post_sampling_probs"),
-    ({"samplers": ["top_k"]}, "samplers"), ({"return_progress": True}, "return_progress"),
+    ({"samplers": ["top_k"]}, "samplers"), ({"n_cmpl": 17}, "n_cmpl"), ({"n_cmpl": 2, "n": 3}, "n_cmpl"),
     ({"lora": [{"id": 0, "scale": 1}]}, "lora"), ({"id_slot": 1}, "id_slot"),
-    ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": [0, 10 ** 9]}, "prompt"),
+    ({"prompt": ["one", 2.5]}, "prompt[1]"), ({"prompt": [0, 10 ** 9]}, "prompt"), ({"prompt": []}, "prompt"),
     ({"prompt": {"prompt_string": "<__media__>", "multimodal_data": ["AAAA"]}}, "prompt.multimodal_data"),
     ({"json_schema": {"type": "nonsense"}}, "json_schema"), ({"logit_bias": [["Hello", False]]}, "logit_bias"),
     ({"logit_bias": {" king": 101}}, "logit_bias"),
-    ({"n_predict": 10 ** 6}, "prompt"),
 ])
 def test_what_completion_does_not_take_is_a_400_naming_it(server: Server, body: dict, param: str) -> None:
     err = error_of(post(server, "/completion", {"prompt": PROMPT, **body}), 400)
     assert err["param"] == param and param.split(".")[0] in err["message"], err
-    if param == "prompt" and "n_predict" in body:  # too long: the fix in llama-server's words
-        assert "lower n_predict" in err["message"]
 
 
 # ---- llama-server's timings, first chunk and context error on the OpenAI routes too ----------------
@@ -179,6 +198,32 @@ def test_timings_come_with_every_openai_answer_and_per_token_when_asked(server: 
     # Anthropic's clients get Anthropic's shapes only
     m = post(server, "/v1/messages", {"max_tokens": 2, "messages": chat["messages"]}).json()
     assert "timings" not in m and m["type"] == "message"
+
+
+def decoded(server: Server, text: str) -> str:
+    """`text` as the model's tokens (BOS added where the vocabulary adds one) detokenize."""
+    ids = post(server, "/tokenize", {"content": text, "add_special": True}).json()["tokens"]
+    return post(server, "/detokenize", {"tokens": ids}).json()["content"]
+
+
+def test_verbose_answers_carry_llama_servers_native_object(server: Server) -> None:
+    chat = {"messages": [{"role": "system", "content": "Book"}, {"role": "user", "content": "hello there"}],
+            "max_tokens": N}
+    plain = post(server, "/v1/chat/completions", chat).json()
+    assert "__verbose" not in plain
+    got = post(server, "/v1/chat/completions", {**chat, "verbose": True}).json()
+    v = got["__verbose"]
+    # the prompt as its tokens decode (BOS's text first where the vocabulary adds one, as llama-server shows it)
+    assert v["prompt"] == decoded(server, post(server, "/apply-template", chat).json()["prompt"])
+    assert "Book" in v["prompt"]
+    assert v["content"] == got["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert v["tokens_predicted"] == got["usage"]["completion_tokens"] and v["stop"] is True
+    assert v["generation_settings"]["n_predict"] == N and v["timings"]["predicted_n"] == v["tokens_predicted"]
+    # streamed: on the last chunk, with the whole text
+    *chunks, last = events(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": N, "verbose": True})
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert last["__verbose"]["content"] == text and last["__verbose"]["prompt"] == decoded(server, PROMPT)
+    assert not any("__verbose" in c for c in chunks)
 
 
 def test_a_prompt_past_the_context_is_llama_servers_error_and_openais(server: Server) -> None:

@@ -16,6 +16,7 @@ from bmoe.api.model import (
     Model,
     ModelClosed,
     ModelStats,
+    PrefillProgress,
     Request,
     TokenLogprob,
     content_logprobs,

@@ -34,6 +34,7 @@ class Ask:
     that turn (llama-server's and transformers' fields of these names).
     `ignore_eos` bans every end-of-generation token (a logit bias of -inf, as llama.cpp's common sampler
     does for its `ignore_eos`): the answer runs to max_tokens or a stop string.
+    llama-server's `return_progress`, `post_sampling_probs` and `id_slot` are `progress`, `post_sampling`, `slot`.
     `clip` makes max_tokens a default rather than what the asker asked for: it is cut to the room the
     prompt leaves in the context (only a prompt that leaves none is too long), as OpenAI and llama-server
     answer a request without max_tokens (bmoe-server's `-n`).
@@ -70,3 +71,6 @@ class Ask:
     logits: bool = False
     logprobs: int | None = None
     ignore_eos: bool = False
+    progress: bool = False  # Chunks with `progress` (no text) as the prefill starts and after each llama_decode call
+    post_sampling: bool = False  # logprobs of the sampler chain after its last sampler (-inf: dropped); same draws
+    slot: int | None = None  # the KV sequence (Model.slots index) it runs on (the server waits for it); None: any

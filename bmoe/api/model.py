@@ -65,7 +65,7 @@ from bmoe.chat.limits import check_stop_strings
 from bmoe.generation import embedding
 from bmoe.generation.driver import CLOSED, Driver
 from bmoe.generation.logprobs import TOP_LOGPROBS_MAX, Alternative, ContentTokens, TokenLogprob, content_logprobs
-from bmoe.generation.records import Chunk, Completion, GenerationStats, Request, Turn
+from bmoe.generation.records import Chunk, Completion, GenerationStats, PrefillProgress, Request, Turn
 from bmoe.generation.request_life import Generation, Slot
 
 if TYPE_CHECKING:
@@ -80,8 +80,8 @@ if TYPE_CHECKING:
     from bmoe.streaming.readahead import ReadAheadCounts
 
 __all__ = ["TOP_LOGPROBS_MAX", "Alternative", "Ask", "Chunk", "Completion", "ConfigError", "ContentTokens",
-           "ContextTooLong", "GenerationStats", "Model", "ModelClosed", "ModelStats", "Request", "TokenLogprob",
-           "content_logprobs", "load", "open_model", "setting_names"]
+           "ContextTooLong", "GenerationStats", "Model", "ModelClosed", "ModelStats", "PrefillProgress", "Request",
+           "TokenLogprob", "content_logprobs", "load", "open_model", "setting_names"]
 
 log = logging.getLogger("bmoe")
 
@@ -351,7 +351,11 @@ class Model:
         if forced:
             max_tokens = len(forced)
         extra: dict[str, Any] = dict(lossless=bool(ask.lossless), forced=forced, logits=bool(ask.logits),
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, progress=bool(ask.progress),
+                                     post_sampling=bool(ask.post_sampling) and logprobs is not None,
+                                     slot=ask.slot)
+        if ask.slot is not None and not 0 <= ask.slot < len(self.slots):
+            raise ConfigError(f"slot {ask.slot}: an index of the model's KV sequences, 0 to {len(self.slots) - 1}")
         if ask.messages is not None:
             parts = f.parts(ask.messages, ask.think, response_format=ask.response_format, grammar=ask.grammar,
                             tools=ask.tools, tool_choice=ask.tool_choice, parallel_tool_calls=ask.parallel_tool_calls,
@@ -426,8 +430,11 @@ class Model:
         return self.slots[0].extends(messages)
 
     def slot_for(self, req: Request) -> Slot | None:
-        """A free slot for `req`: the one whose conversation it extends, else the least recently
-        used (keeping other conversations' KV for longer); None when every slot is busy."""
+        """A free slot for `req`: its own (`Request.slot`), else the one whose conversation it extends, else the
+        least recently used (keeping other conversations' KV for longer); None when none it may take is free."""
+        if req.slot is not None:
+            mine = self.slots[req.slot]
+            return None if mine.busy else mine
         free = [s for s in self.slots if not s.busy]
         if req.messages is not None:
             for s in free:
@@ -534,6 +541,10 @@ class Model:
     def piece(self, token: int) -> bytes:
         """A token's bytes as detokenizing writes them, a special token's text included."""
         return self.engine.vocab.piece(token, special=True)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids as text: their pieces joined, special tokens' too (llama-server's /detokenize)."""
+        return b"".join(self.piece(t) for t in tokens).decode(errors="replace")
 
     def marker_texts(self) -> tuple[str, str]:
         """The BOS and EOS tokens' text ("" where the vocabulary has none), as llama-server's /props tells them."""

@@ -2,7 +2,9 @@
 
 What they are: the log-softmax of the model's raw logits at the decode step the token was sampled
 from, the same row the sampler read (before a grammar, a logit bias, penalties or temperature
-change anything): the model's own distribution, as OpenAI's logprobs are. Under greedy sampling
+change anything): the model's own distribution, as OpenAI's logprobs are. With `Request.post_sampling`
+(llama-server's post_sampling_probs) the row is instead the sampler chain's log p after its last sampler
+(bmoe.seam.llama.sample_kept), -inf for the tokens it dropped. Under greedy sampling
 with none of those, the chosen token is the likeliest. Computed only for a request that asks: the
 logits row is copied and log-softmaxed per token (one pass over the vocab), and nothing otherwise.
 

@@ -50,6 +50,17 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """How far a prompt's prefill is (llama-server's `prompt_progress`): the prompt's tokens, those the KV held
+    before it (a reused prefix, a prompt cache's), those in the KV now, and the seconds its prefill has taken."""
+
+    total: int
+    cache: int
+    processed: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A piece of the answer: one per generated token, then a last one with the outcome.
 
@@ -70,6 +81,9 @@ class Chunk:
     # the first token's: the prompt's tokens decoded (the reused KV prefix left out) and the prefill's seconds, so a
     # stream can tell its speed as it goes (llama-server's timings_per_token)
     prefill: tuple[int, float] | None = None
+    # with Request.progress: a report on the prefill, before the first token (no text, no token): one when it
+    # starts, one after each llama_decode call it is cut into (bmoe.engine.prompt_calls)
+    progress: PrefillProgress | None = None
 
 
 @dataclass(frozen=True)
@@ -104,3 +118,6 @@ class Request:
     forced: tuple[int, ...] = ()  # teacher forcing: the tokens generated, in order, instead of sampled ones
     logits: bool = False  # each Chunk carries the distribution its token was chosen from
     logprobs: int | None = None  # each Chunk carries its tokens' log-probabilities and this many alternatives
+    progress: bool = False  # the prefill is reported as it goes (Chunk.progress)
+    post_sampling: bool = False  # logprobs are of the sampler chain's probabilities after its last sampler
+    slot: int | None = None  # the KV sequence it runs on, waiting for it (llama-server's id_slot); None: any free one

@@ -23,7 +23,7 @@ from bmoe.base import telemetry
 from bmoe.base.errors import Cancelled
 from bmoe.generation.answer_text import StopStrings, TextStream
 from bmoe.generation.logprobs import TokenLogprob, TokenSpans
-from bmoe.generation.records import Chunk, Completion, GenerationStats, Request, Turn
+from bmoe.generation.records import Chunk, Completion, GenerationStats, PrefillProgress, Request, Turn
 
 if TYPE_CHECKING:
     from bmoe.coordinator import Engine, EngineSequence
@@ -140,8 +140,22 @@ class Generation:
             slot.kv_tokens, self.cached = self.tokens[:self.keep], (decoded, spent)
         self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler, grammar=req.grammar,
                            lossless=req.lossless, forced=list(req.forced),
-                           keep_logits=req.logits or req.logprobs is not None)
+                           keep_logits=req.logits or req.logprobs is not None, kept=req.post_sampling,
+                           on_call=self._reporter())
         self.logits = self.seq.logits
+
+    def _reporter(self) -> Callable[[int, float], None] | None:
+        """With Request.progress, the prefill's reports: one now (nothing decoded yet), then the returned callable's,
+        after each of Engine.begin's calls (the tokens it decoded so far, its seconds)."""
+        report = self.on_chunk
+        if not self.req.progress or report is None:
+            return None
+        total, held, spent = len(self.tokens), self.keep, self.cached[1]
+        report(Chunk("", progress=PrefillProgress(total, held, held, 0.0)))
+
+        def after_call(decoded: int, seconds: float) -> None:
+            report(Chunk("", progress=PrefillProgress(total, held, held + decoded, spent + seconds)))
+        return after_call
 
     def take(self, decoded: tuple[int, telemetry.TokenStat] | None) -> None:
         """The engine's step for this generation: the token it decoded and its stat, or None when

@@ -177,6 +177,38 @@ def sample(smpl: Sampler, ctx: Context, row: int) -> int:
     return int(llama_cpp.llama_sampler_sample(smpl, ctx, row))
 
 
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data, 12 bytes
+
+
+def sample_kept(smpl: Sampler, ctx: Context, vocab: Vocab, row: int) -> tuple[int, np.ndarray]:
+    """`sample`, done as llama_sampler_sample does it without a backend sampler (the candidates from batch row
+    `row`'s logits, the chain applied, its selected token accepted): the same token; with the chain's probability
+    of each token it kept after every sampler (llama-server's post-sampling probabilities), as log p over the vocab
+    (-inf for a token it dropped). A greedy chain gives no probabilities: its token has p = 1, the rest none, as
+    llama-server's chain at temperature 0 (only the likeliest kept, then its draw) gives them."""
+    n = vocab.n_tokens
+    cur = np.empty(n, dtype=_TOKEN_DATA)
+    cur["id"] = np.arange(n, dtype=np.int32)
+    cur["logit"] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(n,))
+    cur["p"] = 0.0
+    arr = llama_cpp.llama_token_data_array(
+        data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=n, selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
+    if not 0 <= arr.selected < arr.size:
+        raise ModelError(f"llama.cpp's sampler chain selected candidate {arr.selected} of {arr.size}")
+    kept = np.ctypeslib.as_array(ctypes.cast(arr.data, ctypes.POINTER(ctypes.c_uint8)),
+                                 shape=(arr.size * _TOKEN_DATA.itemsize,)).view(_TOKEN_DATA)
+    token = int(kept["id"][arr.selected])
+    llama_cpp.llama_sampler_accept(smpl, token)
+    out = np.full(n, -np.inf, dtype=np.float32)
+    some = kept[kept["p"] > 0]
+    if some.size:
+        out[some["id"]] = np.log(some["p"])
+    else:
+        out[token] = 0.0
+    return token, out
+
+
 def schema_converter() -> Any:
     """llama-cpp-python's JSON-schema → GBNF converter (a port of llama.cpp's), as bmoe.chat.grammar uses it."""
     from llama_cpp.llama_grammar import SchemaConverter

@@ -42,7 +42,8 @@ class Finished:
 class AnswerShape(Protocol):
     """One request's answer in one API's shapes. Streamed, the loop sends `start`, then for each token
     `token`, then `finish` (what reading a chat answer still held back) and `end`, or `error` where
-    it fails, then `close`; `comment` says where the request is in the queue. A method that has
+    it fails, then `close`; `comment` says where the request is in the queue, `progress` how far the prompt's
+    prefill is (before the first token). A method that has
     nothing to send returns b""."""
 
     media_type: str  # of a streamed answer
@@ -57,6 +58,9 @@ class AnswerShape(Protocol):
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
         """A generated token; `d`: what reading the answer hands out with it (None: the answer is not read)."""
+
+    def progress(self, c: Chunk) -> bytes:
+        """A report on the prompt's prefill (`c.progress`; asked for by llama-server's `return_progress`)."""
 
     def finish(self, d: Delta) -> bytes:
         """What reading the answer held back to its end."""

@@ -361,6 +361,9 @@ class AnthropicShape:
     def token(self, c: Chunk, d: Delta | None) -> bytes:
         return self._blocks(d if d is not None else Delta(content=c.text))
 
+    def progress(self, c: Chunk) -> bytes:
+        return b""  # its requests ask for no progress reports
+
     def finish(self, d: Delta) -> bytes:
         return self._blocks(d)
 

@@ -26,12 +26,14 @@ from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bmoe.api import Ask, Chunk, GenerationStats, Model, Request
+from bmoe.api import Ask, GenerationStats, Model, Request
 from bmoe.base import ConfigError, ContextTooLong, FieldError
 from bmoe.server import anthropic_wire, ollama_wire, responses_wire
-from bmoe.server.answer_shape import AnswerShape, Finished
+from bmoe.server.answer_loop import LISTED, AnswerLoop, Choices, choice_requests
+from bmoe.server.answer_shape import AnswerShape
 from bmoe.server.anthropic_wire import AnthropicShape, CountBody, MessagesBody
-from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, ClosingStream, SlowReader
+from bmoe.server.completion_prompts import check_choices, prompts_of, tokens_of
+from bmoe.server.connections import ApiKey, BodiesHeld, BodyLimits, SlowReader
 from bmoe.server.embeddings import EmbeddingEndpoints, add_embedding_routes
 from bmoe.server.events import EVENTS, Feed
 from bmoe.server.grammar_pool import GrammarPool
@@ -42,21 +44,18 @@ from bmoe.server.http_errors import (
     http_error,
     internal,
     renamed,
-    serve_error,
-    shutting_down,
     validation_error,
 )
-from bmoe.server.job_events import answered, enqueue
 from bmoe.server.llama_routes import LlamaEndpoints, add_llama_routes, is_native_path, llama_error
 from bmoe.server.llama_slots import not_served
-from bmoe.server.llama_wire import LlamaCompletionBody
+from bmoe.server.llama_wire import LlamaCompletionBody, LlamaShape, generation_settings
 from bmoe.server.metrics import Metrics
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
-from bmoe.server.openai_wire import ChatBody, CompletionBody, OpenAIShape, RequestBody
+from bmoe.server.openai_wire import ChatBody, CompletionBody, OpenAIJoin, OpenAIShape, RequestBody
 from bmoe.server.request_base import sampling_of, unasked
 from bmoe.server.response_store import ResponseStore
 from bmoe.server.responses_wire import ResponsesBody, ResponsesShape
-from bmoe.server.scheduler import Job, JobEvent, Position, Scheduler
+from bmoe.server.scheduler import Scheduler
 from bmoe.server.sleep import Sleep
 from bmoe.server.vertex import Vertex, add_vertex
 from bmoe.server.webui import add_pages
@@ -213,6 +212,7 @@ class Endpoints:
     def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, grammars: GrammarPool, n_predict: int,
                  alias: str | None = None, kept: ResponseStore | None = None, tags: tuple[str, ...] = ()) -> None:
         self.model, self.sched, self.metrics, self.grammars = model, sched, metrics, grammars
+        self.loop = AnswerLoop(sched)
         self.n_predict = n_predict
         # --alias's names (a comma list), sorted as llama-server's: the first is the id /v1/models lists and
         # responses name; every one, and the GGUF's name, finds the model
@@ -256,25 +256,48 @@ class Endpoints:
                 "owned_by": "bmoe", "aliases": self.aliases, "tags": self.tags}
 
     async def completions(self, body: CompletionBody, request: HttpRequest) -> Response:
-        req = await self.completion_request(body)
-        return await self.answer(request, req, self.openai_shape(False, body, req), body.stream)
+        """OpenAI's completions: each prompt (bmoe.server.completion_prompts) answered as `n` choices."""
+        prompts = prompts_of(body.prompt)
+        check_choices(len(prompts), body.n)
+        reqs: list[Request] = []
+        for p in prompts:
+            prompt = await asyncio.to_thread(tokens_of, p, self.model.vocab_tokens)
+            reqs += choice_requests(await self.completion_request(body, prompt=prompt), body.n)
+        return await self.loop.answer(request, self.openai_choices(False, body, reqs), body.stream)
 
-    async def completion_request(self, body: CompletionBody, fix: str = TOO_LONG_FIX) -> Request:
-        """A plain prompt as the engine's request: the completions route's, and a raw Ollama generate's
-        (`fix`: what to do about a prompt too long, in the words of the route's API)."""
-        if isinstance(body.prompt, list) and len(body.prompt) != 1:
-            raise ServeError(400, "prompt: one prompt per request (a string, or a list of one)", param="prompt")
-        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    async def completion_request(self, body: CompletionBody, fix: str = TOO_LONG_FIX,
+                                 prompt: str | list[int] | None = None) -> Request:
+        """A plain prompt (`prompt`, else the body's one text) as the engine's request: the completions route's,
+        and a raw Ollama generate's (`fix`: what to do about a prompt too long, in the words of the route's API)."""
+        if prompt is None:
+            assert isinstance(body.prompt, str), "Ollama's generate: one text"
+            prompt = body.prompt
         return await self.prepare(body, body.max_tokens, fix, prompt=prompt, response_format=body.response_format,
                                   grammar=body.grammar, logprobs=body.logprobs, ignore_eos=body.ignore_eos)
 
     async def chat(self, body: ChatBody, request: HttpRequest) -> Response:
-        req = await self.chat_request(body)
-        return await self.answer(request, req, self.openai_shape(True, body, req), body.stream)
+        check_choices(1, body.n)
+        reqs = choice_requests(await self.chat_request(body), body.n)
+        return await self.loop.answer(request, self.openai_choices(True, body, reqs), body.stream)
 
-    def openai_shape(self, chat: bool, body: RequestBody, req: Request) -> OpenAIShape:
+    def openai_choices(self, chat: bool, body: RequestBody, reqs: list[Request]) -> Choices:
+        """Each choice's request in OpenAI's shapes (with llama-server's `verbose`, each its native object too),
+        one answer (OpenAIJoin) when there are several."""
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return OpenAIShape(chat, self.model_id, req, usage, body.timings_per_token)
+        shapes: list[OpenAIShape] = []
+        for i, r in enumerate(reqs):
+            native = None
+            if body.verbose:  # the prompt as text, and what it ran with, as llama-server's answer tells them
+                settings = generation_settings(self.model.stats.n_ctx, r.max_tokens, r.sampler, r.stop)
+                native = LlamaShape(self.model_id, self.model.detokenize(r.tokens), settings, index=i,
+                                    prompt_tokens=len(r.tokens))
+            shapes.append(OpenAIShape(chat, self.model_id, r, usage, body.timings_per_token, i,
+                                      shapes[0] if shapes else None, len(reqs) == 1, native))
+        return Choices(reqs, shapes, OpenAIJoin(body.n) if len(reqs) > 1 else LISTED)
+
+    async def one(self, request: HttpRequest, req: Request, shape: AnswerShape, stream: bool) -> Response:
+        """One request answered in one shape."""
+        return await self.loop.answer(request, Choices([req], [shape]), stream)
 
     async def chat_request(self, body: ChatBody, fix: str = TOO_LONG_FIX) -> Request:
         """A chat as the engine's request: OpenAI's chat route's, and the other APIs' translated to it
@@ -288,14 +311,15 @@ class Endpoints:
     async def messages(self, body: MessagesBody, request: HttpRequest) -> Response:
         """Anthropic's Messages API: the same chat request, answered in Anthropic's shapes."""
         req = await self.chat_request(anthropic_wire.chat_body_of_messages(body))
-        return await self.answer(request, req, AnthropicShape(self.model_id, len(req.tokens)), body.stream)
+        return await self.one(request, req, AnthropicShape(self.model_id, len(req.tokens)), body.stream)
 
     async def responses(self, body: ResponsesBody, request: HttpRequest) -> Response:
         """OpenAI's Responses API: the chat request, after the conversation of the response it goes on
         from (previous_response_id), answered as a Response or its events."""
         req, earlier = await self.responses_request(body)
-        shape = ResponsesShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept)
-        return await self.answer(request, req, shape, body.stream)
+        shape = ResponsesShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept,
+                               len(req.tokens))
+        return await self.one(request, req, shape, body.stream)
 
     async def responses_request(self, body: ResponsesBody) -> tuple[Request, tuple[dict[str, Any], ...]]:
         """A Responses request as the chat request, and the earlier items it goes on from."""
@@ -332,7 +356,7 @@ class Endpoints:
             req = await self.chat_request(t.body, ollama_wire.OLLAMA_TOO_LONG_FIX)
         except (ServeError, FieldError) as e:
             raise renamed(e, ollama_wire.OLLAMA_FIELD_NAMES) from None
-        return await self.answer(request, req, shape, body.stream)
+        return await self.one(request, req, shape, body.stream)
 
     async def ollama_generate(self, body: OllamaGenerateBody, request: HttpRequest) -> Response:
         """Ollama's generate: a chat of one user message (or, raw, the prompt as it is)."""
@@ -346,7 +370,7 @@ class Endpoints:
                          self.completion_request(t.body, fix))
         except (ServeError, FieldError) as e:
             raise renamed(e, ollama_wire.OLLAMA_FIELD_NAMES) from None
-        return await self.answer(request, req, shape, body.stream)
+        return await self.one(request, req, shape, body.stream)
 
     async def model_facts(self) -> ModelFacts:
         if self.facts is None:
@@ -393,17 +417,24 @@ class Endpoints:
     async def prepare(self, body: RequestBody | LlamaCompletionBody, max_tokens: int | None, fix: str,
                       **what: Any) -> Request:
         """The request as tokens, checked against the context (off the event loop: tokenizing takes a while; without
-        `max_tokens`, the server's -n cut to the room the prompt leaves, as OpenAI and llama-server do), its
-        new grammar parsed by llama.cpp on the grammar checks' own threads (bmoe.server.grammar_pool)."""
+        `max_tokens`, the server's -n cut to the room the prompt leaves, as OpenAI and llama-server do, and so is
+        llama-server's n_predict: `to_context_end`), its new grammar parsed by llama.cpp on the grammar checks' own
+        threads (bmoe.server.grammar_pool); a stream with llama-server's return_progress reports its prefill."""
         model = self.model
+        slot = None if body.id_slot in (None, -1) else body.id_slot
+        if slot is not None and slot >= len(model.slots):
+            raise ServeError(400, f"id_slot: {slot}: this server's slots (KV sequences, --parallel) are 0 to "
+                             f"{len(model.slots) - 1} (-1: any)", param="id_slot")
         if body.bmoe.lossless:
             try:
                 model.check_lossless("restart bmoe-server without one of them for lossless requests")
             except ConfigError as e:
                 raise ServeError(400, str(e), param="bmoe.lossless") from None
         try:
-            ask = Ask(**what, **sampling_of(body), max_tokens=max_tokens or self.n_predict, clip=max_tokens is None,
-                      stop=body.stop, fix=fix if max_tokens else unasked(fix), lossless=body.bmoe.lossless)
+            clip = max_tokens is None or body.to_context_end
+            ask = Ask(**what, **sampling_of(body), max_tokens=max_tokens or self.n_predict, clip=clip, stop=body.stop,
+                      fix=unasked(fix) if clip else fix, lossless=body.bmoe.lossless, slot=slot,
+                      progress=body.return_progress and body.stream)
             req = await asyncio.to_thread(model.prepare, ask, False)
             if req.grammar is not None:
                 await self.grammars.check(req.grammar)
@@ -414,76 +445,6 @@ class Endpoints:
             param = "messages" if "messages" in what else "prompt"
             raise (context_too_long(e, param) if isinstance(e, ContextTooLong) else
                    ServeError(400, str(e), param=param)) from None
-
-    async def answer(self, request: HttpRequest, req: Request, shape: AnswerShape, stream: bool) -> Response:
-        """Queue `req` and answer it in `shape`: streamed, or whole once it ends."""
-        job, events, ahead = enqueue(self.sched, req)
-        headers = {"X-Queue-Position": str(ahead)}
-        if stream:
-            return ClosingStream(self.stream(job, events, shape, ahead), media_type=shape.media_type, headers=headers)
-        chunks: list[Chunk] = []
-        text, stats, stop = await self.whole(request, job, events, chunks)
-        return JSONResponse(shape.whole(Finished(req, text, stats, stop, chunks, ahead)), headers=headers)
-
-    async def whole(self, request: HttpRequest, job: Job, events: asyncio.Queue[JobEvent],
-                    chunks: list[Chunk] | None = None) -> tuple[str, GenerationStats, str | None]:
-        """The whole answer: its text, its stats, and the stop string that ended it (if one did);
-        `chunks` gets every chunk (their logprobs)."""
-        parts: list[str] = []
-
-        def took(item: JobEvent) -> tuple[str, GenerationStats, str | None] | None:
-            if not isinstance(item, Chunk):
-                return None
-            parts.append(item.text)
-            if chunks is not None:
-                chunks.append(item)
-            return None if item.stats is None else ("".join(parts), _ended(item.stats), item.stop)
-
-        return await answered(request, self.sched, job, events, took)
-
-    async def stream(self, job: Job, events: asyncio.Queue[JobEvent], shape: AnswerShape, ahead: int
-                     ) -> AsyncIterator[bytes]:
-        """The one stream loop: `job`'s events in `shape`, a chat answer read as it comes (reasoning,
-        content, tool calls); a client that leaves cancels the job."""
-        req = job.req
-        assert isinstance(req, Request)  # a generation's job (embeddings: bmoe.server.embeddings)
-        reader = req.reading.parser() if req.reading is not None else None
-        try:
-            if ahead and (out := shape.comment(f"queue position {ahead}")):
-                yield out
-            if out := shape.start():
-                yield out
-            while True:
-                item = await events.get()
-                if isinstance(item, Position):
-                    if out := shape.comment(f"queue position {item.ahead}" if item.ahead else "running"):
-                        yield out
-                    continue
-                if isinstance(item, Exception):
-                    yield shape.error(serve_error(item))
-                    break
-                assert isinstance(item, Chunk)
-                if item.stats is None:  # a token
-                    if out := shape.token(item, reader.push(item.text) if reader is not None else None):
-                        yield out
-                    continue
-                if reader is not None and (out := shape.finish(reader.finish())):
-                    yield out
-                try:
-                    yield shape.end(_ended(item.stats), item.stop, ahead)
-                except ServeError as e:
-                    yield shape.error(e)
-                break
-            if out := shape.close():
-                yield out
-        finally:
-            self.sched.cancel(job)  # the client left mid-stream (nothing happens when the job ended)
-
-
-def _ended(s: GenerationStats) -> GenerationStats:
-    if s.finish_reason == "cancelled":  # only a shutdown cancels a request whose client is there
-        raise shutting_down()
-    return s
 
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
@@ -534,8 +495,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     app.get("/health")(routes.health)
     add_pages(app, webui)
     key = [Depends(keyed.authorized)]  # the routes of the APIs, the metrics and the events
-    native = LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare, routes.answer, slots,
-                            metrics_route)
+    native = LlamaEndpoints(model, routes.model_id, n_predict, sched.capacity, routes.prepare, routes.loop.answer,
+                            slots, metrics_route)
     sleep = Sleep(model, sleep_idle, native.facts, lambda: sched.closed)
     sched.on_idle = sleep.idle
     awake = [*key, Depends(sleep.awake)]  # the routes that need the model loaded

@@ -176,12 +176,12 @@ class EmbeddingEndpoints:
 
     async def run(self, ask: EmbedAsk, request: HttpRequest) -> list[np.ndarray]:
         """`ask` through the scheduler's queue: its vectors; a client that leaves cancels it."""
-        job, events, _ = enqueue(self.sched, ask)
+        jobs, events, _ = enqueue(self.sched, [ask])
         try:
-            return await answered(request, self.sched, job, events,
-                                  lambda item: item.vectors if isinstance(item, Embedded) else None)
+            return await answered(request, self.sched, jobs, events,
+                                  lambda _, item: item.vectors if isinstance(item, Embedded) else None)
         finally:
-            self.sched.cancel(job)
+            self.sched.cancel(jobs[0])
 
 
 def _check_bounds(inputs: list[list[int]], pooled: int, size: int, field: str) -> None:

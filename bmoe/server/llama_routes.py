@@ -28,7 +28,9 @@ from fastapi.responses import JSONResponse, Response
 
 from bmoe.api import Model, Request
 from bmoe.base import ConfigError, FieldError
+from bmoe.server.answer_loop import Choices, choice_requests
 from bmoe.server.answer_shape import AnswerShape
+from bmoe.server.completion_prompts import check_choices, prompts_of, tokens_of
 from bmoe.server.embeddings import EMBEDDING_PATHS
 from bmoe.server.http_errors import ServeError, renamed
 from bmoe.server.llama_slots import Slots, not_served
@@ -46,7 +48,7 @@ from bmoe.server.llama_wire import (
 from bmoe.server.openai_wire import ChatBody
 
 Prepare = Callable[..., Awaitable[Request]]  # Endpoints.prepare: a body as the engine's checked request
-AnswerLoop = Callable[[HttpRequest, Request, AnswerShape, bool], Awaitable[Response]]  # Endpoints.answer: the loop
+AnswerCall = Callable[[HttpRequest, Choices, bool, str], Awaitable[Response]]  # AnswerLoop.answer: the one answer loop
 
 NATIVE_PATHS = ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots")
 # llama-server's error type of each status bmoe answers (llama-server's server-common.h), where it is not OpenAI's
@@ -67,34 +69,42 @@ def llama_error(e: ServeError) -> JSONResponse:
 
 class LlamaEndpoints:
     """llama-server's native routes over one server's model (named `model_id`, its -n `n_predict`, its
-    --parallel `slots`) and its Endpoints' `prepare` and `answer`; `slots_route` and `metrics_route`: whether
-    /slots and /metrics are served (--no-slots, --no-metrics)."""
+    --parallel `slots`), its Endpoints' `prepare` and the answer loop's `answer`; `slots_route` and
+    `metrics_route`: whether /slots and /metrics are served (--no-slots, --no-metrics)."""
 
     def __init__(self, model: Model, model_id: str, n_predict: int, slots: int, prepare: Prepare,
-                 answer: AnswerLoop, slots_route: bool = True, metrics_route: bool = True) -> None:
+                 answer: AnswerCall, slots_route: bool = True, metrics_route: bool = True) -> None:
         self.model, self.model_id, self.n_predict, self.slots = model, model_id, n_predict, slots
         self.prepare, self.answer = prepare, answer
         self.slots_route, self.metrics_route = slots_route, metrics_route
         self._facts: dict[str, Any] | None = None
 
     async def completion(self, body: LlamaCompletionBody, request: HttpRequest) -> Response:
-        """A plain prompt (text or token ids), answered in llama-server's shapes through the answer loop."""
+        """Plain prompts (each a text, token ids or both: bmoe.server.completion_prompts), each answered as its
+        `n_cmpl` completions in llama-server's shapes through the answer loop (one object, or a list of them)."""
+        reqs: list[Request] = []
+        shapes: list[AnswerShape] = []
+        named = "n_cmpl" if body.n_cmpl is not None else "n"
         try:
-            prompt = body.one_prompt
+            prompts, n = prompts_of(body.prompt), body.choices
+            check_choices(len(prompts), n, named)
             await asyncio.to_thread(body.bias_texts, lambda text: self.model.vocab_tokens(text, False))
-            req = await self.prepare(body, body.n_tokens, LLAMA_TOO_LONG_FIX, prompt=prompt,
-                                   response_format=body.format, grammar=body.grammar,
-                                   logprobs=body.n_probs or None, ignore_eos=body.ignore_eos)
+            for p in prompts:
+                prompt = await asyncio.to_thread(tokens_of, p, self.model.vocab_tokens)
+                req = await self.prepare(body, body.n_tokens, LLAMA_TOO_LONG_FIX, prompt=prompt,
+                                         response_format=body.format, grammar=body.grammar,
+                                         logprobs=body.n_probs or None, ignore_eos=body.ignore_eos,
+                                         post_sampling=body.post_sampling_probs)
+                text = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.model.detokenize, prompt)
+                for r in choice_requests(req, n):
+                    settings = generation_settings(self.model.stats.n_ctx, r.max_tokens, r.sampler, r.stop)
+                    shapes.append(LlamaShape(self.model_id, text, settings, body.return_tokens, bool(body.n_probs),
+                                             len(r.tokens), body.timings_per_token, len(reqs),
+                                             body.post_sampling_probs))
+                    reqs.append(r)
         except (ServeError, FieldError) as e:
             raise renamed(e, LLAMA_FIELD_NAMES) from None
-        text = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.text_of, prompt)
-        settings = generation_settings(self.model.stats.n_ctx, req.max_tokens, req.sampler, req.stop)
-        shape = LlamaShape(self.model_id, text, settings, body.return_tokens, bool(body.n_probs), len(req.tokens),
-                           body.timings_per_token)
-        return await self.answer(request, req, shape, body.stream)
-
-    def text_of(self, tokens: list[int]) -> str:
-        return b"".join(self.model.piece(t) for t in tokens).decode(errors="replace")
+        return await self.answer(request, Choices(reqs, shapes), body.stream, named)
 
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         model = self.model
@@ -108,7 +118,7 @@ class LlamaEndpoints:
             tokens = self.model.token_ids(body.tokens)
         except ConfigError as e:
             raise ServeError(400, str(e).replace("prompt", "tokens", 1), param="tokens") from None
-        return {"content": await asyncio.to_thread(self.text_of, tokens)}
+        return {"content": await asyncio.to_thread(self.model.detokenize, tokens)}
 
     async def apply_template(self, body: ChatBody) -> dict[str, str]:
         """The conversation as the chat route renders it with the model's template (and its add_generation_prompt

@@ -7,20 +7,24 @@ engine, scheduler, grammars, limits and errors are the other APIs'. The routes a
 bmoe.server.llama_routes'.
 
 What is taken and what is not (docs/server.md says the same for users):
-- `prompt`: a string, a list of token ids (generated from as they are), a list of one string, or
-  llama-server's `{"prompt_string": ...}` object without media; several prompts, mixed lists and media
-  (`multimodal_data`: bmoe loads no projector) are a 400.
-- `n_predict` (or `max_tokens`): -1 or left out takes the server's `-n`; 0 is a 400 (bmoe generates
-  at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
+- `prompt`: one prompt or several, each a string, token ids (generated from as they are), token ids with strings
+  among them, or llama-server's `{"prompt_string": ...}` object without media (bmoe.server.completion_prompts);
+  several are answered as a list. `n_cmpl` (or `n`): completions of each prompt, each with the request's seed
+  plus its index (bmoe.server.answer_loop). Media (`multimodal_data`: bmoe loads no projector) is a 400.
+- `n_predict` (or `max_tokens`): -1 or left out takes the server's `-n`; either is cut to the room the prompt
+  leaves in the context, as llama-server cuts it (`truncated` when the answer ran to the context's end); 0 is a
+  400 (bmoe generates at least one token). `stream`, `stop`, the sampling fields (`temperature`, `top_k`, `top_p`,
   `min_p`, `seed` (-1: the server's), `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
   `frequency_penalty`, `logit_bias` as llama-server's `[[id, bias], ...]` or OpenAI's map, a text for an id biasing each
   of its tokens),
   `grammar`, `json_schema`, `response_format`, `return_tokens`, `n_probs` (bmoe's logprobs as
-  `completion_probabilities`), `ignore_eos` (every end-of-generation token banned, as llama-server does).
+  `completion_probabilities`; with `post_sampling_probs`, the sampler chain's probabilities after its last
+  sampler), `ignore_eos` (every end-of-generation token banned, as llama-server does).
   `cache_prompt` either way (bmoe reuses a KV prefix where the answer stays a full prefill's) and
   `n_keep` (bmoe never shifts the context: nothing to keep).
-- `timings_per_token`: each streamed piece carries the `timings` so far (bmoe.server.timings).
-- NATIVE_UNIMPLEMENTED (other samplers, probabilities, slots, LoRA, progress reports, ...) is a 400
+- `timings_per_token`: each streamed piece carries the `timings` so far (bmoe.server.timings); `return_progress`:
+  a stream reports the prompt's prefill (`prompt_progress`) when it starts and after each decode call.
+- NATIVE_UNIMPLEMENTED (other samplers, slots, LoRA, ...) is a 400
   naming the field unless it asks for nothing; fields read only by a sampler that is off (DRY's,
   XTC's threshold, mirostat's tau and eta) change nothing and are taken. Any other unknown field is
   ignored, as on the other routes.
@@ -41,7 +45,7 @@ from bmoe.base import SAMPLING_FIELDS, ConfigError, FieldError, check_sampling, 
 from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
-from bmoe.server.openai_wire import LLAMA_UNIMPLEMENTED, sse
+from bmoe.server.openai_wire import LLAMA_UNIMPLEMENTED, choices_of, prompt_progress, sse
 from bmoe.server.request_base import BmoeOptions, SamplingFields, implemented
 from bmoe.server.timings import TimingsSoFar, final_timings
 
@@ -55,7 +59,7 @@ LLAMA_FIELD_NAMES = ((r"response_format\.json_schema\.schema", "json_schema"), (
 class LlamaCompletionBody(SamplingFields):
     """`POST /completion`'s body (see the module notes); unknown fields are ignored."""
 
-    prompt: str | list[int] | list[str] | dict[str, Any]
+    prompt: str | list[Any] | dict[str, Any]  # one prompt or several (bmoe.server.completion_prompts)
     n_predict: int | None = None
     max_tokens: int | None = None  # llama-server reads it when n_predict is left out
     stream: bool = False
@@ -66,9 +70,14 @@ class LlamaCompletionBody(SamplingFields):
     cache_prompt: bool = True
     return_tokens: bool = False
     n_probs: int = Field(0, ge=0, le=TOP_LOGPROBS_MAX)  # each token's log-probability and its n likeliest
+    post_sampling_probs: bool = False  # n_probs' probabilities after the sampler chain, not the model's
     n_keep: int | None = None
     timings_per_token: bool = False  # every streamed piece carries the timings so far
     ignore_eos: bool = False  # no end of generation: the answer runs to n_predict or a stop string
+    n_cmpl: int | None = Field(None, ge=1)  # completions of each prompt, each its own generation (`n` too)
+    n: int = Field(1, ge=1)
+    return_progress: bool = False  # a stream reports the prompt's prefill as it goes (`prompt_progress`)
+    id_slot: int | None = Field(None, ge=-1)  # the KV sequence to run on (/slots' id; -1: any)
     model: str | None = None
     bmoe: BmoeOptions = BmoeOptions()
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -107,24 +116,14 @@ class LlamaCompletionBody(SamplingFields):
         return self
 
     @property
-    def one_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; a 400 for several prompts or media."""
-        p = self.prompt
-        if isinstance(p, dict):
-            if p.get("multimodal_data") not in (None, []):
-                raise ServeError(400, "prompt.multimodal_data: this model takes text only (bmoe loads no multimodal "
-                                 "projector)", param="prompt.multimodal_data")
-            if not isinstance(p.get("prompt_string"), str):
-                raise ServeError(400, "prompt.prompt_string: the prompt's text", param="prompt.prompt_string")
-            return str(p["prompt_string"])
-        if isinstance(p, str):
-            return p
-        if all(isinstance(t, int) for t in p):
-            return [int(t) for t in p]
-        if len(p) != 1:
-            raise ServeError(400, "prompt: one prompt per request (a string, a list of token ids, or a list of one "
-                             "string)", param="prompt")
-        return str(p[0])
+    def choices(self) -> int:
+        """The completions of each prompt: `n_cmpl`, or `n` (llama-server's alias; both sent: the same or a 400)."""
+        return choices_of(self.n, self.n_cmpl)
+
+    @property
+    def to_context_end(self) -> bool:
+        """llama-server's n_predict past the context generates to the context's end (`truncated`), not a 400."""
+        return True
 
     @property
     def n_tokens(self) -> int | None:
@@ -192,15 +191,20 @@ class LlamaShape:
     """One /completion answer in llama-server's shapes for the answer loop (bmoe.server.answer_shape).
     `prompt`: the prompt as text (what the answer's `prompt` says); `settings`: its generation_settings;
     `return_tokens`: a whole answer lists its token ids (a streamed piece always lists those it completes);
-    `probs`: the request asked for n_probs (each answer lists its tokens' `completion_probabilities`);
-    `per_token`: timings_per_token, each streamed piece has the `timings` so far (`prompt_tokens`: the prompt's)."""
+    `probs`: the request asked for n_probs (each answer lists its tokens' `completion_probabilities`; `post`:
+    with post_sampling_probs, as probabilities after the sampler chain, `prob` and `top_probs` as llama-server
+    names them, the tokens the chain dropped left out);
+    `per_token`: timings_per_token, each streamed piece has the `timings` so far (`prompt_tokens`: the prompt's);
+    `index`: the answer's, of several (several prompts, n_cmpl). `truncated`: the answer ran to the context's end
+    (settings' n_ctx), as llama-server says when it stops there."""
 
     media_type = SSE
 
     def __init__(self, model: str, prompt: str, settings: dict[str, Any], return_tokens: bool = False,
-                 probs: bool = False, prompt_tokens: int = 0, per_token: bool = False) -> None:
+                 probs: bool = False, prompt_tokens: int = 0, per_token: bool = False, index: int = 0,
+                 post: bool = False) -> None:
         self.model, self.prompt, self.settings, self.return_tokens = model, prompt, settings, return_tokens
-        self.probs = probs
+        self.probs, self.index, self.prompt_tokens, self.post = probs, index, prompt_tokens, post
         self.so_far = TimingsSoFar(prompt_tokens) if per_token else None
         self.predicted = 0
         self.pending: list[int] = []  # streamed: ids of tokens whose text is held back (a possible stop string)
@@ -208,10 +212,11 @@ class LlamaShape:
 
     def _last(self, content: str, tokens: list[int], s: GenerationStats, stop: str | None, ahead: int,
               probs: list[TokenLogprob]) -> dict[str, Any]:
-        return {"index": 0, "content": content, "tokens": tokens, "stop": True, "model": self.model,
+        full = s.finish_reason == "length" and s.prompt_tokens + s.completion_tokens >= self.settings["n_ctx"]
+        return {"index": self.index, "content": content, "tokens": tokens, "stop": True, "model": self.model,
                 **self._probs(probs), "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
                 "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
-                "truncated": False, "stop_type": stop_type(s, stop), "stopping_word": stop or "",
+                "truncated": full, "stop_type": stop_type(s, stop), "stopping_word": stop or "",
                 "tokens_cached": s.prompt_tokens - s.prefill_tokens, "timings": final_timings(s),
                 "bmoe": {**dataclasses.asdict(s), "queue_position": ahead}}
 
@@ -238,9 +243,20 @@ class LlamaShape:
         if not c.text:
             return b""
         (tokens, self.pending), (probs, self.pending_probs) = (self.pending, []), (self.pending_probs, [])
-        return sse({"index": 0, "content": c.text, "tokens": tokens, "stop": False,
+        return sse({"index": self.index, "content": c.text, "tokens": tokens, "stop": False,
                     "tokens_predicted": self.predicted, **self._probs(probs),
                     **({"timings": self.so_far.now()} if self.so_far is not None else {})})
+
+    def progress(self, c: Chunk) -> bytes:
+        """A report on the prefill: llama-server's piece with no content and `prompt_progress` (and the timings so far
+        with timings_per_token)."""
+        assert c.progress is not None
+        timings: dict[str, Any] = {}
+        if self.so_far is not None:
+            self.so_far.add(c)
+            timings = {"timings": self.so_far.now()}
+        return sse({"index": self.index, "content": "", "tokens": [], "stop": False, "tokens_predicted": 0,
+                    "tokens_evaluated": self.prompt_tokens, **timings, "prompt_progress": prompt_progress(c.progress)})
 
     def finish(self, d: Delta) -> bytes:
         return b""  # a plain prompt's answer is not read
@@ -259,6 +275,11 @@ class LlamaShape:
         completes, so that they join into it), when the request asked for them."""
         if not self.probs:
             return {}
+        if self.post:  # probabilities, of the tokens the chain kept
+            return {"completion_probabilities": [
+                {"id": t.id, "token": t.text, "bytes": list(t.bytes), "prob": math.exp(t.logprob),
+                 "top_probs": [{"id": a.id, "token": a.text, "bytes": list(a.bytes), "prob": math.exp(a.logprob)}
+                               for a in t.top if a.logprob > -math.inf]} for t in tokens]}
         return {"completion_probabilities": [
             {"id": t.id, "token": t.text, "bytes": list(t.bytes), "logprob": t.logprob,
              "top_logprobs": [{"id": a.id, "token": a.text, "bytes": list(a.bytes), "logprob": a.logprob}

@@ -23,10 +23,12 @@ Decisions:
   `--temp/--top-k/--top-p/--min-p/--seed`, the penalties and `--logit-bias` (greedy by default, so a
   request's answer equals `bmoe-cli`'s for the same prompt and settings). `top_k`, `min_p`,
   `repeat_penalty`, `repeat_last_n` and `think` (chat: False renders the conversation with
-  `enable_thinking=False`, true with true; left out, `--reasoning` decides) are extensions; `n` must
-  be 1; the `model` field is not checked (one model is served, as llama-server does with one model;
-  responses name it: `--alias`, else the GGUF's name; `GET /v1/models/{id}` takes either and 404s any
-  other).
+  `enable_thinking=False`, true with true; left out, `--reasoning` decides) are extensions; `n` choices are
+  that many requests queued, choice i seeded with the request's seed plus i, as llama-server seeds its copies
+  (bmoe.server.answer_loop), so each is what one request with that seed gives (decoded together, what those
+  requests give together); the `model` field is not checked (one model is served, as llama-server does with
+  one model; responses name it: `--alias`, else the GGUF's name; `GET /v1/models/{id}` takes either and
+  404s any other).
 - A field of OpenAI's (or llama-server's) API that bmoe does not implement (`best_of`, `echo`,
   `suffix`, `mirostat`, ...: bmoe.server.openai_wire.UNIMPLEMENTED) is a 400 naming it unless its value asks
   for nothing (`echo: false`, `best_of: 1`); silently ignoring it would answer another question.

@@ -347,6 +347,9 @@ class OllamaShape:
     def token(self, c: Chunk, d: Delta | None) -> bytes:
         return self.finish(d if d is not None else Delta(content=c.text))
 
+    def progress(self, c: Chunk) -> bytes:
+        return b""  # its requests ask for no progress reports
+
     def finish(self, d: Delta) -> bytes:
         if not d:
             return b""

@@ -19,10 +19,19 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from bmoe.api import TOP_LOGPROBS_MAX, Chunk, ContentTokens, GenerationStats, Request, TokenLogprob, content_logprobs
+from bmoe.api import (
+    TOP_LOGPROBS_MAX,
+    Chunk,
+    ContentTokens,
+    GenerationStats,
+    PrefillProgress,
+    Request,
+    TokenLogprob,
+    content_logprobs,
+)
 from bmoe.base import FieldError, telemetry
 from bmoe.chat import STOP_STRINGS_MAX, Delta, Reply, schema_grammar
-from bmoe.server.answer_shape import SSE, Finished, sse_comment
+from bmoe.server.answer_shape import SSE, AnswerShape, Finished, sse_comment
 from bmoe.server.http_errors import ServeError
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented
 from bmoe.server.timings import TimingsSoFar, final_timings
@@ -32,10 +41,10 @@ from bmoe.server.timings import TimingsSoFar, final_timings
 LLAMA_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (None, 0), "typical_p": (None, 1), "top_n_sigma": (None, -1), "xtc_probability": (None, 0),
     "dry_multiplier": (None, 0), "dynatemp_range": (None, 0),
-    "n_indent": (None, 0), "n_cmpl": (None, 1), "n_cache_reuse": (None, 0), "min_keep": (None, 0),
-    "t_max_predict_ms": (None, 0), "id_slot": (None, -1), "samplers": (None,),
-    "post_sampling_probs": (None, False), "response_fields": (None, []), "lora": (None, []),
-    "return_progress": (None, False), "sse_ping_interval": (None,), "multimodal_data": (None, []),
+    "n_indent": (None, 0), "n_cache_reuse": (None, 0), "min_keep": (None, 0),
+    "t_max_predict_ms": (None, 0), "samplers": (None,),
+    "response_fields": (None, []), "lora": (None, []),
+    "sse_ping_interval": (None,), "multimodal_data": (None, []),
 }
 
 # Request fields of OpenAI's API (and llama-server's) that bmoe does not implement, each with the values
@@ -48,9 +57,10 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"), "tfs_z": (None, 1),
     "moderation": (None,), "verbosity": (None, "medium"),
     **LLAMA_UNIMPLEMENTED,
-    # llama-server's, refused here only (its native route takes return_tokens and ignores the others)
-    "t_max_prompt_ms": (None, 0), "return_tokens": (None, False),
-    "verbose": (None, False), "adaptive_target": (None, -1), "reasoning_budget_tokens": (None, -1),
+    # llama-server's, refused here only (its native route takes return_tokens and post_sampling_probs, and ignores
+    # the others)
+    "t_max_prompt_ms": (None, 0), "return_tokens": (None, False), "post_sampling_probs": (None, False),
+    "adaptive_target": (None, -1), "reasoning_budget_tokens": (None, -1),
     "reasoning_control": (None, False), "reasoning_format": (None, "auto", "deepseek"), "chat_format": (None,),
     "chat_parser": (None,), "generation_prompt": (None,), "grammar_lazy": (None, False), "grammar_triggers": (None, []),
     "preserved_tokens": (None, []), "parse_tool_calls": (None, True), "image_data": (None, []),
@@ -76,13 +86,17 @@ class RequestBody(SamplingFields):
     stop: str | list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1)  # choices, each its own generation (bmoe.server.answer_loop); n_cmpl: llama-server's name
+    n_cmpl: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = None  # json_object / json_schema (bmoe.chat.grammar)
     grammar: str | None = None  # GBNF, as llama-server takes it
     n_predict: int | None = Field(None, ge=-1)  # llama-server's max_tokens; -1: the server's default
     json_schema: dict[str, Any] | None = None  # llama-server's response_format of a schema
     timings_per_token: bool = False  # llama-server's: every streamed chunk carries the timings so far
     ignore_eos: bool = False  # llama-server's: no end of generation (bmoe.api.Ask's)
+    return_progress: bool = False  # llama-server's: a stream reports the prompt's prefill as it goes
+    verbose: bool = False  # llama-server's: the answer carries `__verbose`, its native answer object
+    id_slot: int | None = Field(None, ge=-1)  # llama-server's: the KV sequence to run on (-1: any)
     bmoe: BmoeOptions = BmoeOptions()
 
     @model_validator(mode="before")
@@ -92,8 +106,9 @@ class RequestBody(SamplingFields):
 
     @model_validator(mode="after")
     def _llama_server_names(self) -> RequestBody:
-        """llama-server's names for max_tokens and a schema's response_format, as those (sent with them, the
+        """llama-server's names for max_tokens, n and a schema's response_format, as those (sent with them, the
         same value or a 400)."""
+        self.n = choices_of(self.n, self.n_cmpl)
         if self.n_predict is not None and self.n_predict != -1:
             if self.n_predict == 0 or self.max_tokens not in (None, self.n_predict):
                 raise FieldError("n_predict: llama-server's name for max_tokens, 1 or more (-1: the server's "
@@ -107,9 +122,25 @@ class RequestBody(SamplingFields):
             self.response_format = {"type": "json_object", "schema": self.json_schema}
         return self
 
+    @property
+    def to_context_end(self) -> bool:
+        """llama-server's `n_predict` was sent: its cap is cut to the room the prompt leaves, as llama-server cuts it
+        (OpenAI's `max_tokens` past the context stays a 400)."""
+        return self.n_predict not in (None, -1)
+
+
+def choices_of(n: int, n_cmpl: int | None) -> int:
+    """A request's choices: `n`, or llama-server's `n_cmpl` (sent with n, the same value or a 400)."""
+    if n_cmpl is None:
+        return n
+    if n not in (1, n_cmpl):
+        raise FieldError("n_cmpl: llama-server's name for n; send one of them", param="n_cmpl")
+    return n_cmpl
+
 
 class CompletionBody(RequestBody):
-    prompt: str | list[str] = Field(min_length=1)
+    # a text, token ids, or several prompts (bmoe.server.completion_prompts), each answered as its choices
+    prompt: str | list[Any] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)  # the legacy shape: alternatives per token
 
 
@@ -234,21 +265,32 @@ class OpenAIShape:
     logprobs asked for, each chunk those of the tokens it completes; the last with the finish reason and the
     telemetry, then the usage with stream_options.include_usage; `[DONE]` last). llama-server's `timings` come
     with the whole response and the stream's last chunk, and on every chunk with `timings_per_token` (`per_token`).
-    `req`: the request it answers (whether it asked for logprobs and reads its answer; None for neither)."""
+    `req`: the request it answers (whether it asked for logprobs and reads its answer; None for neither).
+    One of several choices (`n`, several prompts): `index`, the first choice's shape `head` (their one id), and
+    not `alone` (OpenAIJoin ends the stream). `verbose`: llama-server's native shape of the answer, whose object
+    is its `__verbose`."""
 
     media_type = SSE
 
     def __init__(self, chat: bool, model: str, req: Request | None = None, include_usage: bool = False,
-                 per_token: bool = False) -> None:
+                 per_token: bool = False, index: int = 0, head: OpenAIShape | None = None, alone: bool = True,
+                 verbose: AnswerShape | None = None) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage  # stream_options.include_usage: usage null on each chunk, then its own
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.index = index  # the choice's, of several (`n`, several prompts: OpenAIJoin)
+        # one answer's id and time, every choice's alike (`head`: the first choice's shape)
+        self.id: str = head.id if head is not None else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created: int = head.created if head is not None else int(time.time())
+        self.alone = alone  # one answer: its usage chunk ends the stream (else OpenAIJoin's does)
         self.asked = req is not None and req.logprobs is not None  # logprobs
         self.content = ContentTokens() if self.asked and req is not None and req.reading is not None else None
         self.called = False  # the answer made tool calls: finish_reason tool_calls
         self.so_far = TimingsSoFar(len(req.tokens)) if per_token and req is not None else None
+        # llama-server's `verbose`: the answer's native object (llama_wire's LlamaShape), on the whole answer and on
+        # a stream's last chunk (`seen`: the stream's chunks so far)
+        self.req, self.verbose = req, verbose
+        self.seen: list[Chunk] = []
 
     # -- the objects --
 
@@ -259,7 +301,8 @@ class OpenAIShape:
     def response(self, text: str, s: GenerationStats, ahead: int,
                  logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
         """The whole response: a completion's text, or a chat's message of it."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": s.finish_reason}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(logprobs),
+                                  "finish_reason": s.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -270,7 +313,7 @@ class OpenAIShape:
 
     def chunk(self, delta: dict[str, Any] | str, finish: str | None = None,
               logprobs: Sequence[TokenLogprob] | None = None, **extra: Any) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         if self.chat:
             choice["delta"] = delta
         else:
@@ -334,20 +377,24 @@ class OpenAIShape:
             delta["tool_calls"] = [x.openai() for x in d.calls]
         return self.chunk(delta, logprobs=logprobs, **self._progress(c))
 
-    def last(self, s: GenerationStats, ahead: int) -> dict[str, Any]:
+    def last(self, s: GenerationStats, ahead: int, stop: str | None = None) -> dict[str, Any]:
         """The chunk with the finish reason and the request's telemetry (finish_reason tool_calls where
         the answer made tool calls)."""
         finish = "tool_calls" if self.called and s.finish_reason == "stop" else s.finish_reason
-        timings: dict[str, Any] = {} if self.include_usage else {"timings": final_timings(s)}  # else the usage chunk's
+        extra: dict[str, Any] = {} if self.include_usage else {"timings": final_timings(s)}  # else the usage chunk's
+        if self.verbose is not None and self.req is not None:
+            text = "".join(c.text for c in self.seen)
+            extra["__verbose"] = self.verbose.whole(Finished(self.req, text, s, stop, self.seen, ahead))
         return self.chunk({} if self.chat else "", finish, None,
-                          bmoe={**dataclasses.asdict(s), "queue_position": ahead}, **timings)
+                          bmoe={**dataclasses.asdict(s), "queue_position": ahead}, **extra)
 
-    def usage_chunk(self, s: GenerationStats) -> dict[str, Any] | None:
-        """With stream_options.include_usage, the stream's last chunk: no choices, the usage."""
+    def usage_chunk(self, s: GenerationStats, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """With stream_options.include_usage, the stream's last chunk: no choices, the usage (`usage`: every
+        choice's, else `s`'s)."""
         if not self.include_usage:
             return None
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": openai_usage(s), "timings": final_timings(s)}
+                "usage": usage or openai_usage(s), "timings": final_timings(s)}
 
     # -- AnswerShape --
 
@@ -355,9 +402,11 @@ class OpenAIShape:
         req = done.req
         if req.reading is not None:
             lp = content_logprobs(req.reading, [(c.text, c.logprobs) for c in done.chunks]) if self.asked else None
-            return self.message(done.reply, done.stats, done.ahead, lp)
-        return self.response(done.text, done.stats, done.ahead,
-                             [t for c in done.chunks for t in c.logprobs] if self.asked else None)
+            out = self.message(done.reply, done.stats, done.ahead, lp)
+        else:
+            out = self.response(done.text, done.stats, done.ahead,
+                                [t for c in done.chunks for t in c.logprobs] if self.asked else None)
+        return {**out, "__verbose": self.verbose.whole(done)} if self.verbose is not None else out
 
     def comment(self, text: str) -> bytes:
         return sse_comment(text)
@@ -366,11 +415,24 @@ class OpenAIShape:
         return sse(self.chunk({"role": "assistant", "content": None})) if self.chat else b""
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
+        if self.verbose is not None:
+            self.seen.append(c)
         if self.so_far is not None:
             self.so_far.add(c)
         if d is None:
             return sse(self.token_chunk(c, self.asked))
         return self._delta(d, c, self.content.push(c.text, c.logprobs, d) if self.content is not None else None)
+
+    def progress(self, c: Chunk) -> bytes:
+        """llama-server's progress chunk: a chat's opening delta or an empty text, with `prompt_progress` (and the
+        timings so far with timings_per_token)."""
+        assert c.progress is not None
+        p = c.progress
+        extra: dict[str, Any] = {"prompt_progress": prompt_progress(p)}
+        if self.so_far is not None:
+            self.so_far.add(c)
+            extra["timings"] = self.so_far.now()
+        return sse(self.chunk({"role": "assistant", "content": None} if self.chat else "", **extra))
 
     def finish(self, d: Delta) -> bytes:
         return self._delta(d, None, self.content.push("", (), d, final=True) if self.content is not None else None)
@@ -383,14 +445,45 @@ class OpenAIShape:
         return sse(self.delta(d, c, lp))
 
     def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
-        used = self.usage_chunk(s)
-        return sse(self.last(s, ahead)) + (sse(used) if used is not None else b"")
+        used = self.usage_chunk(s) if self.alone else None
+        return sse(self.last(s, ahead, stop)) + (sse(used) if used is not None else b"")
 
     def error(self, e: ServeError) -> bytes:
         return sse(e.body())
 
     def close(self) -> bytes:
         return sse("[DONE]")
+
+
+class OpenAIJoin:
+    """Several choices as one OpenAI answer (bmoe.server.answer_loop's Join): every choice in the first's object, in
+    index order; the usage of all of them, each prompt counted once (`n`: the choices of each prompt, which come
+    together); a stream ends with one usage chunk (include_usage) and one `[DONE]`."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def whole(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**parts[0], "choices": [p["choices"][0] for p in parts],
+                "usage": self.usage([p["usage"] for p in parts])}
+
+    def close(self, first: AnswerShape, stats: Sequence[GenerationStats]) -> bytes:
+        assert isinstance(first, OpenAIShape)
+        used = first.usage_chunk(stats[0], self.usage([openai_usage(s) for s in stats]))
+        return (sse(used) if used is not None else b"") + first.close()
+
+    def usage(self, each: list[dict[str, Any]]) -> dict[str, Any]:
+        prompts = each[::self.n]
+        prompt = sum(u["prompt_tokens"] for u in prompts)
+        completion = sum(u["completion_tokens"] for u in each)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in prompts)}}
+
+
+def prompt_progress(p: PrefillProgress) -> dict[str, Any]:
+    """llama-server's `prompt_progress` object of a prefill's report."""
+    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": int(p.seconds * 1000)}
 
 
 def openai_usage(s: GenerationStats) -> dict[str, Any]:

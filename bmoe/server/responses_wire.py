@@ -58,9 +58,10 @@ from bmoe.api import Chunk, GenerationStats
 from bmoe.chat import STOP_STRINGS_MAX, Delta
 from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
-from bmoe.server.openai_wire import EFFORTS, ChatBody
+from bmoe.server.openai_wire import EFFORTS, ChatBody, prompt_progress
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented, sampling_of
 from bmoe.server.response_store import ResponseStore
+from bmoe.server.timings import TimingsSoFar, final_timings
 
 RESOURCE = "/responses"  # under /v1, and without it as llama-server serves it
 # fields of the Responses API bmoe does not implement, each with the values that ask for nothing
@@ -105,6 +106,8 @@ class ResponsesBody(SamplingFields):
     metadata: Metadata | None = None  # OpenAI's bounds (bmoe.server.request_base), echoed
     stop: str | list[str] | None = Field(None, max_length=STOP_STRINGS_MAX)  # bmoe's extension
     grammar: str | None = None  # bmoe's extension (GBNF)
+    timings_per_token: bool = False  # llama-server's: each streamed delta carries the timings so far
+    return_progress: bool = False  # llama-server's: a stream reports the prompt's prefill (response.in_progress)
     bmoe: BmoeOptions = BmoeOptions()
 
     @model_validator(mode="before")
@@ -137,7 +140,7 @@ def chat_body_of_response(body: ResponsesBody, earlier: Sequence[dict[str, Any]]
         messages=messages, tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, response_format=_response_format(body.text),
         think=_think(body.reasoning), grammar=body.grammar, max_tokens=body.max_output_tokens, stop=body.stop,
-        bmoe=body.bmoe, **sampling_of(body))
+        stream=body.stream, return_progress=body.return_progress, bmoe=body.bmoe, **sampling_of(body))
     try:
         return ChatBody.model_validate(chat)
     except ValidationError as e:  # a shape the checks above let through: still the client's 400
@@ -291,12 +294,15 @@ class ResponsesShape:
     and last response.completed (response.incomplete when max_output_tokens cut it); an error mid-way
     is an `error` event and response.failed. A whole answer is made by the same steps, so both carry
     the same items. A message opens only once its text is more than whitespace (whitespace before a
-    call is no item), or at the end when there is nothing else."""
+    call is no item), or at the end when there is nothing else. As llama-server's, a streamed answer's last
+    event carries its `timings`; with timings_per_token each delta event the timings so far (`prompt_tokens`: the
+    prompt's), and with return_progress each report on the prefill is a response.in_progress event with its
+    `prompt_progress`."""
 
     media_type = SSE
 
     def __init__(self, model: str, body: ResponsesBody, items: Sequence[dict[str, Any]],
-                 store: ResponseStore | None) -> None:
+                 store: ResponseStore | None, prompt_tokens: int = 0) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.body, self.items, self.store = model, body, items, store
@@ -304,6 +310,8 @@ class ResponsesShape:
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written
         self.blank = ""  # whitespace of the answer's text not yet in an item
+        self.so_far = TimingsSoFar(prompt_tokens) if body.timings_per_token else None
+        self.timings: dict[str, Any] | None = None  # on the delta events of the token under way (timings_per_token)
 
     def response(self, status: str, s: GenerationStats | None = None, ahead: int = 0,
                  error: ServeError | None = None) -> dict[str, Any]:
@@ -325,6 +333,8 @@ class ResponsesShape:
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
+        if self.timings is not None and kind.endswith(".delta"):
+            data["timings"] = self.timings
         self.seq += 1
         return format_sse_event(event=kind, data_str=json.dumps(data, ensure_ascii=False))
 
@@ -436,7 +446,21 @@ class ResponsesShape:
                 + self._event("response.in_progress", response=self.response("in_progress")))
 
     def token(self, c: Chunk, d: Delta | None) -> bytes:
-        return self._pieces(d if d is not None else Delta(content=c.text))
+        if self.so_far is not None:
+            self.so_far.add(c)
+            self.timings = self.so_far.now()
+        try:
+            return self._pieces(d if d is not None else Delta(content=c.text))
+        finally:
+            self.timings = None
+
+    def progress(self, c: Chunk) -> bytes:
+        assert c.progress is not None
+        extra: dict[str, Any] = {"prompt_progress": prompt_progress(c.progress)}
+        if self.so_far is not None:
+            self.so_far.add(c)
+            extra["timings"] = self.so_far.now()
+        return self._event("response.in_progress", response=self.response("in_progress"), **extra)
 
     def finish(self, d: Delta) -> bytes:
         return self._pieces(d)
@@ -444,7 +468,7 @@ class ResponsesShape:
     def end(self, s: GenerationStats, stop: str | None, ahead: int) -> bytes:
         out, response = self._last(s, ahead)
         return out + self._event("response.incomplete" if response["status"] == "incomplete"
-                                 else "response.completed", response=response)
+                                 else "response.completed", response=response, timings=final_timings(s))
 
     def error(self, e: ServeError) -> bytes:
         return (self._event("error", code=e.code, message=e.message, param=e.param)

@@ -30,8 +30,8 @@ def final_timings(s: GenerationStats) -> dict[str, Any]:
 
 
 class TimingsSoFar:
-    """A stream's timings as its tokens come (`prompt_tokens`: the prompt as rendered): the prefill from the first
-    token's chunk, each token's wall time added."""
+    """A stream's timings as its tokens come (`prompt_tokens`: the prompt as rendered): the prefill from its progress
+    reports, then from the first token's chunk, each token's wall time added."""
 
     def __init__(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
@@ -39,6 +39,8 @@ class TimingsSoFar:
         self.predicted_n, self.predicted_ms = 0, 0.0
 
     def add(self, c: Chunk) -> None:
+        if c.progress is not None:  # a report on the prefill under way (llama-server's return_progress)
+            self.prefill = (c.progress.processed - c.progress.cache, c.progress.seconds)
         if c.prefill is not None:
             self.prefill = c.prefill
         if c.token is not None:
