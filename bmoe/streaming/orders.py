@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from bmoe.base.units import MiB
-from bmoe.streaming.cache_policy import Key
+from bmoe.streaming.cache_policy import ExpertKey, Key
 from bmoe.streaming.expert_cache import ExpertCache
 from bmoe.streaming.lanes import LanePool, ReadOrder, merge_keyed, spread
 
@@ -77,13 +77,13 @@ class OrdersInFlight:
         lanes is spread). A lane reads its orders one after another, and one stream takes nearly all
         of the device's rate, so the slices awaited first arrive first instead of sharing the device
         with the ones needed later, and an expert's slices cost the lane one wake."""
-        lane_of: dict[int, int] = {}  # expert -> the lane its earliest slice went to
+        lane_of: dict[ExpertKey, int] = {}  # (layer, expert) -> the lane its earliest slice went to
         out: list[list[int]] = []
         for keys in stages:
             shares: list[list[tuple[ReadOrder, list[Key]]]] = [[] for _ in self.pool.lanes]
             rest = []
             for item in self.reads_for(keys):
-                lanes = {lane_of.get(k[2]) for k in item[1]}
+                lanes = {lane_of.get((k[0], k[2])) for k in item[1]}
                 if len(lanes) == 1 and None not in lanes:
                     shares[lanes.pop()].append(item)  # type: ignore[index]  # (None excluded above)
                 else:
@@ -95,7 +95,7 @@ class OrdersInFlight:
             for i, share in enumerate(shares):
                 for _, ks in share:
                     for k in ks:
-                        lane_of.setdefault(k[2], i)
+                        lane_of.setdefault((k[0], k[2]), i)
         return out
 
     def cancel(self, by_lane: dict[int, list[int]]) -> None:
