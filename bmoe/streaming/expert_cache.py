@@ -47,6 +47,7 @@ ABSENT, LOADING, RESIDENT = 0, 1, 2
 # A prompt's last tokens, whose experts the first decode tokens reuse: the prompt's other experts are
 # admitted at the cold end (bench/reports/2026-12-03-real-shape-baseline/bytes: the bytes it saves)
 WARM_PROMPT_ROWS = 2
+SMALL = 64  # up to this many ids (a decode's), Python's set, min and max cost less than numpy's calls
 
 
 def _up(x: int, to: int) -> int:
@@ -221,8 +222,10 @@ class ExpertCache:
             self.home[layer], at = at, at + first[layer].n_expert
         self.giving_back: list[int] = []  # free indices whose pages are to be given back
         self.on_assign: Callable[[int, int, int], None] | None = None  # (layer, expert, index): bias rows
-        self.routed = {layer: np.zeros(r.n_expert, dtype=np.int64) for layer, r in first.items()}  # the usage profile:
-        self.routings = dict.fromkeys(self.by_layer, 0)  # times each expert was routed, of its layer's routings
+        # the usage profile: times each expert was routed, of its layer's routings (Python ints: a routing
+        # stop adds a few, where a numpy update costs more than the rest of a hit's bookkeeping)
+        self.routed = {layer: [0] * r.n_expert for layer, r in first.items()}
+        self.routings = dict.fromkeys(self.by_layer, 0)
 
     @property
     def holds_everything(self) -> bool:
@@ -240,7 +243,7 @@ class ExpertCache:
         """Start counting afresh (after a preload or a replay's prefill pass, which are not decode)."""
         self.stats = CacheStats()
         for c in self.routed.values():
-            c[:] = 0
+            c[:] = [0] * len(c)
         self.routings = dict.fromkeys(self.routings, 0)
 
     def residency(self) -> list[tuple[int, str]]:
@@ -274,7 +277,7 @@ class ExpertCache:
     def slot_ids(self, layer: int, ids: np.ndarray) -> np.ndarray:
         """The slot index of every routed expert id, same shape: what ggml must read instead."""
         slots = self.table[layer][ids]
-        if slots.size and slots.min() < 0:
+        if slots.size and lowest(slots) < 0:
             bad = sorted({int(e) for e in ids[slots < 0]})
             raise RuntimeError(f"layer {layer} routed to experts {bad} that hold no slot")
         return slots
@@ -304,7 +307,9 @@ class ExpertCache:
         A wanted expert already loading (a speculative read in flight) is counted as a miss and
         its slices not returned: the caller waits for the reads under way. Those of `cold` read now
         enter the policy's order at the cold end (a prompt's experts its last tokens did not route)."""
-        self.routed[layer][experts] += 1
+        counts = self.routed[layer]
+        for e in experts:
+            counts[e] += 1
         self.routings[layer] += 1
         self.pinned = {(layer, e) for e in experts}
         self.expected[layer].clear()
@@ -542,6 +547,16 @@ class ExpertCache:
                     self.slab.release(*r.slot_pages(index))
             self.cold.append(index)
         self.giving_back.clear()
+
+
+def lowest(a: np.ndarray) -> int:
+    """a.min(), for a routing's few ids or a prompt's many."""
+    return min(a.ravel().tolist()) if a.size <= SMALL else int(a.min())
+
+
+def highest(a: np.ndarray) -> int:
+    """a.max(), for a routing's few ids or a prompt's many."""
+    return max(a.ravel().tolist()) if a.size <= SMALL else int(a.max())
 
 
 def expert_charges(regions: list[Region]) -> dict[int, int]:

@@ -22,14 +22,12 @@ import time
 import numpy as np
 
 from bmoe import seam
-from bmoe.streaming.expert_cache import WARM_PROMPT_ROWS
+from bmoe.streaming.expert_cache import SMALL, WARM_PROMPT_ROWS, highest
 from bmoe.streaming.lossy import DROPPED, Lossy
 from bmoe.streaming.orders import Key
 from bmoe.streaming.route_replay import RouteReplay
 from bmoe.streaming.route_trace import TraceWriter
 from bmoe.streaming.streamer import WATCH_STEP, Streamer
-
-SMALL_ROUTING = 64  # ids up to this many are deduplicated in Python (numpy's call costs more)
 
 
 class BatchRows:
@@ -126,7 +124,7 @@ class StreamingStops:
         t0 = time.perf_counter_ns()
         st.tick()
         # a token's few ids as a Python set; a prompt's many through numpy
-        wanted = sorted(set(ids.ravel().tolist())) if ids.size <= SMALL_ROUTING else np.unique(ids).tolist()
+        wanted = sorted(set(ids.ravel().tolist())) if ids.size <= SMALL else np.unique(ids).tolist()
         if wanted and (wanted[0] < 0 or wanted[-1] >= st.n_expert):
             raise RuntimeError(f"layer {layer} routed to expert ids {wanted} outside 0..{st.n_expert - 1}")
         if st.cache.used - st.watched_at >= WATCH_STEP:
@@ -165,6 +163,8 @@ class StreamingStops:
         await now (the gate slices, and all the others unless under overlap), after the gate matmul
         (the up slices, where the graph computes gate first) and at the down input (the down slices).
         `busy`: reads were under way before these, and may hold some of the layer's slices."""
+        if not missing and not busy:
+            return [], [], []
         st = self.st
         split_down = st.overlap and any(ri in st.down_kind for ri in st.cache.by_layer[layer])
         split_up = layer in self.up_split
@@ -172,8 +172,6 @@ class StreamingStops:
         def stage(ri: int) -> int:
             return 2 if split_down and ri in st.down_kind else 1 if split_up and ri in st.up_kind else 0
 
-        if not missing and not busy:
-            return [], [], []
         groups: list[list[Key]] = [[], [], []]
         for k in missing:
             groups[stage(k[1])].append(k)
@@ -197,7 +195,7 @@ class StreamingStops:
         if self.rewrites:
             slots[ids == DROPPED] = st.cache.spare_slot(layer)
         if slots.size:
-            st.narrow(layer, int(slots.max()) + 1)
+            st.narrow(layer, highest(slots) + 1)
         st.counters.mgmt_ns += time.perf_counter_ns() - t0
         return slots
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from bmoe.base.model_files import ModelFiles
 from bmoe.base.units import MiB
 from bmoe.streaming import usage_profile
@@ -183,7 +185,8 @@ class WarmStart:
         """Write this run's counts, plus half the profile's, if the run routed anything; a failure
         to write is a notice (it never fails the run's exit)."""
         cache = self.st.cache
-        now = usage_profile.Usage({layer: c.copy() for layer, c in cache.routed.items()}, dict(cache.routings))
+        now = usage_profile.Usage({layer: np.array(c, dtype=np.int64) for layer, c in cache.routed.items()},
+                                  dict(cache.routings))
         if now.empty:
             return
         try:
