@@ -16,12 +16,12 @@ SQLite file. An operation waits at most TIMEOUT_S for Redis, then the request ge
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from bmoe.base import ConfigError
 from bmoe.server.http_errors import ServeError
-from bmoe.server.response_store import TTL_S, decoded, encoded, not_kept
+from bmoe.server.response_store import TTL_S, SharedStore
 
 KEY_PREFIX = "bmoe:responses:"
 TIMEOUT_S = 5.0
@@ -81,7 +81,7 @@ return {redis.call('ZCARD', p .. 'used'), tonumber(redis.call('GET', p .. 'total
 """
 
 
-class RedisResponses:
+class RedisResponses(SharedStore):
     """The kept responses in the Redis server at `url` (redis://HOST:PORT/DB), within `most` responses and `bound`
     bytes, each for `ttl` seconds (`clock`: wall time, which every replica reads alike)."""
 
@@ -112,33 +112,16 @@ class RedisResponses:
             raise ServeError(503, f"the response store (Redis) failed: {e}; send the request again", "server_error",
                              "store_unavailable") from None
 
-    def keep(self, response: dict[str, Any], items: Sequence[dict[str, Any]]) -> bool:
-        rid = response["id"]
-        blobs = (encoded(list(items)), encoded(response))
-        size = len(blobs[0]) + len(blobs[1]) + len(rid)
-        if self.most == 0 or size > self.bound:
-            return False
-        self._run("keep", rid, *blobs, size, self.ttl, self.most, self.bound)
-        return True
+    def _put(self, rid: str, items: bytes, response: bytes, size: int) -> None:
+        self._run("keep", rid, items, response, size, self.ttl, self.most, self.bound)
 
-    def _find(self, rid: str, param: str, field: str) -> bytes:
+    def _blob(self, rid: str, field: str) -> bytes | None:
         blob = self._run("find", rid, field)
-        if blob is None:
-            raise not_kept(rid, param, self.which)
-        assert isinstance(blob, bytes)
+        assert blob is None or isinstance(blob, bytes)
         return blob
 
-    def items(self, rid: str) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = decoded(self._find(rid, "previous_response_id", "items"))
-        return items
-
-    def get(self, rid: str) -> dict[str, Any]:
-        response: dict[str, Any] = decoded(self._find(rid, "", "response"))
-        return response
-
-    def drop(self, rid: str) -> None:
-        if not self._run("drop", rid):
-            raise not_kept(rid, "", self.which)
+    def _remove(self, rid: str) -> bool:
+        return bool(self._run("drop", rid))
 
     @property
     def held(self) -> int:

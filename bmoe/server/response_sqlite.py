@@ -24,12 +24,11 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from bmoe.base import ConfigError
 from bmoe.server.http_errors import ServeError
-from bmoe.server.response_store import TTL_S, decoded, encoded, not_kept
+from bmoe.server.response_store import TTL_S, SharedStore
 
 TABLE = "bmoe_responses_v1"  # a later layout gets a table of its own name
 BUSY_S = 5.0  # how long a write waits for another process's
@@ -43,7 +42,7 @@ CREATE INDEX IF NOT EXISTS {TABLE}_used ON {TABLE} (used);
 """
 
 
-class SqliteResponses:
+class SqliteResponses(SharedStore):
     """The kept responses in the SQLite file at `path` (made if missing), within `most` responses and `bound`
     bytes, each for `ttl` seconds (`clock`: wall time, which every process sharing the file reads alike)."""
 
@@ -81,18 +80,11 @@ class SqliteResponses:
                 raise ServeError(503, f"the response store (SQLite, {self.path}) failed: {e}; send the request "
                                  "again", "server_error", "store_unavailable") from None
 
-    def keep(self, response: dict[str, Any], items: Sequence[dict[str, Any]]) -> bool:
-        """Keeps `response` and its conversation `items`, dropping the expired and then the least recently used
-        past the bounds; False when it is not kept."""
-        rid = response["id"]
-        blobs = (encoded(list(items)), encoded(response))
-        size = len(blobs[0]) + len(blobs[1]) + len(rid)
-        if self.most == 0 or size > self.bound:
-            return False
+    def _put(self, rid: str, items: bytes, response: bytes, size: int) -> None:
         now = self.clock()
         with self._transaction() as db:
             db.execute(f"DELETE FROM {TABLE} WHERE expires <= ?", (now,))
-            db.execute(f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?)", (rid, *blobs, size, now,
+            db.execute(f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, ?, ?, ?, ?)", (rid, items, response, size, now,
                                                                                       now + self.ttl))
             count, total = db.execute(f"SELECT count(*), total(size) FROM {TABLE}").fetchone()
             gone = []
@@ -102,33 +94,18 @@ class SqliteResponses:
                 gone.append((old,))
                 count, total = count - 1, total - n
             db.executemany(f"DELETE FROM {TABLE} WHERE id = ?", gone)
-        return True
 
-    def _find(self, rid: str, param: str, column: str) -> bytes:
-        """`column` of the live row `rid`, marked used now; not_kept otherwise."""
+    def _blob(self, rid: str, field: str) -> bytes | None:
         now = self.clock()
         with self._transaction() as db:
-            row = db.execute(f"SELECT {column} FROM {TABLE} WHERE id = ? AND expires > ?", (rid, now)).fetchone()
+            row = db.execute(f"SELECT {field} FROM {TABLE} WHERE id = ? AND expires > ?", (rid, now)).fetchone()
             if row is not None:
                 db.execute(f"UPDATE {TABLE} SET used = ? WHERE id = ?", (now, rid))
-        if row is None:
-            raise not_kept(rid, param, self.which)
-        blob: bytes = row[0]
-        return blob
+        return None if row is None else bytes(row[0])
 
-    def items(self, rid: str) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = decoded(self._find(rid, "previous_response_id", "items"))
-        return items
-
-    def get(self, rid: str) -> dict[str, Any]:
-        response: dict[str, Any] = decoded(self._find(rid, "", "response"))
-        return response
-
-    def drop(self, rid: str) -> None:
+    def _remove(self, rid: str) -> bool:
         with self._transaction() as db:
-            dropped = db.execute(f"DELETE FROM {TABLE} WHERE id = ? AND expires > ?", (rid, self.clock())).rowcount
-        if not dropped:
-            raise not_kept(rid, "", self.which)
+            return bool(db.execute(f"DELETE FROM {TABLE} WHERE id = ? AND expires > ?", (rid, self.clock())).rowcount)
 
     def _total(self, what: str) -> int:
         with self.lock:

@@ -19,6 +19,7 @@ on several machines share, across restarts. Each is a `KeptResponses`, all the r
 
 from __future__ import annotations
 
+import abc
 import json
 import sys
 from collections import OrderedDict
@@ -76,6 +77,58 @@ class KeptResponses(Protocol):
 
     def close(self) -> None:
         """Lets go of what the store holds open (nothing is lost: a shared store's file stays)."""
+
+
+class SharedStore(abc.ABC):
+    """What the stores replicas share have in common (bmoe.server.response_sqlite, bmoe.server.response_redis): each
+    response kept as two JSON blobs (`items`, `response`) counted by their bytes and its id's, within `most`
+    responses and `bound` bytes (`which`: those bounds in words, for a 404); a subclass stores them (`_put`),
+    finds one marking it used (`_blob`) and removes one (`_remove`)."""
+
+    most: int
+    bound: int
+    which: str
+
+    @abc.abstractmethod
+    def _put(self, rid: str, items: bytes, response: bytes, size: int) -> None:
+        """Stores a response's blobs, then drops the expired and the least recently used past the bounds."""
+
+    @abc.abstractmethod
+    def _blob(self, rid: str, field: str) -> bytes | None:
+        """`field` (items or response) of the live response `rid`, marked used now; None when it is not kept."""
+
+    @abc.abstractmethod
+    def _remove(self, rid: str) -> bool:
+        """Removes the live response `rid`; False when it is not kept."""
+
+    def keep(self, response: dict[str, Any], items: Sequence[dict[str, Any]]) -> bool:
+        """Keeps `response` and its conversation `items`, dropping the expired and then the least recently used
+        past the bounds; False when it is not kept."""
+        rid = response["id"]
+        blobs = (encoded(list(items)), encoded(response))
+        size = len(blobs[0]) + len(blobs[1]) + len(rid)
+        if self.most == 0 or size > self.bound:
+            return False
+        self._put(rid, *blobs, size)
+        return True
+
+    def _find(self, rid: str, param: str, field: str) -> bytes:
+        blob = self._blob(rid, field)
+        if blob is None:
+            raise not_kept(rid, param, self.which)
+        return blob
+
+    def items(self, rid: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = decoded(self._find(rid, "previous_response_id", "items"))
+        return items
+
+    def get(self, rid: str) -> dict[str, Any]:
+        response: dict[str, Any] = decoded(self._find(rid, "", "response"))
+        return response
+
+    def drop(self, rid: str) -> None:
+        if not self._remove(rid):
+            raise not_kept(rid, "", self.which)
 
 
 class ResponseStore:
