@@ -2,9 +2,11 @@
 `redis://HOST:PORT/DB` (bmoe.server.response_redis), each held to the same rules. Two stores on one place, as two
 replicas open it, see each other's responses; a store opened again (a replica's restart) finds them; the bounds
 (count, bytes) drop the least recently used, whichever replica used it; a response expires after its ttl; three
-processes writing at once lose none; a place that cannot be used is a ConfigError naming it. SQLite's file is its
-owner's only. Redis runs as Debian's `redis-server` on a free loopback port; its cases skip, saying why, where
-it or the `redis` client (`pip install 'bmoe[redis]'`) is missing."""
+processes keeping and reading at once (every read a write too: it marks the response used) lose none and fail
+none, which needs each SQLite transaction to take the write lock at its start; a place that cannot be used is a
+ConfigError naming it. SQLite's file is its owner's only. Redis runs as Debian's `redis-server` on a free
+loopback port; its cases skip, saying why, where it or the `redis` client (`pip install 'bmoe[redis]'`) is
+missing."""
 
 from __future__ import annotations
 
@@ -165,12 +167,13 @@ def _keep_many(place: str, who: int, n: int) -> None:
     store = opened(place, 10_000, 64 << 20)
     for i in range(n):
         assert store.keep(response(id=f"resp_{who}_{i}"), conversation(2))
+        assert store.items(f"resp_{who}_{i}") == conversation(2)  # a read that marks it used: a write too
     store.close()
 
 
-def test_processes_writing_at_once_lose_no_response(places: Callable[[int], str]) -> None:
-    place, n = places(0), 200
-    ctx = multiprocessing.get_context("spawn")
+def test_processes_writing_and_reading_at_once_lose_no_response(places: Callable[[int], str]) -> None:
+    place, n = places(0), 500
+    ctx = multiprocessing.get_context("fork")  # a copy of this process: nothing to import again
     procs = [ctx.Process(target=_keep_many, args=(place, who, n)) for who in range(3)]
     for p in procs:
         p.start()
