@@ -5,19 +5,17 @@ replicas open it, see each other's responses; a store opened again (a replica's 
 processes keeping and reading at once (every read a write too: it marks the response used) lose none and fail
 none, which needs each SQLite transaction to take the write lock at its start; a place that cannot be used is a
 ConfigError naming it. SQLite's file is its owner's only. Redis runs as Debian's `redis-server` on a free
-loopback port; its cases skip, saying why, where it or the `redis` client (`pip install 'bmoe[redis]'`) is
-missing."""
+loopback port (tests/conftest.py's `redis_url`); its cases skip, saying why, where it or the `redis` client
+(`pip install 'bmoe[redis]'`) is missing."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
 import socket
 import stat
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,33 +46,6 @@ def opened(place: str, most: int = 10, bound: int = 1 << 20, ttl: float = TTL_S,
     if place.startswith("sqlite:"):
         return SqliteResponses(place.removeprefix("sqlite:"), most, bound, ttl, clock)
     return RedisResponses(place, most, bound, ttl, clock)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Redis server of this module's own, on a free loopback port."""
-    client = pytest.importorskip("redis", reason="the redis client is not installed: pip install 'bmoe[redis]'")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                client.Redis.from_url(url).ping()
-                break
-            except client.ConnectionError:
-                assert proc.poll() is None, "redis-server did not start"
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(params=["sqlite", "redis"])

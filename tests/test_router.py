@@ -4,7 +4,8 @@
 
 HAProxy runs deploy/haproxy.cfg as the repository has it (its addresses from the environment: free loopback
 ports), in front of 2 replicas on the 8-expert demo model sharing one `--response-store sqlite:PATH`, driven by
-the official `openai` client (max_retries=0: any retry is the router's). A conversation keyed by
+the official `openai` client (max_retries=0: any retry is the router's); then all of it again with a Redis
+store (skipped, saying why, without `redis-server` or the `redis` client). A conversation keyed by
 `prompt_cache_key`, and a Responses conversation by its ids, keeps to one replica (X-Bmoe-Replica says which)
 and hits its prompt cache as on one server; a replica's SIGTERM drains it while clients keep streaming through
 the router, and no request fails or is cut; `previous_response_id` of a response the drained replica answered
@@ -102,9 +103,16 @@ def start_replica(model: Path, name: str, port: int, store: str) -> Server:
                   env={"BMOE_API_KEY": KEY})
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return f"sqlite:{tmp_path_factory.mktemp('store') / 'responses.db'}"
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The replicas' --response-store: an SQLite file, or a Redis server (tests/conftest.py's `redis_url`)."""
+    if request.param == "sqlite":
+        return f"sqlite:{tmp_path_factory.mktemp('store') / 'responses.db'}"
+    import redis
+
+    url = request.getfixturevalue("redis_url") + "/3"
+    redis.Redis.from_url(url).flushdb()
+    return url
 
 
 @pytest.fixture(scope="module")
