@@ -4,13 +4,16 @@ and raw HTTP. Every answer names its replica (X-Bmoe-Replica), refusals too; a R
 conversation stored on one replica goes on on the other (the same text; only the replica that answered it reuses
 its KV) and after a replica's restart. SIGTERM drains: the request in flight runs to its end while new ones get 503
 with Retry-After and /health says draining, then the process exits 143; one still running at --drain-seconds ends
-with the shutdown's error event. tests/test_router.py (opt-in) puts HAProxy in front."""
+with the shutdown's error event. tests/test_router.py (opt-in) puts HAProxy in front; here HAProxy only checks
+deploy/haproxy.cfg (skipped where it is not installed)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import openai
 import pytest
 
 from bmoe.server.replica import default_name
+from tests.conftest import REPO
 from tests.test_close import _killed_at_the_end, _said
 from tests.test_server import FLAGS, KEY, LONG, Server, _first_token, _stream, auth, error_of, metric
 
@@ -127,3 +131,13 @@ def test_a_request_still_running_at_the_drains_bound_ends_with_an_error(small_mo
     events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
     assert events[-1]["error"]["code"] == "shutting_down" and rest[-2:] == ["data: [DONE]", ""]
     assert s.stop() == 143 and "the drain's 1 s have passed: the 1 still in flight end now" in s.stderr
+
+
+def test_the_routers_config_in_the_repository_is_valid() -> None:
+    """deploy/haproxy.cfg as HAProxy reads it (tests/test_router.py, opt-in, runs it in front of replicas)."""
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.skip("HAProxy is not installed (apt-get install haproxy)")
+    checked = subprocess.run([haproxy, "-c", "-f", str(REPO / "deploy" / "haproxy.cfg")], capture_output=True,
+                             text=True, timeout=60)
+    assert checked.returncode == 0 and "Configuration file is valid" in checked.stdout, checked.stderr
