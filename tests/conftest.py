@@ -3,9 +3,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shutil
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,6 +113,34 @@ def synth(model_dir: Path) -> Callable[..., Path]:
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis server of the session's own, on a free loopback port (Debian's `redis-server`, the `redis` client);
+    the tests that use it skip, saying why, where either is missing."""
+    client = pytest.importorskip("redis", reason="the redis client is not installed: pip install 'bmoe[redis]'")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                client.Redis.from_url(url).ping()
+                break
+            except client.ConnectionError:
+                assert proc.poll() is None, "redis-server did not start"
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 @pytest.fixture(autouse=True)

@@ -62,7 +62,8 @@ def test_a_second_sigterm_ends_a_stuck_shutdown_at_once_and_frees_the_shared_mem
     come and the first SIGTERM's cancel cannot stop it; the second SIGTERM ends the process at
     once, well before the --shutdown-timeout bound, with its lanes killed and /dev/shm clean."""
     before = bmoe_segments()
-    s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "600")
+    s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "600",
+               "--drain-seconds", "0")
     lanes = s.workers()
     assert len(lanes) == 2 and bmoe_segments() - before
     with _killed_at_the_end(s, lanes), httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
@@ -87,7 +88,8 @@ def test_a_stuck_shutdown_ends_at_its_bound_and_frees_the_shared_memory(small_mo
     between two reads, the model's close is what is stuck (waiting on the stopped lanes); the bound
     must free the shared memory then too (CI caught it leaking the slab's name 4 runs in 10)."""
     before = bmoe_segments()
-    s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "2")
+    s = Server("-m", str(small_moe), *FLAGS, "--lane-timeout", "600", "--shutdown-timeout", "2",
+               "--drain-seconds", "0")
     lanes = s.workers()
     with _killed_at_the_end(s, lanes), httpx.Client(timeout=600) as h, _stream(h, s, LONG) as r:
         _first_token(r.iter_lines())

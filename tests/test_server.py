@@ -493,8 +493,9 @@ def test_a_client_that_drops_cancels_its_generation(server: Server) -> None:
 
 
 def test_sigterm_mid_stream_exits_143_and_leaves_nothing(model: str) -> None:
+    """Without a drain (--drain-seconds 0: tests/test_server_replicas.py has the drain), SIGTERM cuts the stream."""
     before = bmoe_segments()
-    s = Server("-m", model, *FLAGS)
+    s = Server("-m", model, *FLAGS, "--drain-seconds", "0")
     workers = s.workers()
     assert len(workers) == 2 and bmoe_segments() - before
     with httpx.Client(timeout=120) as h, _stream(h, s, LONG) as r:

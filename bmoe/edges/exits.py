@@ -47,10 +47,12 @@ class Shutdown:
 
     def install(self) -> None:
         """Take SIGTERM and SIGINT for the rest of the process."""
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
+    def on_signal(self, signum: int, _frame: object) -> None:
+        """The first signal starts the shutdown, a second ends it at once (also called by a handler of its own
+        that comes first: bmoe-server's drain)."""
         if self.code is not None:
             self.now(f"a second {signal.Signals(signum).name} came")
         self.code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM

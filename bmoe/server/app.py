@@ -52,8 +52,9 @@ from bmoe.server.llama_wire import LlamaCompletionBody, LlamaShape, generation_s
 from bmoe.server.metrics import Metrics
 from bmoe.server.ollama_wire import ModelFacts, NamedBody, OllamaChatBody, OllamaGenerateBody, OllamaShape, ShowBody
 from bmoe.server.openai_wire import ChatBody, CompletionBody, OpenAIJoin, OpenAIShape, RequestBody
+from bmoe.server.replica import DrainGuard, NamedAnswers, Replica
 from bmoe.server.request_base import sampling_of, unasked
-from bmoe.server.response_store import ResponseStore
+from bmoe.server.response_store import KeptResponses, ResponseStore
 from bmoe.server.responses_wire import ResponsesBody, ResponsesShape
 from bmoe.server.scheduler import Scheduler
 from bmoe.server.sleep import Sleep
@@ -210,7 +211,8 @@ class Endpoints:
     """One server's routes, each a handler over the model, the scheduler and the metrics."""
 
     def __init__(self, model: Model, sched: Scheduler, metrics: Metrics, grammars: GrammarPool, n_predict: int,
-                 alias: str | None = None, kept: ResponseStore | None = None, tags: tuple[str, ...] = ()) -> None:
+                 alias: str | None = None, kept: KeptResponses | None = None, tags: tuple[str, ...] = (),
+                 replica: Replica | None = None) -> None:
         self.model, self.sched, self.metrics, self.grammars = model, sched, metrics, grammars
         self.loop = AnswerLoop(sched)
         self.n_predict = n_predict
@@ -220,7 +222,8 @@ class Endpoints:
         self.model_id = self.aliases[0] if self.aliases else model.name
         self.tags = sorted(set(tags))  # --tags: told in /v1/models, as llama-server's (they route nothing)
         # /v1/responses' stored responses (previous_response_id, GET and DELETE)
-        self.kept = kept if kept is not None else ResponseStore()
+        self.kept: KeptResponses = kept if kept is not None else ResponseStore()
+        self.replica = replica or Replica("")  # its name ends the Responses ids; its drain turns /health to 503
         self.facts: ModelFacts | None = None  # the model as Ollama's clients see it (read on first use)
 
     @asynccontextmanager
@@ -230,10 +233,13 @@ class Endpoints:
         await asyncio.to_thread(self.sched.join)
         await asyncio.to_thread(self.grammars.close)
 
-    async def health(self) -> dict[str, Any]:
-        sched = self.sched
-        return {"status": "ok", "model": self.model_id, "generating": len(sched.active),
-                "parallel": sched.capacity, "waiting": len(sched.waiting)}
+    async def health(self) -> JSONResponse:
+        """200 while the server takes requests; 503 "draining" once a SIGTERM has it drain (bmoe.server.replica)."""
+        sched, draining = self.sched, self.replica.draining
+        return JSONResponse({"status": "draining" if draining else "ok", "model": self.model_id,
+                             "replica": self.replica.name, "generating": len(sched.active),
+                             "parallel": sched.capacity, "waiting": len(sched.waiting)},
+                            status_code=503 if draining else 200)
 
     async def prometheus(self) -> Response:
         answer = Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
@@ -318,7 +324,7 @@ class Endpoints:
         from (previous_response_id), answered as a Response or its events."""
         req, earlier = await self.responses_request(body)
         shape = ResponsesShape(self.model_id, body, [*earlier, *responses_wire.input_items(body)], self.kept,
-                               len(req.tokens))
+                               len(req.tokens), self.replica.name)
         return await self.one(request, req, shape, body.stream)
 
     async def responses_request(self, body: ResponsesBody) -> tuple[Request, tuple[dict[str, Any], ...]]:
@@ -449,9 +455,9 @@ class Endpoints:
 
 def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: BodyLimits, grammars: GrammarPool,
                n_predict: int, alias: str | None = None, webui: bool = True, write_timeout: float = 30.0,
-               trusted: Trusted | None = None, kept: ResponseStore | None = None, slots: bool = True,
+               trusted: Trusted | None = None, kept: KeptResponses | None = None, slots: bool = True,
                metrics_route: bool = True, tags: tuple[str, ...] = (), vertex: Vertex | None = None,
-               sleep_idle: float | None = None) -> FastAPI:
+               sleep_idle: float | None = None, replica: Replica | None = None) -> FastAPI:
     """The FastAPI app serving `model` (named `alias` if given, tagged `tags`) through `sched`: the routes (Endpoints),
     every route but /health and the chat page's files behind the API key (ApiKey), errors as each API's
     error objects (HANDLERS), the body's limits, the key checked before the body and metrics by route
@@ -460,7 +466,8 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
     loopback's; bmoe.server.hosts). New grammars are parsed on `grammars`' own threads; `kept` stores responses.
     `slots` and `metrics_route` false: /slots and /metrics answer 501 (--no-slots, --no-metrics); `vertex`: Vertex
     AI's prediction route (bmoe.server.vertex); `sleep_idle`: seconds idle before the model sleeps (bmoe.server.sleep:
-    the routes that need the model wake it; None: it never sleeps)."""
+    the routes that need the model wake it; None: it never sleeps); `replica`: its name on every answer and its drain
+    (bmoe.server.replica: DrainGuard refuses new requests while it drains, counted under their route)."""
     trusted = trusted or Trusted()
     metrics = Metrics(model, sched)
     feed = Feed(model, sched)
@@ -478,18 +485,29 @@ def create_app(model: Model, sched: Scheduler, *, api_key: str | None, limits: B
 
     sched.on_generation = generated
     sched.on_close = feed.close
-    routes = Endpoints(model, sched, metrics, grammars, n_predict, alias, kept, tags)
+    routes = Endpoints(model, sched, metrics, grammars, n_predict, alias, kept, tags, replica)
+    replica = routes.replica
+    # what a router and a scraper keep reading while the replica drains, and the feed that never ends on its own
+    replica.exempt = frozenset({"/health", "/metrics", EVENTS, *([vertex.health] if vertex and vertex.health else [])})
     Gauge("bmoe_stored_responses", "responses kept for previous_response_id (bound: --store-responses)",
-          registry=metrics.registry).set_function(lambda: len(routes.kept.kept))
-    Gauge("bmoe_stored_response_bytes", "memory the kept responses take (bound: --store-responses-mb)",
+          registry=metrics.registry).set_function(lambda: len(routes.kept))
+    Gauge("bmoe_stored_response_bytes", "bytes the kept responses take (bound: --store-responses-mb)",
           registry=metrics.registry).set_function(lambda: routes.kept.held)
+    Gauge("bmoe_draining", "1 while the replica drains to shut down (SIGTERM, --drain-seconds)",
+          registry=metrics.registry).set_function(lambda: int(replica.draining))
+    Gauge("bmoe_requests_in_flight", "requests being answered (not /health, /metrics nor the events feed)",
+          registry=metrics.registry).set_function(lambda: replica.in_flight)
     keyed = ApiKey(api_key)
     app = FastAPI(title="bmoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=routes.lifespan)
-    if api_key is None:  # added before RequestGuard, so it runs inside it: a refusal is counted under its route
+    # added before RequestGuard, so they run inside it: a refusal is counted under its route
+    app.add_middleware(DrainGuard, replica=replica, answer=_error_response)
+    if api_key is None:
         app.add_middleware(HostCheck, trusted=trusted, answer=_error_response)
     app.add_middleware(RequestGuard, metrics=metrics, routes=app.router.routes, key=keyed, limits=limits,
                        bodies=bodies, write_timeout=write_timeout)
-    add_cors(app, trusted)  # outermost: every answer, refusals too, has the CORS headers
+    add_cors(app, trusted)  # every answer, refusals too, has the CORS headers
+    if replica.name:  # outermost: and the replica's name
+        app.add_middleware(NamedAnswers, name=replica.name)
     for exc, handler in HANDLERS:
         app.add_exception_handler(exc, handler)
     app.get("/health")(routes.health)

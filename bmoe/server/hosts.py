@@ -183,8 +183,8 @@ class Cors(CORSMiddleware):
 
     def __init__(self, app: ASGIApp, trusted: Trusted) -> None:
         super().__init__(app, allow_origins=[ANY] if ANY in trusted.origins else sorted(trusted.origins),
-                         allow_methods=CORS_METHODS, allow_headers=["*"], expose_headers=["X-Queue-Position"],
-                         max_age=CORS_MAX_AGE_S)
+                         allow_methods=CORS_METHODS, allow_headers=["*"],
+                         expose_headers=["X-Queue-Position", "X-Bmoe-Replica"], max_age=CORS_MAX_AGE_S)
         self.trusted = trusted
 
     def is_allowed_origin(self, origin: str) -> bool:

@@ -77,11 +77,17 @@ Decisions:
   the model, it is released as a shutdown releases it (the Model object stays, its engine closed); /health,
   /props (`is_sleeping`), /models and /metrics answer without waking it, and the next request that needs it
   loads it again with the same settings first (one load for concurrent ones; a failed load is a 503).
-- SIGTERM / SIGINT: the running generation is cancelled, waiting requests get 503, and the
-  process exits 143 / 130 with its I/O lanes stopped and its shared memory freed. The shutdown
-  takes `--shutdown-timeout` seconds at most (open responses ending, the generation stopping);
-  past it, or at a second signal, the process exits at once, its lanes killed and its shared
-  memory unlinked, llama.cpp's objects left to the exit (bmoe.edges.exits.Shutdown). A lane that
+- One of several replicas behind a router (docs/deploy.md, bmoe.server.replica): every answer names the replica
+  (`--replica-id`, header X-Bmoe-Replica) and so do the Responses API's ids; `--response-store sqlite:PATH`
+  keeps the stored responses in a file the replicas on one machine share (bmoe.server.response_sqlite), so a
+  conversation goes on on any of them and across restarts.
+- SIGTERM drains first (`--drain-seconds`, bmoe.server.replica): new requests get 503 with Retry-After and
+  /health says "draining" (a router takes the replica out and retries elsewhere), the requests in flight run
+  to their end within the drain's seconds; then, and at once on SIGINT, the shutdown: the running generation
+  is cancelled, waiting requests get 503, and the process exits 143 / 130 with its I/O lanes stopped and its
+  shared memory freed. The shutdown takes `--shutdown-timeout` seconds at most (open responses ending, the
+  generation stopping); past it, or at a second signal, the process exits at once, its lanes killed and its
+  shared memory unlinked, llama.cpp's objects left to the exit (bmoe.edges.exits.Shutdown). A lane that
   keeps failing or a model file changed under the server is fatal: the request gets a 500 and
   the server exits 1, as the session does.
 """
@@ -95,6 +101,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import signal
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -107,7 +114,10 @@ try:
     from bmoe.server.connections import BodyLimits, HeadDeadline
     from bmoe.server.grammar_pool import GrammarPool
     from bmoe.server.hosts import Trusted, host_names, origins
-    from bmoe.server.response_store import ENTRY_BYTES, KEPT, KEPT_MB, ResponseStore
+    from bmoe.server.replica import DRAIN_S, Replica, default_name, replica_name
+    from bmoe.server.response_redis import RedisResponses
+    from bmoe.server.response_sqlite import SqliteResponses
+    from bmoe.server.response_store import ENTRY_BYTES, KEPT, KEPT_MB, TTL_S, KeptResponses, ResponseStore
     from bmoe.server.vertex import Vertex
 except ImportError as e:  # the server extra is not installed
     raise SystemExit(f"bmoe-server: error: {e.name} is missing; install the server extra: "
@@ -144,6 +154,8 @@ examples:
   bmoe-server -m model.gguf --alias my-moe        # clients see (and may ask for) the model as "my-moe"
   bmoe-server -m model.gguf --no-webui             # the API only: no chat page at /
   bmoe-server -m model.gguf --sleep-idle-seconds 300  # release the model after 5 idle minutes; a request reloads it
+  bmoe-server -m model.gguf --port 8601 --replica-id r1 --response-store sqlite:/var/lib/bmoe/responses.db
+                      # one replica of several behind a router (docs/deploy.md; deploy/haproxy.cfg)
   bmoe-server -m model.gguf --allowed-host my-alias,bmoe.home --allowed-origin chrome-extension://abcdef
                       # no key: also answer names that /etc/hosts points here, and requests from that extension
   bmoe-server -m model.gguf --api-key-file ~/.bmoe-key --allowed-origin http://localhost:5173
@@ -168,6 +180,21 @@ def _addresses(text: str) -> str:
 
 def _tags(text: str) -> tuple[str, ...]:
     return tuple(sorted({t.strip() for t in text.split(",") if t.strip()}))
+
+
+def _seconds(text: str) -> float:
+    return number(text, float, "a number of seconds", lambda v: 0 <= v < float("inf"), "must be 0 or more")
+
+
+STORES = ("memory", "sqlite:PATH", "redis://HOST:PORT/DB")
+
+
+def _store(text: str) -> str:
+    """--response-store: `memory`, `sqlite:` and a file's path, or a Redis URL."""
+    if text == "memory" or (text.startswith("sqlite:") and text.removeprefix("sqlite:")) or \
+            text.startswith(("redis://", "rediss://", "unix://")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: give one of {', '.join(STORES)} (e.g. sqlite:/var/lib/bmoe/r.db)")
 
 
 def _port(text: str) -> int:
@@ -240,9 +267,29 @@ class ServeSettings:
              "recently used dropped first (default {default}; 0 keeps none)")
     store_responses_mb: int = setting(
         KEPT_MB, "--store-responses-mb", parse=positive_int, metavar="MB",
-        help="MiB of memory the kept responses take together, every field of each counted: each is held as "
-             f"its JSON bytes plus {ENTRY_BYTES} bytes, and one larger than this alone is not kept (default "
-             "{default})")
+        help="MiB the kept responses take together, every field of each counted: in memory each is held as "
+             f"its JSON bytes plus {ENTRY_BYTES} bytes, in a shared --response-store as its JSON bytes; one larger "
+             "than this alone is not kept (default {default})")
+    response_store: str = setting(
+        "memory", "--response-store", parse=_store, metavar="STORE",
+        help="where the Responses API's kept responses are: memory (default: this process's, gone at a restart), "
+             "sqlite:PATH, a file the replicas on this machine share (WAL mode), or redis://HOST:PORT/DB, a Redis "
+             "server replicas on several machines share (pip install 'bmoe[redis]'): previous_response_id then goes "
+             "on on any replica and across restarts (docs/deploy.md)")
+    store_responses_ttl: float = setting(
+        TTL_S, "--store-responses-ttl", parse=positive_float, metavar="S",
+        help="seconds a response stays in a shared --response-store after it was kept (default {default}: 30 "
+             "days, as OpenAI keeps them); in memory they last as long as the process and the bounds")
+    replica_id: str | None = setting(
+        None, "--replica-id", parse=replica_name, metavar="NAME",
+        help="this server's name among the replicas behind a router: every answer carries it (header "
+             "X-Bmoe-Replica) and the Responses API's ids end with it, so a router can send a conversation back "
+             "(letters, digits, '.', ':', '-'; default HOST:PORT)")
+    drain_seconds: float = setting(
+        DRAIN_S, "--drain-seconds", parse=_seconds, metavar="S",
+        help="on SIGTERM, first drain for up to S seconds: new requests get 503 (Retry-After) and /health answers "
+             "503 draining, the requests in flight run to their end; then the shutdown (--shutdown-timeout). 0: no "
+             "drain; SIGINT never drains (default {default})")
     grammar_checks: int = setting(2, "--grammar-checks", parse=positive_int, metavar="N",
                                   help="new grammars (a request's grammar, response_format or tools) llama.cpp "
                                        "parses at once, each in a process of its own, on threads no other request "
@@ -274,9 +321,9 @@ class ServeSettings:
              "(default: never)")
     shutdown_timeout: float = setting(
         10.0, "--shutdown-timeout", parse=positive_float, metavar="S",
-        help="seconds a shutdown (SIGTERM/SIGINT) may take while open responses end and the running generation "
-             "stops; past it, or at a second signal, the server exits at once with its I/O lanes stopped and its "
-             "shared memory freed (default {default})")
+        help="seconds a shutdown (SIGINT, SIGTERM after its drain) may take while open responses end and the "
+             "running generation stops; past it, or at a second signal, the server exits at once with its I/O lanes "
+             "stopped and its shared memory freed (default {default})")
 
 
 SERVE = schema_of(ServeSettings)
@@ -396,10 +443,40 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
+def open_store(opts: ServeSettings) -> KeptResponses:
+    """The Responses store --response-store names, within --store-responses and --store-responses-mb."""
+    most, bound = opts.store_responses, opts.store_responses_mb << 20
+    if opts.response_store.startswith("sqlite:"):
+        path = os.path.expanduser(opts.response_store.removeprefix("sqlite:"))
+        return SqliteResponses(path, most, bound, opts.store_responses_ttl)
+    if opts.response_store != "memory":
+        return RedisResponses(opts.response_store, most, bound, opts.store_responses_ttl)
+    return ResponseStore(most, bound)
+
+
+def drain_on_sigterm(replica: Replica, shutdown: exits.Shutdown, server: Server) -> None:
+    """SIGTERM drains first (bmoe.server.replica), then starts the shutdown; a SIGTERM before the server serves,
+    or while it drains, is the shutdown's own (a second one during the shutdown ends it at once)."""
+    def on_sigterm(signum: int, frame: Any) -> None:
+        loop = server.loop
+        if replica.draining or loop is None or shutdown.code is not None:
+            shutdown.on_signal(signum, frame)
+            return
+        replica.draining = True  # at once: a second SIGTERM before the loop starts the drain is the shutdown's
+
+        def drained() -> None:
+            if shutdown.code is None:  # no other signal started the shutdown meanwhile
+                shutdown.on_signal(signum, None)
+
+        loop.call_soon_threadsafe(replica.drain, drained)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[socket.socket],
-               vertex: Vertex | None = None) -> int:
-    """Serve until a signal (exit 143/130, bounded by --shutdown-timeout: exits.Shutdown) or a fatal
-    error (exit 1)."""
+               kept: KeptResponses, vertex: Vertex | None = None) -> int:
+    """Serve until a signal (exit 143/130, after a SIGTERM's drain, bounded by --shutdown-timeout: exits.Shutdown)
+    or a fatal error (exit 1)."""
     fatal: list[BaseException] = []
     server: Server | None = None
 
@@ -409,16 +486,17 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[so
         server.end()
 
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RESTART_FIX, batching=opts.batching)
+    host, port = socks[0].getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    replica = Replica(opts.replica_id or default_name(port), opts.drain_seconds)
     limits = BodyLimits(size=opts.max_body_kb * 1024, timeout=opts.body_timeout, rate=opts.min_body_rate * 1024,
                         total=opts.max_bodies_mb << 20)
     grammars = GrammarPool(str(model.settings.model), opts.grammar_checks, opts.grammar_queue, opts.grammar_timeout)
     app = create_app(model, sched, api_key=opts.api_key, limits=limits, grammars=grammars, n_predict=n_predict,
                      alias=opts.alias, webui=opts.webui, write_timeout=opts.write_timeout,
                      trusted=Trusted(opts.host, opts.allowed_hosts, opts.allowed_origins),
-                     kept=ResponseStore(opts.store_responses, opts.store_responses_mb << 20), slots=opts.slots,
-                     metrics_route=opts.metrics, tags=opts.tags, vertex=vertex, sleep_idle=opts.sleep_idle_seconds)
-    host, port = socks[0].getsockname()[:2]
-    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+                     kept=kept, slots=opts.slots, metrics_route=opts.metrics, tags=opts.tags, vertex=vertex,
+                     sleep_idle=opts.sleep_idle_seconds, replica=replica)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=math.ceil(opts.shutdown_timeout),
                             http=HeadDeadline, limit_concurrency=opts.max_connections,
                             timeout_keep_alive=opts.idle_timeout)
@@ -426,6 +504,8 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[so
     shutdown = exits.Shutdown(opts.shutdown_timeout, lambda sig: server.handle_exit(sig, None), model.release_now,
                               PROG)
     shutdown.install()
+    if opts.drain_seconds > 0:
+        drain_on_sigterm(replica, shutdown, server)
     sched.start()
     try:
         server.run(sockets=socks)
@@ -451,17 +531,21 @@ def main(argv: list[str] | None = None) -> int:
     opts = serve_settings(ap, a)
     exits.install_signal_handlers()
     model: Model | None = None
+    kept: KeptResponses | None = None
     try:
         vertex = Vertex.of(os.environ)  # Vertex AI's container: its port and prediction route (bmoe.server.vertex)
         socks = listen(opts.host, vertex.port if vertex is not None else opts.port)
         try:
+            kept = open_store(opts)  # before the model: a store that cannot be used fails at once
             model = open_model(settings, console.notice)
-            return run_server(model, opts, a.n_predict, socks, vertex)
+            return run_server(model, opts, a.n_predict, socks, kept, vertex)
         finally:
             for sock in socks:
                 sock.close()
             if model is not None:
                 model.close()
+            if kept is not None:
+                kept.close()
     except (BmoeError, OSError) as e:
         console.error(str(e), PROG)
         return exits.EXIT_ERROR

@@ -2,7 +2,8 @@
 translation into the chat request the chat route runs (`chat_body_of_response`: one request inside, so the
 engine, scheduler, grammars, tool-call reading, prompt cache, limits and errors are the chat
 route's), the answer as a Response object or its stream of events (`ResponsesShape`), and the
-responses kept for `previous_response_id` (bmoe.server.response_store's `ResponseStore`).
+responses kept for `previous_response_id` (a bmoe.server.response_store `KeptResponses`: in memory, or shared by
+replicas; this module does not care which).
 
 What is taken and what is not (docs/server.md says the same for users):
 - `input`: text (one user message), or items: messages (`user`, `system`, `developer`, `assistant`;
@@ -24,10 +25,11 @@ What is taken and what is not (docs/server.md says the same for users):
   extensions `top_k`, `min_p`, `seed`, the penalties, `logit_bias`), and bmoe's extensions `stop`,
   `grammar`, `"bmoe": {"lossless": true}`.
 - `store` (default true) and `previous_response_id`: the last `--store-responses` responses, within
-  `--store-responses-mb` of memory (bmoe.server.response_store; the least recently used dropped first;
-  none across a restart) are kept, so a follow-up that names one is that conversation and its new
-  input, which reuses the KV sequence that answered it while the sequence holds it. A response not kept (never stored,
-  dropped, or from before a restart) is a 400 saying to send the conversation as `input` instead.
+  `--store-responses-mb` (bmoe.server.response_store; the least recently used dropped first; in memory none
+  across a restart, in a shared `--response-store` any replica's, for `--store-responses-ttl`) are kept, so a
+  follow-up that names one is that conversation and its new input, which reuses the KV sequence that answered
+  it while the sequence holds it. A response not kept (never stored, dropped, expired, or from before a restart
+  in memory) is a 400 saying to send the conversation as `input` instead.
   `GET` and `DELETE /v1/responses/{id}` read and drop a kept response.
 - `include`: `reasoning.encrypted_content` is accepted (bmoe encrypts nothing: a reasoning item
   carries its text and is read back as sent); any other is a 400. `background`, `conversation`,
@@ -60,7 +62,7 @@ from bmoe.server.answer_shape import SSE, Finished, sse_comment
 from bmoe.server.http_errors import ServeError, invalid
 from bmoe.server.openai_wire import EFFORTS, ChatBody, prompt_progress
 from bmoe.server.request_base import BmoeOptions, Metadata, SamplingFields, implemented, sampling_of
-from bmoe.server.response_store import ResponseStore
+from bmoe.server.response_store import KeptResponses
 from bmoe.server.timings import TimingsSoFar, final_timings
 
 RESOURCE = "/responses"  # under /v1, and without it as llama-server serves it
@@ -302,8 +304,8 @@ class ResponsesShape:
     media_type = SSE
 
     def __init__(self, model: str, body: ResponsesBody, items: Sequence[dict[str, Any]],
-                 store: ResponseStore | None, prompt_tokens: int = 0) -> None:
-        self.id = f"resp_{uuid.uuid4().hex}"
+                 store: KeptResponses | None, prompt_tokens: int = 0, replica: str = "") -> None:
+        self.id = response_id(replica)
         self.created = int(time.time())
         self.model, self.body, self.items, self.store = model, body, items, store
         self.seq = 0
@@ -476,6 +478,12 @@ class ResponsesShape:
 
     def close(self) -> bytes:
         return b""
+
+
+def response_id(replica: str) -> str:
+    """A new response's id: `resp_`, 32 random hex digits, and `_` and the replica's name when there is one (a
+    router sends a previous_response_id to the replica it names: bmoe.server.replica)."""
+    return f"resp_{uuid.uuid4().hex}" + (f"_{replica}" if replica else "")
 
 
 def _output_text(text: str) -> dict[str, Any]:

@@ -1,0 +1,227 @@
+"""Two bmoe-server replicas behind real HAProxy (issue 53; docs/deploy.md), opt-in:
+
+    python -m pytest -m router tests/test_router.py
+
+HAProxy runs deploy/haproxy.cfg as the repository has it (its addresses from the environment: free loopback
+ports), in front of 2 replicas on the 8-expert demo model sharing one `--response-store sqlite:PATH`, driven by
+the official `openai` client (max_retries=0: any retry is the router's); then all of it again with a Redis
+store (skipped, saying why, without `redis-server` or the `redis` client). A conversation keyed by
+`prompt_cache_key`, and a Responses conversation by its ids, keeps to one replica (X-Bmoe-Replica says which)
+and hits its prompt cache as on one server; a replica's SIGTERM drains it while clients keep streaming through
+the router, and no request fails or is cut; `previous_response_id` of a response the drained replica answered
+goes on on the other, and on the first again once it is back.
+
+HAProxy is Debian's (`apt-get install haproxy`): the test installs it when missing and it can (root with
+apt-get), and skips saying why otherwise. A single replica's rules without a router (headers, ids, the shared
+store, the drain) are in the default suite: tests/test_server_replicas.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REPO
+from tests.test_server import KEY, Server
+
+pytestmark = pytest.mark.router
+
+CONFIG = REPO / "deploy" / "haproxy.cfg"
+FLAGS = ["-t", "1", "--io-threads", "2", "-c", "4096", "--cache-mb", "200"]  # each replica on one of the 2 cores
+NAMES = ("r1", "r2")
+STEPS = 4  # requests each client sends while a replica drains
+CLIENTS = 4
+
+
+def _haproxy() -> str:
+    """Debian's haproxy, installed when missing and this process can; else the test skips, saying why."""
+    found = shutil.which("haproxy")
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "haproxy"], capture_output=True, timeout=600)
+        found = shutil.which("haproxy")
+    if found is None:
+        pytest.skip("HAProxy is not installed and could not be (apt-get install haproxy, as root)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Router:
+    """HAProxy with the repository's config in front of the replicas at `ports` (by name)."""
+
+    def __init__(self, ports: dict[str, int], log: Path) -> None:
+        self.port, self.stats = _free_port(), _free_port()
+        env = {**os.environ, "BMOE_LISTEN": f"127.0.0.1:{self.port}", "BMOE_STATS": f"127.0.0.1:{self.stats}",
+               **{f"BMOE_{n.upper()}": f"127.0.0.1:{p}" for n, p in ports.items()}}
+        self.log = log
+        with open(log, "wb") as out:  # HAProxy's notices (replicas up and down), read when it fails
+            self.proc = subprocess.Popen([_haproxy(), "-db", "-f", str(CONFIG)], env=env, stdout=out, stderr=out)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def states(self) -> dict[str, str]:
+        """Each replica's state as HAProxy's stats say it (UP, DOWN, ...)."""
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.stats}/;csv", timeout=5).text
+        except httpx.TransportError:
+            return {}
+        rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
+        return {r["svname"]: r["status"] for r in rows if r["pxname"] == "replicas" and r["svname"] in NAMES}
+
+    def until(self, want: dict[str, str]) -> None:
+        """Wait (as long as it takes) until HAProxy sees the replicas as `want` says."""
+        while {k: v for k, v in self.states().items() if k in want} != want:
+            assert self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.1)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def start_replica(model: Path, name: str, port: int, store: str) -> Server:
+    return Server("-m", str(model), *FLAGS, "--port", str(port), "--replica-id", name, "--response-store", store,
+                  env={"BMOE_API_KEY": KEY})
+
+
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The replicas' --response-store: an SQLite file, or a Redis server (tests/conftest.py's `redis_url`)."""
+    if request.param == "sqlite":
+        return f"sqlite:{tmp_path_factory.mktemp('store') / 'responses.db'}"
+    import redis
+
+    url = request.getfixturevalue("redis_url") + "/3"
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+@pytest.fixture(scope="module")
+def team(demo8: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[Router, dict[str, Server]]]:
+    ports = {n: _free_port() for n in NAMES}
+    replicas = {n: start_replica(demo8, n, ports[n], store) for n in NAMES}
+    router = Router(ports, tmp_path_factory.mktemp("haproxy") / "haproxy.log")
+    try:
+        router.until(dict.fromkeys(NAMES, "UP"))
+        yield router, replicas
+    finally:
+        router.stop()
+        for s in replicas.values():
+            s.stop()  # nothing happens to one a test stopped
+
+
+def _turns(c: openai.OpenAI, key: str, n: int) -> tuple[set[str], list[int]]:
+    """A chat of `n` turns keyed by `key`: the replicas that answered, each turn's cached prompt tokens."""
+    messages: list[dict[str, str]] = []
+    replicas, cached = set(), []
+    for i in range(n):
+        messages.append({"role": "user", "content": f"tell me about the number {i}"})
+        raw = c.chat.completions.with_raw_response.create(model="x", messages=messages, max_tokens=8,
+                                                          prompt_cache_key=key)
+        r = raw.parse()
+        replicas.add(raw.headers["x-bmoe-replica"])
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    return replicas, cached
+
+
+def test_a_conversation_keeps_to_one_replica_and_hits_its_cache(team: tuple[Router, dict[str, Server]]) -> None:
+    router, _ = team
+    c = router.client()
+    seen = set()
+    for key in ("alice", "bob", "carol", "dave"):
+        replicas, cached = _turns(c, key, 3)
+        assert len(replicas) == 1, f"{key}'s turns went to {replicas}"
+        assert all(n > 0 for n in cached[1:]), f"{key}'s later turns hit its replica's KV: {cached}"
+        seen |= replicas
+    assert seen == set(NAMES), "four keys, two replicas: both serve (the hash spread them)"
+
+    first = c.responses.with_raw_response.create(model="x", input="what is the sky made of", max_output_tokens=6)
+    r, home = first.parse(), first.headers["x-bmoe-replica"]
+    assert r.id.endswith("_" + home)
+    for turn in ("and then?", "why?"):
+        raw = c.responses.with_raw_response.create(model="x", previous_response_id=r.id, input=turn,
+                                                   max_output_tokens=6)
+        r = raw.parse()
+        assert raw.headers["x-bmoe-replica"] == home and r.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_a_drained_replica_cuts_no_request_and_its_conversations_go_on(
+        team: tuple[Router, dict[str, Server]], demo8: Path, store: str) -> None:
+    """Clients without a key (spread round robin) stream through the router while r1 drains."""
+    router, replicas = team
+    c = router.client()
+    made = {n: "" for n in NAMES}  # a response id each replica answered
+    while not all(made.values()):
+        r = c.responses.create(model="x", input=f"say something {time.monotonic()}", max_output_tokens=2)
+        made[r.id.rsplit("_", 1)[1]] = r.id
+
+    failures: list[str] = []
+    served: list[tuple[str, float]] = []
+    started = threading.Barrier(CLIENTS + 1)
+
+    def client(k: int) -> None:
+        own = router.client()
+        started.wait()
+        for step in range(STEPS):
+            try:
+                with own.chat.completions.with_streaming_response.create(
+                        model="x", messages=[{"role": "user", "content": f"client {k} step {step}"}], max_tokens=24,
+                        stream=True) as raw:
+                    chunks = [ch for ch in raw.parse() if ch.choices]
+                    served.append((raw.headers["x-bmoe-replica"], time.monotonic()))
+                if chunks[-1].choices[0].finish_reason != "length":
+                    failures.append(f"client {k} step {step}: ended {chunks[-1].choices[0].finish_reason}")
+            except openai.OpenAIError as e:
+                failures.append(f"client {k} step {step}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    started.wait()
+    drained = replicas["r1"]
+    while not httpx.get(drained.url + "/health").json()["generating"]:  # r1 is answering one of the streams
+        assert any(t.is_alive() for t in threads), "the clients ended before r1 answered one of them"
+        time.sleep(0.05)
+    drained.proc.send_signal(signal.SIGTERM)
+    assert drained.proc.wait(120) == 143
+    gone = time.monotonic()
+    for t in threads:
+        t.join(600)
+    assert not failures, failures
+    assert "drained: every request in flight has ended" in drained.stderr
+    assert {name for name, at in served if at > gone} <= {"r2"}, "once r1 is out, r2 answers"
+    router.until({"r1": "DOWN"})
+
+    # r1's conversation goes on on r2 (the shared store), then on r1 again once it is back
+    raw = c.responses.with_raw_response.create(model="x", previous_response_id=made["r1"], input="go on",
+                                               max_output_tokens=4)
+    assert raw.headers["x-bmoe-replica"] == "r2" and raw.parse().output_text
+    again = start_replica(demo8, "r1", int(drained.url.rsplit(":", 1)[1]), store)
+    try:
+        router.until({"r1": "UP"})
+        raw = c.responses.with_raw_response.create(model="x", previous_response_id=made["r1"], input="go on",
+                                                   max_output_tokens=4)
+        assert raw.headers["x-bmoe-replica"] == "r1" and raw.parse().output_text
+    finally:
+        assert again.stop() == 143
