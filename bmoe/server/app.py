@@ -236,9 +236,10 @@ class Endpoints:
     async def health(self) -> JSONResponse:
         """200 while the server takes requests; 503 "draining" once a SIGTERM has it drain (bmoe.server.replica)."""
         sched, draining = self.sched, self.replica.draining
-        return JSONResponse({"status": "draining" if draining else "ok", "model": self.model_id,
-                             "replica": self.replica.name, "generating": len(sched.active),
-                             "parallel": sched.capacity, "waiting": len(sched.waiting)},
+        named = {"replica": self.replica.name} if self.replica.name else {}
+        return JSONResponse({"status": "draining" if draining else "ok", "model": self.model_id, **named,
+                             "generating": len(sched.active), "parallel": sched.capacity,
+                             "waiting": len(sched.waiting)},
                             status_code=503 if draining else 200)
 
     async def prometheus(self) -> Response:

@@ -114,7 +114,7 @@ try:
     from bmoe.server.connections import BodyLimits, HeadDeadline
     from bmoe.server.grammar_pool import GrammarPool
     from bmoe.server.hosts import Trusted, host_names, origins
-    from bmoe.server.replica import DRAIN_S, Replica, default_name, replica_name
+    from bmoe.server.replica import DRAIN_S, Replica, replica_name
     from bmoe.server.response_redis import RedisResponses
     from bmoe.server.response_sqlite import SqliteResponses
     from bmoe.server.response_store import ENTRY_BYTES, KEPT, KEPT_MB, TTL_S, KeptResponses, ResponseStore
@@ -284,7 +284,8 @@ class ServeSettings:
         None, "--replica-id", parse=replica_name, metavar="NAME",
         help="this server's name among the replicas behind a router: every answer carries it (header "
              "X-Bmoe-Replica) and the Responses API's ids end with it, so a router can send a conversation back "
-             "(letters, digits, '.', ':', '-'; default HOST:PORT)")
+             "(letters, digits, '.', ':', '-'; none by default: a lone server does not tell its clients the "
+             "machine's name)")
     drain_seconds: float = setting(
         DRAIN_S, "--drain-seconds", parse=_seconds, metavar="S",
         help="on SIGTERM, first drain for up to S seconds: new requests get 503 (Retry-After) and /health answers "
@@ -488,7 +489,7 @@ def run_server(model: Model, opts: ServeSettings, n_predict: int, socks: list[so
     sched = Scheduler(model, opts.queue, on_fatal, reload_fix=RESTART_FIX, batching=opts.batching)
     host, port = socks[0].getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    replica = Replica(opts.replica_id or default_name(port), opts.drain_seconds)
+    replica = Replica(opts.replica_id or "", opts.drain_seconds)
     limits = BodyLimits(size=opts.max_body_kb * 1024, timeout=opts.body_timeout, rate=opts.min_body_rate * 1024,
                         total=opts.max_bodies_mb << 20)
     grammars = GrammarPool(str(model.settings.model), opts.grammar_checks, opts.grammar_queue, opts.grammar_timeout)

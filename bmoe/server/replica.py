@@ -1,7 +1,8 @@
 """bmoe-server as one of several replicas behind a router (docs/deploy.md): its name on every answer, and
 its drain when it is told to stop.
 
-- The name (`--replica-id`, by default HOST:PORT) is on every answer as the `X-Bmoe-Replica` header, refusals
+- The name (`--replica-id`; none by default, so a lone server does not tell every client its machine's
+  name) is on every answer as the `X-Bmoe-Replica` header, refusals
   and errors too, so a client, a log or a test can tell which replica answered; the Responses API's ids end
   with it (`resp_<hex>_<name>`: bmoe.server.responses_wire), so a router can send a `previous_response_id`
   back to the replica whose KV holds that conversation (deploy/haproxy.cfg reads it with `field(-1,_)`). A
@@ -25,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import re
-import socket
 from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
@@ -46,12 +46,6 @@ def replica_name(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 64 letters, digits, '.', ':' or '-' (e.g. r1, "
                                          "box2:8000)")
     return text
-
-
-def default_name(port: int) -> str:
-    """HOST:PORT, the host's name cut to what a replica name may hold."""
-    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()) or "bmoe"
-    return f"{host[:58]}:{port}"
 
 
 class Replica:
