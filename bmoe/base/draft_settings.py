@@ -19,8 +19,9 @@ class DraftSettings:
         "none", "--draft", choices=DRAFT_MODES, metavar="none|ngram", ok=lambda v: v in DRAFT_MODES,
         rule=f"choose one of {', '.join(DRAFT_MODES)}",
         help="guess the next tokens and verify them in one decode, keeping only what the model itself samples (the "
-             "same text): ngram drafts them from the prompt and the text so far (llama.cpp's prompt lookup); pays "
-             "where the answer copies its input (default {default}; docs/levers.md)")
+             "text plain llama.cpp gives with the same drafts; docs/levers.md says where it equals decoding one token "
+             "at a time): ngram drafts them from the prompt and the text so far (llama.cpp's prompt lookup); pays "
+             "where the answer copies its input (default {default})")
     most: int = setting(
         4, "--draft-max", parse=positive_int, metavar="N", ok=lambda v: 1 <= v <= DRAFT_MOST,
         rule=f"a number of tokens from 1 to {DRAFT_MOST}", help="tokens drafted per step at most (default {default})")
