@@ -68,7 +68,7 @@ def run(a: argparse.Namespace, settings: flags.Settings) -> int:
         lines: list[telemetry.TokenLine] = []
         text = ""
         if csv_file:
-            csv_file.write(telemetry.csv_header(lossy) + "\n")
+            csv_file.write(telemetry.csv_header(lossy, settings.draft.mode != "none") + "\n")
 
         def on_chunk(chunk: Chunk) -> None:
             nonlocal text

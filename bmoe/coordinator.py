@@ -2,7 +2,8 @@
 
 `Engine` runs what bmoe.engine.load loaded (the model, its context and the streaming parts wired
 around them): `begin` prefills one KV sequence and samples its first token, `step` decodes one token
-for each of several sequences in one llama.cpp batch (`--parallel`), `end` frees one; it keeps the
+for each of several sequences in one llama.cpp batch (`--parallel`; a lone sequence with `--draft`
+decodes its drafts with it and keeps those its sampler agrees with: bmoe.engine.drafts), `end` frees one; it keeps the
 KV, stops a decode on request, and holds the facts every edge prints about the load (`stats`).
 Requests reach `begin`/`step`/`end` only through the one generation loop, bmoe.generation.driver.
 
@@ -18,7 +19,7 @@ module reads another's private attributes).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,11 +27,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bmoe import seam
-from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong
+from bmoe.base.errors import Cancelled, ConfigError, ContextTooLong, ModelError
 from bmoe.base.model_files import ModelFiles
 from bmoe.base.settings import Naming, SamplerSettings, Settings
 from bmoe.base.telemetry import TokenStat
 from bmoe.engine import prompt_calls
+from bmoe.engine.drafts import Drafter, DraftTally, verify
 from bmoe.engine.engine_stats import EmbeddingFacts, EngineStats
 from bmoe.engine.load import Loaded
 from bmoe.memory.budget import Adaptive
@@ -58,6 +60,8 @@ class EngineSequence:
     keep_logits: bool = False
     logits: np.ndarray | None = None  # with keep_logits: the distribution `next` was chosen from
     kept: bool = False  # `logits` is the sampler chain's after its last sampler (log p), not the model's
+    left: int = 0  # tokens it may still generate (drafts stay within them)
+    drafter: Drafter | None = None  # --draft: its drafts and their gate (bmoe.engine.drafts)
 
 
 class Engine:
@@ -334,14 +338,14 @@ class Engine:
     def begin(self, seq: int, tokens: list[int], n_predict: int, sampler: SamplerSettings,
               fix: str = "raise -c or shorten the prompt", grammar: Grammar | None = None, *,
               lossless: bool = False, forced: Iterable[int] = (), keep_logits: bool = False, kept: bool = False,
-              on_call: Callable[[int, float], None] | None = None) -> EngineSequence:
+              on_call: Callable[[int, float], None] | None = None, held: Sequence[int] = ()) -> EngineSequence:
         """Prefill `tokens` after what sequence `seq`'s KV holds and sample its first token; `step`
         then decodes it. `lossless`: no lossy routing for this sequence. `forced`: the tokens its
         steps decode, in order, instead of sampled ones (teacher forcing). `keep_logits`: each
         step keeps the distribution it chose from (`EngineSequence.logits`); `kept`: the sampler chain's
         probabilities after its last sampler instead (seam.llama.sample_kept: the same token). `on_call` hears,
         after each llama_decode call the prompt is cut into, the prompt's tokens decoded so far and the seconds
-        taken.
+        taken. `held`: the prompt's tokens before `tokens`, which the KV holds already (drafts look them up too).
 
         Raises ContextTooLong when it does not fit the context (`fix` ends the message), Cancelled
         when interrupted mid-prefill. Every EngineSequence begun must be ended (`end`), also after an error.
@@ -352,7 +356,11 @@ class Engine:
             self.check_lossless("load it without one of them for lossless requests")
         st = self.streamer
         s = EngineSequence(seq, llama.make_sampler(sampler, self.vocab, grammar.gbnf if grammar else None),
-                           lossless=lossless, forced=list(forced), keep_logits=keep_logits or kept, kept=kept)
+                           lossless=lossless, forced=list(forced), keep_logits=keep_logits or kept, kept=kept,
+                           left=n_predict)
+        d = self.settings.draft
+        if d.mode == "ngram" and not s.forced and not s.keep_logits:  # those need each token's step alone
+            s.drafter = Drafter([*held, *tokens], d.most, d.gate)
         try:
             t0 = time.perf_counter()
             if self.lossy:
@@ -380,28 +388,44 @@ class Engine:
             self._parts.trace.active = True
         return s
 
-    def step(self, seqs: list[EngineSequence]) -> list[tuple[int, TokenStat] | None]:
+    def step(self, seqs: list[EngineSequence]) -> list[list[tuple[int, TokenStat]] | None]:
         """Decode, for each of `seqs` together in one llama.cpp batch, the token it sampled after
-        its last decode; returns per sequence that token and its TokenStat, or None for one that
-        had sampled end-of-generation (nothing decoded: it is done).
+        its last decode; returns per sequence the tokens this step generated with their TokenStats
+        (one; more when a lone sequence's drafts were accepted), or None for one that had sampled
+        end-of-generation (nothing decoded: it is done).
 
         llama.cpp keeps only the last decode's logits, so every sequence samples its next token
-        right after the decode. Each token's TokenStat is the step's wall time and an even share
-        of the step's reads, waits and hits (the shares add up to the step's).
+        right after the decode. Each token's TokenStat is its sequence's share of the step's wall time
+        (a batch's sequences each the whole step; a verify step's tokens an even share) and an even share
+        of the step's reads, waits and hits (the shares add up to the step's); the drafts' figures
+        are on a verify step's first token.
         """
         c0 = time.perf_counter_ns()
         going = [s for s in seqs if not self.vocab.is_eog(s.next)]
         if not going:
             return [None] * len(seqs)
-        toks = {id(s): s.next for s in going}
+        toks = {id(s): [s.next] for s in going}
         if self.lossy:
             self.lossy.begin([not s.lossless for s in going])
-        rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
-        for s, row in zip(going, rows):
-            self._choose(s, row)
+        lone = going[0].drafter if len(going) == 1 else None  # several sequences: one token each, as before
+        drafts = lone.propose(going[0].left - 1) if lone is not None else []
+        tally = DraftTally()
+        if drafts:
+            toks[id(going[0])], tally = self._verify(going[0], drafts)
+        else:
+            rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
+            for s, row in zip(going, rows):
+                self._choose(s, row)
+        for s in going:
+            s.left -= len(toks[id(s)])
+            if s.drafter is not None:
+                s.drafter.settle(tally, len(toks[id(s)]))
         if self.streamer is not None:
             self.streamer.follow()
-        wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(going)
+        made = [(s, t) for s in going for t in toks[id(s)]]
+        wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(made)
+        # each sequence's tokens share its wall time (a batch's sequences each took the whole step)
+        walls = [wall * (i + 1) // k - wall * i // k for i in range(k)] if drafts else [wall] * k
         if st:
             c = st.take_counters(step=True)
             counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns, c.page_cache_bytes,
@@ -409,10 +433,13 @@ class Engine:
             shares = []
             for i in range(k):  # token i's share of each count: the shares add up to the count
                 io, mgmt, read, hits, lookups, stall, copied, copy_ns = (x * (i + 1) // k - x * i // k for x in counts)
-                shares.append(TokenStat(wall, io, mgmt, read, hits, lookups, stall, st.budget,
+                shares.append(TokenStat(walls[i], io, mgmt, read, hits, lookups, stall, st.budget,
                                         page_cache_bytes=copied, page_cache_ns=copy_ns))
         else:
-            shares = [TokenStat(wall, 0, 0, 0, 0, 0) for _ in range(k)]
+            shares = [TokenStat(w, 0, 0, 0, 0, 0) for w in walls]
+        if drafts:
+            first = shares[0]
+            first.drafted, first.accepted, first.draft_extra_bytes = tally.drafted, tally.accepted, tally.extra_bytes
         if self.lossy:
             assert st is not None  # lossy routing runs only while streaming
             layers = len(st.layers)
@@ -420,9 +447,34 @@ class Engine:
                 stat.dropped, stat.substituted = rc.dropped, rc.substituted
                 stat.weight_changed_pct = 100.0 * rc.moved / layers
         if self._parts.trace:
-            self._parts.trace.end_step(toks[id(going[0])])
-        by_id = {id(s): st_ for s, st_ in zip(going, shares)}
-        return [(toks[id(s)], by_id[id(s)]) if id(s) in toks else None for s in seqs]
+            self._parts.trace.end_step(toks[id(going[0])][0])
+        out: dict[int, list[tuple[int, TokenStat]]] = {}
+        for (s, t), stat in zip(made, shares):
+            out.setdefault(id(s), []).append((t, stat))
+        return [out.get(id(s)) for s in seqs]
+
+    def _verify(self, s: EngineSequence, drafts: list[int]) -> tuple[list[int], DraftTally]:
+        """Decode `s`'s chosen token and `drafts` in one llama_decode, every row's logits kept, and sample the rows
+        in order while they agree with the drafts (bmoe.engine.drafts.verify); the KV is cut after the last
+        token kept. Returns the tokens generated (the chosen one, then the drafts accepted) and the step's figures."""
+        group = [s.next, *drafts]
+        pos = self.kv_len(s.seq)
+        reads = self._parts.draft_reads
+        if reads is not None:
+            reads.begin(True)
+        try:
+            last = self._decode_call([(s.seq, group, pos)], every_logit=True, prompt=False)[0]
+        finally:
+            extra, first = reads.take() if reads is not None else (0, 0)
+
+        def choose(i: int) -> int:
+            self._choose(s, last - len(drafts) + i)
+            return s.next
+
+        out = verify(group, choose, self.vocab.is_eog)
+        if not llama.kv_cut(self.context, s.seq, pos + len(out)):
+            raise ModelError("llama.cpp could not drop the drafts it rejected from the KV")
+        return group[:len(out)], DraftTally(1, len(drafts), len(out) - 1, extra, first)
 
     def embed(self, seq: int, tokens: list[int]) -> np.ndarray:
         """`tokens`' embeddings as llama.cpp computes them from an empty sequence `seq` in one llama_decode
@@ -465,6 +517,8 @@ class Engine:
                 s.next, s.logits = llama.sample_kept(s.sampler, self.context, self.vocab, row)
             else:
                 s.next = llama.sample(s.sampler, self.context, row)
+        if s.drafter is not None:
+            s.drafter.lookup.add([s.next])
 
     def end(self, s: EngineSequence) -> ReadAheadCounts:
         """Free an EngineSequence's sampler and settle the reads it left; returns what its reads ahead did."""
@@ -516,14 +570,15 @@ class Engine:
         return llama.ubatch_size(self.context)
 
     def _decode_call(self, parts: list[tuple[int, list[int], int]], no_logit: bool = False,
-                     every_logit: bool = False) -> list[int]:
+                     every_logit: bool = False, prompt: bool = True) -> list[int]:
         """One llama_decode of (sequence, tokens, first position) parts (`no_logit`: a prompt's call
-        before its last, whose logits nobody reads; `every_logit`: every token an output, as embeddings ask)."""
+        before its last, whose logits nobody reads; `every_logit`: every token an output, as embeddings and
+        drafts ask; `prompt` False: several tokens of a part are no prompt's, but a verify group's)."""
         n = sum(len(toks) for _, toks, _ in parts)
         if self.streamer is not None:
             self.streamer.begin_batch(n)
         if self._parts.stops is not None:
-            self._parts.stops.begin_batch(n, prompt=any(len(toks) > 1 for _, toks, _ in parts))
+            self._parts.stops.begin_batch(n, prompt=prompt and any(len(toks) > 1 for _, toks, _ in parts))
         ctx = self.context
         return self.hook.run(lambda: llama.decode(ctx, parts, every_logit=every_logit, no_logit=no_logit))
 

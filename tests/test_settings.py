@@ -43,7 +43,8 @@ def test_every_setting_is_set_by_its_flag_and_defaults_to_its_field() -> None:
              ["-hf", "org/repo:Q8_0", "--chat-template-file", "t.jinja", "--prompt-cache", "kv",
               "--prompt-cache-mb", "9"],
              ["--no-warm-start"], ["--usage-dir", "u"], ["--replay-routes", "t.csv"],
-             ["--embedding", "--pooling", "mean"], ["--jinja", "--reasoning", "off", "--chat-template", "chatml"]]
+             ["--embedding", "--pooling", "mean"], ["--jinja", "--reasoning", "off", "--chat-template", "chatml"],
+             ["--draft", "ngram", "--draft-max", "3", "--no-draft-gate"]]
     changed = set()
     for argv in fixed:
         got = _leaves(_settings(argv))

@@ -483,7 +483,8 @@ class Model:
             prefetched_experts=ahead.prefetched if ahead else 0, useful_experts=ahead.useful if ahead else 0,
             lossy=lossy, experts_per_token=self.engine.experts_per_token if lossy else self.engine.top_k,
             dropped_per_token=t.per_tok(t.dropped), substituted_per_token=t.per_tok(t.substituted),
-            weight_changed_pct=t.per_tok(t.weight_changed_pct), page_cache_mib=t.page_cache_bytes / MiB)
+            weight_changed_pct=t.per_tok(t.weight_changed_pct), page_cache_mib=t.page_cache_bytes / MiB,
+            drafted=t.drafted, accepted=t.accepted, draft_extra_mib=t.draft_extra_bytes / MiB)
         return self._last
 
     @property

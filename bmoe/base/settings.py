@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, cast, get_type_hints
 
 from bmoe.base.argtypes import number, percent, positive_float, positive_int
+from bmoe.base.draft_settings import DraftSettings
 from bmoe.base.errors import ConfigError
+from bmoe.base.logit_bias import BIAS_MAX, logit_bias_of, parse_logit_bias
 from bmoe.base.option import Option, setting
 
 N_PREDICT = 64  # tokens a request generates when it does not say
@@ -169,40 +170,6 @@ class SpecSettings:
              "{default})")
 
 
-LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, as llama.cpp's logit-bias sampler takes them
-BIAS_MAX = 100.0  # OpenAI's bound on a logit bias, either way
-
-
-def logit_bias_of(value: Any) -> LogitBias:
-    """OpenAI's logit_bias map (token id, as text or a number → bias), or (id, bias) pairs, as sorted
-    (id, bias) pairs; ConfigError naming a key that is not a token id or a bias that is not a number."""
-    if isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
-        value = dict(value)
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"logit_bias {value!r}: it maps token ids to biases, e.g. {{\"15043\": -100}}")
-    out = []
-    for key, bias in value.items():
-        try:
-            tok = int(key)
-        except (TypeError, ValueError):
-            raise ConfigError(f"logit_bias: key {key!r} is not a token id (a whole number)") from None
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise ConfigError(f"logit_bias: the bias of token {tok} is {bias!r}, not a number")
-        out.append((tok, float(bias)))
-    return tuple(sorted(out))
-
-
-def _logit_bias(text: str) -> LogitBias:
-    """--logit-bias: TOKEN_ID(+|-)BIAS, comma-separated (llama.cpp's spelling: `15043-100,2+5`)."""
-    pairs = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(\d+)([+-](?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)", part)
-        if m is None:
-            raise argparse.ArgumentTypeError(f"{part!r} is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043-100)")
-        pairs[m.group(1)] = float(m.group(2))
-    return logit_bias_of(pairs)
-
-
 @dataclass(frozen=True)
 class SamplerSettings:
     """llama.cpp's sampler chain (bmoe.seam.llama.make_sampler); temp 0 is greedy. The defaults of
@@ -234,7 +201,7 @@ class SamplerSettings:
         help="subtract this from the logit of a token in the last --repeat-last-n generated tokens (OpenAI's; "
              "0 = off; default {default})")
     logit_bias: tuple[tuple[int, float], ...] = setting(
-        (), "--logit-bias", parse=_logit_bias, from_value=logit_bias_of, metavar="ID(+|-)BIAS[,...]",
+        (), "--logit-bias", parse=parse_logit_bias, from_value=logit_bias_of, metavar="ID(+|-)BIAS[,...]",
         ok=lambda v: all(-BIAS_MAX <= b <= BIAS_MAX for _, b in v),
         rule=f"each bias from {-BIAS_MAX:g} to {BIAS_MAX:g}",
         help="add BIAS to token ID's logit before any other sampler (-100 bans it in practice; default none)")
@@ -352,6 +319,7 @@ class Settings:
     speculation: SpecSettings = field(default_factory=SpecSettings)
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     lossy: LossySettings = field(default_factory=LossySettings)
+    draft: DraftSettings = field(default_factory=DraftSettings)
     route_trace: str | None = setting(
         None, "--route-trace", metavar="PATH",
         help="write each decode token's routed experts per layer (JSON lines) and the router inputs "
@@ -457,6 +425,20 @@ class Naming:
 
 
 FLAGS, KEYWORDS = Naming(flags=True), Naming(flags=False)
+
+
+
+def _check_draft(s: Settings, w: Naming) -> None:
+    """ConfigError for drafting with a setting whose per-token work it cannot share yet."""
+    if s.draft.mode == "none":
+        return
+    draft = w.value("draft", s.draft.mode)
+    other = [w.name(k) for k, on in (("route_trace", s.route_trace), ("replay_routes", s.replay_routes),
+                                     ("experts_per_token", s.lossy.experts_per_token),
+                                     ("drop_cold", s.lossy.drop_cold), ("cache_routing", s.lossy.cache_routing)) if on]
+    if other:
+        raise ConfigError(f"{draft} verifies several tokens per decode, and {' and '.join(other)} "
+                          f"{'work' if len(other) > 1 else 'works'} one token per decode; drop one of them")
 
 
 # ---- bmoe.load's keywords --------------------------------------------------------------------------
@@ -595,6 +577,7 @@ def validate(s: Settings, w: Naming = FLAGS, given: frozenset[str] = frozenset()
     if s.pooling is not None and not s.embedding:
         raise ConfigError(f"{w.name('pooling')} pools the embeddings {w.name('embedding')} computes; add it or drop "
                           f"{w.name('pooling')}")
+    _check_draft(s, w)
     if s.route_trace and s.parallel > 1:
         raise ConfigError(f"{w.name('route_trace')} records one sequence's routing, and "
                           f"{w.value('parallel', s.parallel)} decodes several; drop one of them")

@@ -29,7 +29,11 @@ LOSSY_COLUMNS = ("dropped", "substituted", "weight_changed_pct")
 # cache instead of reading the device that token, in bytes and lane busy ms (bmoe.workers.io_lane.PageCache).
 # read_bytes and overlap's io_ms leave them out: the contract's are flash reads
 PAGE_CACHE_COLUMNS = ("page_cache_bytes", "page_cache_ms")
-CSV_OPTIONAL = ("stall_ms", "mgmt_ms", "dropped", "substituted", "weight_changed_pct", *PAGE_CACHE_COLUMNS)
+# A run with --draft (bmoe.engine.drafts) has three more after those: the verify step's drafts, the drafts accepted
+# and the bytes read for experts only its drafted rows routed, on the step's first token (0 on the others)
+DRAFT_COLUMNS = ("drafted", "accepted", "draft_extra_bytes")
+CSV_OPTIONAL = ("stall_ms", "mgmt_ms", "dropped", "substituted", "weight_changed_pct", *PAGE_CACHE_COLUMNS,
+                *DRAFT_COLUMNS)
 ANSWER_BANNER = "=== answer ==="
 PERF_BANNER = "=== perf ==="
 
@@ -51,6 +55,9 @@ class TokenStat:
     weight_changed_pct: float = 0.0  # mean over the layers of the routing weight's share changed
     page_cache_bytes: int = 0  # copied from the page cache instead of read from the device
     page_cache_ns: int = 0  # the lanes' busy time copying them
+    drafted: int = 0  # --draft: the verify step's drafts and those accepted, on its first token
+    accepted: int = 0
+    draft_extra_bytes: int = 0  # read for experts only its drafted rows routed (bmoe.engine.drafts.DraftReads)
 
 
 @dataclass
@@ -74,6 +81,10 @@ class TokenLine:
     weight_changed_pct: float = 0.0
     page_cache_bytes: int = 0  # TokenStat's
     page_cache_ms: float = 0.0
+    drafting: bool = False  # the run drafts (--draft): the lines carry the drafts' keys and columns
+    drafted: int = 0  # TokenStat's
+    accepted: int = 0
+    draft_extra_bytes: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -109,7 +120,11 @@ def progress_fields(t: TokenLine) -> dict[str, Any]:
 
 
 def progress_line(t: TokenLine, text: str) -> str:
-    return tagged("PROGRESS", {**progress_fields(t), "text": text})
+    """BMOE_PROGRESS; with --draft, bmoe's trailing keys after the contract's: the verify step's drafts, those
+    accepted and the MiB read for experts only its drafted rows routed (on its first token, 0 on the others)."""
+    extra = ({"drafted": t.drafted, "accepted": t.accepted, "draft_extra_mb": round(t.draft_extra_bytes / MiB, 4)}
+             if t.drafting else {})
+    return tagged("PROGRESS", {**progress_fields(t), "text": text, **extra})
 
 
 def token_lines(t: TokenLine, text: str) -> list[str]:
@@ -134,6 +149,10 @@ class RunTotals:
     substituted: int = 0
     weight_changed_pct: float = 0.0  # summed over the tokens (per_tok gives the mean)
     page_cache_bytes: int = 0
+    drafting: bool = False  # --draft: the summary lines carry the drafts' figures
+    drafted: int = 0
+    accepted: int = 0
+    draft_extra_bytes: int = 0
 
     @classmethod
     def of(cls, lines: Iterable[TokenLine], overlap: bool = False) -> RunTotals:
@@ -142,7 +161,14 @@ class RunTotals:
                    sum(t.mgmt_ms for t in ls) / 1e3, sum(t.stall_ms for t in ls) / 1e3,
                    sum(t.read_bytes for t in ls), overlap, sum(t.dropped for t in ls),
                    sum(t.substituted for t in ls), sum(t.weight_changed_pct for t in ls),
-                   sum(t.page_cache_bytes for t in ls))
+                   sum(t.page_cache_bytes for t in ls), any(t.drafting for t in ls), sum(t.drafted for t in ls),
+                   sum(t.accepted for t in ls), sum(t.draft_extra_bytes for t in ls))
+
+    def draft_keys(self) -> str:
+        """bmoe's trailing keys of a --draft run's summary lines (none without it)."""
+        if not self.drafting:
+            return ""
+        return f" drafted={self.drafted} accepted={self.accepted} draft_extra_mib={self.draft_extra_bytes / MiB:.2f}"
 
     @property
     def compute_s(self) -> float:
@@ -157,9 +183,10 @@ class Tally:
     """One generation's token lines, each with the cache hit rate so far: -1 until a cache is in use
     (`cache_active` at the start, or a token that ran with a budget: an adaptive one can come back)."""
 
-    def __init__(self, steps: int, overlap: bool, cache_active: bool) -> None:
+    def __init__(self, steps: int, overlap: bool, cache_active: bool, drafting: bool = False) -> None:
         self.steps = steps
         self.overlap = overlap
+        self.drafting = drafting
         self.cache_active = cache_active
         self.lines: list[TokenLine] = []
         self.hits = self.lookups = 0
@@ -179,7 +206,9 @@ class Tally:
                          read_bytes=st.read_bytes, cache_hit_pct=self.hit_pct, overlap=self.overlap,
                          budget_bytes=st.budget_bytes, hits=st.hits, lookups=st.lookups, dropped=st.dropped,
                          substituted=st.substituted, weight_changed_pct=st.weight_changed_pct,
-                         page_cache_bytes=st.page_cache_bytes, page_cache_ms=st.page_cache_ns / 1e6)
+                         page_cache_bytes=st.page_cache_bytes, page_cache_ms=st.page_cache_ns / 1e6,
+                         drafting=self.drafting, drafted=st.drafted, accepted=st.accepted,
+                         draft_extra_bytes=st.draft_extra_bytes)
         self.lines.append(line)
         return line
 
@@ -188,8 +217,9 @@ class Tally:
 
 
 def generation_line(t: RunTotals) -> str:
+    """The contract's generation line; a --draft run's has bmoe's trailing keys (RunTotals.draft_keys)."""
     tok_s = t.tokens / t.wall_s if t.wall_s > 0 else 0.0
-    return f"generation: {t.tokens} tokens, {t.per_tok(t.wall_s):.4f} s/token ({tok_s:.2f} tok/s)"
+    return f"generation: {t.tokens} tokens, {t.per_tok(t.wall_s):.4f} s/token ({tok_s:.2f} tok/s)" + t.draft_keys()
 
 
 def stream_line(t: RunTotals) -> str:
@@ -234,15 +264,17 @@ def lossy_line(t: RunTotals, k: int, top_k: int) -> str:
             f"{t.per_tok(t.weight_changed_pct):.2f}% of routing weight changed")
 
 
-def csv_header(lossy: bool = False) -> str:
-    return ",".join(CSV_COLUMNS + (LOSSY_COLUMNS if lossy else ()) + PAGE_CACHE_COLUMNS)
+def csv_header(lossy: bool = False, drafting: bool = False) -> str:
+    return ",".join(CSV_COLUMNS + (LOSSY_COLUMNS if lossy else ()) + PAGE_CACHE_COLUMNS
+                    + (DRAFT_COLUMNS if drafting else ()))
 
 
 def csv_row(t: TokenLine, lossy: bool = False) -> str:
     row = (f"{t.step},{t.steps},{t.wall_ms:.3f},{t.io_ms:.3f},{t.compute_ms:.3f},{t.read_bytes},"
            f"{t.cache_hit_pct:.2f},{t.stall_ms:.3f},{t.mgmt_ms:.3f},{t.budget_bytes / MiB:.1f}")
     row += f",{t.dropped},{t.substituted},{t.weight_changed_pct:.3f}" if lossy else ""
-    return row + f",{t.page_cache_bytes},{t.page_cache_ms:.3f}"
+    row += f",{t.page_cache_bytes},{t.page_cache_ms:.3f}"
+    return row + (f",{t.drafted},{t.accepted},{t.draft_extra_bytes}" if t.drafting else "")
 
 
 def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int, *, prefill_tokens: int, prefill_s: float,
@@ -250,7 +282,8 @@ def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int, *, prefill_toke
     """The `# summary` line. bmoe's additions come after the contract's keys: `cache_budget_mib=` (the
     budget at the end), then what the first token waited for, so a benchmark can report time to first
     token (load_s + prefill_s) and bmoe's own load work (load_s minus llama_load_s, llama.cpp's part),
-    then `page_cache_mib=`, what the lanes copied from the page cache (not in read_mib: not flash)."""
+    then `page_cache_mib=`, what the lanes copied from the page cache (not in read_mib: not flash), then a --draft
+    run's drafts (RunTotals.draft_keys)."""
     tok_s = t.tokens / t.wall_s if t.wall_s > 0 else 0.0
     return (f"# summary tokens={t.tokens} s/tok={t.per_tok(t.wall_s):.4f} tok/s={tok_s:.2f} "
             f"read_mib={t.read_bytes / MiB:.2f} io_s/tok={t.per_tok(t.io_s):.4f} "
@@ -258,7 +291,7 @@ def csv_summary(t: RunTotals, hit_pct: float, budget_bytes: int, *, prefill_toke
             f"stall_s/tok={t.per_tok(t.stall_s):.4f} mgmt_s/tok={t.per_tok(t.mgmt_s):.4f} "
             f"cache_budget_mib={budget_bytes / MiB:.1f} prefill_tokens={prefill_tokens} "
             f"prefill_s={prefill_s:.4f} load_s={load_s:.4f} llama_load_s={llama_load_s:.4f} "
-            f"page_cache_mib={t.page_cache_bytes / MiB:.2f}")
+            f"page_cache_mib={t.page_cache_bytes / MiB:.2f}{t.draft_keys()}")
 
 
 # ---- parsing -------------------------------------------------------------------------------------
@@ -268,7 +301,8 @@ _TAGGED = re.compile(r"^BMOE_([A-Z]+) (\{.*\})$")
 _NUM = r"(-?(?:\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|nan|inf))"
 _NOTICE = "bmoe: "  # how bmoe-cli's notices on stderr begin
 SUMMARY_GRAMMAR = {
-    "generation": re.compile(rf"^generation: (\d+) tokens, {_NUM} s/token \({_NUM} tok/s\)$"),
+    "generation": re.compile(rf"^generation: (\d+) tokens, {_NUM} s/token \({_NUM} tok/s\)"
+                             rf"(?: drafted=(\d+) accepted=(\d+) draft_extra_mib={_NUM})?$"),
     "moe-stream": re.compile(
         rf"^moe-stream: read {_NUM} MiB \({_NUM} MiB/token\), decode {_NUM} s/token \(compute {_NUM} \+ "
         rf"cache mgmt {_NUM} \+ flash I/O {_NUM} s/token, {_NUM} MiB/s\)(?: stall_s/tok={_NUM})?"
@@ -281,7 +315,7 @@ SUMMARY_GRAMMAR = {
                             rf"per token, {_NUM}% of routing weight changed$"),
 }
 SUMMARY_FIELDS = {
-    "generation": ("tokens", "s_per_token", "tok_s"),
+    "generation": ("tokens", "s_per_token", "tok_s", "drafted", "accepted", "draft_extra_mib"),
     "moe-stream": ("read_mib", "mib_per_token", "decode_s_per_token", "compute_s_per_token",
                    "mgmt_s_per_token", "io_s_per_token", "mib_per_s", "stall_s_per_token", "page_cache_mib"),
     "moe-cache": ("hit_pct", "resident_mib"),

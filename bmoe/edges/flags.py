@@ -23,6 +23,8 @@ examples:
   bmoe-cli -m model.gguf -p "Hello" --no-stream     # plain llama.cpp, the reference output
   bmoe-cli -m model.gguf -p "Hello" --temp 0.8 --min-p 0.05 --frequency-penalty 0.5   # llama.cpp's samplers
   bmoe-cli -m model.gguf -p "Hello" --progress --csv run.csv --profile   # telemetry for apps and benchmarks
+  bmoe-cli -m model.gguf -f edit.txt --draft ngram --draft-max 4   # guess tokens from the prompt, verify in one decode
+  bmoe-cli -m model.gguf -f edit.txt --draft ngram --no-draft-gate   # draft every step, even when it does not pay
   bmoe-cli --session -m model.gguf --cache-mb 2000  # serve JSON-lines requests on stdin
   bmoe-cli -m model.gguf -p "Hello" --usage-dir ~/bmoe-usage   # keep usage profiles (warm starts) there
 """

@@ -15,8 +15,11 @@ DONE_KEYS = ("id", "cancelled", "tokens", "tok_s", "prefill_s", "load_s", "cache
 # bmoe's, after the contract's, in a session loaded with lossy routing (bmoe.streaming.lossy): what it did
 # to this generation
 LOSSY_DONE_KEYS = ("lossy", "experts_per_token", "dropped_tok", "substituted_tok", "weight_changed_pct")
-# bmoe's, last in every BMOE_DONE: the MiB the I/O lanes copied from the page cache instead of reading flash
+# bmoe's, in every BMOE_DONE: the MiB the I/O lanes copied from the page cache instead of reading flash
 PAGE_CACHE_DONE_KEYS = ("page_cache_mib",)
+# bmoe's, last in a session loaded with --draft (bmoe.engine.drafts): the tokens drafted, those accepted, and the MiB
+# read for experts only the verify steps' drafted rows routed
+DRAFT_DONE_KEYS = ("drafted", "accepted", "draft_extra_mib")
 CANCEL, CLOSE, PROFILE = "cancel", "close", "profile"
 
 

@@ -19,9 +19,10 @@ Decisions where the contract is silent:
   counts as wrongly typed); unknown extra fields are ignored. Blank lines are ignored.
 - bmoe's additions: a session loaded with lossy routing (docs/lossy.md) answers a request with
   `"lossless": true` with plain llama.cpp's output, and its `BMOE_DONE` lines carry, after the
-  contract's keys, what lossy routing did (`protocol.LOSSY_DONE_KEYS`). Every `BMOE_DONE` ends with
+  contract's keys, what lossy routing did (`protocol.LOSSY_DONE_KEYS`). Every `BMOE_DONE` then has
   `page_cache_mib`: what the I/O lanes copied from the page cache instead of reading flash this turn
-  (`protocol.PAGE_CACHE_DONE_KEYS`; docs/architecture.md, "The slab and the slot pools").
+  (`protocol.PAGE_CACHE_DONE_KEYS`; docs/architecture.md, "The slab and the slot pools"); a session
+  loaded with `--draft` ends it with the turn's drafts (`protocol.DRAFT_DONE_KEYS`; docs/levers.md).
 - `cancel` with nothing in flight is ignored (a notice goes to stderr, nothing to stdout), so a
   cancel racing the end of its generation is harmless. A cancel reaching a `generate` that is
   queued but not yet started cancels it before prefill.
@@ -71,6 +72,7 @@ from bmoe.edges.protocol import (
     CANCEL,
     CLOSE,
     DONE_KEYS,
+    DRAFT_DONE_KEYS,
     LOSSY_DONE_KEYS,
     NO_ID,
     PAGE_CACHE_DONE_KEYS,
@@ -305,7 +307,11 @@ class Session:
                        substituted_tok=round(s.substituted_per_token, 3),
                        weight_changed_pct=round(s.weight_changed_pct, 3))
         obj["page_cache_mib"] = round(s.page_cache_mib, 2)
-        assert tuple(obj) == DONE_KEYS + (LOSSY_DONE_KEYS if e.lossy else ()) + PAGE_CACHE_DONE_KEYS
+        drafting = self.model.settings.draft.mode != "none"
+        if drafting:
+            obj.update(drafted=s.drafted, accepted=s.accepted, draft_extra_mib=round(s.draft_extra_mib, 2))
+        assert tuple(obj) == (DONE_KEYS + (LOSSY_DONE_KEYS if e.lossy else ()) + PAGE_CACHE_DONE_KEYS
+                              + (DRAFT_DONE_KEYS if drafting else ()))
         return obj
 
 

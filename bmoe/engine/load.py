@@ -27,6 +27,7 @@ from bmoe.base.private_files import private_folder
 from bmoe.base.settings import Naming, Settings
 from bmoe.base.units import MiB
 from bmoe.engine import prompt_calls
+from bmoe.engine.drafts import DraftReads
 from bmoe.memory.budget import Adaptive, BudgetWatch, decide
 from bmoe.memory.dense import DenseReadAhead, advise_normal, dense_ranges, pin
 from bmoe.memory.probe import MemoryProbe
@@ -73,6 +74,7 @@ class Loaded:
     dense_ahead: DenseReadAhead | None = None  # the dense weights read while the start-up runs
     gating: Gating | None = None  # how the model routes (read from the warm-up graph while streaming)
     scratch: seam.Scratch | None = None  # llama.cpp's compute buffer (from the warm-up graph while streaming)
+    draft_reads: DraftReads | None = None  # --draft while streaming: the extra reads of verify groups (the stops')
     abandoned: bool = False  # closed while a decode may have been running: llama.cpp's objects are left alone
 
     def close(self, in_use: bool = False) -> None:
@@ -131,6 +133,7 @@ def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming
         replay = _read_replay(parts, moe)
         _prompt_cache_folder(parts)
         _load_llama(parts, streaming)
+        _check_drafts(parts)
         if streaming:
             _stream(parts, replay)
     except BaseException:
@@ -216,6 +219,16 @@ def _load_llama(p: Loaded, streaming: bool) -> None:
     p.vocab = llama.Vocab(p.model)
 
 
+def _check_drafts(p: Loaded) -> None:
+    """--draft needs a memory that can drop the positions of rejected drafts: a recurrent or hybrid model's
+    cannot go back (llama.cpp keeps checkpoints of its state for that; bmoe does not yet)."""
+    assert p.model is not None  # loaded
+    mode = p.settings.draft.mode
+    if mode != "none" and not llama.can_rewind(p.model):
+        raise ConfigError(f"{p.words.value('draft', mode)}: {Path(p.settings.model).name} ({p.files.arch}) keeps a "
+                          "recurrent state that cannot drop the positions of rejected drafts; run it without drafts")
+
+
 def _stream(p: Loaded, replay: Trace | None) -> None:
     """A warm-up graph, visited but not computed, finds the expert tensors; they are rebound into the
     slab's pools, and every part the settings ask for is built and hooked in. `replay`: the trace
@@ -248,6 +261,9 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
         p.lossy = Lossy(s.lossy, files.n_expert_used, cap.norms, st.cache)
     p.hook.stops = p.stops = StreamingStops(st, cap.wait_nodes() if s.streaming.overlap else {}, p.trace, p.lossy,
                                             p.replay, cap.norms)
+    if s.draft.mode != "none":
+        p.draft_reads = DraftReads(lambda ri: st.cache.regions[ri].expert_bytes)
+        p.stops.on_plan = p.draft_reads.on_plan
     _dense_read(p, dense)
     _fill(p, st)
 

@@ -47,6 +47,9 @@ class GenerationStats:
     substituted_per_token: float = 0.0  # experts taken from the cache instead (--cache-routing)
     weight_changed_pct: float = 0.0  # mean share of a layer's routing weight not computed as routed
     page_cache_mib: float = 0.0  # copied from the page cache by the lanes instead of read from flash (not in read_mib)
+    drafted: int = 0  # --draft (bmoe.engine.drafts): tokens drafted, those accepted, and the MiB read for experts only
+    accepted: int = 0  # the drafted rows of verify steps routed
+    draft_extra_mib: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ class Generation:
         self.text = StopStrings(req.stop)
         self.calls = req.reading.call_end(req.max_tokens) if req.reading is not None else None
         self.tally = telemetry.Tally(req.max_tokens, engine.streaming and engine.settings.streaming.overlap,
-                                     engine.cache_active)
+                                     engine.cache_active, engine.settings.draft.mode != "none")
         self.lossy = engine.is_lossy and not req.lossless
         self.logits: np.ndarray | None = None  # with req.logits: the distribution the next token comes from
         self.spans = (None if req.logprobs is None else
@@ -141,7 +141,7 @@ class Generation:
         self.seq = e.begin(slot.seq, self.tokens[self.keep:], req.max_tokens, req.sampler, grammar=req.grammar,
                            lossless=req.lossless, forced=list(req.forced),
                            keep_logits=req.logits or req.logprobs is not None, kept=req.post_sampling,
-                           on_call=self._reporter())
+                           on_call=self._reporter(), held=self.tokens[:self.keep])
         self.logits = self.seq.logits
 
     def _reporter(self) -> Callable[[int, float], None] | None:
@@ -157,13 +157,20 @@ class Generation:
             report(Chunk("", progress=PrefillProgress(total, held, held + decoded, spent + seconds)))
         return after_call
 
-    def take(self, decoded: tuple[int, telemetry.TokenStat] | None) -> None:
-        """The engine's step for this generation: the token it decoded and its stat, or None when
-        it had sampled end-of-generation. Sets `done` when this was its last token."""
+    def take(self, decoded: list[tuple[int, telemetry.TokenStat]] | None) -> None:
+        """The engine's step for this generation: the tokens it generated (one, or more with drafts) and
+        their stats, or None when it had sampled end-of-generation. Sets `done` when one was its last token
+        (the rest are dropped; the KV is cut back when it finishes)."""
         if decoded is None:
             self.done = True
             return
-        tok, stat = decoded
+        for tok, stat in decoded:
+            self._take(tok, stat)
+            if self.done:
+                return
+
+    def _take(self, tok: int, stat: telemetry.TokenStat) -> None:
+        """One generated token: its text, telemetry and chunk; whether it ends the generation."""
         self.ids.append(tok)
         line = self.tally.add(stat)
         raw = self.engine.vocab.piece(tok, tok in self.req.specials)

@@ -285,6 +285,12 @@ def kv_cut(ctx: Context, seq: int, n: int) -> bool:
     return bool(llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq, n, -1))
 
 
+def can_rewind(model: LlamaModel) -> bool:
+    """Whether the model's memory can drop a sequence's last positions (a KV cache can; a recurrent or hybrid
+    model's state cannot go back to an earlier position)."""
+    return not (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
+
+
 def decode(ctx: Context, parts: Sequence[tuple[int, Sequence[int], int]], every_logit: bool = False,
            no_logit: bool = False) -> tuple[int, list[int]]:
     """One llama_decode of (sequence, tokens, first position) parts, logits for each part's last

@@ -529,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     if settings.replay_routes:  # a benchmark mode: the answers would not be the model's
         ap.error("--replay-routes is a benchmark mode: every answer would follow the trace's routing, not the "
                  "model's; bmoe-server does not run it (use bmoe-cli or bmoe-bench run)")
+    if settings.draft.mode != "none":  # issue 52: the server's per-request draft fields, /slots and metrics come later
+        ap.error(f"--draft {settings.draft.mode}: bmoe-server does not draft yet (its per-request fields, /slots and "
+                 "llamacpp:spec_decode_* series come with it); draft with bmoe-cli, the session or bmoe.load")
     opts = serve_settings(ap, a)
     exits.install_signal_handlers()
     model: Model | None = None

@@ -18,6 +18,7 @@ spec-gate and the trace exist.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -75,6 +76,8 @@ class StreamingStops:
         self.waits: dict[int, list[int]] = {}  # wait key -> orders awaited at its node (overlap)
         self._at = np.zeros(0, dtype=np.int64)  # the tokens of the rows at the routing node under way
         self.prompting = False  # the decode under way reads a prompt (some sequence sends several tokens)
+        # bmoe.engine.drafts.DraftReads' hook: each layer's routed ids and the slices it reads now
+        self.on_plan: Callable[[int, np.ndarray, list[Key]], None] | None = None
 
     def begin_batch(self, n_tokens: int, prompt: bool = False) -> None:
         """A llama_decode of `n_tokens` tokens starts (not the warm-up capture's); `prompt`: some
@@ -134,6 +137,8 @@ class StreamingStops:
         if self.prompting and len(ids) > WARM_PROMPT_ROWS:
             cold = set(wanted).difference(ids[-WARM_PROMPT_ROWS:].ravel().tolist())
         missing = st.cache.plan(layer, wanted, cold)
+        if self.on_plan is not None:
+            self.on_plan(layer, ids, missing)
         busy = bool(st.orders.order_of)  # reads under way before this layer's (speculative, or a cancel's)
         st.lanes.hold()
         try:

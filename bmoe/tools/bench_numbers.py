@@ -17,7 +17,8 @@ from bmoe.tools.bench_config import BASELINE_NAME, Config, io_threads_of, overla
 RUN_KEYS = ("tokens", "tok_s", "s_per_token", "s_per_token_median", "s_per_token_p95", "p95_source",
             "steady_mib_per_token", "mib_read", "mib_per_token", "stall_s_per_token", "cache_hit_pct",
             "cache_resident_mib", "spec_mib_per_token", "useful_pct", "spec_recall_pct", "spec_disabled",
-            "prefill_tokens", "prefill_s", "prefill_tok_s", "load_s", "bmoe_load_s", "ttft_s", "io_s_per_token")
+            "prefill_tokens", "prefill_s", "prefill_tok_s", "load_s", "bmoe_load_s", "ttft_s", "io_s_per_token",
+            "drafted", "accepted", "draft_extra_mib")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -50,7 +51,8 @@ def run_numbers(stdout: str, csv_text: str | None = None, skip_tokens: int = 0, 
     if gen:
         s_tok = float(gen["s_per_token"])
         out.update(tokens=gen["tokens"], s_per_token=s_tok, tok_s=float(gen["tok_s"]),
-                   s_per_token_median=s_tok, s_per_token_p95=s_tok, p95_source="summary")
+                   s_per_token_median=s_tok, s_per_token_p95=s_tok, p95_source="summary",
+                   drafted=gen["drafted"], accepted=gen["accepted"], draft_extra_mib=_float(gen["draft_extra_mib"]))
     stream = summary.get("moe-stream")
     if stream:
         out.update(mib_read=float(stream["read_mib"]), mib_per_token=float(stream["mib_per_token"]),

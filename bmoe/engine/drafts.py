@@ -1,0 +1,207 @@
+"""Guessing ahead losslessly: n-gram drafts (`--draft ngram`), verified in one llama_decode, and the gate
+that turns them off when they do not pay.
+
+After each step the engine drafts up to `--draft-max` tokens from the prompt and the text so far
+(`NgramLookup`: llama.cpp's prompt lookup, examples/lookup with common/ngram-cache's context cache),
+decodes the token it chose plus the drafts in one llama_decode (through the streaming engine, so a
+layer reads the union of the group's experts once), samples each row in order with the sequence's own
+sampler chain and keeps the longest prefix of drafts that agrees (`accepted`); the positions after it
+leave the KV (llama_memory_seq_rm). Every token kept is one the chain sampled, in the order it would
+have sampled them without drafts, so greedy and seeded sampling alike (penalties and grammars too)
+give the text llama.cpp gives doing the same speculative work: the same drafts, the same verify
+batches (tests/test_drafts.py runs this module's loop on llama-cpp-python's own context to show it).
+Whether that also equals decoding one token at a time depends on ggml's CPU kernels giving a row of a
+batch the logits they give the row alone (docs/levers.md says where it holds).
+
+`DraftGate` watches what drafting costs and gains per verify step and turns it off for a while when it
+does not pay (its notes say what it measures); `DraftReads` measures the extra bytes a verify group
+made the expert cache read, through StreamingStops' `on_plan` hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NGRAM_MIN, NGRAM_MAX = 1, 4  # llama.cpp's LLAMA_NGRAM_MIN and LLAMA_NGRAM_MAX (common/ngram-cache.h)
+# llama.cpp's lax thresholds for its context cache, by n-gram size: the n-gram must have been seen followed by
+# something at least this many times, the likeliest follower at least this share of them (draft_min_*_lax)
+MIN_SEEN = (2, 2, 1, 1)
+MIN_PERCENT = (66, 50, 50, 50)
+
+
+class NgramLookup:
+    """The n-grams (1 to 4 tokens) of one sequence's prompt and generated tokens, each with the tokens that
+    followed it and how often: llama.cpp's context n-gram cache, bounded by the context (4 entries a token)."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self.seen: dict[tuple[int, ...], dict[int, int]] = {}
+        self.add(tokens)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Tokens appended to the sequence (only ever appended, as llama.cpp's cache asks)."""
+        for tok in tokens:
+            i = len(self.tokens)
+            self.tokens.append(tok)
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, i) + 1):
+                after = self.seen.setdefault(tuple(self.tokens[i - n:i]), {})
+                after[tok] = after.get(tok, 0) + 1
+
+    def draft(self, n_max: int) -> list[int]:
+        """Up to `n_max` tokens that likely come next (common_ngram_cache_draft with the context cache alone):
+        token by token, the follower of the longest latest n-gram that passes its size's thresholds."""
+        out: list[int] = []
+        if len(self.tokens) < 2:  # LLAMA_NGRAM_STATIC: too little to go on
+            return out
+        while len(out) < n_max:
+            recent = self.tokens[-NGRAM_MAX:] + out
+            for n in range(min(NGRAM_MAX, len(recent)), NGRAM_MIN - 1, -1):
+                after = self.seen.get(tuple(recent[-n:]))
+                if not after:
+                    continue
+                best = max(after, key=after.__getitem__)  # ties: the follower seen first
+                total = sum(after.values())
+                if total >= MIN_SEEN[n - 1] and 100 * after[best] >= MIN_PERCENT[n - 1] * total:
+                    out.append(best)
+                    break
+            else:
+                break
+        return out
+
+
+def verify(group: Sequence[int], choose: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:
+    """After one llama_decode of `group` (the token chosen last, then the drafts) with logits at every row:
+    `choose(i)` samples row i (and accepts it in the chain); rows are sampled in order while each sampled
+    token is the draft the next row was decoded with. Returns the tokens sampled: all but the last are the
+    drafts accepted, the last is the token chosen next (not decoded yet), as one-token steps would have
+    chosen them."""
+    out: list[int] = []
+    for i in range(len(group)):
+        tok = choose(i)
+        out.append(tok)
+        if i + 1 == len(group) or tok != group[i + 1] or is_eog(tok):
+            break
+    return out
+
+
+@dataclass
+class DraftTally:
+    """What drafting did over some verify steps."""
+
+    steps: int = 0  # verify steps that carried drafts
+    drafted: int = 0
+    accepted: int = 0
+    extra_bytes: int = 0  # read for experts only the drafted rows routed (DraftReads)
+    first_bytes: int = 0  # read for experts the step's chosen token routed
+
+    def add(self, other: DraftTally) -> None:
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.extra_bytes += other.extra_bytes
+        self.first_bytes += other.first_bytes
+
+
+class DraftGate:
+    """Drafting on or off for one sequence, from what it measured over its last WINDOW verify steps.
+
+    Off when the drafts accepted per verify step are below MIN_ACCEPTED (the wider decode's compute is
+    not paid back), or when the extra bytes read per accepted token are above what the chosen tokens
+    themselves read per step (the flash reads the drafts cost more than the tokens they save would have;
+    only while streaming with misses, otherwise nothing is read either way). Off, it stays off for
+    PAUSE tokens and then tries again with a fresh window. It measures acceptance and reads, not time:
+    a run where neither tells (compute-bound drafts that are accepted) keeps drafting."""
+
+    WINDOW = 8
+    MIN_ACCEPTED = 0.5
+    PAUSE = 32
+
+    def __init__(self) -> None:
+        self.window = DraftTally()
+        self.paused = 0  # tokens left before drafting tries again
+        self.decisions: list[str] = []  # "off: ..." / "on", for the telemetry's notes and the tests
+
+    @property
+    def on(self) -> bool:
+        return self.paused == 0
+
+    def tick(self, tokens: int) -> None:
+        """`tokens` were generated without drafts while off."""
+        if self.paused:
+            self.paused = max(0, self.paused - tokens)
+            if not self.paused:
+                self.decisions.append("on")
+
+    def after(self, step: DraftTally) -> None:
+        """A verify step's figures; at the end of a window, decide."""
+        w = self.window
+        w.add(step)
+        if w.steps < self.WINDOW:
+            return
+        why = ""
+        if w.accepted < self.MIN_ACCEPTED * w.steps:
+            why = f"{w.accepted} of {w.drafted} drafts accepted in {w.steps} verify steps"
+        elif w.extra_bytes and w.extra_bytes > max(w.accepted, 1) * w.first_bytes / w.steps:
+            why = (f"{w.extra_bytes / max(w.accepted, 1) / 2**20:.2f} MiB extra per accepted token, above the "
+                   f"{w.first_bytes / w.steps / 2**20:.2f} MiB a chosen token read per step")
+        if why:
+            self.paused = self.PAUSE
+            self.decisions.append(f"off: {why}")
+        self.window = DraftTally()
+
+
+class Drafter:
+    """One sequence's drafting: its n-gram lookup and its gate (None: `--no-draft-gate`)."""
+
+    def __init__(self, prompt: Sequence[int], most: int, gated: bool) -> None:
+        self.lookup = NgramLookup(prompt)
+        self.most = most
+        self.gate = DraftGate() if gated else None
+
+    def propose(self, room: int) -> list[int]:
+        """Drafts after the sequence's last token, `room` at most (the tokens it may still generate, less one)."""
+        if room <= 0 or (self.gate is not None and not self.gate.on):
+            return []
+        return self.lookup.draft(min(self.most, room))
+
+    def settle(self, step: DraftTally, tokens: int) -> None:
+        """A step's figures: `step.steps` 0 when it carried no drafts; `tokens` the tokens it generated."""
+        if self.gate is not None:
+            if step.steps:
+                self.gate.after(step)
+            else:
+                self.gate.tick(tokens)
+
+
+class DraftReads:
+    """StreamingStops' `on_plan` observer: of the reads a verify step's layers send, the bytes of experts
+    that only the drafted rows routed (row 0 is the token chosen already: its experts are read anyway)."""
+
+    def __init__(self, expert_bytes: Callable[[int], int]) -> None:
+        self.expert_bytes = expert_bytes  # a region's bytes per expert
+        self.verifying = False
+        self.extra = self.first = 0
+
+    def begin(self, verifying: bool) -> None:
+        """A decode starts: a verify group's (its reads are sorted) or another's (they are not)."""
+        self.verifying = verifying
+        self.extra = self.first = 0
+
+    def take(self) -> tuple[int, int]:
+        """The verify decode's (extra bytes, bytes of the chosen token's experts); counting stops."""
+        self.verifying = False
+        return self.extra, self.first
+
+    def on_plan(self, layer: int, ids: np.ndarray, missing: Sequence[tuple[int, int, int]]) -> None:
+        """The layer's routed ids (a row per token) and the slices (layer, region, expert) it reads now."""
+        if not self.verifying or not missing:
+            return
+        chosen = set(np.asarray(ids[:1]).ravel().tolist())
+        for _, ri, e in missing:
+            if e in chosen:
+                self.first += self.expert_bytes(ri)
+            else:
+                self.extra += self.expert_bytes(ri)

@@ -1,0 +1,295 @@
+"""Drafting (`--draft ngram`, bmoe.engine.drafts): n-gram drafts verified in one decode.
+
+Lossless means: the text equals what plain llama.cpp produces doing the same speculative work. The
+reference is bmoe's one generation loop on `--no-stream` (llama.cpp's own mmap load, nothing streamed),
+which drafts and verifies in the same code, so drafts and verify batches are the same by construction;
+`test_the_drafting_reference_is_llama_cpp_pythons_context_doing_the_same_work` holds that reference to
+llama-cpp-python's own context running the module's lookup and verify by hand. Then the gates: streamed
+with a quarter of the experts cached equals the reference at draft widths 1 to 4, greedy and seeded.
+Against decoding without drafts the text holds as far as ggml's CPU kernels give a verify batch's rows the
+logits they give one token (docs/levers.md): `test_drafts_against_one_token_at_a_time` pins what this CPU does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from bmoe.api import Completion
+from bmoe.base import telemetry
+from bmoe.base.model_files import read_model_files
+from bmoe.base.settings import SamplerSettings
+from bmoe.base.units import MiB
+from bmoe.engine.drafts import DraftGate, DraftTally, NgramLookup, verify
+from bmoe.seam import llama
+from tests import spec_lines
+from tests.conftest import REPO, complete, load, run_cli
+from tests.plain_llama import plain_llama
+
+# prompts whose answers tend to copy them: drafts from them are accepted and rejected (the synthetic model's
+# random weights fall into a loop after this one; the demo's language model copies the list)
+PROMPTS = {"synth": "one two three one two three one two three one two",
+           "demo8": ("Copy the list twice. The list: red apple, green pear, blue plum, red apple, green pear, "
+                     "blue plum, yellow lemon. Again: red apple, green pear,")}
+PROMPT = PROMPTS["synth"]
+N = 48
+FLAGS = ("-c", 256, "-t", 2)
+
+
+@pytest.fixture(scope="module")
+def models(small_moe: Path, demo8: Path) -> dict[str, str]:
+    """The small synthetic MoE most tests stream and the 8-expert demo (a real language model's text)."""
+    return {"synth": str(small_moe), "demo8": str(demo8)}
+
+
+def quarter(path: str) -> float:
+    return read_model_files(path).expert_bytes / 4 / MiB
+
+
+def run(path: str, *flags: object, prompt: str = PROMPT, n: int = N) -> Completion:
+    """One answer through the one generation loop with these bmoe-cli flags (the synthetic model's prompt unless
+    given)."""
+    with load(path, *FLAGS, *flags) as m:
+        return complete(m, prompt, n)
+
+
+def drafts_of(c: Completion) -> tuple[int, int]:
+    return sum(t.drafted for t in c.tokens), sum(t.accepted for t in c.tokens)
+
+
+# ---- the pieces ----------------------------------------------------------------------------------------------
+
+
+def test_the_lookup_drafts_the_follower_of_the_longest_ngram_that_clears_llama_cpps_thresholds() -> None:
+    # after ... 3 4 5 1 2, the 4-gram (5 1 2)... has been followed by 3 once: a 4-gram needs one sighting
+    assert NgramLookup([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]).draft(4) == [3, 4, 5, 1]
+    assert NgramLookup([7, 8, 9, 7, 8]).draft(3) == []  # a 2-gram needs two sightings: (7 8) had one
+    assert NgramLookup([7, 8, 9, 7, 8, 9, 7, 8]).draft(3) == [9, 7, 8]  # (7 8) twice, then the 4-grams it makes
+    assert NgramLookup([5, 6, 5, 7]).draft(2) == []  # 1-gram 7 never seen followed; nothing longer matches
+    # a 1-gram needs two sightings with 66% for one follower: 3 after 1 twice of three clears it
+    assert NgramLookup([1, 3, 1, 3, 1, 4, 0, 1]).draft(1) == [3]
+    assert NgramLookup([1, 3, 1, 4, 0, 1]).draft(1) == []  # 50%: below 66
+    assert NgramLookup([1]).draft(4) == []
+
+
+def test_verify_keeps_the_drafts_the_sampler_agrees_with_and_the_token_it_chose_next() -> None:
+    never = lambda t: False  # noqa: E731
+    assert verify([5, 1, 2, 3], lambda i: [1, 2, 9, 0][i], never) == [1, 2, 9]  # two accepted, then 9
+    assert verify([5, 1, 2], lambda i: [1, 2, 4][i], never) == [1, 2, 4]  # all accepted, 4 sampled after
+    assert verify([5, 1, 2], lambda i: [8, 2, 4][i], never) == [8]  # none: only row 0 is sampled
+    assert verify([5, 1, 2], lambda i: [1, 2, 4][i], lambda t: t == 1) == [1]  # an end of generation ends it
+
+
+def test_the_gate_turns_drafting_off_after_a_window_that_did_not_pay_and_on_after_its_pause() -> None:
+    g = DraftGate()
+    for _ in range(DraftGate.WINDOW):
+        g.after(DraftTally(1, 4, 0))
+    assert not g.on and g.decisions == [f"off: 0 of {4 * DraftGate.WINDOW} drafts accepted in 8 verify steps"]
+    g.tick(DraftGate.PAUSE - 1)
+    assert not g.on
+    g.tick(1)
+    assert g.on and g.decisions[-1] == "on"
+    for _ in range(DraftGate.WINDOW):  # accepted, but each accepted token read 3 MiB extra where its step read 1
+        g.after(DraftTally(1, 4, 2, extra_bytes=6 * 2**20, first_bytes=2**20))
+    assert not g.on and "MiB extra per accepted token" in g.decisions[-1]
+    g = DraftGate()
+    for _ in range(DraftGate.WINDOW):
+        g.after(DraftTally(1, 4, 2, extra_bytes=2**20, first_bytes=2**20))
+    assert g.on and g.decisions == []
+
+
+def test_bmoe_bench_reads_the_drafts_from_a_runs_generation_line() -> None:
+    from bmoe.tools import bench_numbers
+
+    t = telemetry.RunTotals(tokens=10, wall_s=1.0, io_s=0.0, mgmt_s=0.0, stall_s=0.0, read_bytes=0, drafting=True,
+                            drafted=8, accepted=5, draft_extra_bytes=2**20)
+    line = telemetry.generation_line(t)
+    assert line == "generation: 10 tokens, 0.1000 s/token (10.00 tok/s) drafted=8 accepted=5 draft_extra_mib=1.00"
+    r = bench_numbers.run_numbers(line + "\n")
+    assert (r["tokens"], r["drafted"], r["accepted"], r["draft_extra_mib"]) == (10, 8, 5, 1.0)
+    assert bench_numbers.run_numbers(telemetry.generation_line(replace(t, drafting=False)) + "\n")["drafted"] is None
+
+
+# ---- lossless ------------------------------------------------------------------------------------------------
+
+
+def by_hand_on_llama_cpp_python(path: str, prompt: str, n: int, most: int) -> list[int]:
+    """The drafting loop written out on llama-cpp-python's own Llama (its context, llama.cpp's C API): the prompt
+    in one decode, then per step the module's lookup drafts, one decode of the chosen token and the drafts with
+    every row's logits, the module's verify with a greedy chain, llama_memory_seq_rm of the rest."""
+    llm = plain_llama(path, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, n_threads_batch=2, flash_attn=True)
+    chain = llama.make_sampler(SamplerSettings(temp=0.0))
+    try:
+        ctx, vocab = llm._ctx.ctx, llama.Vocab(llm._model.model)
+        toks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        assert llama.decode(ctx, [(0, toks, 0)])[0] == 0
+        lookup = NgramLookup(toks)
+        nxt = llama.sample(chain, ctx, len(toks) - 1)
+        lookup.add([nxt])
+        out: list[int] = []
+        while len(out) < n and not vocab.is_eog(nxt):
+            group = [nxt, *lookup.draft(min(most, n - len(out) - 1))]
+            pos = len(toks) + len(out)
+            assert llama.decode(ctx, [(0, group, pos)], every_logit=len(group) > 1)[0] == 0
+
+            def choose(i: int) -> int:
+                t = llama.sample(chain, ctx, i)
+                lookup.add([t])
+                return t
+
+            got = verify(group, choose, vocab.is_eog)
+            assert llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, pos + len(got), -1)
+            out += group[:len(got)]
+            nxt = got[-1]
+        return out
+    finally:
+        llama.free_sampler(chain)
+        llm.close()
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_the_drafting_reference_is_llama_cpp_pythons_context_doing_the_same_work(models, width: int) -> None:
+    path = models["synth"]
+    ref = run(path, "--no-stream", "--draft", "ngram", "--draft-max", width, "--no-draft-gate")
+    drafted, accepted = drafts_of(ref)
+    assert drafted > accepted > 0, "the reference must accept and reject drafts, or it proves little"
+    assert list(ref.ids) == by_hand_on_llama_cpp_python(path, PROMPT, N, width)
+
+
+# every width on the synthetic model; the demo (a real language model's text, 20 s a load here) at the ends
+GREEDY = [("synth", w) for w in (1, 2, 3, 4)] + [("demo8", w) for w in (1, 4)]
+
+
+@pytest.mark.parametrize(("name", "width"), GREEDY)
+def test_streamed_drafts_equal_plain_llama_cpp_drafting_the_same(models, name: str, width: int) -> None:
+    """The lossless gate: greedy, a quarter of the experts cached (misses every token), two lanes; the text
+    equals --no-stream's with the same drafts, token for token, and drafts were accepted and rejected."""
+    path, prompt = models[name], PROMPTS[name]
+    draft = ("--draft", "ngram", "--draft-max", width, "--no-draft-gate")
+    ref = run(path, "--no-stream", *draft, prompt=prompt)
+    res = run(path, "--cache-mb", quarter(path), "--io-threads", 2, "--force", *draft, prompt=prompt)
+    assert res.ids == ref.ids and res.text == ref.text
+    assert drafts_of(res) == drafts_of(ref)
+    drafted, accepted = drafts_of(res)
+    assert drafted > accepted > 0
+    assert sum(t.lookups - t.hits for t in res.tokens) > 0, "a quarter of the experts must miss"
+    assert all(t.drafted <= width for t in res.tokens)
+
+
+def test_seeded_sampling_drafts_losslessly(models) -> None:
+    """The chain samples every kept token in order (its seeded draw included), so a seeded run drafts losslessly."""
+    path, prompt = models["demo8"], PROMPTS["demo8"]
+    flags = ("--temp", 0.7, "--seed", 7, "--draft", "ngram", "--draft-max", 3, "--no-draft-gate")
+    ref = run(path, "--no-stream", *flags, prompt=prompt)
+    res = run(path, "--cache-mb", quarter(path), "--io-threads", 2, "--force", *flags, prompt=prompt)
+    assert res.ids == ref.ids and res.text == ref.text and drafts_of(res)[1] > 0
+
+
+def test_drafts_against_one_token_at_a_time(models) -> None:
+    """What ggml's CPU kernels give (docs/levers.md): on the synthetic q8_0 MoE a verify batch's rows compute as the
+    tokens alone do, so drafting's text equals decoding one token at a time. (Not on every model: the 8-expert
+    demo's answer to its prompt leaves the one-token text at its 36th token at any width on the Xeon this was
+    measured on, the KV of rows computed in a batch of several being a rounding apart.)"""
+    path, prompt = models["synth"], PROMPTS["synth"]
+    plain = run(path, "--no-stream", prompt=prompt)
+    for width in (1, 4):
+        drafted = run(path, "--no-stream", "--draft", "ngram", "--draft-max", width, "--no-draft-gate", prompt=prompt)
+        assert drafted.ids == plain.ids
+
+
+# ---- the gate at work ----------------------------------------------------------------------------------------
+
+
+def test_the_gate_stops_drafting_where_the_drafts_extra_reads_cost_more_than_they_save(models) -> None:
+    """A cache of 1 MiB: every drafted row's experts are read, more per accepted token than a chosen token's own
+    read per step, so the gated run drafts fewer steps than the ungated one; the text is the same (on this model
+    drafting is byte-identical to one token at a time)."""
+    path = models["synth"]
+    prompt = "The list: red apple, green pear, blue plum, red apple, green pear, blue plum, red apple,"
+    flags = ("--draft", "ngram", "--draft-max", 4, "--cache-mb", 1)
+    ungated = run(path, *flags, "--no-draft-gate", prompt=prompt, n=160)
+    gated = run(path, *flags, prompt=prompt, n=160)
+    assert gated.ids == ungated.ids
+    steps = [sum(1 for t in c.tokens if t.drafted) for c in (gated, ungated)]
+    assert DraftGate.WINDOW <= steps[0] < steps[1], steps
+    assert sum(t.draft_extra_bytes for t in ungated.tokens) > 0
+
+
+# ---- where users meet it -------------------------------------------------------------------------------------
+
+
+def test_bmoe_cli_drafts_and_reports_them_in_trailing_keys(models, tmp_path) -> None:
+    path, csv = models["synth"], tmp_path / "run.csv"
+    args = ("-m", path, "-p", PROMPT, "-n", str(N), "-c", "256", "--cache-mb", str(quarter(path)), "--force")
+    r = run_cli(*args, "--draft", "ngram", "--draft-max", "3", "--no-draft-gate", "--progress", "--csv", str(csv))
+    plain = run_cli(*args, "--no-stream", "--draft", "ngram", "--draft-max", "3", "--no-draft-gate", "--progress")
+    assert r.returncode == 0 and plain.returncode == 0, r.stderr + plain.stderr
+    run_, ref = telemetry.parse_output(r.stdout), telemetry.parse_output(plain.stdout)
+    assert run_.answer == ref.answer and run_.answer.strip()
+    progress = [obj for tag, obj in run_.events if tag == "PROGRESS"]
+    for obj in progress:  # the contract's keys in its order, then bmoe's
+        assert tuple(obj) == (*spec_lines.PROGRESS_KEYS, "drafted", "accepted", "draft_extra_mb")
+    drafted, accepted = sum(o["drafted"] for o in progress), sum(o["accepted"] for o in progress)
+    assert drafted > accepted > 0
+    gen = next(x for x in r.stdout.splitlines() if x.startswith("generation: "))
+    head, _, _ = gen.partition(" drafted=")
+    assert spec_lines.summary_matches("generation", head), gen  # the contract's line, then bmoe's keys
+    parsed = telemetry.parse_summary(gen)
+    assert parsed is not None and (parsed[1]["drafted"], parsed[1]["accepted"]) == (drafted, accepted), gen
+    rows, summary = telemetry.read_csv(csv.read_text())
+    header = csv.read_text().splitlines()[0]
+    assert header.endswith(",page_cache_bytes,page_cache_ms,drafted,accepted,draft_extra_bytes"), header
+    assert sum(row["drafted"] for row in rows) == summary["drafted"] == drafted
+    without = run_cli(*args, "--progress")
+    assert "drafted" not in without.stdout, "a run without drafts keeps the contract's lines as they were"
+
+
+def test_drafting_with_one_token_work_or_a_recurrent_model_is_refused_by_name(models, synth, tmp_path) -> None:
+    r = run_cli("-m", models["synth"], "-p", "Hi", "-n", "4", "--draft", "ngram", "--route-trace",
+                str(tmp_path / "t.jsonl"))
+    assert r.returncode != 0 and "--draft ngram" in r.stderr and "--route-trace" in r.stderr, r.stderr
+    hybrid = str(synth(arch="qwen3next"))
+    r = run_cli("-m", hybrid, "-p", "Hi", "-n", "4", "--draft", "ngram")
+    assert r.returncode != 0 and "--draft ngram" in r.stderr and "recurrent" in r.stderr, r.stderr
+
+
+def test_bmoe_load_takes_the_drafting_keywords(models) -> None:
+    import bmoe
+
+    with bmoe.load(models["synth"], n_ctx=256, threads=2, draft="ngram", draft_max=2, draft_gate=False) as m:
+        t0 = time.perf_counter()
+        text = m.generate(PROMPT, max_tokens=N)
+        spent = time.perf_counter() - t0
+        stats = m.stats.last
+    assert text == run(models["synth"], "--no-stream", "--draft", "ngram", "--draft-max", 2,
+                       "--no-draft-gate").text
+    assert stats is not None and stats.drafted > stats.accepted > 0
+    # a verify step's tokens share its wall time: the tokens' times add up to no more than the call took
+    assert stats.completion_tokens / stats.tok_s <= spent
+
+
+def test_the_session_ends_its_done_line_with_the_drafts(models) -> None:
+    req = json.dumps({"cmd": "generate", "id": 1, "prompt": PROMPT, "n_predict": N})
+    r = subprocess.run([sys.executable, "-m", "bmoe.cli", "--session", "-m", models["synth"], "-c", "256",
+                        "--draft", "ngram", "--no-draft-gate"], input=req + "\n", capture_output=True, text=True,
+                       timeout=240, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    tagged = [t for t in map(telemetry.parse_tagged, r.stdout.splitlines()) if t is not None]
+    done = next(obj for tag, obj in tagged if tag == "DONE")
+    assert tuple(done)[-4:] == ("page_cache_mib", "drafted", "accepted", "draft_extra_mib")
+    progress = [obj for tag, obj in tagged if tag == "PROGRESS"]
+    drafted, accepted = sum(o["drafted"] for o in progress), sum(o["accepted"] for o in progress)
+    assert (done["drafted"], done["accepted"]) == (drafted, accepted) and drafted >= accepted
+
+
+def test_bmoe_server_refuses_drafts_by_name_until_its_request_fields_exist(models) -> None:
+    r = subprocess.run([sys.executable, "-m", "bmoe.server", "-m", models["synth"], "--port", "0", "--draft", "ngram"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "--draft ngram: bmoe-server does not draft yet" in r.stderr, r.stderr
