@@ -35,6 +35,8 @@ from pathlib import Path
 from bmoe.base.units import MiB
 from bmoe.demo.build import default_path
 from bmoe.tools import bench_sys
+from bmoe.tools.bench_numbers import median_of
+from bmoe.tools.bench_report import cell
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = REPO / "bench" / "prompts" / "copy_edit.txt"
@@ -93,15 +95,6 @@ def run_one(a: argparse.Namespace, cg: bench_sys.CgroupHierarchy | None, setting
             "peak_cgroup_mib": round(peak / MiB) if peak else None, "text": r.stdout.split("\ngeneration:")[0]}
 
 
-def med(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def fmt(x: float | None, digits: int = 2) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", type=Path, default=None, help="default: the 64-expert demo (built when missing)")
@@ -145,16 +138,16 @@ def main() -> int:
             rs = [r for r in runs if r["setting"] == setting and r["arm"] == arm]
             ratios = [r["tok_s"] / off[r["round"]]["tok_s"] for r in rs]
             drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
-            row = {"setting": setting, "arm": arm, "tok_s": med([r["tok_s"] for r in rs]), "ratios": ratios,
+            row = {"setting": setting, "arm": arm, "tok_s": median_of([r["tok_s"] for r in rs]), "ratios": ratios,
                    "acceptance": accepted / drafted if drafted else None,
-                   "tokens_per_verify": med([r["tokens_per_verify"] for r in rs]),
-                   "extra_mib_per_accepted": med([r["extra_mib_per_accepted"] for r in rs]),
-                   "mib_per_token": med([r["mib_per_token"] for r in rs]),
+                   "tokens_per_verify": median_of([r["tokens_per_verify"] for r in rs]),
+                   "extra_mib_per_accepted": median_of([r["extra_mib_per_accepted"] for r in rs]),
+                   "mib_per_token": median_of([r["mib_per_token"] for r in rs]),
                    "same_text": all(r["text"] == off[r["round"]]["text"] for r in rs)}
             summary.append(row)
-            lines.append(f"| {setting} | {arm} | {fmt(row['tok_s'])} | {', '.join(f'{x:.2f}' for x in ratios)} | "
-                         f"{fmt(row['acceptance'])} | {fmt(row['tokens_per_verify'])} | "
-                         f"{fmt(row['extra_mib_per_accepted'])} | {fmt(row['mib_per_token'], 1)} | "
+            lines.append(f"| {setting} | {arm} | {cell(row['tok_s'])} | {', '.join(f'{x:.2f}' for x in ratios)} | "
+                         f"{cell(row['acceptance'])} | {cell(row['tokens_per_verify'])} | "
+                         f"{cell(row['extra_mib_per_accepted'])} | {cell(row['mib_per_token'], '.1f')} | "
                          f"{row['same_text']} |")
     (a.out / "runs.json").write_text(json.dumps(runs, indent=1))
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -60,6 +60,8 @@ sys.path.insert(0, str(REPO))
 from bmoe.base import telemetry  # noqa: E402
 from bmoe.base.units import MiB  # noqa: E402
 from bmoe.tools import bench_io, bench_sys  # noqa: E402
+from bmoe.tools.bench_numbers import median_of  # noqa: E402
+from bmoe.tools.bench_report import cell  # noqa: E402
 
 PROMPT = "Write a story about a dragon who learns to bake bread."
 FLASH_LIMIT = Path("/work/shared/tools/flash-limit")
@@ -382,11 +384,6 @@ def bandwidth(a: argparse.Namespace, when: str) -> float:
     return b.mib_s
 
 
-def med(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def compute_shares(recs: list[dict]) -> None:
     """Each streaming run's compute s/token over its round's compute bound's s/token (plain llama.cpp's
     whole token, file warm): how much the streaming run's own compute costs beside plain llama.cpp's."""
@@ -400,7 +397,7 @@ def compute_shares(recs: list[dict]) -> None:
 def summarize(recs: list[dict], bw: float | None) -> list[dict]:
     """Per (cap, arm): medians over the rounds, bounds and shares."""
     compute_shares(recs)
-    cb = med([r.get("tok_s") for r in recs if r["kind"] == "compute-bound" and r["ok"]])
+    cb = median_of([r.get("tok_s") for r in recs if r["kind"] == "compute-bound" and r["ok"]])
     rows = []
     keys = []
     for r in recs:
@@ -413,12 +410,12 @@ def summarize(recs: list[dict], bw: float | None) -> list[dict]:
                "tok_s_each": [round(r["tok_s"], 3) for r in ok]}
         for k in ("tok_s", "mib_per_token", "experts_per_token", "hit_pct", "mgmt_s", "compute_s", "stall_s",
                   "peak_cgroup_mib", "disk_read_mib", "others_cpu_pct"):
-            row[k] = med([r.get(k) for r in ok])
+            row[k] = median_of([r.get(k) for r in ok])
         mib = row["mib_per_token"]
         rate = min(cap, bw) if cap and bw else cap or bw  # the device's rate: a cap above it reads no faster
         row["io_bound"] = rate / mib if rate and mib else None
         row["compute_bound"] = cb
-        row["compute_share"] = med([r.get("compute_share") for r in ok])
+        row["compute_share"] = median_of([r.get("compute_share") for r in ok])
         lower = min([x for x in (row["io_bound"], cb) if x], default=None)
         row["share_of_lower_bound"] = row["tok_s"] / lower if lower and row["tok_s"] else None
         rows.append(row)
@@ -439,10 +436,6 @@ def ab_ratios(recs: list[dict], arms: list[Arm]) -> list[dict]:
     return out
 
 
-def fmt(x: float | None, digits: int = 2) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
 def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[str], facts: dict, bw: dict,
            recs: list[dict], rows: list[dict], started: dict, ended: dict) -> str:
     cap_name = {0: "uncapped"}
@@ -458,8 +451,8 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
         + ", the model file dropped from the page cache before each run",
         f"- caps: {', '.join(cap_name.get(c, f'{c} MiB/s') for c in a.caps)} (`{a.flash_limit} N -- CMD`); "
         f"{a.repeats} round(s), arms in this order each round: {', '.join(x.name for x in arms)}",
-        f"- O_DIRECT random expert-slice reads, {a.lanes} threads: {fmt(bw.get('before'), 0)} MiB/s before, "
-        f"{fmt(bw.get('after'), 0)} after (the uncapped I/O bound uses their mean)",
+        f"- O_DIRECT random expert-slice reads, {a.lanes} threads: {cell(bw.get('before'), '.0f')} MiB/s before, "
+        f"{cell(bw.get('after'), '.0f')} after (the uncapped I/O bound uses their mean)",
         "- others' CPU %: the CPU time the rest of the machine used during a run, as a share of all cores "
         "(/proc/stat's busy time less the run's own process tree's): what a run competed with",
         f"- load average (1 min) at start {started['load']:.2f}, at end {ended['load']:.2f}; "
@@ -494,11 +487,13 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
         each = ", ".join(f"{x:.2f}" for x in r["tok_s_each"])
         lines.append(
             f"| {cap_name.get(r['cap'], r['cap'])} | {r['arm']} | {r['ok']}/{r['runs']} "
-            f"| **{fmt(r['tok_s'])}** ({each}) "
-            f"| {fmt(r['mib_per_token'], 1)} | {fmt(r['experts_per_token'], 1)} | {fmt(r['hit_pct'], 1)} "
-            f"| {fmt(r['mgmt_s'], 4)} | {fmt(r['compute_s'], 4)} | {fmt(r['stall_s'], 4)} | {fmt(r['io_bound'])} "
-            f"| {fmt(r['compute_bound'])} | {fmt(r['share_of_lower_bound'])} | {fmt(r['compute_share'])} "
-            f"| {fmt(r['peak_cgroup_mib'], 0)} | {fmt(r['others_cpu_pct'], 0)} |")
+            f"| **{cell(r['tok_s'])}** ({each}) "
+            f"| {cell(r['mib_per_token'], '.1f')} | {cell(r['experts_per_token'], '.1f')}"
+            f" | {cell(r['hit_pct'], '.1f')} "
+            f"| {cell(r['mgmt_s'], '.4f')} | {cell(r['compute_s'], '.4f')} | {cell(r['stall_s'], '.4f')}"
+            f" | {cell(r['io_bound'])} "
+            f"| {cell(r['compute_bound'])} | {cell(r['share_of_lower_bound'])} | {cell(r['compute_share'])} "
+            f"| {cell(r['peak_cgroup_mib'], '.0f')} | {cell(r['others_cpu_pct'], '.0f')} |")
     ratios = ab_ratios(recs, arms)
     if ratios:
         lines += ["", f"## Same-run ratios: tok/s ÷ `{arms[0].name}`'s in the same round and cap", "",
@@ -521,10 +516,12 @@ def report(a: argparse.Namespace, argv: list[str], arms: list[Arm], left: list[s
             "yes" if plain_text.startswith(text) or text.startswith(plain_text) else "**no**")
         name = r["arm"] + (" (compute bound: warm, no limit)" if r["kind"] == "compute-bound" else "")
         lines.append(f"| {r['index']} | {name} | {cap_name.get(r['cap'], r['cap'])} | {r['round']} | {r['exit']} "
-                     f"| {fmt(r.get('tok_s'))} | {fmt(r.get('mib_per_token'), 1)} | {fmt(r.get('hit_pct'), 1)} "
-                     f"| {fmt(r.get('mgmt_s'), 4)} | {fmt(r.get('compute_s'), 4)} | {fmt(r.get('stall_s'), 4)} "
-                     f"| {fmt(r.get('compute_bound_tok_s'))} | {fmt(r.get('compute_share'))} | {same} "
-                     f"| {r['loadavg_1m']:.2f} | {fmt(r.get('others_cpu_pct'), 0)} | {r['elapsed_s']:.0f} |")
+                     f"| {cell(r.get('tok_s'))} | {cell(r.get('mib_per_token'), '.1f')}"
+                     f" | {cell(r.get('hit_pct'), '.1f')} "
+                     f"| {cell(r.get('mgmt_s'), '.4f')} | {cell(r.get('compute_s'), '.4f')}"
+                     f" | {cell(r.get('stall_s'), '.4f')} "
+                     f"| {cell(r.get('compute_bound_tok_s'))} | {cell(r.get('compute_share'))} | {same} "
+                     f"| {r['loadavg_1m']:.2f} | {cell(r.get('others_cpu_pct'), '.0f')} | {r['elapsed_s']:.0f} |")
     failed = [r for r in recs if not r["ok"]]
     if failed:
         lines += ["", "## Failed runs", ""]
@@ -571,15 +568,15 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_one(a, arm, cap, rnd, index, cg_h, runs, expert_mib, warm)
                 r["waited_s"] = waited
                 recs.append(r)
-                print(f"real_shape:   exit {r['exit']}, load {r['loadavg_1m']:.2f}, tok/s {fmt(r.get('tok_s'))}, "
-                      f"MiB/token {fmt(r.get('mib_per_token'), 1)}, hit {fmt(r.get('hit_pct'), 1)} %, "
+                print(f"real_shape:   exit {r['exit']}, load {r['loadavg_1m']:.2f}, tok/s {cell(r.get('tok_s'))}, "
+                      f"MiB/token {cell(r.get('mib_per_token'), '.1f')}, hit {cell(r.get('hit_pct'), '.1f')} %, "
                       f"{r['elapsed_s']:.0f} s", file=sys.stderr)
                 (a.out / "results.json").write_text(json.dumps({"runs": recs}, indent=1))
     finally:
         if 0 in a.caps:
             bw["after"] = bandwidth(a, "after")
         ended = {"load": os.getloadavg()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-        rate = med(list(bw.values()))
+        rate = median_of(list(bw.values()))
         rows = summarize(recs, rate)
         (a.out / "results.json").write_text(json.dumps(
             {"argv": argv, "model": facts, "bandwidth_mib_s": bw, "left_out": left, "summary": rows, "runs": recs,

@@ -105,7 +105,8 @@ def _first_token(csv_sum: dict[str, float]) -> dict:
     return out
 
 
-def _med(xs: list) -> float | None:
+def median_of(xs: list) -> float | None:
+    """The median of the values that are there (None left out); None when none is."""
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
@@ -129,30 +130,30 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
         tps = [r["tok_s"] for r in ok]
         s: dict[str, Any] = {"config": c.name, "flags": c.flags, "checkout": str(c.checkout) if c.checkout else None,
              "runs": len(runs), "ok_runs": len(ok),
-             "tok_s_median": _med(tps), "tok_s_min": min(tps) if tps else None,
+             "tok_s_median": median_of(tps), "tok_s_min": min(tps) if tps else None,
              "tok_s_max": max(tps) if tps else None,
              "tok_s_q1": percentile(tps, 25) if len(tps) >= 4 else None,
              "tok_s_q3": percentile(tps, 75) if len(tps) >= 4 else None,
-             "s_per_token_median": _med([r["s_per_token_median"] for r in ok]),
-             "s_per_token_p95": _med([r["s_per_token_p95"] for r in ok]),
-             "mib_per_token": _med([r["mib_per_token"] for r in ok]),
-             "steady_mib_per_token": _med([r["steady_mib_per_token"] for r in ok]),
-             "cache_hit_pct": _med([r["cache_hit_pct"] for r in ok]),
-             "stall_s_per_token": _med([r["stall_s_per_token"] for r in ok]),
+             "s_per_token_median": median_of([r["s_per_token_median"] for r in ok]),
+             "s_per_token_p95": median_of([r["s_per_token_p95"] for r in ok]),
+             "mib_per_token": median_of([r["mib_per_token"] for r in ok]),
+             "steady_mib_per_token": median_of([r["steady_mib_per_token"] for r in ok]),
+             "cache_hit_pct": median_of([r["cache_hit_pct"] for r in ok]),
+             "stall_s_per_token": median_of([r["stall_s_per_token"] for r in ok]),
              "peak_mem_mib": max((r["peak_mem_mib"] for r in runs if r.get("peak_mem_mib") is not None),
                                  default=None),
              "peak_cgroup_mib": max((r["peak_cgroup_mib"] for r in runs
                                      if r.get("peak_cgroup_mib") is not None), default=None),
-             "spec_mib_per_token": _med([r.get("spec_mib_per_token") for r in ok]),
-             "useful_pct": _med([r.get("useful_pct") for r in ok]),
-             "spec_recall_pct": _med([r.get("spec_recall_pct") for r in ok]),
+             "spec_mib_per_token": median_of([r.get("spec_mib_per_token") for r in ok]),
+             "useful_pct": median_of([r.get("useful_pct") for r in ok]),
+             "spec_recall_pct": median_of([r.get("spec_recall_pct") for r in ok]),
              "spec_disabled_runs": sum(1 for r in ok if r.get("spec_disabled")),
-             "prefill_tokens": _med([r.get("prefill_tokens") for r in ok]),
-             "ttft_s_median": _med([r.get("ttft_s") for r in ok]),
-             "prefill_s_median": _med([r.get("prefill_s") for r in ok]),
-             "prefill_tok_s_median": _med([r.get("prefill_tok_s") for r in ok]),
-             "load_s_median": _med([r.get("load_s") for r in ok]),
-             "bmoe_load_s_median": _med([r.get("bmoe_load_s") for r in ok]),
+             "prefill_tokens": median_of([r.get("prefill_tokens") for r in ok]),
+             "ttft_s_median": median_of([r.get("ttft_s") for r in ok]),
+             "prefill_s_median": median_of([r.get("prefill_s") for r in ok]),
+             "prefill_tok_s_median": median_of([r.get("prefill_tok_s") for r in ok]),
+             "load_s_median": median_of([r.get("load_s") for r in ok]),
+             "bmoe_load_s_median": median_of([r.get("bmoe_load_s") for r in ok]),
              "io_threads": None, "lanes_busy_pct": None,
              "bw_threads": None, "bw_mib_s": None, "io_bound_tok_s": None,
              "overlap_limit_tok_s": None, "pct_of_limit": None,
@@ -160,7 +161,7 @@ def summarize(configs: list[Config], records: list[dict], bw: dict[int, float],
         if "--no-stream" not in c.flags:
             s["io_threads"] = io_threads_of([*common, *c.flags])  # a configuration's flag wins
             if overlap_of([*common, *c.flags]):  # flash I/O is then the lanes' busy time
-                s["lanes_busy_pct"] = _med([100.0 * r["io_s_per_token"] / (s["io_threads"] * r["s_per_token"])
+                s["lanes_busy_pct"] = median_of([100.0 * r["io_s_per_token"] / (s["io_threads"] * r["s_per_token"])
                                             for r in ok if r.get("io_s_per_token") is not None
                                             and r.get("s_per_token")])
             pick = bandwidth_for(bw, s["io_threads"])

@@ -15,7 +15,8 @@ REPORT = "report.md"
 SPEED_CHART = "tok_s.png"
 
 
-def _f(x: float | None, fmt: str = ".2f", none: str = "–") -> str:
+def cell(x: float | None, fmt: str = ".2f", none: str = "–") -> str:
+    """A table cell: the number in `fmt`, or `none` when it is missing."""
     return none if x is None else format(x, fmt)
 
 
@@ -67,7 +68,7 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
         for t in sorted(bw["used"], key=int):
             b = bw["before"].get(t)
             a = bw["after"].get(t)
-            L.append(f"| {t} | {_f(b, '.1f')} | {_f(a, '.1f')} | {_f(bw['used'][t], '.1f')} |")
+            L.append(f"| {t} | {cell(b, '.1f')} | {cell(a, '.1f')} | {cell(bw['used'][t], '.1f')} |")
         L.append("")
     reps = meta["repeats"]
     L += ["## Results", "",
@@ -99,19 +100,19 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
         spread = "–" if s["tok_s_min"] is None else f"{s['tok_s_min']:.2f}–{s['tok_s_max']:.2f}"
         if s["tok_s_q1"] is not None:
             spread += f" (IQR {s['tok_s_q1']:.2f}–{s['tok_s_q3']:.2f})"
-        iob = _f(s["io_bound_tok_s"])
+        iob = cell(s["io_bound_tok_s"])
         if s["io_bound_tok_s"] is not None:
             iob += f" ({s['bw_threads']} thr)"
         where = f" (from `{s['checkout']}`)" if s.get("checkout") else ""
         L.append(f"| {s['config']} | `{shlex.join(s['flags']) or ' '}`{where} | {s['ok_runs']}/{s['runs']} | "
-                 f"{_f(s['tok_s_median'])} | {spread} | {_f(s['s_per_token_median'], '.4f')} | "
-                 f"{_f(s['s_per_token_p95'], '.4f')} | {_f(s['mib_per_token'])} | "
-                 f"{_f(s['steady_mib_per_token'])} | {_f(s['cache_hit_pct'], '.1f')} | "
-                 f"{_f(s['stall_s_per_token'], '.4f')} | {_f(s['lanes_busy_pct'], '.0f')} | {iob} | "
-                 f"{_f(s['peak_mem_mib'], '.0f')} | "
-                 f"{_f(s['peak_cgroup_mib'], '.0f')} | "
+                 f"{cell(s['tok_s_median'])} | {spread} | {cell(s['s_per_token_median'], '.4f')} | "
+                 f"{cell(s['s_per_token_p95'], '.4f')} | {cell(s['mib_per_token'])} | "
+                 f"{cell(s['steady_mib_per_token'])} | {cell(s['cache_hit_pct'], '.1f')} | "
+                 f"{cell(s['stall_s_per_token'], '.4f')} | {cell(s['lanes_busy_pct'], '.0f')} | {iob} | "
+                 f"{cell(s['peak_mem_mib'], '.0f')} | "
+                 f"{cell(s['peak_cgroup_mib'], '.0f')} | "
                  f"{'–' if s['speedup_vs_mmap'] is None else format(s['speedup_vs_mmap'], '.2f') + '×'} | "
-                 f"{_f(s['s_per_token_vs_mmap'], '.3f')} |")
+                 f"{cell(s['s_per_token_vs_mmap'], '.3f')} |")
     L.append("")
     if first:
         L += ["### Time to first token", "",
@@ -124,10 +125,10 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
               "| config | prompt tokens | TTFT s | TTFT ÷ mmap | prefill s | prefill tok/s | load s | bmoe load s |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for s in first:
-            L.append(f"| {s['config']} | {_f(s['prefill_tokens'], '.0f')} | {_f(s['ttft_s_median'], '.3f')} | "
-                     f"{_f(s['ttft_vs_mmap'], '.3f')} | {_f(s['prefill_s_median'], '.3f')} | "
-                     f"{_f(s['prefill_tok_s_median'], '.1f')} | {_f(s['load_s_median'], '.3f')} | "
-                     f"{_f(s['bmoe_load_s_median'], '.3f')} |")
+            L.append(f"| {s['config']} | {cell(s['prefill_tokens'], '.0f')} | {cell(s['ttft_s_median'], '.3f')} | "
+                     f"{cell(s['ttft_vs_mmap'], '.3f')} | {cell(s['prefill_s_median'], '.3f')} | "
+                     f"{cell(s['prefill_tok_s_median'], '.1f')} | {cell(s['load_s_median'], '.3f')} | "
+                     f"{cell(s['bmoe_load_s_median'], '.3f')} |")
         L.append("")
     if limits:
         ref = meta["compute_ref"]
@@ -139,8 +140,9 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
               "% of limit |", "|---|---:|---:|---:|---:|---:|"]
         ref_s = next(s for s in summary if s["config"] == ref)
         for s in limits:
-            L.append(f"| {s['config']} | {_f(s['tok_s_median'])} | {_f(ref_s['tok_s_median'])} | "
-                     f"{_f(s['io_bound_tok_s'])} | {_f(s['overlap_limit_tok_s'])} | {_f(s['pct_of_limit'], '.1f')} |")
+            L.append(f"| {s['config']} | {cell(s['tok_s_median'])} | {cell(ref_s['tok_s_median'])} | "
+                     f"{cell(s['io_bound_tok_s'])} | {cell(s['overlap_limit_tok_s'])}"
+                     f" | {cell(s['pct_of_limit'], '.1f')} |")
         L.append("")
     if spec_rows:
         L += ["### Speculative reads", "",
@@ -150,8 +152,8 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
               "| config | speculative MiB/token | useful % | spec-gate recall % | governor fired |",
               "|---|---:|---:|---:|---:|"]
         for s in spec_rows:
-            L.append(f"| {s['config']} | {_f(s['spec_mib_per_token'])} | {_f(s['useful_pct'], '.1f')} | "
-                     f"{_f(s['spec_recall_pct'], '.1f')} | {s['spec_disabled_runs']}/{s['ok_runs']} |")
+            L.append(f"| {s['config']} | {cell(s['spec_mib_per_token'])} | {cell(s['useful_pct'], '.1f')} | "
+                     f"{cell(s['spec_recall_pct'], '.1f')} | {s['spec_disabled_runs']}/{s['ok_runs']} |")
         L.append("")
     if chart:
         L += [f"![tok/s per configuration]({chart})", ""]
@@ -162,9 +164,9 @@ def render_report(meta: dict, records: list[dict], summary: list[dict], chart: s
           "load 1m | s |", "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         L.append(f"| {r['index']} | {r['phase']} | {r['round']} | {r['config']} | {r['exit_status']} | "
-                 f"{_f(r['tok_s'])} | {_f(r['ttft_s'], '.3f')} | {_f(r['s_per_token_p95'], '.4f')} | "
-                 f"{_f(r['mib_per_token'])} | "
-                 f"{_f(r['cache_hit_pct'], '.1f')} | {_f(r.get('peak_mem_mib'), '.0f')} | "
+                 f"{cell(r['tok_s'])} | {cell(r['ttft_s'], '.3f')} | {cell(r['s_per_token_p95'], '.4f')} | "
+                 f"{cell(r['mib_per_token'])} | "
+                 f"{cell(r['cache_hit_pct'], '.1f')} | {cell(r.get('peak_mem_mib'), '.0f')} | "
                  f"{r['loadavg_1m']:.2f} | {r['elapsed_s']:.1f} |")
     L.append("")
     failed = [r for r in records if not r["ok"]]
@@ -234,8 +236,9 @@ def print_summary(summary: list[dict]) -> None:
           f"{'I/O-bound':>10} {'peak MiB':>9} {'vs mmap':>8} {'TTFT s':>7} {'TTFT÷mmap':>9}")
     for s in summary:
         spread = "–" if s["tok_s_min"] is None else f"{s['tok_s_min']:.2f}–{s['tok_s_max']:.2f}"
-        print(f"{s['config']:<16} {_f(s['tok_s_median']):>8} {spread:>15} {_f(s['s_per_token_median'], '.4f'):>8} "
-              f"{_f(s['mib_per_token']):>9} "
-              f"{_f(s['cache_hit_pct'], '.1f'):>6} {_f(s['io_bound_tok_s']):>10} {_f(s['peak_mem_mib'], '.0f'):>9} "
-              f"{_f(s['speedup_vs_mmap']):>8} {_f(s['ttft_s_median'], '.3f'):>7} "
-              f"{_f(s['ttft_vs_mmap'], '.3f'):>9}")
+        print(f"{s['config']:<16} {cell(s['tok_s_median']):>8} {spread:>15} {cell(s['s_per_token_median'], '.4f'):>8} "
+              f"{cell(s['mib_per_token']):>9} "
+              f"{cell(s['cache_hit_pct'], '.1f'):>6} {cell(s['io_bound_tok_s']):>10} "
+              f" {cell(s['peak_mem_mib'], '.0f'):>9} "
+              f"{cell(s['speedup_vs_mmap']):>8} {cell(s['ttft_s_median'], '.3f'):>7} "
+              f"{cell(s['ttft_vs_mmap'], '.3f'):>9}")
