@@ -43,6 +43,7 @@ PROMPT = REPO / "bench" / "prompts" / "copy_edit.txt"
 SETTINGS = ("resident", "limited")
 TOK_S = re.compile(r"^generation: (\d+) tokens, [0-9.]+ s/token \(([0-9.]+) tok/s\)", re.M)
 MIB_TOK = re.compile(r"^moe-stream: read [0-9.]+ MiB \(([0-9.]+) MiB/token\)", re.M)
+GATE = re.compile(r"draft gate: (.*)$", re.M)  # the gate's decisions, as the run's notices tell them
 
 
 def arms(a: argparse.Namespace) -> dict[str, list[str]]:
@@ -54,7 +55,7 @@ def arms(a: argparse.Namespace) -> dict[str, list[str]]:
 
 def command(a: argparse.Namespace, setting: str, flags: list[str], csv_path: Path) -> list[str]:
     cache = str(a.resident_cache_mb if setting == "resident" else a.cache_mb)
-    return [sys.executable, "-m", "bmoe.cli", "-m", str(a.model), "-f", str(PROMPT), "--chat", "-n", str(a.n_predict),
+    return [sys.executable, "-m", "bmoe.cli", "-m", str(a.model), "-f", str(a.prompt), "--chat", "-n", str(a.n_predict),
             "-t", str(a.threads), "--io-threads", "4", "--no-warm-start", "--cache-mb", cache, "--csv", str(csv_path),
             *flags]
 
@@ -92,12 +93,14 @@ def run_one(a: argparse.Namespace, cg: bench_sys.CgroupHierarchy | None, setting
             "accepted": sum(accepted), "verify_steps": len(steps),
             "tokens_per_verify": statistics.mean(steps) if steps else None,
             "extra_mib_per_accepted": extra / MiB / sum(accepted) if sum(accepted) else None,
-            "peak_cgroup_mib": round(peak / MiB) if peak else None, "text": r.stdout.split("\ngeneration:")[0]}
+            "peak_cgroup_mib": round(peak / MiB) if peak else None, "text": r.stdout.split("\ngeneration:")[0],
+            "gate": GATE.findall(r.stderr)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", type=Path, default=None, help="default: the 64-expert demo (built when missing)")
+    ap.add_argument("--prompt", type=Path, default=PROMPT, help=f"the prompt's file (default {PROMPT.name})")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", "--n-predict", type=int, default=200)
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -127,7 +130,7 @@ def main() -> int:
                 runs.append(rec)
                 print(f"round {rnd} {setting} {arm}: {rec['tok_s']:.2f} tok/s, accepted {rec['accepted']} of "
                       f"{rec['drafted']} drafted", file=sys.stderr, flush=True)
-    lines = [f"# N-gram drafts: {a.model.name}, copy_edit.txt, -n {a.n_predict}, -t {a.threads}, --draft-max "
+    lines = [f"# N-gram drafts: {a.model.name}, {a.prompt.name}, -n {a.n_predict}, -t {a.threads}, --draft-max "
              f"{a.draft_max}, {a.rounds} rounds", "",
              "| setting | arm | tok/s (median) | ÷ off, per round | accepted ÷ drafted | tokens per verify | "
              "extra MiB per accepted | MiB/token | same text as off |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
@@ -149,6 +152,9 @@ def main() -> int:
                          f"{cell(row['acceptance'])} | {cell(row['tokens_per_verify'])} | "
                          f"{cell(row['extra_mib_per_accepted'])} | {cell(row['mib_per_token'], '.1f')} | "
                          f"{row['same_text']} |")
+    lines += ["", "The gate's decisions, per run (the run's `draft gate:` notices):", ""]
+    lines += [f"- {r['setting']} {r['arm']} round {r['round']}: " + ("; ".join(r["gate"]) or "none")
+              for r in runs if r["arm"] == "ngram"]
     (a.out / "runs.json").write_text(json.dumps(runs, indent=1))
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (a.out / "summary.md").write_text("\n".join(lines) + "\n")

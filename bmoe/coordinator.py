@@ -360,7 +360,7 @@ class Engine:
                            left=n_predict)
         d = self.settings.draft
         if d.mode == "ngram" and not s.forced and not s.keep_logits:  # those need each token's step alone
-            s.drafter = Drafter([*held, *tokens], d.most, d.gate)
+            s.drafter = Drafter([*held, *tokens], d.most, d.gate, self.notice)
         try:
             t0 = time.perf_counter()
             if self.lossy:
@@ -416,14 +416,14 @@ class Engine:
             rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
             for s, row in zip(going, rows):
                 self._choose(s, row)
-        for s in going:
-            s.left -= len(toks[id(s)])
-            if s.drafter is not None:
-                s.drafter.settle(tally, len(toks[id(s)]))
         if self.streamer is not None:
             self.streamer.follow()
         made = [(s, t) for s in going for t in toks[id(s)]]
         wall, st, k = time.perf_counter_ns() - c0, self.streamer, len(made)
+        for s in going:
+            s.left -= len(toks[id(s)])
+            if s.drafter is not None:
+                s.drafter.settle(tally, len(toks[id(s)]), wall / 1e9)
         # each sequence's tokens share its wall time (a batch's sequences each took the whole step)
         walls = [wall * (i + 1) // k - wall * i // k for i in range(k)] if drafts else [wall] * k
         if st:

@@ -87,22 +87,81 @@ def test_verify_keeps_the_drafts_the_sampler_agrees_with_and_the_token_it_chose_
     assert verify([5, 1, 2], lambda i: [1, 2, 4][i], lambda t: t == 1) == [1]  # an end of generation ends it
 
 
-def test_the_gate_turns_drafting_off_after_a_window_that_did_not_pay_and_on_after_its_pause() -> None:
+def gate_with_baseline(ms: float) -> DraftGate:
+    """A gate whose steps without drafts took `ms` a token (KEEP of them)."""
     g = DraftGate()
+    for _ in range(DraftGate.KEEP):
+        g.plain_step(1, ms / 1e3)
+    return g
+
+
+def window(g: DraftGate, ms_per_step: float, accepted: int = 2, drafted: int = 4) -> None:
+    """A window of verify steps, each generating `accepted` + 1 tokens in `ms_per_step`."""
     for _ in range(DraftGate.WINDOW):
-        g.after(DraftTally(1, 4, 0))
-    assert not g.on and g.decisions == [f"off: 0 of {4 * DraftGate.WINDOW} drafts accepted in 8 verify steps"]
-    g.tick(DraftGate.PAUSE - 1)
-    assert not g.on
-    g.tick(1)
-    assert g.on and g.decisions[-1] == "on"
-    for _ in range(DraftGate.WINDOW):  # accepted, but each accepted token read 3 MiB extra where its step read 1
-        g.after(DraftTally(1, 4, 2, extra_bytes=6 * 2**20, first_bytes=2**20))
-    assert not g.on and "MiB extra per accepted token" in g.decisions[-1]
-    g = DraftGate()
-    for _ in range(DraftGate.WINDOW):
-        g.after(DraftTally(1, 4, 2, extra_bytes=2**20, first_bytes=2**20))
+        g.verify_step(DraftTally(1, drafted, accepted), accepted + 1, ms_per_step / 1e3)
+
+
+def test_the_gate_keeps_drafting_while_a_token_costs_less_with_drafts_than_without() -> None:
+    g = gate_with_baseline(10)
+    window(g, 27)  # 9 ms a token against 10
+    window(g, 29)
     assert g.on and g.decisions == []
+
+
+def test_the_gate_turns_drafting_off_when_a_token_costs_more_with_drafts_and_pauses_longer_each_time() -> None:
+    g = gate_with_baseline(10)
+    window(g, 33)  # 11 ms a token against 10: accepted drafts that do not pay
+    assert not g.on
+    assert g.decisions == ["off for 16 tokens: 11.0 ms a token with drafts (12 of 24 accepted, 0.00 MiB extra per "
+                           "accepted token) against 10.0 without"]
+    for _ in range(DraftGate.PAUSE - 1):
+        g.plain_step(1, 0.010)
+    assert not g.on
+    g.plain_step(1, 0.010)
+    assert g.on
+    pauses = []
+    for _ in range(8):  # losing again and again: the pause doubles up to its most
+        window(g, 33)
+        pauses.append(g.paused)
+        g.plain_step(g.paused, 0.010 * g.paused)
+    assert pauses == [32, 64, 128, 256, 512, 512, 512, 512]
+    window(g, 20)  # a window that pays keeps drafting on and the next pause short again
+    window(g, 33)
+    assert g.paused == DraftGate.PAUSE
+
+
+def test_the_gate_judges_against_the_median_step_without_drafts_not_the_one_after_a_verify_step() -> None:
+    g = gate_with_baseline(10)
+    for _ in range(DraftGate.KEEP):  # each plain step right after a verify step is slow: left out
+        g.verify_step(DraftTally(1, 4, 3), 4, 0.036)
+        g.plain_step(1, 0.500)
+    assert g.on and g.decisions == []  # 9 ms a token against 10, not against 500
+    g = gate_with_baseline(10)
+    for ms in (1, 1, 1, 1, 1, 1, 1):  # a few fast steps (all hits) move the median, not a mean's worth
+        g.plain_step(1, ms / 1e3)
+    window(g, 27)
+    assert g.on
+
+
+def test_the_gate_measures_steps_without_drafts_when_it_has_none() -> None:
+    g = DraftGate()
+    window(g, 27)
+    assert not g.on and g.paused == DraftGate.PROBE + 1  # the first step after a verify step is left out
+    assert g.decisions == ["off for 5 tokens: measuring steps without drafts (9.0 ms a token with them)"]
+    for _ in range(DraftGate.PROBE + 1):
+        g.plain_step(1, 0.010)
+    assert g.on
+    window(g, 27)
+    assert g.on and len(g.decisions) == 1  # measured: 9 ms against 10 keeps it on
+
+
+def test_the_gate_stops_a_window_whose_first_steps_accepted_nothing() -> None:
+    g = gate_with_baseline(10)
+    for _ in range(DraftGate.SURE - 1):
+        g.verify_step(DraftTally(1, 4, 0), 1, 0.001)  # fast, but no draft paid for its row
+    assert g.on
+    g.verify_step(DraftTally(1, 4, 0), 1, 0.001)
+    assert not g.on and g.decisions == ["off for 16 tokens: 0 of 12 drafts accepted in 3 verify steps"]
 
 
 def test_bmoe_bench_reads_the_drafts_from_a_runs_generation_line() -> None:
@@ -207,19 +266,24 @@ def test_drafts_against_one_token_at_a_time(models) -> None:
 # ---- the gate at work ----------------------------------------------------------------------------------------
 
 
-def test_the_gate_stops_drafting_where_the_drafts_extra_reads_cost_more_than_they_save(models) -> None:
-    """A cache of 1 MiB: every drafted row's experts are read, more per accepted token than a chosen token's own
-    read per step, so the gated run drafts fewer steps than the ungated one; the text is the same (on this model
-    drafting is byte-identical to one token at a time)."""
+def test_the_gate_tells_its_decisions_and_leaves_the_text_alone(models) -> None:
+    """A cache of 1 MiB (every drafted row's experts are read) and a prompt whose first three drafts are all
+    rejected (the ungated run shows it): the gated run turns drafting off after its third verify step and says
+    so, and its text is the same (on this model drafting is byte-identical to one token at a time)."""
     path = models["synth"]
-    prompt = "The list: red apple, green pear, blue plum, red apple, green pear, blue plum, red apple,"
+    prompt = "red red red red red red"
     flags = ("--draft", "ngram", "--draft-max", 4, "--cache-mb", 1)
     ungated = run(path, *flags, "--no-draft-gate", prompt=prompt, n=160)
-    gated = run(path, *flags, prompt=prompt, n=160)
+    firsts = [t for t in ungated.tokens if t.drafted][:DraftGate.SURE]
+    assert [t.accepted for t in firsts] == [0] * DraftGate.SURE
+    told: list[str] = []
+    with load(path, *FLAGS, *flags, notice=told.append) as m:
+        gated = complete(m, prompt, 160)
     assert gated.ids == ungated.ids
-    steps = [sum(1 for t in c.tokens if t.drafted) for c in (gated, ungated)]
-    assert DraftGate.WINDOW <= steps[0] < steps[1], steps
-    assert sum(t.draft_extra_bytes for t in ungated.tokens) > 0
+    drafted = sum(t.drafted for t in firsts)
+    gate = [t for t in told if t.startswith("draft gate: ")]
+    assert gate[0] == f"draft gate: off for {DraftGate.PAUSE} tokens: 0 of {drafted} drafts accepted in 3 verify steps"
+    assert all(t.startswith("draft gate: off for ") for t in gate), told
 
 
 # ---- where users meet it -------------------------------------------------------------------------------------

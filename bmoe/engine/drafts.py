@@ -13,8 +13,8 @@ batches (tests/test_drafts.py runs this module's loop on llama-cpp-python's own 
 Whether that also equals decoding one token at a time depends on ggml's CPU kernels giving a row of a
 batch the logits they give the row alone (docs/levers.md says where it holds).
 
-`DraftGate` watches what drafting costs and gains per verify step and turns it off for a while when it
-does not pay (its notes say what it measures); `DraftReads` measures the extra bytes a verify group
+`DraftGate` times the verify steps against the steps without drafts and turns drafting off for a while
+when it does not pay (its notes say how); `DraftReads` measures the extra bytes a verify group
 made the expert cache read, through StreamingStops' `on_plan` hook.
 """
 
@@ -106,60 +106,91 @@ class DraftTally:
 
 
 class DraftGate:
-    """Drafting on or off for one sequence, from what it measured over its last WINDOW verify steps.
+    """Drafting on or off for one sequence, from the time it measures: seconds per generated token of its
+    verify steps against those of its steps without drafts, on this machine, model and cache, now.
 
-    Off when the drafts accepted per verify step are below MIN_ACCEPTED (the wider decode's compute is
-    not paid back), or when the extra bytes read per accepted token are above what the chosen tokens
-    themselves read per step (the flash reads the drafts cost more than the tokens they save would have;
-    only while streaming with misses, otherwise nothing is read either way). Off, it stays off for
-    PAUSE tokens and then tries again with a fresh window. It measures acceptance and reads, not time:
-    a run where neither tells (compute-bound drafts that are accepted) keeps drafting."""
+    Steps without drafts (nothing to draft, or the gate off) keep the baseline: the median seconds per token
+    of the last KEEP of them, the first after a verify step left out (it pays for the reads the drafts'
+    rows left undone or did for it). Drafting is judged over a window of WINDOW verify steps: off when they
+    took longer per generated token than the baseline. With no baseline yet (PROBE steps), the window's end
+    turns drafting off for as long as measuring one takes. A window whose first SURE steps accepted nothing
+    is judged at once (no draft paid for its row). Off, it stays off for a pause that starts at PAUSE tokens
+    and doubles each time drafting loses again (up to PAUSE_MAX), then tries again with a fresh window:
+    where drafts never pay, the windows that find it out grow rare; a window that pays resets the pause."""
 
-    WINDOW = 8
-    MIN_ACCEPTED = 0.5
-    PAUSE = 32
+    WINDOW = 6
+    SURE = 3
+    KEEP = 16
+    PROBE = 4
+    PAUSE = 16
+    PAUSE_MAX = 512
 
     def __init__(self) -> None:
         self.window = DraftTally()
+        self.window_s = 0.0  # the window's verify steps' seconds and the tokens they generated
+        self.window_tokens = 0
+        self.plain: list[float] = []  # seconds per token of the last KEEP steps without drafts
+        self.after_verify = False  # the last step was a verify step
+        self.pause = self.PAUSE  # the next off's length
         self.paused = 0  # tokens left before drafting tries again
-        self.decisions: list[str] = []  # "off: ..." / "on", for the telemetry's notes and the tests
+        self.decisions: list[str] = []  # each "off for N tokens: why", in order (the run's notices)
 
     @property
     def on(self) -> bool:
         return self.paused == 0
 
-    def tick(self, tokens: int) -> None:
-        """`tokens` were generated without drafts while off."""
-        if self.paused:
-            self.paused = max(0, self.paused - tokens)
-            if not self.paused:
-                self.decisions.append("on")
+    def plain_step(self, tokens: int, seconds: float) -> None:
+        """A step without drafts generated `tokens` in `seconds`."""
+        if tokens and not self.after_verify:
+            self.plain = [*self.plain[-(self.KEEP - 1):], seconds / tokens]
+        self.after_verify = False
+        self.paused = max(0, self.paused - tokens)
 
-    def after(self, step: DraftTally) -> None:
-        """A verify step's figures; at the end of a window, decide."""
+    def verify_step(self, step: DraftTally, tokens: int, seconds: float) -> None:
+        """A verify step's figures, the tokens it generated and its seconds; at the end of a window, decide."""
+        self.after_verify = True
         w = self.window
         w.add(step)
-        if w.steps < self.WINDOW:
-            return
-        why = ""
-        if w.accepted < self.MIN_ACCEPTED * w.steps:
-            why = f"{w.accepted} of {w.drafted} drafts accepted in {w.steps} verify steps"
-        elif w.extra_bytes and w.extra_bytes > max(w.accepted, 1) * w.first_bytes / w.steps:
-            why = (f"{w.extra_bytes / max(w.accepted, 1) / 2**20:.2f} MiB extra per accepted token, above the "
-                   f"{w.first_bytes / w.steps / 2**20:.2f} MiB a chosen token read per step")
-        if why:
-            self.paused = self.PAUSE
-            self.decisions.append(f"off: {why}")
-        self.window = DraftTally()
+        self.window_s += seconds
+        self.window_tokens += tokens
+        if w.accepted == 0 and w.steps >= self.SURE:
+            self._off(f"{w.accepted} of {w.drafted} drafts accepted in {w.steps} verify steps", self.pause)
+        elif w.steps >= self.WINDOW:
+            per = self.window_s / self.window_tokens
+            if len(self.plain) < self.PROBE:
+                self._off(f"measuring steps without drafts ({per * 1e3:.1f} ms a token with them)",
+                          self.PROBE + 1, grow=False)  # the first after a verify step is not counted
+            else:
+                base = sorted(self.plain)[len(self.plain) // 2]
+                if per > base:
+                    self._off(f"{per * 1e3:.1f} ms a token with drafts ({w.accepted} of {w.drafted} accepted, "
+                              f"{w.extra_bytes / max(w.accepted, 1) / 2**20:.2f} MiB extra per accepted token) "
+                              f"against {base * 1e3:.1f} without", self.pause)
+                else:
+                    self.pause = self.PAUSE
+                    self._fresh()
+
+    def _off(self, why: str, tokens: int, grow: bool = True) -> None:
+        self.paused = tokens
+        self.decisions.append(f"off for {tokens} tokens: {why}")
+        if grow:
+            self.pause = min(2 * self.pause, self.PAUSE_MAX)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.window, self.window_s, self.window_tokens = DraftTally(), 0.0, 0
 
 
 class Drafter:
-    """One sequence's drafting: its n-gram lookup and its gate (None: `--no-draft-gate`)."""
+    """One sequence's drafting: its n-gram lookup and its gate (None: `--no-draft-gate`); `notice` hears the
+    gate's decisions."""
 
-    def __init__(self, prompt: Sequence[int], most: int, gated: bool) -> None:
+    def __init__(self, prompt: Sequence[int], most: int, gated: bool,
+                 notice: Callable[[str], None] = lambda s: None) -> None:
         self.lookup = NgramLookup(prompt)
         self.most = most
         self.gate = DraftGate() if gated else None
+        self.notice = notice
 
     def propose(self, room: int) -> list[int]:
         """Drafts after the sequence's last token, `room` at most (the tokens it may still generate, less one)."""
@@ -167,13 +198,18 @@ class Drafter:
             return []
         return self.lookup.draft(min(self.most, room))
 
-    def settle(self, step: DraftTally, tokens: int) -> None:
-        """A step's figures: `step.steps` 0 when it carried no drafts; `tokens` the tokens it generated."""
-        if self.gate is not None:
-            if step.steps:
-                self.gate.after(step)
-            else:
-                self.gate.tick(tokens)
+    def settle(self, step: DraftTally, tokens: int, seconds: float) -> None:
+        """A step's figures (`step.steps` 0 when it carried no drafts), the tokens it generated, its seconds."""
+        g = self.gate
+        if g is None:
+            return
+        told = len(g.decisions)
+        if step.steps:
+            g.verify_step(step, tokens, seconds)
+        else:
+            g.plain_step(tokens, seconds)
+        if len(g.decisions) > told:
+            self.notice(f"draft gate: {g.decisions[-1]}")
 
 
 class DraftReads:
