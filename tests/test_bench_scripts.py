@@ -89,6 +89,18 @@ def test_real_shape_cheap_mode_runs_every_arm_and_reports_bounds(small_moe: Path
     assert "**no**" not in report, report  # every arm's text is plain llama.cpp's
 
 
+def test_page_size_runs_both_arms_and_the_small_one_maps_no_2_mib_entries(small_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pages"
+    r = _run(sys.executable, BENCH / "page_size.py", "-m", small_moe, "--rounds", "1", "-n", "4", "--out", out,
+             timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = json.loads((out / "runs.json").read_text())
+    assert sorted(x["arm"] for x in runs) == ["large", "small"], runs
+    assert all(x["tokens"] == 4 and x["s_per_token"] > 0 for x in runs), runs
+    assert [x["pmd_mapped_mib"] for x in runs if x["arm"] == "small"] == [0], runs  # 4 KiB pages only
+    assert "same text in every run: True" in (out / "summary.md").read_text()
+
+
 def test_bytes_by_cause_replays_a_recorded_routing(small_moe: Path, tmp_path: Path) -> None:
     from bmoe.streaming.route_trace import Trace
 
