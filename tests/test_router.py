@@ -9,9 +9,10 @@ store (skipped, saying why, without `redis-server` or the `redis` client). A con
 `prompt_cache_key`, and a Responses conversation by its ids, keeps to one replica (X-Bmoe-Replica says which)
 and hits its prompt cache as on one server; a replica's SIGTERM drains it while clients keep streaming through
 the router, and no request fails or is cut; `previous_response_id` of a response the drained replica answered
-goes on on the other, and on the first again once it is back. A replica SIGKILLed while it streams (a team of
-its own, SQLite store) cuts that stream only, which the openai client raises as `APIConnectionError`; the
-requests waiting for it in HAProxy's queue (maxconn = the replicas' --parallel) are answered by the other.
+goes on on the other, and on the first again once it is back. A replica SIGKILLed while it runs a stream and a
+whole answer (a team of its own, `--parallel 2`, SQLite store) cuts the stream only, which the openai client
+raises as `APIConnectionError`; the whole answer and the requests waiting for it in HAProxy's queue (maxconn =
+the replicas' --parallel) are answered by the other.
 
 HAProxy is Debian's (`apt-get install haproxy`): the test installs it when missing and it can (root with
 apt-get), and skips saying why otherwise. A single replica's rules without a router (headers, ids, the shared
@@ -71,10 +72,10 @@ def _free_port() -> int:
 class Router:
     """HAProxy with the repository's config in front of the replicas at `ports` (by name)."""
 
-    def __init__(self, ports: dict[str, int], log: Path) -> None:
+    def __init__(self, ports: dict[str, int], log: Path, parallel: int = 1) -> None:
         self.port, self.stats_port = _free_port(), _free_port()
         env = {**os.environ, "BMOE_LISTEN": f"127.0.0.1:{self.port}", "BMOE_STATS": f"127.0.0.1:{self.stats_port}",
-               **{f"BMOE_{n.upper()}": f"127.0.0.1:{p}" for n, p in ports.items()}}
+               "BMOE_MAXCONN": str(parallel), **{f"BMOE_{n.upper()}": f"127.0.0.1:{p}" for n, p in ports.items()}}
         self.log = log
         with open(log, "wb") as out:  # HAProxy's notices (replicas up and down), read when it fails
             self.proc = subprocess.Popen([_haproxy(), "-db", "-f", str(CONFIG)], env=env, stdout=out, stderr=out)
@@ -106,9 +107,9 @@ class Router:
         self.proc.wait(30)
 
 
-def start_replica(model: Path, name: str, port: int, store: str) -> Server:
+def start_replica(model: Path, name: str, port: int, store: str, parallel: int = 1) -> Server:
     return Server("-m", str(model), *FLAGS, "--port", str(port), "--replica-id", name, "--response-store", store,
-                  env={"BMOE_API_KEY": KEY})
+                  "--parallel", str(parallel), env={"BMOE_API_KEY": KEY})
 
 
 @pytest.fixture(scope="module", params=["sqlite", "redis"])
@@ -124,11 +125,12 @@ def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @contextmanager
-def running_team(model: Path, store: str, folder: Path) -> Iterator[tuple[Router, dict[str, Server]]]:
-    """The replicas and HAProxy in front of them, all up; every one stopped at the end."""
+def running_team(model: Path, store: str, folder: Path, parallel: int = 1
+                 ) -> Iterator[tuple[Router, dict[str, Server]]]:
+    """The replicas (`--parallel`, HAProxy's maxconn) and HAProxy in front of them, all up; all stopped at the end."""
     ports = {n: _free_port() for n in NAMES}
-    replicas = {n: start_replica(model, n, ports[n], store) for n in NAMES}
-    router = Router(ports, folder / "haproxy.log")
+    replicas = {n: start_replica(model, n, ports[n], store, parallel) for n in NAMES}
+    router = Router(ports, folder / "haproxy.log", parallel)
     try:
         router.until(dict.fromkeys(NAMES, "UP"))
         yield router, replicas
@@ -136,6 +138,8 @@ def running_team(model: Path, store: str, folder: Path) -> Iterator[tuple[Router
         router.stop()
         for s in replicas.values():
             s.stop()  # nothing happens to one a test stopped
+            for seg in segments_of(s.proc.pid):  # a killed one's shared memory, when its test failed before its restart
+                seg.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -195,19 +199,21 @@ def _keys_on(c: openai.OpenAI, replica: str, n: int) -> list[str]:
 
 
 def test_a_killed_replica_cuts_only_its_running_stream(demo8: Path, tmp_path: Path) -> None:
-    """r2 is SIGKILLed while it streams an answer, with two more requests for it (one streamed, one not) waiting in
-    HAProxy's queue (its maxconn is the replicas' --parallel, 1): the running stream ends with the error the openai
-    client raises for a connection closed in the middle of a body (no SSE error event: the process is gone), the
-    waiting requests go to r1 and are answered there, and r1 keeps answering r2's conversations. r2's lanes end on
+    """r2 (`--parallel 2`) is SIGKILLed while it runs two requests, a stream and a whole answer, with two more for it
+    (one streamed, one not) waiting in HAProxy's queue (its maxconn is the replicas' --parallel): the running stream
+    ends with the error the openai client raises for a connection closed in the middle of a body (no SSE error
+    event: the process is gone); the whole answer, of which no byte had gone out, is computed again on r1; the
+    waiting requests go to r1 and are answered there; r1 keeps answering r2's conversations. r2's lanes end on
     their own; its shared memory, which a killed process cannot remove, is swept by its next start. A team of its
     own: the module's stays whole for the other tests."""
-    with running_team(demo8, f"sqlite:{tmp_path / 'responses.db'}", tmp_path) as (router, replicas):
-        _kill_r2_mid_stream(router, replicas, demo8, f"sqlite:{tmp_path / 'responses.db'}")
+    store = f"sqlite:{tmp_path / 'responses.db'}"
+    with running_team(demo8, store, tmp_path, parallel=2) as (router, replicas):
+        _kill_r2_mid_stream(router, replicas, demo8, store)
 
 
 def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path, store: str) -> None:
     c = router.client()
-    long_key, *waiting_keys = _keys_on(c, "r2", 3)
+    long_key, whole_key, *waiting_keys = _keys_on(c, "r2", 4)
     first_text = threading.Event()
     outcome: dict[str, object] = {}
 
@@ -227,7 +233,8 @@ def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path
             outcome["error"] = e
         first_text.set()
 
-    def waiting(key: str, stream: bool) -> None:
+    def waiting(key: str, stream: bool, tokens: int = 8) -> None:
+        """A request that has not begun streaming when r2 dies: (the replica that answered, its text)."""
         try:
             messages = [{"role": "user", "content": f"waiting {key}"}]
             if stream:
@@ -235,8 +242,9 @@ def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path
                                                                        stream=True, prompt_cache_key=key) as raw:
                     text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse() if ch.choices)
             else:
-                raw = c.chat.completions.with_raw_response.create(model="x", messages=messages, max_tokens=8,
-                                                                  prompt_cache_key=key)
+                raw = c.chat.completions.with_raw_response.create(model="x", messages=messages, max_tokens=tokens,
+                                                                  prompt_cache_key=key,
+                                                                  extra_body={"ignore_eos": True})
                 text = raw.parse().choices[0].message.content or ""
             outcome[key] = (raw.headers["x-bmoe-replica"], text)
         except Exception as e:  # noqa: BLE001
@@ -246,14 +254,19 @@ def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path
     threads[0].start()
     first_text.wait(300)
     assert outcome.get("replica") == "r2" and "error" not in outcome, outcome
+    threads.append(threading.Thread(target=waiting, args=(whole_key, False, 400)))  # runs beside the stream
+    threads[1].start()
+    killed = replicas["r2"]
+    while httpx.get(killed.url + "/health").json()["generating"] < 2:
+        assert threads[0].is_alive() and threads[1].is_alive(), outcome
+        time.sleep(0.05)
     threads += [threading.Thread(target=waiting, args=(k, s)) for k, s in zip(waiting_keys, (True, False))]
-    for t in threads[1:]:
+    for t in threads[2:]:
         t.start()
     while int((r2 := router.stats()["r2"])["qcur"]) < 2:  # both wait in HAProxy's queue for r2
-        assert int(r2["scur"]) <= 1, f"r2 was sent more than its --parallel: {r2['scur']} (BMOE_MAXCONN?)"
-        assert threads[0].is_alive(), outcome
+        assert int(r2["scur"]) <= 2, f"r2 was sent more than its --parallel: {r2['scur']} (BMOE_MAXCONN?)"
+        assert threads[0].is_alive() and threads[1].is_alive(), outcome
         time.sleep(0.05)
-    killed = replicas["r2"]
     lanes = killed.workers()
     killed.proc.kill()
     assert killed.proc.wait(30) == -signal.SIGKILL
@@ -265,7 +278,7 @@ def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path
     assert isinstance(error, openai.APIConnectionError), outcome
     assert type(error.__cause__).__name__ == "RemoteProtocolError", repr(error.__cause__)
     assert "incomplete chunked read" in str(error.__cause__), error.__cause__
-    for key in waiting_keys:
+    for key in (whole_key, *waiting_keys):  # none of them had begun: each answered by r1
         assert isinstance(outcome[key], tuple) and outcome[key][0] == "r1" and outcome[key][1], outcome
     _, alive = psutil.wait_procs(lanes, timeout=30)
     assert not alive, f"r2's lanes outlived it: {alive}"
@@ -273,15 +286,18 @@ def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path
     assert left, "a SIGKILLed server cannot remove its shared memory"
     router.until({"r2": "DOWN"})
     retried = router.stats()["BACKEND"]
-    assert int(retried["wredis"]) >= 1, retried  # HAProxy sent what waited for r2 to r1
+    assert int(retried["wretr"]) >= 1 and int(retried["wredis"]) >= 1, retried  # HAProxy sent them to r1
     raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "again"}],
                                                       max_tokens=4, prompt_cache_key=long_key)
     assert raw.headers["x-bmoe-replica"] == "r1" and raw.parse().choices[0].message.content
 
     # back: r2 again on its port (the team's teardown stops it); its start sweeps the dead one's shared memory
-    replicas["r2"] = start_replica(model, "r2", int(killed.url.rsplit(":", 1)[1]), store)
+    replicas["r2"] = start_replica(model, "r2", int(killed.url.rsplit(":", 1)[1]), store, parallel=2)
     router.until({"r2": "UP"})
     assert not any(p.exists() for p in left)
+    raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "back"}],
+                                                      max_tokens=4, prompt_cache_key=long_key)
+    assert raw.headers["x-bmoe-replica"] == "r2", "the restarted replica takes its conversations back"
 
 
 def test_a_drained_replica_cuts_no_request_and_its_conversations_go_on(
