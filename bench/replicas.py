@@ -347,12 +347,10 @@ class Router:
         cfg.write_text(admin_config(CONFIG.read_text(), self.sock))
         env = {**os.environ, "BMOE_LISTEN": f"127.0.0.1:{listen}", "BMOE_STATS": f"127.0.0.1:{stats}",
                "BMOE_MAXCONN": str(maxconn), **{f"BMOE_{n.upper()}": f"127.0.0.1:{p}" for n, p in ports.items()}}
-        haproxy = shutil.which("haproxy")
-        if haproxy is None:
-            raise SystemExit("replicas: HAProxy is not installed (apt-get install haproxy)")
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], env=env, stdout=out, stderr=out)
+            self.proc = subprocess.Popen([str(shutil.which("haproxy")), "-db", "-f", str(cfg)], env=env, stdout=out,
+                                         stderr=out)
         self.url = f"http://127.0.0.1:{listen}"
         wait_for(self.sock.exists, "HAProxy's admin socket", 30)
 
@@ -749,6 +747,8 @@ def demo64() -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
+    if shutil.which("haproxy") is None:
+        raise SystemExit("replicas: HAProxy is not installed (apt-get install haproxy)")
     a.model = (a.model or demo64()).resolve()
     logs = a.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -763,8 +763,12 @@ def main(argv: list[str] | None = None) -> int:
     cg_h = bench_sys.find_cgroup() if a.mem_limit_mb else None
     memory = "none (--mem-limit-mb 0)" if not a.mem_limit_mb else "none: no memory cgroup hierarchy here"
     if cg_h is not None:
-        bench_sys.probe_cgroup(cg_h)
-        memory = f"{a.mem_limit_mb} MiB, a cgroup v{cg_h.version} of its own (under {cg_h.parent})"
+        try:
+            bench_sys.probe_cgroup(cg_h)
+            memory = f"{a.mem_limit_mb} MiB, a cgroup v{cg_h.version} of its own (under {cg_h.parent})"
+        except bench_sys.LimitError as e:  # the machine does not allow it: run without, and say why
+            cg_h, memory = None, f"none: {e}"
+    note(f"memory limit per replica: {memory}")
     folder = Path(tempfile.mkdtemp(prefix="bmoe-replicas-"))
     store = router = None
     replicas: dict[str, Replica] = {}
