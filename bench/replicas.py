@@ -750,14 +750,14 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("haproxy") is None:
         raise SystemExit("replicas: HAProxy is not installed (apt-get install haproxy)")
     a.model = (a.model or demo64()).resolve()
+    flash = check_flash_limit(a)
+    note(f"flash-limit: {flash}")
     logs = a.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(130))
     base = a.port_base
     ports = ({"router": base, "r1": base + 1, "r2": base + 2, "stats": base + 3, "store": base + 4} if base else
              {k: free_port() for k in ("router", "r1", "r2", "stats", "store")})
-    flash = check_flash_limit(a)
-    note(f"flash-limit: {flash}")
     facts = machine(a)
     note(f"disk: {facts['disk_mib_s']:.0f} MiB/s uncapped; {facts['cores']} cores, {facts['cpu']}")
     cg_h = bench_sys.find_cgroup() if a.mem_limit_mb else None

@@ -156,6 +156,21 @@ def test_replicas_refuses_bad_arguments_before_it_starts_anything(args: list[str
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is not installed (apt-get install haproxy)")
+def test_replicas_stops_saying_why_when_flash_limit_cannot_cap(tmp_path: Path) -> None:
+    """flash-limit's exit 99 (no cap can be set here, e.g. the model on tmpfs or no root) ends the benchmark before
+    anything starts, with flash-limit's reason: numbers without the cap would not be the disk-bound ones."""
+    stub = tmp_path / "flash-limit"
+    stub.write_text('#!/bin/sh\necho "flash-limit: no blkio or io cgroup controller here" >&2\nexit 99\n')
+    stub.chmod(0o755)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    r = _run(sys.executable, BENCH / "replicas.py", "--out", tmp_path / "out", "-m", model, "--flash-limit", stub)
+    assert r.returncode == 1, r.stderr
+    assert "cannot cap reads here (exit 99): flash-limit: no blkio or io cgroup controller here" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_replicas_quick_mode_and_the_defaults_it_derives(tmp_path: Path) -> None:
     m = _bench_module("replicas")
     a = m.parse_args(["--out", str(tmp_path), "--quick", "--store", "sqlite"])
