@@ -4,11 +4,14 @@ command, and each one that still starts (the long runs themselves need a quiet m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -143,3 +146,83 @@ def test_hook_costs_counts_the_stops_and_calls_per_token(small_moe: Path, tmp_pa
     assert res["hook"]["stops (graph splits)"] == 4 and res["hook"]["nodes (ask=True)"] >= 4, res["hook"]
     assert res["functions"]["StreamingStops.on_route"]["calls"] == 4, res["functions"]
     assert re.search(r"^StreamingStops\.on_route +4\.0 ", r.stderr, re.M), r.stderr
+
+
+def _bench_module(name: str) -> ModuleType:
+    """A bench script imported as a module, for its pieces that do not time anything."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--phases", "b,a"], "in that order"), (["--phases", "a,e"], "some of a,b,c,d"),
+    (["--clients", "0"], "--clients must be at least 1"), (["--cap-mib", "-1"], "0 or more"),
+    (["-m", "/nonexistent.gguf"], "no model at /nonexistent.gguf")])
+def test_replicas_refuses_bad_arguments_before_it_starts_anything(args: list[str], said: str, tmp_path: Path) -> None:
+    r = _run(sys.executable, BENCH / "replicas.py", "--out", tmp_path / "out", *args)
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is not installed (apt-get install haproxy)")
+def test_replicas_stops_saying_why_when_flash_limit_cannot_cap(tmp_path: Path) -> None:
+    """flash-limit's exit 99 (no cap can be set here, e.g. the model on tmpfs or no root) ends the benchmark before
+    anything starts, with flash-limit's reason: numbers without the cap would not be the disk-bound ones."""
+    stub = tmp_path / "flash-limit"
+    stub.write_text('#!/bin/sh\necho "flash-limit: no blkio or io cgroup controller here" >&2\nexit 99\n')
+    stub.chmod(0o755)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    r = _run(sys.executable, BENCH / "replicas.py", "--out", tmp_path / "out", "-m", model, "--flash-limit", stub)
+    assert r.returncode == 1, r.stderr
+    assert "cannot cap reads here (exit 99): flash-limit: no blkio or io cgroup controller here" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_replicas_quick_mode_and_the_defaults_it_derives(tmp_path: Path) -> None:
+    m = _bench_module("replicas")
+    a = m.parse_args(["--out", str(tmp_path), "--quick", "--store", "sqlite"])
+    assert (a.clients, a.turns, a.tokens, a.cap_mib, a.cache_mb) == (2, 2, 8, 1000, 3000)
+    assert a.parallel == a.clients and a.mem_limit_mb == a.cache_mb + 1200 and a.phases == ["a", "b", "c", "d"]
+    a = m.parse_args(["--out", str(tmp_path), "--clients", "6", "--mem-limit-mb", "0", "--store", "sqlite"])
+    assert (a.parallel, a.mem_limit_mb, a.cap_mib) == (6, 0, 60)
+
+
+def test_replicas_runs_haproxy_with_the_repository_config_and_only_an_admin_socket_added(tmp_path: Path) -> None:
+    m = _bench_module("replicas")
+    config = (REPO / "deploy" / "haproxy.cfg").read_text()
+    sock = tmp_path / "haproxy.sock"
+    derived = m.admin_config(config, sock)
+    added = f"    stats socket {sock} mode 600 level admin\n"
+    assert derived.count(added) == 1 and derived.replace(added, "") == config
+    assert derived.index(added) == derived.index("\nglobal\n") + len("\nglobal\n")
+    if shutil.which("haproxy"):
+        (tmp_path / "haproxy.cfg").write_text(derived)
+        r = _run("haproxy", "-c", "-f", tmp_path / "haproxy.cfg")
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_replicas_counts_a_phase_from_its_requests() -> None:
+    m = _bench_module("replicas")
+    A = m.Asked
+    asked = [A("b", 0, 0, 0, "k0", 0.0, replica="r1", outcome="ok", first_s=1.0, completion_tokens=10,
+               prompt_tokens=100),
+             A("b", 0, 0, 1, "k0", 2.0, replica="r1", outcome="ok", first_s=2.5, completion_tokens=10,
+               prompt_tokens=200, cached_tokens=150),
+             A("b", 1, 0, 0, "k1", 0.0, replica="r2", outcome="cut", first_s=4.0, error="cut"),
+             A("b", 1, 0, 0, "k1", 5.0, replica="r1", outcome="ok", first_s=8.0, completion_tokens=10,
+               prompt_tokens=100, resent=True),
+             A("b", 1, 0, 1, "k1", 9.0, replica="r2", outcome="ok", first_s=9.5, completion_tokens=10,
+               prompt_tokens=200, cached_tokens=50),
+             A("b", 2, 0, 0, "k2", 0.0, replica="", outcome="failed", error="503")]
+    s = m.summarize("b", asked, 8.0)
+    assert (s["requests"], s["ok"], s["cut"], s["failed"], s["resent"], s["resent_ok"]) == (6, 4, 1, 1, 1, 1)
+    assert s["generated_tokens"] == 40 and s["tok_s"] == 5.0
+    assert s["later_turns_cached_pct"] == 50.0  # (150 + 50) of the later turns' 400 prompt tokens
+    assert s["by_replica"] == {"r1": 3, "r2": 1}
+    assert s["conversations_on_one_replica"] == "1/2"  # client 1's moved from r1 to r2
+    assert s["first_text_s_median"] == 0.75  # of 1.0, 0.5, 3.0 and 0.5

@@ -9,7 +9,10 @@ store (skipped, saying why, without `redis-server` or the `redis` client). A con
 `prompt_cache_key`, and a Responses conversation by its ids, keeps to one replica (X-Bmoe-Replica says which)
 and hits its prompt cache as on one server; a replica's SIGTERM drains it while clients keep streaming through
 the router, and no request fails or is cut; `previous_response_id` of a response the drained replica answered
-goes on on the other, and on the first again once it is back.
+goes on on the other, and on the first again once it is back. A replica SIGKILLed while it runs a stream and a
+whole answer (a team of its own, `--parallel 2`, SQLite store) cuts the stream only, which the openai client
+raises as `APIConnectionError`; the whole answer and the requests waiting for it in HAProxy's queue (maxconn =
+the replicas' --parallel) are answered by the other.
 
 HAProxy is Debian's (`apt-get install haproxy`): the test installs it when missing and it can (root with
 apt-get), and skips saying why otherwise. A single replica's rules without a router (headers, ids, the shared
@@ -28,12 +31,15 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
+from bmoe.shm_cache import segments_of
 from tests.conftest import REPO
 from tests.test_server import KEY, Server
 
@@ -66,23 +72,26 @@ def _free_port() -> int:
 class Router:
     """HAProxy with the repository's config in front of the replicas at `ports` (by name)."""
 
-    def __init__(self, ports: dict[str, int], log: Path) -> None:
-        self.port, self.stats = _free_port(), _free_port()
-        env = {**os.environ, "BMOE_LISTEN": f"127.0.0.1:{self.port}", "BMOE_STATS": f"127.0.0.1:{self.stats}",
-               **{f"BMOE_{n.upper()}": f"127.0.0.1:{p}" for n, p in ports.items()}}
+    def __init__(self, ports: dict[str, int], log: Path, parallel: int = 1) -> None:
+        self.port, self.stats_port = _free_port(), _free_port()
+        env = {**os.environ, "BMOE_LISTEN": f"127.0.0.1:{self.port}", "BMOE_STATS": f"127.0.0.1:{self.stats_port}",
+               "BMOE_MAXCONN": str(parallel), **{f"BMOE_{n.upper()}": f"127.0.0.1:{p}" for n, p in ports.items()}}
         self.log = log
         with open(log, "wb") as out:  # HAProxy's notices (replicas up and down), read when it fails
             self.proc = subprocess.Popen([_haproxy(), "-db", "-f", str(CONFIG)], env=env, stdout=out, stderr=out)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def states(self) -> dict[str, str]:
-        """Each replica's state as HAProxy's stats say it (UP, DOWN, ...)."""
+    def stats(self) -> dict[str, dict[str, str]]:
+        """HAProxy's stats of the replicas backend, by server name (and BACKEND); empty while it does not answer."""
         try:
-            text = httpx.get(f"http://127.0.0.1:{self.stats}/;csv", timeout=5).text
+            text = httpx.get(f"http://127.0.0.1:{self.stats_port}/;csv", timeout=5).text
         except httpx.TransportError:
             return {}
-        rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
-        return {r["svname"]: r["status"] for r in rows if r["pxname"] == "replicas" and r["svname"] in NAMES}
+        return {r["svname"]: r for r in csv.DictReader(io.StringIO(text.lstrip("# "))) if r["pxname"] == "replicas"}
+
+    def states(self) -> dict[str, str]:
+        """Each replica's state as HAProxy's stats say it (UP, DOWN, ...)."""
+        return {name: row["status"] for name, row in self.stats().items() if name in NAMES}
 
     def until(self, want: dict[str, str]) -> None:
         """Wait (as long as it takes) until HAProxy sees the replicas as `want` says."""
@@ -98,9 +107,9 @@ class Router:
         self.proc.wait(30)
 
 
-def start_replica(model: Path, name: str, port: int, store: str) -> Server:
+def start_replica(model: Path, name: str, port: int, store: str, parallel: int = 1) -> Server:
     return Server("-m", str(model), *FLAGS, "--port", str(port), "--replica-id", name, "--response-store", store,
-                  env={"BMOE_API_KEY": KEY})
+                  "--parallel", str(parallel), env={"BMOE_API_KEY": KEY})
 
 
 @pytest.fixture(scope="module", params=["sqlite", "redis"])
@@ -115,12 +124,13 @@ def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return url
 
 
-@pytest.fixture(scope="module")
-def team(demo8: Path, store: str, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[Router, dict[str, Server]]]:
+@contextmanager
+def running_team(model: Path, store: str, folder: Path, parallel: int = 1
+                 ) -> Iterator[tuple[Router, dict[str, Server]]]:
+    """The replicas (`--parallel`, HAProxy's maxconn) and HAProxy in front of them, all up; all stopped at the end."""
     ports = {n: _free_port() for n in NAMES}
-    replicas = {n: start_replica(demo8, n, ports[n], store) for n in NAMES}
-    router = Router(ports, tmp_path_factory.mktemp("haproxy") / "haproxy.log")
+    replicas = {n: start_replica(model, n, ports[n], store, parallel) for n in NAMES}
+    router = Router(ports, folder / "haproxy.log", parallel)
     try:
         router.until(dict.fromkeys(NAMES, "UP"))
         yield router, replicas
@@ -128,6 +138,15 @@ def team(demo8: Path, store: str, tmp_path_factory: pytest.TempPathFactory
         router.stop()
         for s in replicas.values():
             s.stop()  # nothing happens to one a test stopped
+            for seg in segments_of(s.proc.pid):  # a killed one's shared memory, when its test failed before its restart
+                seg.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def team(demo8: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[Router, dict[str, Server]]]:
+    with running_team(demo8, store, tmp_path_factory.mktemp("haproxy")) as running:
+        yield running
 
 
 def _turns(c: openai.OpenAI, key: str, n: int) -> tuple[set[str], list[int]]:
@@ -164,6 +183,121 @@ def test_a_conversation_keeps_to_one_replica_and_hits_its_cache(team: tuple[Rout
                                                    max_output_tokens=6)
         r = raw.parse()
         assert raw.headers["x-bmoe-replica"] == home and r.usage.input_tokens_details.cached_tokens > 0
+
+
+def _keys_on(c: openai.OpenAI, replica: str, n: int) -> list[str]:
+    """`n` conversation keys HAProxy's hash sends to `replica` while both replicas are up."""
+    keys: list[str] = []
+    for i in range(64):
+        raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=1, prompt_cache_key=f"key{i}")
+        if raw.headers["x-bmoe-replica"] == replica:
+            keys.append(f"key{i}")
+            if len(keys) == n:
+                return keys
+    raise AssertionError(f"64 keys, fewer than {n} on {replica}")
+
+
+def test_a_killed_replica_cuts_only_its_running_stream(demo8: Path, tmp_path: Path) -> None:
+    """r2 (`--parallel 2`) is SIGKILLed while it runs two requests, a stream and a whole answer, with two more for it
+    (one streamed, one not) waiting in HAProxy's queue (its maxconn is the replicas' --parallel): the running stream
+    ends with the error the openai client raises for a connection closed in the middle of a body (no SSE error
+    event: the process is gone); the whole answer, of which no byte had gone out, is computed again on r1; the
+    waiting requests go to r1 and are answered there; r1 keeps answering r2's conversations. r2's lanes end on
+    their own; its shared memory, which a killed process cannot remove, is swept by its next start. A team of its
+    own: the module's stays whole for the other tests."""
+    store = f"sqlite:{tmp_path / 'responses.db'}"
+    with running_team(demo8, store, tmp_path, parallel=2) as (router, replicas):
+        _kill_r2_mid_stream(router, replicas, demo8, store)
+
+
+def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path, store: str) -> None:
+    c = router.client()
+    long_key, whole_key, *waiting_keys = _keys_on(c, "r2", 4)
+    first_text = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def running() -> None:
+        chunks = 0
+        try:
+            with c.chat.completions.with_streaming_response.create(
+                    model="x", messages=[{"role": "user", "content": "count to a thousand"}], max_tokens=3000,
+                    stream=True, prompt_cache_key=long_key, extra_body={"ignore_eos": True}) as raw:
+                outcome["replica"] = raw.headers["x-bmoe-replica"]
+                for ch in raw.parse():
+                    chunks += 1
+                    if ch.choices and ch.choices[0].delta.content:
+                        first_text.set()
+            outcome["ended"] = f"cleanly after {chunks} chunks"
+        except Exception as e:  # noqa: BLE001  (what the client raises is the point)
+            outcome["error"] = e
+        first_text.set()
+
+    def waiting(key: str, stream: bool, tokens: int = 8) -> None:
+        """A request that has not begun streaming when r2 dies: (the replica that answered, its text)."""
+        try:
+            messages = [{"role": "user", "content": f"waiting {key}"}]
+            if stream:
+                with c.chat.completions.with_streaming_response.create(model="x", messages=messages, max_tokens=8,
+                                                                       stream=True, prompt_cache_key=key) as raw:
+                    text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse() if ch.choices)
+            else:
+                raw = c.chat.completions.with_raw_response.create(model="x", messages=messages, max_tokens=tokens,
+                                                                  prompt_cache_key=key,
+                                                                  extra_body={"ignore_eos": True})
+                text = raw.parse().choices[0].message.content or ""
+            outcome[key] = (raw.headers["x-bmoe-replica"], text)
+        except Exception as e:  # noqa: BLE001
+            outcome[key] = e
+
+    threads = [threading.Thread(target=running)]
+    threads[0].start()
+    first_text.wait(300)
+    assert outcome.get("replica") == "r2" and "error" not in outcome, outcome
+    threads.append(threading.Thread(target=waiting, args=(whole_key, False, 400)))  # runs beside the stream
+    threads[1].start()
+    killed = replicas["r2"]
+    while httpx.get(killed.url + "/health").json()["generating"] < 2:
+        assert threads[0].is_alive() and threads[1].is_alive(), outcome
+        time.sleep(0.05)
+    threads += [threading.Thread(target=waiting, args=(k, s)) for k, s in zip(waiting_keys, (True, False))]
+    for t in threads[2:]:
+        t.start()
+    while int((r2 := router.stats()["r2"])["qcur"]) < 2:  # both wait in HAProxy's queue for r2
+        assert int(r2["scur"]) <= 2, f"r2 was sent more than its --parallel: {r2['scur']} (BMOE_MAXCONN?)"
+        assert threads[0].is_alive() and threads[1].is_alive(), outcome
+        time.sleep(0.05)
+    lanes = killed.workers()
+    killed.proc.kill()
+    assert killed.proc.wait(30) == -signal.SIGKILL
+    for t in threads:
+        t.join(300)
+
+    # what the openai client raises: "Connection error.", from its HTTP library's (httpx2's, openai 3) broken body
+    error = outcome.get("error")
+    assert isinstance(error, openai.APIConnectionError), outcome
+    assert type(error.__cause__).__name__ == "RemoteProtocolError", repr(error.__cause__)
+    assert "incomplete chunked read" in str(error.__cause__), error.__cause__
+    for key in (whole_key, *waiting_keys):  # none of them had begun: each answered by r1
+        assert isinstance(outcome[key], tuple) and outcome[key][0] == "r1" and outcome[key][1], outcome
+    _, alive = psutil.wait_procs(lanes, timeout=30)
+    assert not alive, f"r2's lanes outlived it: {alive}"
+    left = segments_of(killed.proc.pid)
+    assert left, "a SIGKILLed server cannot remove its shared memory"
+    router.until({"r2": "DOWN"})
+    retried = router.stats()["BACKEND"]
+    assert int(retried["wretr"]) >= 1 and int(retried["wredis"]) >= 1, retried  # HAProxy sent them to r1
+    raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "again"}],
+                                                      max_tokens=4, prompt_cache_key=long_key)
+    assert raw.headers["x-bmoe-replica"] == "r1" and raw.parse().choices[0].message.content
+
+    # back: r2 again on its port (the team's teardown stops it); its start sweeps the dead one's shared memory
+    replicas["r2"] = start_replica(model, "r2", int(killed.url.rsplit(":", 1)[1]), store, parallel=2)
+    router.until({"r2": "UP"})
+    assert not any(p.exists() for p in left)
+    raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "back"}],
+                                                      max_tokens=4, prompt_cache_key=long_key)
+    assert raw.headers["x-bmoe-replica"] == "r2", "the restarted replica takes its conversations back"
 
 
 def test_a_drained_replica_cuts_no_request_and_its_conversations_go_on(
