@@ -154,18 +154,25 @@ class DraftGate:
 
 
 class Drafter:
-    """One sequence's drafting: its n-gram lookup and its gate (None: `--no-draft-gate`)."""
+    """One sequence's drafting: its n-gram lookup (None: the drafts are the MTP layer's, bmoe.engine.mtp) and its
+    gate (None: `--no-draft-gate`)."""
 
-    def __init__(self, prompt: Sequence[int], most: int, gated: bool) -> None:
-        self.lookup = NgramLookup(prompt)
+    def __init__(self, prompt: Sequence[int] | None, most: int, gated: bool) -> None:
+        self.lookup = None if prompt is None else NgramLookup(prompt)
         self.most = most
         self.gate = DraftGate() if gated else None
 
-    def propose(self, room: int) -> list[int]:
-        """Drafts after the sequence's last token, `room` at most (the tokens it may still generate, less one)."""
-        if room <= 0 or (self.gate is not None and not self.gate.on):
-            return []
-        return self.lookup.draft(min(self.most, room))
+    def room(self, left: int) -> int:
+        """How many tokens to draft now: 0 while the gate is off, else `--draft-max` within `left` (the tokens
+        the sequence may still generate, less one)."""
+        if left <= 0 or (self.gate is not None and not self.gate.on):
+            return 0
+        return min(self.most, left)
+
+    def propose(self, most: int) -> list[int]:
+        """The n-gram lookup's drafts after the sequence's last token, `most` at most (none without a lookup: an MTP
+        drafter's are the MTP context's, bmoe.engine.mtp)."""
+        return self.lookup.draft(most) if self.lookup is not None and most else []
 
     def settle(self, step: DraftTally, tokens: int) -> None:
         """A step's figures: `step.steps` 0 when it carried no drafts; `tokens` the tokens it generated."""
