@@ -1,0 +1,227 @@
+"""`--draft mtp` (bmoe.engine.mtp): drafts from the model's own multi-token-prediction layer, verified in one decode.
+
+Lossless means what it means for n-gram drafts (tests/test_drafts.py): the text equals plain llama.cpp's doing the
+same speculative work. The reference is bmoe's one generation loop on `--no-stream` with the same MTP drafts;
+`test_the_mtp_reference_is_llama_cpps_own_contexts_doing_the_same_work` holds it to llama.cpp's own two contexts (the
+target and its MTP context, llama-cpp-python's bindings) running llama-server's draft-mtp loop by hand. Then the
+gates: streamed with a quarter of the experts cached, the MTP layer's experts among them (every expert byte a
+matmul reads is the file's: SlabCheck), equals the reference at widths 1 to 4, greedy and seeded, q8_0 and Q4_K_M,
+on every architecture whose MTP layer the pinned llama.cpp drafts with and bmoe-synth writes.
+
+The synthetic models' MTP layers have random weights: their drafts are (nearly) never what the trunk samples, so
+these gates show the drafts, the verify and the rollback of every rejected draft, not accepted ones (the accept path
+is the n-gram tests'; with MTP it also picks the carried hidden state, which the by-hand reference checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from bmoe.api import Completion
+from bmoe.base.model_files import read_model_files
+from bmoe.base.settings import SamplerSettings
+from bmoe.base.units import MiB
+from bmoe.engine.drafts import verify
+from bmoe.engine.mtp import MtpDrafts
+from bmoe.seam import llama
+from tests.conftest import SlabCheck, complete, load, run_cli
+
+PROMPT = "one two three one two three one two three one two"
+N = 32
+FLAGS = ("-c", 256, "-t", 2)
+# the architectures whose MTP layer the pinned llama.cpp drafts with (a DECODER_MTP graph) and bmoe-synth writes
+# (--mtp), whose memory can drop rejected drafts: a KV cache, or qwen35moe's recurrent state through llama.cpp's
+# per-token snapshots (n_rs_seq). deepseek4 is left out: llama.cpp dies of SIGFPE reserving its MTP context's graph
+# (llama_init_from_model with LLAMA_CONTEXT_TYPE_MTP) on bmoe-synth's deepseek4; qwen3next is refused (no snapshots)
+MTP_DRAFTS = ("qwen35moe", "glm4moe", "deepseek2", "glm-dsa", "bailingmoe3")
+
+
+def model(synth, arch: str, quant: str = "q8_0") -> str:
+    return str(synth(arch=arch, quant=quant, mtp=True, embd=256 if quant == "q4_k_m" else 128))
+
+
+@pytest.fixture
+def drafts_made(monkeypatch) -> list[list[int]]:
+    """Every draft the MTP layer makes while the test runs, in order (the drafts themselves, not their count: a
+    wrong expert byte in the MTP layer changes them while the trunk's text, which rejects them, stays)."""
+    made: list[list[int]] = []
+    draft = MtpDrafts.draft
+
+    def recorded(self: MtpDrafts, *args: int) -> list[int]:
+        made.append(draft(self, *args))
+        return made[-1]
+
+    monkeypatch.setattr(MtpDrafts, "draft", recorded)
+    return made
+
+
+def run(path: str, *flags: object, n: int = N) -> Completion:
+    with load(path, *FLAGS, *flags) as m:
+        return complete(m, PROMPT, n)
+
+
+def drafted(c: Completion) -> list[tuple[int, int]]:
+    """Per token: the drafts its verify step carried and how many were accepted."""
+    return [(t.drafted, t.accepted) for t in c.tokens]
+
+
+def taken(made: list[list[int]]) -> list[list[int]]:
+    """The drafts made so far, the list emptied for the next run."""
+    out = list(made)
+    made.clear()
+    return out
+
+
+def mtp(width: int) -> tuple[object, ...]:
+    return ("--draft", "mtp", "--draft-max", width, "--no-draft-gate")
+
+
+# ---- the reference -------------------------------------------------------------------------------------------
+
+
+def by_hand(path: str, width: int, n: int) -> tuple[list[int], list[list[int]]]:
+    """llama-server's draft-mtp loop (common/speculative.cpp's common_speculative_impl_draft_mtp, one head, and
+    server-context.cpp's verify) written out on llama.cpp's own contexts: the target context keeping every row's
+    hidden state and `width` recurrent snapshots, the MTP context following each target decode with the states
+    shifted by one, drafts from the MTP context's likeliest tokens, their positions dropped before the verify, the
+    state of the last kept row carried. Returns the tokens and the drafts of each step."""
+    llama.init_backend()
+    mp = llama.model_params(mtp=True)
+    mdl = llama_cpp.llama_model_load_from_file(path.encode(), mp)
+    assert mdl and llama_cpp.llama_model_n_layer_nextn(mdl) == 1
+
+    def params(mtp_of: object = None) -> llama_cpp.llama_context_params:
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
+        cp.n_threads = cp.n_threads_batch = 2
+        cp.kv_unified = False
+        cp.n_rs_seq = 0 if mtp_of else width
+        if mtp_of:
+            cp.ctx_type, cp.ctx_other = llama_cpp.LLAMA_CONTEXT_TYPE_MTP, mtp_of
+        return cp
+
+    tgt = llama_cpp.llama_init_from_model(mdl, params())
+    dft = llama_cpp.llama_init_from_model(mdl, params(tgt))
+    chain = llama.make_sampler(SamplerSettings(temp=0.0))
+    vocab = llama.Vocab(mdl)
+    try:
+        llama.set_embeddings_nextn(tgt, masked=False)
+        llama.set_embeddings_nextn(dft, masked=True)
+        zero = np.zeros((1, llama.n_embd_out(mdl)), np.float32)
+
+        def process(toks: list[int], pos: int, carried: np.ndarray) -> np.ndarray:
+            h = llama.nextn_rows(tgt, mdl, range(len(toks)))
+            assert llama.decode_mtp(dft, [(0, toks, pos, np.vstack([carried, h[:-1]]))], outputs=False)[0] == 0
+            return h
+
+        toks = vocab.tokenize(PROMPT)
+        assert llama.decode(tgt, [(0, toks, 0)])[0] == 0
+        carried = process(toks, 0, zero)[-1:]
+        nxt = llama.sample(chain, tgt, len(toks) - 1)
+        out: list[int] = []
+        made: list[list[int]] = []
+        while len(out) < n and not vocab.is_eog(nxt):
+            pos = len(toks) + len(out)
+            drafts, h, last = [], carried, nxt
+            for i in range(min(width, n - len(out) - 1)):
+                assert llama.decode_mtp(dft, [(0, [last], pos + i, h)], outputs=True)[0] == 0
+                last = int(np.argmax(llama.logits(dft, vocab, 0)))
+                drafts.append(last)
+                h = llama.nextn_rows(dft, mdl, [0])
+            assert llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(dft), 0, pos, -1)
+            made += [drafts] if drafts else []
+            group = [nxt, *drafts]
+            assert llama.decode(tgt, [(0, group, pos)], every_logit=len(group) > 1)[0] == 0
+            rows = process(group, pos, carried)
+            got = verify(group, lambda i: llama.sample(chain, tgt, i), vocab.is_eog)
+            carried = rows[len(got) - 1:len(got)]
+            for ctx in (tgt, dft):
+                assert llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, pos + len(got), -1)
+            out += group[:len(got)]
+            nxt = got[-1]
+        return out, made
+    finally:
+        llama.free_sampler(chain)
+        llama.free_context(dft)
+        llama.free_context(tgt)
+        llama.free_model(mdl)
+
+
+@pytest.mark.parametrize(("arch", "width"), [("glm4moe", 1), ("glm4moe", 4), ("qwen35moe", 3)])
+def test_the_mtp_reference_is_llama_cpps_own_contexts_doing_the_same_work(synth, drafts_made, arch: str,
+                                                                          width: int) -> None:
+    """The same tokens and the same drafts, step by step."""
+    path = model(synth, arch)
+    ref = run(path, "--no-stream", *mtp(width))
+    assert sum(d for d, _ in drafted(ref)) > 0
+    assert (list(ref.ids), taken(drafts_made)) == by_hand(path, width, N)
+
+
+# ---- the gates -----------------------------------------------------------------------------------------------
+
+GREEDY = [(a, "q8_0", w) for a in MTP_DRAFTS for w in (1, 2, 3, 4)] + [
+    (a, "q4_k_m", w) for a in ("qwen35moe", "glm4moe") for w in (1, 4)]
+
+
+def streamed(path: str, *flags: object) -> tuple[Completion, set[int]]:
+    """A run with a quarter of the experts cached, two lanes, every expert byte a matmul reads checked against the
+    file; with it the layers whose experts were checked."""
+    files = read_model_files(path)
+    with load(path, *FLAGS, "--cache-mb", files.expert_bytes / 4 / MiB, "--io-threads", 2, "--force", *flags) as m:
+        check = SlabCheck(m.engine)
+        try:
+            res = complete(m, PROMPT, N)
+        finally:
+            check.close()
+        every = replace(files, mtp_layers=frozenset()).expert_names()  # the MTP layer's experts too
+        assert {r.name for r in m.engine.streamer.cache.regions} == every
+    assert check.checked > 0 and not check.bad, check.bad[:3]
+    return res, set(check._slots)
+
+
+@pytest.mark.parametrize(("arch", "quant", "width"), GREEDY)
+def test_streamed_mtp_drafts_equal_plain_llama_cpp_drafting_the_same(synth, drafts_made, arch: str, quant: str,
+                                                                     width: int) -> None:
+    """The lossless gate: greedy; the text and every step's drafts equal --no-stream's, and the MTP layer's experts
+    were streamed (missed, read, checked byte for byte) like the trunk's."""
+    path = model(synth, arch, quant)
+    ref = run(path, "--no-stream", *mtp(width))
+    want = taken(drafts_made)
+    res, layers = streamed(path, *mtp(width))
+    assert res.ids == ref.ids and res.text == ref.text
+    assert taken(drafts_made) == want and drafted(res) == drafted(ref) and sum(d for d, _ in drafted(res)) > 0
+    assert all(d <= width for d, _ in drafted(res))
+    assert max(read_model_files(path).mtp_layers) in layers, "the MTP layer's experts must be streamed"
+    assert sum(t.lookups - t.hits for t in res.tokens) > 0, "a quarter of the experts must miss"
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("qwen35moe", "q8_0"), ("glm4moe", "q4_k_m")])
+def test_seeded_sampling_drafts_with_mtp_losslessly(synth, drafts_made, arch: str, quant: str) -> None:
+    path = model(synth, arch, quant)
+    flags = ("--temp", 0.8, "--seed", 11, *mtp(3))
+    ref = run(path, "--no-stream", *flags)
+    want = taken(drafts_made)
+    res, _ = streamed(path, *flags)
+    assert res.ids == ref.ids and res.text == ref.text and taken(drafts_made) == want and want
+
+
+# ---- refused by name -----------------------------------------------------------------------------------------
+
+
+def test_mtp_drafting_is_refused_by_name_where_it_cannot_run(synth, small_moe: Path, tmp_path) -> None:
+    r = run_cli("-m", str(small_moe), "-p", "Hi", "-n", "4", "--draft", "mtp")
+    assert r.returncode != 0 and "--draft mtp" in r.stderr and "no multi-token-prediction layer" in r.stderr \
+        and "--draft ngram" in r.stderr, r.stderr
+    r = run_cli("-m", str(synth(arch="qwen3next", mtp=True)), "-p", "Hi", "-n", "4", "--draft", "mtp")
+    assert r.returncode != 0 and "--draft mtp" in r.stderr and "recurrent state" in r.stderr, r.stderr
+    path = model(synth, "glm4moe")
+    for flags, named in ((("--spec-gate",), "--spec-gate"),
+                         (("--prompt-cache", str(tmp_path / "pc")), "--prompt-cache"),
+                         (("--route-trace", str(tmp_path / "t.jsonl")), "--route-trace")):
+        r = run_cli("-m", path, "-p", "Hi", "-n", "4", "--draft", "mtp", *flags)
+        assert r.returncode != 0 and "--draft mtp" in r.stderr and named in r.stderr, r.stderr
