@@ -397,10 +397,11 @@ class Engine:
         if self.lossy:
             self.lossy.begin([not s.lossless for s in going])
         lone = going[0].drafter if len(going) == 1 else None  # several sequences: one token each, as before
-        drafts = self._propose(going[0], lone) if lone is not None else []
+        drafts, made = self._propose(going[0], lone) if lone is not None else ([], 0)
         tally = DraftTally()
         if drafts:
             toks[id(going[0])], tally = self._verify(going[0], drafts)
+            tally.extra_bytes += made
         else:
             rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
             for s, row in zip(going, rows):
@@ -432,13 +433,21 @@ class Engine:
             out.setdefault(id(s), []).append((t, stat))
         return [out.get(id(s)) for s in seqs]
 
-    def _propose(self, s: EngineSequence, drafter: Drafter) -> list[int]:
-        """A lone sequence's drafts after its chosen token: the n-gram lookup's, or the MTP layer's."""
+    def _propose(self, s: EngineSequence, drafter: Drafter) -> tuple[list[int], int]:
+        """A lone sequence's drafts after its chosen token: the n-gram lookup's, or the MTP layer's; with the bytes
+        the MTP layer's drafting decodes read (DraftReads: extra, as the drafted rows' are)."""
         most = drafter.room(s.left - 1)
         if drafter.lookup is not None or not most:
-            return drafter.propose(most)
+            return drafter.propose(most), 0
         assert self._mtp is not None  # --draft mtp loaded its context
-        return self._mtp.draft(s.seq, s.next, self.kv_len(s.seq), most)
+        reads = self._parts.draft_reads
+        if reads is not None:
+            reads.begin(False, drafting=True)
+        try:
+            drafts = self._mtp.draft(s.seq, s.next, self.kv_len(s.seq), most)
+        finally:
+            made = reads.take()[0] if reads is not None else 0
+        return drafts, made
 
     def _verify(self, s: EngineSequence, drafts: list[int]) -> tuple[list[int], DraftTally]:
         """Decode `s`'s chosen token and `drafts` in one llama_decode, every row's logits kept, and sample the rows

@@ -225,3 +225,50 @@ def test_mtp_drafting_is_refused_by_name_where_it_cannot_run(synth, small_moe: P
                          (("--route-trace", str(tmp_path / "t.jsonl")), "--route-trace")):
         r = run_cli("-m", path, "-p", "Hi", "-n", "4", "--draft", "mtp", *flags)
         assert r.returncode != 0 and "--draft mtp" in r.stderr and named in r.stderr, r.stderr
+
+
+# ---- where users meet it -------------------------------------------------------------------------------------
+
+
+def test_bmoe_cli_reports_mtp_drafts_in_the_trailing_keys_ngram_drafts_use(synth) -> None:
+    """The contract's lines as n-gram drafting ends them (tests/test_drafts.py), from the MTP layer's drafts; the
+    extra MiB count the MTP layer's drafting decodes too (every expert they read is one no token would have)."""
+    from bmoe.base import telemetry
+    from tests import spec_lines
+
+    path = model(synth, "qwen35moe")
+    quarter = f"{read_model_files(path).expert_bytes / 4 / MiB:.3f}"
+    r = run_cli("-m", path, "-p", PROMPT, "-n", str(N), "-c", "256", "--cache-mb", quarter, "--force", "--progress",
+                "--draft", "mtp", "--draft-max", "2", "--no-draft-gate")
+    assert r.returncode == 0, r.stderr
+    out = telemetry.parse_output(r.stdout)
+    progress = [obj for tag, obj in out.events if tag == "PROGRESS"]
+    assert progress and all(tuple(o) == (*spec_lines.PROGRESS_KEYS, "drafted", "accepted", "draft_extra_mb")
+                            for o in progress)
+    drafted = sum(o["drafted"] for o in progress)
+    gen = next(x for x in r.stdout.splitlines() if x.startswith("generation: "))
+    parsed = telemetry.parse_summary(gen)
+    assert parsed is not None and parsed[1]["drafted"] == drafted > 0 and parsed[1]["draft_extra_mib"] > 0, gen
+
+
+def test_bmoe_load_drafts_with_the_mtp_layer(synth) -> None:
+    import bmoe
+
+    path = model(synth, "glm4moe")
+    with bmoe.load(path, n_ctx=256, threads=2, draft="mtp", draft_max=2, draft_gate=False) as m:
+        text = m.generate(PROMPT, max_tokens=N)
+        stats = m.stats.last
+    assert stats is not None and stats.drafted > 0
+    assert text == run(path, "--no-stream", *mtp(2)).text
+
+
+def test_the_gate_turns_mtp_drafting_off_when_its_drafts_are_not_accepted(synth) -> None:
+    """Random MTP weights: no draft is accepted, so after a window of verify steps the gate pauses drafting (the
+    MTP context still follows every decode, so it drafts from the right state when it tries again); same text."""
+    from bmoe.engine.drafts import DraftGate
+
+    path = model(synth, "glm4moe")
+    gated, ungated = run(path, "--draft", "mtp", "--draft-max", 2), run(path, *mtp(2))
+    assert gated.ids == ungated.ids
+    steps = [sum(1 for t in c.tokens if t.drafted) for c in (gated, ungated)]
+    assert steps[0] == DraftGate.WINDOW < steps[1], steps

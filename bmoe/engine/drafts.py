@@ -185,16 +185,19 @@ class Drafter:
 
 class DraftReads:
     """StreamingStops' `on_plan` observer: of the reads a verify step's layers send, the bytes of experts
-    that only the drafted rows routed (row 0 is the token chosen already: its experts are read anyway)."""
+    that only the drafted rows routed (row 0 is the token chosen already: its experts are read anyway); of the
+    decodes that make MTP drafts (bmoe.engine.mtp), every byte (no token would read them without drafts)."""
 
     def __init__(self, expert_bytes: Callable[[int], int]) -> None:
         self.expert_bytes = expert_bytes  # a region's bytes per expert
         self.verifying = False
+        self.drafting = False
         self.extra = self.first = 0
 
-    def begin(self, verifying: bool) -> None:
-        """A decode starts: a verify group's (its reads are sorted) or another's (they are not)."""
-        self.verifying = verifying
+    def begin(self, verifying: bool, drafting: bool = False) -> None:
+        """Decodes start: a verify group's (its reads are sorted), the MTP layer's drafting (`drafting`: every
+        read is extra) or another's (they are not counted)."""
+        self.verifying, self.drafting = verifying or drafting, drafting
         self.extra = self.first = 0
 
     def take(self) -> tuple[int, int]:
@@ -206,7 +209,7 @@ class DraftReads:
         """The layer's routed ids (a row per token) and the slices (layer, region, expert) it reads now."""
         if not self.verifying or not missing:
             return
-        chosen = set(np.asarray(ids[:1]).ravel().tolist())
+        chosen = set() if self.drafting else set(np.asarray(ids[:1]).ravel().tolist())
         for _, ri, e in missing:
             if e in chosen:
                 self.first += self.expert_bytes(ri)
