@@ -397,11 +397,11 @@ class Engine:
         if self.lossy:
             self.lossy.begin([not s.lossless for s in going])
         lone = going[0].drafter if len(going) == 1 else None  # several sequences: one token each, as before
-        drafts, made = self._propose(going[0], lone) if lone is not None else ([], 0)
+        drafts, drafting_bytes = self._propose(going[0], lone) if lone is not None else ([], 0)
         tally = DraftTally()
         if drafts:
             toks[id(going[0])], tally = self._verify(going[0], drafts)
-            tally.extra_bytes += made
+            tally.extra_bytes += drafting_bytes
         else:
             rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
             for s, row in zip(going, rows):

@@ -1,5 +1,5 @@
-"""Guessing ahead losslessly: n-gram drafts (`--draft ngram`), verified in one llama_decode, and the gate
-that turns them off when they do not pay.
+"""Guessing ahead losslessly: n-gram drafts (`--draft ngram`; `--draft mtp`'s come from the model's MTP layer,
+bmoe.engine.mtp), verified in one llama_decode, and the gate that turns drafting off when it does not pay.
 
 After each step the engine drafts up to `--draft-max` tokens from the prompt and the text so far
 (`NgramLookup`: llama.cpp's prompt lookup, examples/lookup with common/ngram-cache's context cache),
