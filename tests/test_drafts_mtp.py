@@ -8,13 +8,14 @@ gates: streamed with a quarter of the experts cached, the MTP layer's experts am
 matmul reads is the file's: SlabCheck), equals the reference at widths 1 to 4, greedy and seeded, q8_0 and Q4_K_M,
 on every architecture whose MTP layer the pinned llama.cpp drafts with and bmoe-synth writes.
 
-The synthetic models' MTP layers have random weights: their drafts are (nearly) never what the trunk samples, so
-these gates show the drafts, the verify and the rollback of every rejected draft, not accepted ones (the accept path
-is the n-gram tests'; with MTP it also picks the carried hidden state, which the by-hand reference checks).
+The synthetic models' MTP layers have random weights: their drafts are never what the trunk samples. So the gates
+also run on `agreeing` copies (glm4moe, and qwen35moe, whose recurrent state then rolls back part of a group), whose
+MTP layer mostly predicts what the trunk will: the drafts are accepted and rejected.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,6 +44,45 @@ MTP_DRAFTS = ("qwen35moe", "glm4moe", "deepseek2", "glm-dsa", "bailingmoe3")
 
 def model(synth, arch: str, quant: str = "q8_0") -> str:
     return str(synth(arch=arch, quant=quant, mtp=True, embd=256 if quant == "q4_k_m" else 128))
+
+
+AGREEING = ("glm4moe", "qwen35moe")
+STATE_SHARE = 0.5  # of the carried hidden state the agreeing MTP layer adds to the token's embedding
+
+
+@pytest.fixture(scope="module")
+def agreeing(synth, tmp_path_factory) -> dict[str, str]:
+    """Copies of the q8_0 test models whose MTP layer mostly drafts what the trunk samples next: every block's
+    output projections (attention, recurrent, dense and expert down matmuls; for q8_0 experts each block's scale)
+    scaled by 1/20, so each position's hidden state is nearly its token's embedding and the trunk nearly a map from
+    the token to the next; and the MTP layer's eh_proj passing the token's normed embedding through with
+    STATE_SHARE of the carried state, so its head, the trunk's output matrix, nearly draws that map too. The rest
+    (the state, the layers' and the MTP block's own contributions, the experts among them) makes them disagree now
+    and then, and a wrong carried state changes the drafts."""
+    out = {}
+    for arch in AGREEING:
+        src = Path(model(synth, arch))
+        dst = tmp_path_factory.mktemp("agreeing") / src.name
+        shutil.copyfile(src, dst)
+        files = read_model_files(src)
+        mm = np.memmap(dst, dtype=np.uint8, mode="r+")
+        for name, e in files.extents.items():
+            raw = mm[e.offset:e.offset + e.nbytes]
+            if name.endswith(("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight", "ssm_out.weight")):
+                raw.view(np.float16)[:] = raw.view(np.float16) / np.float16(20)
+            elif name.endswith("ffn_down_exps.weight"):  # q8_0: 34-byte blocks, an f16 scale first
+                blocks = raw.reshape(-1, 34)
+                blocks[:, :2] = (blocks[:, :2].copy().view(np.float16) / np.float16(20)).view(np.uint8)
+            elif name.endswith("nextn.eh_proj.weight"):  # [2 n_embd inputs (embedding, state), n_embd outputs]
+                width = int(np.sqrt(raw.size // 2 // 2))  # n_embd: the matrix holds 2 * n_embd^2 halves
+                eye = np.zeros((width, 2 * width), np.float16)
+                eye[np.arange(width), np.arange(width)] = 1
+                eye[np.arange(width), width + np.arange(width)] = STATE_SHARE
+                raw.view(np.float16)[:] = eye.ravel()
+        mm.flush()
+        del mm
+        out[arch] = str(dst)
+    return out
 
 
 @pytest.fixture
@@ -198,6 +238,32 @@ def test_streamed_mtp_drafts_equal_plain_llama_cpp_drafting_the_same(synth, draf
     assert all(d <= width for d, _ in drafted(res))
     assert max(read_model_files(path).mtp_layers) in layers, "the MTP layer's experts must be streamed"
     assert sum(t.lookups - t.hits for t in res.tokens) > 0, "a quarter of the experts must miss"
+
+
+@pytest.mark.parametrize(("arch", "width"), [(a, w) for a in AGREEING for w in (1, 2, 3, 4)])
+def test_accepted_mtp_drafts_stream_losslessly(agreeing, drafts_made, arch: str, width: int) -> None:
+    """On a model whose MTP layer mostly agrees with its trunk: drafts accepted and rejected (qwen35moe's recurrent
+    state rolled back past the accepted ones), streamed equal to --no-stream, token for token and draft for draft."""
+    path = agreeing[arch]
+    ref = run(path, "--no-stream", *mtp(width))
+    want = taken(drafts_made)
+    res, layers = streamed(path, *mtp(width))
+    assert res.ids == ref.ids and res.text == ref.text and taken(drafts_made) == want
+    assert drafted(res) == drafted(ref)
+    made, kept = sum(d for d, _ in drafted(res)), sum(a for _, a in drafted(res))
+    assert made > kept > 0, (made, kept)
+    if width > 1:
+        assert any(0 < a < d for d, a in drafted(res)), "some step must keep part of its drafts"
+    assert max(read_model_files(path).mtp_layers) in layers
+
+
+@pytest.mark.parametrize(("arch", "width"), [("glm4moe", 4), ("qwen35moe", 2), ("qwen35moe", 4)])
+def test_accepted_mtp_drafts_are_llama_cpps_own_contexts_doing_the_same_work(agreeing, drafts_made, arch: str,
+                                                                            width: int) -> None:
+    path = agreeing[arch]
+    ref = run(path, "--no-stream", *mtp(width))
+    assert sum(a for _, a in drafted(ref)) > 0
+    assert (list(ref.ids), taken(drafts_made)) == by_hand(path, width, N)
 
 
 @pytest.mark.parametrize(("arch", "quant"), [("qwen35moe", "q8_0"), ("glm4moe", "q4_k_m")])
