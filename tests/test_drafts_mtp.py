@@ -338,3 +338,12 @@ def test_the_gate_turns_mtp_drafting_off_when_its_drafts_are_not_accepted(synth)
     assert gated.ids == ungated.ids
     steps = [sum(1 for t in c.tokens if t.drafted) for c in (gated, ungated)]
     assert steps[0] == DraftGate.WINDOW < steps[1], steps
+
+
+def test_ngram_drafts_run_on_a_hybrid_model_through_llama_cpps_state_snapshots(agreeing) -> None:
+    """The snapshots that roll qwen35moe's recurrent state back for MTP drafts serve n-gram drafts too (the agreeing
+    copy falls into a loop the lookup drafts from): streamed equals --no-stream drafting the same."""
+    path, flags = agreeing["qwen35moe"], ("--draft", "ngram", "--draft-max", 4, "--no-draft-gate")
+    ref = run(path, "--no-stream", *flags, n=64)
+    res = run(path, "--cache-mb", read_model_files(path).expert_bytes / 4 / MiB, "--force", *flags, n=64)
+    assert res.ids == ref.ids and drafted(res) == drafted(ref) and sum(a for _, a in drafted(res)) > 0
