@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,8 +32,10 @@ from bmoe.base.settings import Naming, SamplerSettings, Settings
 from bmoe.base.telemetry import TokenStat
 from bmoe.engine import prompt_calls
 from bmoe.engine.drafts import Drafter, DraftTally, verify
-from bmoe.engine.engine_stats import EmbeddingFacts, EngineStats
+from bmoe.engine.engine_stats import EmbeddingFacts, EngineStats, token_shares
 from bmoe.engine.load import Loaded
+from bmoe.engine.mtp import MtpDrafts
+from bmoe.engine.sequence import EngineSequence
 from bmoe.memory.budget import Adaptive
 from bmoe.memory.probe import MemoryProbe
 from bmoe.seam import llama
@@ -47,23 +48,6 @@ from bmoe.streaming.warm_fill import WarmStart
 if TYPE_CHECKING:
     from bmoe.chat.grammar import Grammar
 
-@dataclass
-class EngineSequence:
-    """One generation's state in the engine (Engine.begin/step/end): its KV sequence and sampler."""
-
-    seq: int
-    sampler: llama.Sampler | None
-    next: int = -1  # the token sampled from its last logits, decoded at its next step
-    prefill_s: float = 0.0
-    lossless: bool = False  # no lossy routing for this sequence's tokens (bmoe.streaming.lossy)
-    forced: list[int] = field(default_factory=list)  # tokens decoded next instead of sampled (teacher forcing)
-    keep_logits: bool = False
-    logits: np.ndarray | None = None  # with keep_logits: the distribution `next` was chosen from
-    kept: bool = False  # `logits` is the sampler chain's after its last sampler (log p), not the model's
-    left: int = 0  # tokens it may still generate (drafts stay within them)
-    drafter: Drafter | None = None  # --draft: its drafts and their gate (bmoe.engine.drafts)
-
-
 class Engine:
     """A loaded model and context (bmoe.engine.load), streaming experts unless the settings turned it off:
     prefill and decode of KV sequences, the KV itself, and the facts edges print about the load."""
@@ -72,6 +56,7 @@ class Engine:
         """Take over what `bmoe.engine.load.load_engine` made (closed with the engine); each of its parts
         is reached through the engine's property of that name, and only the engine reads `_parts`."""
         self._parts = parts
+        self._mtp = None if parts.mtp_ctx is None else MtpDrafts(parts.mtp_ctx, self.model, self.vocab, self._run)
 
     # ---- the load's parts ----------------------------------------------------------------------
 
@@ -277,8 +262,10 @@ class Engine:
     # ---- KV and cancel (a Slot's tokens are the KV sequence's: bmoe.generation.request_life) ----------------
 
     def clear_kv(self, seq: int = -1) -> None:
-        """Empty sequence `seq`'s KV (-1: every sequence's)."""
+        """Empty sequence `seq`'s KV (-1: every sequence's), and the MTP context's with it."""
         llama.kv_clear(self.context, seq)
+        if self._mtp is not None:
+            self._mtp.clear(seq)
 
     def kv_len(self, seq: int = 0) -> int:
         """Tokens in sequence `seq`'s KV: the next position to decode there."""
@@ -293,6 +280,8 @@ class Engine:
         if n <= 0 or not llama.kv_cut(self.context, seq, n):
             self.clear_kv(seq)
             return 0
+        if self._mtp is not None:  # its carried state stays the last decode's, as llama-server's does
+            self._mtp.cut(seq, n)
         return n
 
     def interrupt(self) -> None:
@@ -359,8 +348,8 @@ class Engine:
                            lossless=lossless, forced=list(forced), keep_logits=keep_logits or kept, kept=kept,
                            left=n_predict)
         d = self.settings.draft
-        if d.mode == "ngram" and not s.forced and not s.keep_logits:  # those need each token's step alone
-            s.drafter = Drafter([*held, *tokens], d.most, d.gate, self.notice)
+        if d.mode != "none" and not s.forced and not s.keep_logits:  # those need each token's step alone
+            s.drafter = Drafter([*held, *tokens] if d.mode == "ngram" else None, d.most, d.gate, self.notice)
         try:
             t0 = time.perf_counter()
             if self.lossy:
@@ -408,10 +397,11 @@ class Engine:
         if self.lossy:
             self.lossy.begin([not s.lossless for s in going])
         lone = going[0].drafter if len(going) == 1 else None  # several sequences: one token each, as before
-        drafts = lone.propose(going[0].left - 1) if lone is not None else []
+        drafts, drafting_bytes = self._propose(going[0], lone) if lone is not None else ([], 0)
         tally = DraftTally()
         if drafts:
             toks[id(going[0])], tally = self._verify(going[0], drafts)
+            tally.extra_bytes += drafting_bytes
         else:
             rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
             for s, row in zip(going, rows):
@@ -426,17 +416,7 @@ class Engine:
                 s.drafter.settle(tally, len(toks[id(s)]), wall / 1e9)
         # each sequence's tokens share its wall time (a batch's sequences each took the whole step)
         walls = [wall * (i + 1) // k - wall * i // k for i in range(k)] if drafts else [wall] * k
-        if st:
-            c = st.take_counters(step=True)
-            counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns, c.page_cache_bytes,
-                      c.page_cache_ns)
-            shares = []
-            for i in range(k):  # token i's share of each count: the shares add up to the count
-                io, mgmt, read, hits, lookups, stall, copied, copy_ns = (x * (i + 1) // k - x * i // k for x in counts)
-                shares.append(TokenStat(walls[i], io, mgmt, read, hits, lookups, stall, st.budget,
-                                        page_cache_bytes=copied, page_cache_ns=copy_ns))
-        else:
-            shares = [TokenStat(w, 0, 0, 0, 0, 0) for w in walls]
+        shares = token_shares(walls, st.take_counters(step=True) if st else None, st.budget if st else 0)
         if drafts:
             first = shares[0]
             first.drafted, first.accepted, first.draft_extra_bytes = tally.drafted, tally.accepted, tally.extra_bytes
@@ -452,6 +432,22 @@ class Engine:
         for (s, t), stat in zip(made, shares):
             out.setdefault(id(s), []).append((t, stat))
         return [out.get(id(s)) for s in seqs]
+
+    def _propose(self, s: EngineSequence, drafter: Drafter) -> tuple[list[int], int]:
+        """A lone sequence's drafts after its chosen token: the n-gram lookup's, or the MTP layer's; with the bytes
+        the MTP layer's drafting decodes read (DraftReads: extra, as the drafted rows' are)."""
+        most = drafter.room(s.left - 1)
+        if drafter.lookup is not None or not most:
+            return drafter.propose(most), 0
+        assert self._mtp is not None  # --draft mtp loaded its context
+        reads = self._parts.draft_reads
+        if reads is not None:
+            reads.begin(False, drafting=True)
+        try:
+            drafts = self._mtp.draft(s.seq, s.next, self.kv_len(s.seq), most)
+        finally:
+            made = reads.take()[0] if reads is not None else 0
+        return drafts, made
 
     def _verify(self, s: EngineSequence, drafts: list[int]) -> tuple[list[int], DraftTally]:
         """Decode `s`'s chosen token and `drafts` in one llama_decode, every row's logits kept, and sample the rows
@@ -474,6 +470,8 @@ class Engine:
         out = verify(group, choose, self.vocab.is_eog)
         if not llama.kv_cut(self.context, s.seq, pos + len(out)):
             raise ModelError("llama.cpp could not drop the drafts it rejected from the KV")
+        if self._mtp is not None:
+            self._mtp.accept(s.seq, len(out), pos)
         return group[:len(out)], DraftTally(1, len(drafts), len(out) - 1, extra, first)
 
     def embed(self, seq: int, tokens: list[int]) -> np.ndarray:
@@ -489,7 +487,7 @@ class Engine:
         if self.lossy:
             self.lossy.begin([False] * len(tokens))
         try:
-            self._decode_call([(seq, tokens, 0)], every_logit=True)
+            self._decode_call([(seq, tokens, 0)], every_logit=True, follow=False)
             if pooling == "none":
                 return llama.token_embeddings(ctx, self.model, len(tokens))
             return llama.seq_embedding(ctx, self.model, seq)
@@ -517,7 +515,7 @@ class Engine:
                 s.next, s.logits = llama.sample_kept(s.sampler, self.context, self.vocab, row)
             else:
                 s.next = llama.sample(s.sampler, self.context, row)
-        if s.drafter is not None:
+        if s.drafter is not None and s.drafter.lookup is not None:
             s.drafter.lookup.add([s.next])
 
     def end(self, s: EngineSequence) -> ReadAheadCounts:
@@ -570,17 +568,27 @@ class Engine:
         return llama.ubatch_size(self.context)
 
     def _decode_call(self, parts: list[tuple[int, list[int], int]], no_logit: bool = False,
-                     every_logit: bool = False, prompt: bool = True) -> list[int]:
+                     every_logit: bool = False, prompt: bool = True, follow: bool = True) -> list[int]:
         """One llama_decode of (sequence, tokens, first position) parts (`no_logit`: a prompt's call
         before its last, whose logits nobody reads; `every_logit`: every token an output, as embeddings and
-        drafts ask; `prompt` False: several tokens of a part are no prompt's, but a verify group's)."""
+        drafts ask; `prompt` False: several tokens of a part are no prompt's, but a verify group's); with
+        --draft mtp the MTP context then decodes them too (`follow` False: an embedding's, which no KV keeps)."""
         n = sum(len(toks) for _, toks, _ in parts)
+        prompt = prompt and any(len(toks) > 1 for _, toks, _ in parts)
+        ctx = self.context
+        rows = self._run(lambda: llama.decode(ctx, parts, every_logit=every_logit, no_logit=no_logit), n, prompt)
+        if self._mtp is not None and follow:
+            self._mtp.follow(ctx, parts, prompt)
+        return rows
+
+    def _run(self, decode: Callable[[], tuple[int, list[int]]], n: int, prompt: bool) -> list[int]:
+        """One decode of `n` tokens (the target's or the MTP context's) under the eval hook, the streaming parts
+        told a batch starts (`prompt`: a prompt's, whose experts only its earlier tokens route enter cold)."""
         if self.streamer is not None:
             self.streamer.begin_batch(n)
         if self._parts.stops is not None:
-            self._parts.stops.begin_batch(n, prompt=prompt and any(len(toks) > 1 for _, toks, _ in parts))
-        ctx = self.context
-        return self.hook.run(lambda: llama.decode(ctx, parts, every_logit=every_logit, no_logit=no_logit))
+            self._parts.stops.begin_batch(n, prompt=prompt)
+        return self.hook.run(decode)
 
     def close(self, in_use: bool = False) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent. `in_use`: a

@@ -760,3 +760,64 @@ def test_every_weight_a_decode_reads_is_the_files_bytes_as_bmoe_loads_it(synth, 
         assert {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= set(read)
     changed = [n for n in read if read[n] != file[n]]
     assert not changed, f"llama.cpp reads these weights from a copy of its own, not the file: {changed}"
+
+
+# ---- MTP drafting's staging API (bmoe.seam.llama, bmoe.engine.mtp) --------------------------------------------
+
+# src/llama-ext.h's declarations, as c++filt spells the C++ names libllama exports them under
+NEXTN_DECLARED = {"llama_set_embeddings_nextn": "llama_set_embeddings_nextn(llama_context*, bool, bool)",
+                  "llama_get_embeddings_nextn_ith": "llama_get_embeddings_nextn_ith(llama_context*, int)"}
+
+
+def test_the_nextn_staging_api_is_exported_under_the_names_its_header_declares() -> None:
+    import shutil
+    import subprocess
+
+    from bmoe.seam import llama
+
+    assert set(llama.NEXTN_SYMBOLS) == set(NEXTN_DECLARED)
+    for name, mangled in llama.NEXTN_SYMBOLS.items():
+        assert getattr(llama.LIBLLAMA, mangled), name  # the symbol is there (AttributeError otherwise)
+        if shutil.which("c++filt"):
+            spelled = subprocess.run(["c++filt", mangled], capture_output=True, text=True, check=True).stdout.strip()
+            assert spelled == NEXTN_DECLARED[name]
+    # the C API that drives it: the MTP context type, load_mtp, n_rs_seq, ctx_other and the extended batch
+    assert llama_cpp.LLAMA_CONTEXT_TYPE_MTP == 1 and llama_cpp.LLAMA_PROCESS_TYPE_DECODE == 1
+    assert {"load_mtp"} <= {f for f, _ in llama_cpp.llama_model_params._fields_}
+    assert {"ctx_type", "n_rs_seq", "ctx_other"} <= {f for f, _ in llama_cpp.llama_context_params._fields_}
+    for fn in ("llama_model_n_layer_nextn", "llama_n_rs_seq", "llama_batch_ext_init", "llama_batch_ext_add_token",
+               "llama_batch_ext_set_pos", "llama_batch_ext_set_embd_token", "llama_batch_ext_set_output_logits",
+               "llama_batch_ext_free", "llama_process"):
+        assert callable(getattr(llama_cpp, fn)), fn
+
+
+def test_an_mtp_context_keeps_the_hidden_states_it_is_asked_for(synth) -> None:
+    """The target context keeps every row's hidden state (unmasked), the MTP context only its output rows'; a state
+    fed with a token changes what the MTP layer predicts (it is read, not ignored)."""
+    from bmoe.seam import llama
+
+    path = str(synth(arch="glm4moe", mtp=True))
+    llama.init_backend()
+    mdl = llama.load_model(path, mtp=True)
+    assert mdl and llama.n_layer_nextn(mdl) == 1
+    tgt = llama.new_context(mdl, 64, 2)
+    dft = llama.new_context(mdl, 64, 2, mtp_of=tgt)
+    try:
+        llama.set_embeddings_nextn(tgt, masked=False)
+        llama.set_embeddings_nextn(dft, masked=True)
+        vocab = llama.Vocab(mdl)
+        toks = vocab.tokenize("one two three")
+        assert llama.decode(tgt, [(0, toks, 0)])[0] == 0
+        h = llama.nextn_rows(tgt, mdl, range(len(toks)))
+        assert h.shape == (len(toks), llama.n_embd_out(mdl)) and np.isfinite(h).all() and len({*map(bytes, h)}) > 1
+        logits = []
+        for state in (h[:1], np.zeros_like(h[:1])):
+            assert llama.decode_mtp(dft, [(0, toks[1:2], 1, state)], outputs=True) == (0, [0])
+            logits.append(llama.logits(dft, vocab, 0))
+            assert llama.nextn_rows(dft, mdl, [0]).shape == (1, llama.n_embd_out(mdl))
+            llama.kv_clear(dft)
+        assert not np.array_equal(*logits)
+    finally:
+        llama.free_context(dft)
+        llama.free_context(tgt)
+        llama.free_model(mdl)

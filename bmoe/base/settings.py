@@ -439,6 +439,12 @@ def _check_draft(s: Settings, w: Naming) -> None:
     if other:
         raise ConfigError(f"{draft} verifies several tokens per decode, and {' and '.join(other)} "
                           f"{'work' if len(other) > 1 else 'works'} one token per decode; drop one of them")
+    why = {"prompt_cache": "keeps the target's KV state alone", "spec_gate": "predicts the trunk's layers alone"}
+    other = [f"{w.name(k)} {why[k]}" for k, on in (("prompt_cache", s.prompt_cache), ("spec_gate", s.speculation.gate))
+             if on and s.draft.mode == "mtp"]
+    if other:
+        raise ConfigError(f"{draft} runs the model's MTP layer in a second context, and {' and '.join(other)}; "
+                          "drop one of them")
 
 
 # ---- bmoe.load's keywords --------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Guessing ahead losslessly: n-gram drafts (`--draft ngram`), verified in one llama_decode, and the gate
-that turns them off when they do not pay.
+"""Guessing ahead losslessly: n-gram drafts (`--draft ngram`; `--draft mtp`'s come from the model's MTP layer,
+bmoe.engine.mtp), verified in one llama_decode, and the gate that turns drafting off when it does not pay.
 
 After each step the engine drafts up to `--draft-max` tokens from the prompt and the text so far
 (`NgramLookup`: llama.cpp's prompt lookup, examples/lookup with common/ngram-cache's context cache),
@@ -182,21 +182,27 @@ class DraftGate:
 
 
 class Drafter:
-    """One sequence's drafting: its n-gram lookup and its gate (None: `--no-draft-gate`); `notice` hears the
-    gate's decisions."""
+    """One sequence's drafting: its n-gram lookup (None: the drafts are the MTP layer's, bmoe.engine.mtp) and its
+    gate (None: `--no-draft-gate`); `notice` hears the gate's decisions."""
 
-    def __init__(self, prompt: Sequence[int], most: int, gated: bool,
+    def __init__(self, prompt: Sequence[int] | None, most: int, gated: bool,
                  notice: Callable[[str], None] = lambda s: None) -> None:
-        self.lookup = NgramLookup(prompt)
+        self.lookup = None if prompt is None else NgramLookup(prompt)
         self.most = most
         self.gate = DraftGate() if gated else None
         self.notice = notice
 
-    def propose(self, room: int) -> list[int]:
-        """Drafts after the sequence's last token, `room` at most (the tokens it may still generate, less one)."""
-        if room <= 0 or (self.gate is not None and not self.gate.on):
-            return []
-        return self.lookup.draft(min(self.most, room))
+    def room(self, left: int) -> int:
+        """How many tokens to draft now: 0 while the gate is off, else `--draft-max` within `left` (the tokens
+        the sequence may still generate, less one)."""
+        if left <= 0 or (self.gate is not None and not self.gate.on):
+            return 0
+        return min(self.most, left)
+
+    def propose(self, most: int) -> list[int]:
+        """The n-gram lookup's drafts after the sequence's last token, `most` at most (none without a lookup: an MTP
+        drafter's are the MTP context's, bmoe.engine.mtp)."""
+        return self.lookup.draft(most) if self.lookup is not None and most else []
 
     def settle(self, step: DraftTally, tokens: int, seconds: float) -> None:
         """A step's figures (`step.steps` 0 when it carried no drafts), the tokens it generated, its seconds."""
@@ -214,16 +220,19 @@ class Drafter:
 
 class DraftReads:
     """StreamingStops' `on_plan` observer: of the reads a verify step's layers send, the bytes of experts
-    that only the drafted rows routed (row 0 is the token chosen already: its experts are read anyway)."""
+    that only the drafted rows routed (row 0 is the token chosen already: its experts are read anyway); of the
+    decodes that make MTP drafts (bmoe.engine.mtp), every byte (no token would read them without drafts)."""
 
     def __init__(self, expert_bytes: Callable[[int], int]) -> None:
         self.expert_bytes = expert_bytes  # a region's bytes per expert
         self.verifying = False
+        self.drafting = False
         self.extra = self.first = 0
 
-    def begin(self, verifying: bool) -> None:
-        """A decode starts: a verify group's (its reads are sorted) or another's (they are not)."""
-        self.verifying = verifying
+    def begin(self, verifying: bool, drafting: bool = False) -> None:
+        """Decodes start: a verify group's (its reads are sorted), the MTP layer's drafting (`drafting`: every
+        read is extra) or another's (they are not counted)."""
+        self.verifying, self.drafting = verifying or drafting, drafting
         self.extra = self.first = 0
 
     def take(self) -> tuple[int, int]:
@@ -235,7 +244,7 @@ class DraftReads:
         """The layer's routed ids (a row per token) and the slices (layer, region, expert) it reads now."""
         if not self.verifying or not missing:
             return
-        chosen = set(np.asarray(ids[:1]).ravel().tolist())
+        chosen = set() if self.drafting else set(np.asarray(ids[:1]).ravel().tolist())
         for _, ri, e in missing:
             if e in chosen:
                 self.first += self.expert_bytes(ri)

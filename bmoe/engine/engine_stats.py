@@ -4,8 +4,13 @@ that the API can name it without loading llama.cpp."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from bmoe.base.telemetry import TokenStat
 from bmoe.memory.probe import Room
+
+if TYPE_CHECKING:
+    from bmoe.streaming.streamer import Counters
 
 
 @dataclass(frozen=True)
@@ -40,3 +45,18 @@ class EmbeddingFacts:
     pooling: str
     size: int
     width: int
+
+
+def token_shares(walls: list[int], c: Counters | None, budget: int) -> list[TokenStat]:
+    """A step's TokenStats, one per token it made (`walls`: each one's wall time): token i gets an even share of
+    each of the step's counts `c` (None without streaming), the shares adding up to the count."""
+    if c is None:
+        return [TokenStat(w, 0, 0, 0, 0, 0) for w in walls]
+    k = len(walls)
+    counts = (c.io_ns, c.mgmt_ns, c.read_bytes, c.hits, c.lookups, c.stall_ns, c.page_cache_bytes, c.page_cache_ns)
+    shares = []
+    for i in range(k):
+        io, mgmt, read, hits, lookups, stall, copied, copy_ns = (x * (i + 1) // k - x * i // k for x in counts)
+        shares.append(TokenStat(walls[i], io, mgmt, read, hits, lookups, stall, budget, page_cache_bytes=copied,
+                                page_cache_ns=copy_ns))
+    return shares

@@ -17,8 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 from bmoe import seam
 from bmoe.base.errors import ConfigError, ModelError
@@ -58,6 +60,7 @@ class Loaded:
     memory: MemoryProbe = field(default_factory=MemoryProbe)
     model: llama.LlamaModel | None = None
     ctx: llama.Context | None = None
+    mtp_ctx: llama.Context | None = None  # --draft mtp: the context that runs the model's MTP layer (bmoe.engine.mtp)
     vocab: llama.Vocab | None = None
     n_ctx: int = 0
     load_s: float = 0.0
@@ -99,6 +102,9 @@ class Loaded:
             self.warm.save()
         self.hook.stops = None
         try:
+            if self.mtp_ctx:
+                llama.free_context(self.mtp_ctx)
+                self.mtp_ctx = None
             if self.ctx:
                 llama.free_context(self.ctx)
                 self.ctx = None
@@ -118,6 +124,8 @@ def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming
     should know; errors name settings in `words` (the edge's)."""
     t0 = time.perf_counter()
     files = read_model_files(settings.model)
+    if settings.draft.mode == "mtp":
+        files = _with_mtp(files, settings, words)
     llama.init_backend(settings.verbose)
     parts = Loaded(settings, notice, words, files, seam.EvalHook())
     moe = files.n_expert > 1
@@ -141,6 +149,16 @@ def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming
         raise
     parts.load_s = time.perf_counter() - t0
     return parts
+
+
+def _with_mtp(files: ModelFiles, s: Settings, words: Naming) -> ModelFiles:
+    """--draft mtp: the model's MTP layers are loaded and decoded (their experts streamed like the rest), or a
+    model without one is refused before llama.cpp loads it."""
+    if not files.mtp_layers:
+        raise ConfigError(f"{words.value('draft', 'mtp')}: {Path(s.model).name} has no multi-token-prediction "
+                          f"layer ({files.arch}.nextn_predict_layers); use {words.value('draft', 'ngram')} or a "
+                          "model file converted with its MTP layer")
+    return replace(files, mtp_layers=frozenset())
 
 
 def _fixed_k(p: Loaded, moe: bool, streaming: bool) -> int:
@@ -199,14 +217,24 @@ def _load_llama(p: Loaded, streaming: bool) -> None:
     with seam.no_populate() if streaming else nullcontext("not streaming") as why:
         if streaming and why is not None:
             p.notice(f"loading the whole model file, as llama.cpp does ({why}): a slower start, the same output")
-        p.model = llama.load_model(s.model, ints)
+        p.model = llama.load_model(s.model, ints, mtp=s.draft.mode == "mtp")
     if why is None:  # llama.cpp mapped the file without reading it: the dense weights are read here
         p.dense_ahead = DenseReadAhead(p.files).start()
     if not p.model:
         raise ModelError(f"llama.cpp could not load {s.model}; run with --verbose to see why")
-    p.ctx = llama.new_context(p.model, s.n_ctx, s.threads, p.hook.c_callback if streaming else None,
-                              n_ubatch=prompt_calls.width(s.n_ctx), n_seq=s.parallel, eval_user=p.hook.user_data,
-                              embeddings=s.embedding, pooling=s.pooling)
+    cb = p.hook.c_callback if streaming else None
+    rollback = s.draft.most if s.draft.mode != "none" else 0  # a recurrent state's snapshots (llama.cpp's n_rs_seq)
+    p.ctx = llama.new_context(p.model, s.n_ctx, s.threads, cb, n_ubatch=prompt_calls.width(s.n_ctx), n_seq=s.parallel,
+                              eval_user=p.hook.user_data, embeddings=s.embedding, pooling=s.pooling, rollback=rollback)
+    if s.draft.mode == "mtp":  # as llama.cpp's common_speculative_init_result makes it
+        if llama.n_layer_nextn(p.model) < 1:
+            raise ModelError(f"llama.cpp loaded no MTP layer of {Path(s.model).name}; run it without "
+                             f"{p.words.value('draft', 'mtp')}")
+        p.mtp_ctx = llama.new_context(p.model, s.n_ctx, s.threads, cb, n_ubatch=prompt_calls.width(s.n_ctx),
+                                      n_seq=s.parallel, eval_user=p.hook.user_data, mtp_of=p.ctx)
+        llama.set_embeddings_nextn(p.ctx, masked=False)
+        llama.set_embeddings_nextn(p.mtp_ctx, masked=True)
+        llama.set_abort(p.mtp_ctx, p.hook.c_abort, p.hook.user_data)
     if s.embedding:  # made computing them (its buffer reserved for it); generation decodes without
         llama.set_embeddings(p.ctx, False)
         p.pooling = llama.pooling_name(p.ctx)
@@ -220,13 +248,17 @@ def _load_llama(p: Loaded, streaming: bool) -> None:
 
 
 def _check_drafts(p: Loaded) -> None:
-    """--draft needs a memory that can drop the positions of rejected drafts: a recurrent or hybrid model's
-    cannot go back (llama.cpp keeps checkpoints of its state for that; bmoe does not yet)."""
-    assert p.model is not None  # loaded
-    mode = p.settings.draft.mode
-    if mode != "none" and not llama.can_rewind(p.model):
-        raise ConfigError(f"{p.words.value('draft', mode)}: {Path(p.settings.model).name} ({p.files.arch}) keeps a "
-                          "recurrent state that cannot drop the positions of rejected drafts; run it without drafts")
+    """--draft needs a memory that can drop the positions of rejected drafts: a KV cache can, and a recurrent or
+    hybrid model's state where llama.cpp keeps a snapshot per drafted position (n_rs_seq: qwen35moe, deepseek4,
+    bailingmoe3, lfm2moe, ...); for the others (qwen3next) llama-server restores whole checkpoints of the state,
+    which bmoe does not."""
+    assert p.model is not None and p.ctx is not None  # loaded
+    d = p.settings.draft
+    if d.mode != "none" and not llama.can_rewind(p.model) and llama.rollback_room(p.ctx) < d.most:
+        raise ConfigError(f"{p.words.value('draft', d.mode)}: {Path(p.settings.model).name} ({p.files.arch}) keeps a "
+                          "recurrent state that llama.cpp cannot roll back by position for it (it keeps no per-token "
+                          "snapshots of this architecture's state), so rejected drafts could not be dropped; run it "
+                          "without drafts")
 
 
 def _stream(p: Loaded, replay: Trace | None) -> None:
@@ -383,14 +415,19 @@ def _capture(p: Loaded, dry: bool) -> seam.Capture:
     """Visit the graph of a one-token decode; `dry` aborts it at the first computed node, so no
     expert is read from the file before streaming starts (the visits come before the compute
     of a graph in one split)."""
-    assert p.ctx is not None and p.vocab is not None  # loaded
+    assert p.ctx is not None and p.vocab is not None and p.model is not None  # loaded
     cap = p.hook.capture = seam.Capture(dry=dry)
-    ctx, token = p.ctx, p.vocab.warmup_token()
+    ctx, mtp, token = p.ctx, p.mtp_ctx, p.vocab.warmup_token()
     try:
         p.hook.run(lambda: llama.decode(ctx, [(0, [token], 0)]), aborts=dry)
+        if mtp is not None:  # the MTP layer's graph, in the same capture: its experts are streamed too
+            state = np.zeros((1, llama.n_embd_out(p.model)), dtype=np.float32)
+            p.hook.run(lambda: llama.decode_mtp(mtp, [(0, [token], 0, state)], outputs=True), aborts=dry)
     finally:
         p.hook.capture = None
     llama.kv_clear(p.ctx, -1)
+    if mtp is not None:
+        llama.kv_clear(mtp, -1)
     return cap
 
 

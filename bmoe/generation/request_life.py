@@ -26,7 +26,8 @@ from bmoe.generation.logprobs import TokenLogprob, TokenSpans
 from bmoe.generation.records import Chunk, Completion, GenerationStats, PrefillProgress, Request, Turn
 
 if TYPE_CHECKING:
-    from bmoe.coordinator import Engine, EngineSequence
+    from bmoe.coordinator import Engine
+    from bmoe.engine.sequence import EngineSequence
     from bmoe.generation.prompt_cache import PromptKV
     from bmoe.streaming.readahead import ReadAheadCounts
 

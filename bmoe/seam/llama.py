@@ -55,21 +55,23 @@ def init_backend(verbose: bool = False) -> None:
         _backend_ready = True
 
 
-def model_params() -> llama_cpp.llama_model_params:
+def model_params(mtp: bool = False) -> llama_cpp.llama_model_params:
     """llama.cpp's default model parameters as bmoe loads every model: without extra buffer types
     (repacked or AMX weights). A repacked weight no longer matches the file layout that expert
     streaming and the demo builder rely on, and on some CPUs those buffer types crash llama.cpp
-    (docs/architecture.md, the seam's facts). Plain llama.cpp references load through this too."""
+    (docs/architecture.md, the seam's facts). Plain llama.cpp references load through this too.
+    `mtp`: the multi-token-prediction layers are loaded too (llama.cpp skips them otherwise)."""
     mp = llama_cpp.llama_model_default_params()
     mp.use_extra_bufts = False
+    mp.load_mtp = mtp
     return mp
 
 
-def load_model(path: object, ints: dict[str, int] | None = None) -> LlamaModel | None:
-    """llama.cpp's default mmap load with bmoe's `model_params`. `ints` override integer keys of
-    the file's metadata (llama.cpp's kv_overrides, e.g. `{"llama.expert_used_count": 6}`). None
-    when llama.cpp cannot load the file; the caller says why."""
-    mp = model_params()
+def load_model(path: object, ints: dict[str, int] | None = None, mtp: bool = False) -> LlamaModel | None:
+    """llama.cpp's default mmap load with bmoe's `model_params` (`mtp`: with its MTP layers). `ints` override
+    integer keys of the file's metadata (llama.cpp's kv_overrides, e.g. `{"llama.expert_used_count": 6}`).
+    None when llama.cpp cannot load the file; the caller says why."""
+    mp = model_params(mtp)
     if ints:
         table = (llama_cpp.llama_model_kv_override * (len(ints) + 1))()  # the last one's empty key ends it
         for o, (key, value) in zip(table, ints.items()):
@@ -92,7 +94,8 @@ POOLING = {"none": llama_cpp.LLAMA_POOLING_TYPE_NONE, "mean": llama_cpp.LLAMA_PO
 
 def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, eval_cb: object = None,
                 n_ubatch: int | None = None, n_seq: int = 1, eval_user: int | None = None,
-                embeddings: bool = False, pooling: str | None = None) -> llama_cpp.llama_context_p:
+                embeddings: bool = False, pooling: str | None = None, rollback: int = 0,
+                mtp_of: Context | None = None) -> llama_cpp.llama_context_p:
     """The one way bmoe makes a llama.cpp context: a batch as large as the context (a prompt is one
     `llama_decode`), ubatches of at most 512 unless asked, `threads` 0 = every core, and the eval
     callback (a ggml_backend_sched_eval_callback, called with `eval_user`) when one is given.
@@ -102,8 +105,16 @@ def new_context(model: llama_cpp.llama_model_p, n_ctx: int, threads: int = 0, ev
 
     `embeddings`: the context is made computing embeddings (pooled by `pooling`, a POOLING name; None:
     the model's own), so the compute buffer llama.cpp reserves at creation holds the embedding graph
-    too; the caller turns them off for generation (`set_embeddings`), which then never grows it."""
+    too; the caller turns them off for generation (`set_embeddings`), which then never grows it.
+
+    `rollback`: a recurrent state keeps that many per-token snapshots, so the last positions of a sequence can
+    be dropped (llama.cpp's n_rs_seq, what it gives a target context that drafts; `rollback_room` says what the
+    architecture took). `mtp_of`: an MTP context for that target context (llama.cpp's draft context for
+    `--spec-type draft-mtp`: its graph is the model's MTP layer, fed the target's hidden states)."""
     cp = llama_cpp.llama_context_default_params()
+    cp.n_rs_seq = rollback
+    if mtp_of is not None:
+        cp.ctx_type, cp.ctx_other = llama_cpp.LLAMA_CONTEXT_TYPE_MTP, mtp_of
     cp.embeddings = embeddings
     if pooling is not None:
         cp.pooling_type = POOLING[pooling]
@@ -285,6 +296,12 @@ def kv_cut(ctx: Context, seq: int, n: int) -> bool:
     return bool(llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq, n, -1))
 
 
+def rollback_room(ctx: Context) -> int:
+    """The positions a recurrent state can go back (the snapshots `new_context`'s rollback kept; 0 where the
+    architecture has none: llama.cpp then clamps it)."""
+    return int(llama_cpp.llama_n_rs_seq(ctx))
+
+
 def can_rewind(model: LlamaModel) -> bool:
     """Whether the model's memory can drop a sequence's last positions (a KV cache can; a recurrent or hybrid
     model's state cannot go back to an earlier position)."""
@@ -364,6 +381,76 @@ def n_embd_out(model: LlamaModel) -> int:
 
 def n_layer(model: LlamaModel) -> int:
     return int(llama_cpp.llama_model_n_layer(model))
+
+
+def n_layer_nextn(model: LlamaModel) -> int:
+    """The model's multi-token-prediction (NextN) layers, after its n_layer trunk layers."""
+    return int(llama_cpp.llama_model_n_layer_nextn(model))
+
+
+# ---- MTP drafting: llama.cpp's staging API (src/llama-ext.h), exported only under C++ names ---------------
+# Each mangled name spells the declaration's parameter types (pinned in tests/test_seam.py with c++filt):
+#   void    llama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+#   float * llama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+NEXTN_SYMBOLS = {"llama_set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+                 "llama_get_embeddings_nextn_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti"}
+# the library llama-cpp-python loaded (dlopen of the same file gives the same handle)
+LIBLLAMA = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libllama.so"))
+_set_nextn = getattr(LIBLLAMA, NEXTN_SYMBOLS["llama_set_embeddings_nextn"])
+_set_nextn.argtypes, _set_nextn.restype = [llama_cpp.llama_context_p_ctypes, ctypes.c_bool, ctypes.c_bool], None
+_nextn_ith = getattr(LIBLLAMA, NEXTN_SYMBOLS["llama_get_embeddings_nextn_ith"])
+_nextn_ith.argtypes, _nextn_ith.restype = [llama_cpp.llama_context_p_ctypes, ctypes.c_int32], \
+    ctypes.POINTER(ctypes.c_float)
+
+
+def set_embeddings_nextn(ctx: Context, masked: bool) -> None:
+    """The context keeps each decode's hidden states before the output norm (h_nextn, what an MTP layer is fed):
+    for every row (`masked` False: a target's), or only for the rows with an output (an MTP context's)."""
+    _set_nextn(ctx, True, masked)
+
+
+def nextn_rows(ctx: Context, model: LlamaModel, rows: Sequence[int]) -> np.ndarray:
+    """Copies of the last decode's h_nextn at these batch rows (output rows, for a masked context), [len, n_embd]."""
+    width = n_embd_out(model)
+    out = np.empty((len(rows), width), dtype=np.float32)
+    for i, row in enumerate(rows):
+        ptr = _nextn_ith(ctx, row)
+        if not ptr:
+            raise ModelError(f"llama.cpp kept no hidden state for batch row {row}")
+        out[i] = np.ctypeslib.as_array(ptr, shape=(width,))
+    return out
+
+
+def decode_mtp(ctx: Context, parts: Sequence[tuple[int, Sequence[int], int, np.ndarray]],
+               outputs: bool) -> tuple[int, list[int]]:
+    """One decode of an MTP context (llama_batch_ext, llama_process): (sequence, tokens, first position, hidden
+    states [len(tokens), n_embd]) parts, each token paired with its state as common_batch::set_embd pairs them
+    (llama_batch_ext_set_embd_token; set_embd_state is a stub in this llama.cpp); `outputs`: each part's last
+    token is an output (a draft's logits and h_nextn). llama.cpp's return code and each part's last batch row."""
+    batch = llama_cpp.llama_batch_ext_init(ctx)
+    if not batch:
+        raise ModelError("llama.cpp could not make a batch for its MTP context")
+    rows: list[int] = []
+    try:
+        i = 0
+        for seq, toks, pos, states in parts:
+            states = np.ascontiguousarray(states, dtype=np.float32)
+            for j, tok in enumerate(toks):
+                at = (llama_cpp.llama_pos * 4)(pos + j, 0, 0, 0)
+                embd = llama_cpp.llama_embd(states[j].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1,
+                                            states.shape[1])
+                if llama_cpp.llama_batch_ext_add_token(batch, seq, tok) != i \
+                        or not llama_cpp.llama_batch_ext_set_pos(batch, i, at) \
+                        or not llama_cpp.llama_batch_ext_set_embd_token(batch, i, embd) \
+                        or (outputs and j == len(toks) - 1
+                            and not llama_cpp.llama_batch_ext_set_output_logits(batch, i, True)):
+                    raise ModelError(f"llama.cpp refused token {tok} at position {pos + j} of an MTP batch")
+                i += 1
+            rows.append(i - 1)
+        rc = llama_cpp.llama_process(ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
+    finally:
+        llama_cpp.llama_batch_ext_free(batch)
+    return int(rc), rows
 
 
 def chat_template(model: LlamaModel) -> bytes | None:
