@@ -329,15 +329,19 @@ def test_bmoe_load_drafts_with_the_mtp_layer(synth) -> None:
 
 
 def test_the_gate_turns_mtp_drafting_off_when_its_drafts_are_not_accepted(synth) -> None:
-    """Random MTP weights: no draft is accepted, so after a window of verify steps the gate pauses drafting (the
-    MTP context still follows every decode, so it drafts from the right state when it tries again); same text."""
+    """Random MTP weights: no draft is accepted, so after the first SURE verify steps the gate pauses drafting for
+    PAUSE tokens, then tries again (the MTP context still follows every decode, so it drafts from the right state
+    when it does). Decisions on acceptance alone are the same on --no-stream, and so is the text (against the
+    ungated run it may differ: this model's verify rows are a rounding apart from one-token rows)."""
     from bmoe.engine.drafts import DraftGate
 
     path = model(synth, "glm4moe")
     gated, ungated = run(path, "--draft", "mtp", "--draft-max", 2), run(path, *mtp(2))
-    assert gated.ids == ungated.ids
-    steps = [sum(1 for t in c.tokens if t.drafted) for c in (gated, ungated)]
-    assert steps[0] == DraftGate.WINDOW < steps[1], steps
+    assert gated.ids == run(path, "--no-stream", "--draft", "mtp", "--draft-max", 2).ids
+    drafted = [bool(t.drafted) for t in gated.tokens]  # a step that accepts nothing generates one token
+    sure, pause = DraftGate.SURE, DraftGate.PAUSE
+    assert drafted[:sure + pause + sure] == [True] * sure + [False] * pause + [True] * sure, drafted
+    assert sum(drafted) < sum(1 for t in ungated.tokens if t.drafted)
 
 
 def test_ngram_drafts_run_on_a_hybrid_model_through_llama_cpps_state_snapshots(agreeing) -> None:
