@@ -101,11 +101,13 @@ def window(g: DraftGate, ms_per_step: float, accepted: int = 2, drafted: int = 4
         g.verify_step(DraftTally(1, drafted, accepted), accepted + 1, ms_per_step / 1e3)
 
 
-def test_the_gate_keeps_drafting_while_a_token_costs_less_with_drafts_than_without() -> None:
+def test_the_gate_keeps_drafting_while_a_token_costs_enough_less_with_drafts_than_without() -> None:
     g = gate_with_baseline(10)
     window(g, 27)  # 9 ms a token against 10
-    window(g, 29)
+    window(g, 28)  # 9.3: still at least MARGIN less
     assert g.on and g.decisions == []
+    window(g, 29)  # 9.7: breaks even, within the margin: drafts that only break even lose to the noise
+    assert not g.on and g.decisions[-1].startswith("off for 16 tokens: 9.7 ms a token with drafts")
 
 
 def test_the_gate_turns_drafting_off_when_a_token_costs_more_with_drafts_and_pauses_longer_each_time() -> None:
@@ -123,11 +125,26 @@ def test_the_gate_turns_drafting_off_when_a_token_costs_more_with_drafts_and_pau
     for _ in range(8):  # losing again and again: the pause doubles up to its most
         window(g, 33)
         pauses.append(g.paused)
-        g.plain_step(g.paused, 0.010 * g.paused)
+        for _ in range(g.paused):
+            g.plain_step(1, 0.010)
     assert pauses == [32, 64, 128, 256, 512, 512, 512, 512]
     window(g, 20)  # a window that pays keeps drafting on and the next pause short again
     window(g, 33)
     assert g.paused == DraftGate.PAUSE
+
+
+def test_the_gate_measures_again_when_its_steps_without_drafts_are_old() -> None:
+    """A cache that fills moves what a token costs: a baseline from FRESH tokens ago is not compared with."""
+    g = gate_with_baseline(30)  # a cold cache's steps
+    for _ in range(5):  # 9 ms a token: pays against 30 while PROBE of the 30 ms steps are fresh (to token 106)
+        window(g, 27)
+    assert g.on and g.decisions == [] and g.tokens == DraftGate.KEEP + 5 * 3 * DraftGate.WINDOW
+    window(g, 27)  # at token 124 the last of them is 108 tokens old
+    assert not g.on and g.decisions == ["off for 5 tokens: measuring steps without drafts (9.0 ms a token with them)"]
+    for _ in range(DraftGate.PROBE + 1):
+        g.plain_step(1, 0.008)  # the warm cache's steps: drafting no longer pays
+    window(g, 27)
+    assert not g.on and g.decisions[-1].startswith("off for 16 tokens: 9.0 ms a token with drafts")
 
 
 def test_the_gate_judges_against_the_median_step_without_drafts_not_the_one_after_a_verify_step() -> None:

@@ -110,18 +110,23 @@ class DraftGate:
     verify steps against those of its steps without drafts, on this machine, model and cache, now.
 
     Steps without drafts (nothing to draft, or the gate off) keep the baseline: the median seconds per token
-    of the last KEEP of them, the first after a verify step left out (it pays for the reads the drafts'
-    rows left undone or did for it). Drafting is judged over a window of WINDOW verify steps: off when they
-    took longer per generated token than the baseline. With no baseline yet (PROBE steps), the window's end
-    turns drafting off for as long as measuring one takes. A window whose first SURE steps accepted nothing
-    is judged at once (no draft paid for its row). Off, it stays off for a pause that starts at PAUSE tokens
-    and doubles each time drafting loses again (up to PAUSE_MAX), then tries again with a fresh window:
-    where drafts never pay, the windows that find it out grow rare; a window that pays resets the pause."""
+    of those of the last FRESH tokens (at most KEEP), the first after a verify step left out (it pays for the
+    reads the drafts' rows left undone or did for it); older ones are dropped, since a cache that fills or a
+    text that changes moves what a token costs. Drafting is judged over a window of WINDOW verify steps: it
+    stays on only where a token cost at least MARGIN less with drafts than without (drafts that only break
+    even lose to the noise and to the windows that judge them). With fewer than PROBE fresh steps to compare
+    with, the window's end turns drafting off for as long as measuring them takes. A window whose first SURE
+    steps accepted nothing is judged at once (no draft paid for its row). Off, it stays off for a pause that
+    starts at PAUSE tokens and doubles each time drafting loses again (up to PAUSE_MAX), then tries again
+    with a fresh window: where drafts never pay, the windows that find it out grow rare; a window that pays
+    resets the pause."""
 
     WINDOW = 6
     SURE = 3
     KEEP = 16
+    FRESH = 96
     PROBE = 4
+    MARGIN = 0.05
     PAUSE = 16
     PAUSE_MAX = 512
 
@@ -129,7 +134,8 @@ class DraftGate:
         self.window = DraftTally()
         self.window_s = 0.0  # the window's verify steps' seconds and the tokens they generated
         self.window_tokens = 0
-        self.plain: list[float] = []  # seconds per token of the last KEEP steps without drafts
+        self.tokens = 0  # generated so far
+        self.plain: list[tuple[int, float]] = []  # (token count then, seconds per token) of steps without drafts
         self.after_verify = False  # the last step was a verify step
         self.pause = self.PAUSE  # the next off's length
         self.paused = 0  # tokens left before drafting tries again
@@ -141,13 +147,19 @@ class DraftGate:
 
     def plain_step(self, tokens: int, seconds: float) -> None:
         """A step without drafts generated `tokens` in `seconds`."""
+        self.tokens += tokens
         if tokens and not self.after_verify:
-            self.plain = [*self.plain[-(self.KEEP - 1):], seconds / tokens]
+            self.plain = [*self.plain[-(self.KEEP - 1):], (self.tokens, seconds / tokens)]
         self.after_verify = False
         self.paused = max(0, self.paused - tokens)
 
+    def baseline(self) -> list[float]:
+        """Seconds per token of the steps without drafts that are fresh enough to compare with."""
+        return [per for at, per in self.plain if at > self.tokens - self.FRESH]
+
     def verify_step(self, step: DraftTally, tokens: int, seconds: float) -> None:
         """A verify step's figures, the tokens it generated and its seconds; at the end of a window, decide."""
+        self.tokens += tokens
         self.after_verify = True
         w = self.window
         w.add(step)
@@ -156,19 +168,17 @@ class DraftGate:
         if w.accepted == 0 and w.steps >= self.SURE:
             self._off(f"{w.accepted} of {w.drafted} drafts accepted in {w.steps} verify steps", self.pause)
         elif w.steps >= self.WINDOW:
-            per = self.window_s / self.window_tokens
-            if len(self.plain) < self.PROBE:
+            per, fresh = self.window_s / self.window_tokens, sorted(self.baseline())
+            if len(fresh) < self.PROBE:
                 self._off(f"measuring steps without drafts ({per * 1e3:.1f} ms a token with them)",
-                          self.PROBE + 1, grow=False)  # the first after a verify step is not counted
+                          self.PROBE - len(fresh) + 1, grow=False)  # the first after a verify step is not counted
+            elif per > fresh[len(fresh) // 2] * (1 - self.MARGIN):
+                self._off(f"{per * 1e3:.1f} ms a token with drafts ({w.accepted} of {w.drafted} accepted, "
+                          f"{w.extra_bytes / max(w.accepted, 1) / 2**20:.2f} MiB extra per accepted token) "
+                          f"against {fresh[len(fresh) // 2] * 1e3:.1f} without", self.pause)
             else:
-                base = sorted(self.plain)[len(self.plain) // 2]
-                if per > base:
-                    self._off(f"{per * 1e3:.1f} ms a token with drafts ({w.accepted} of {w.drafted} accepted, "
-                              f"{w.extra_bytes / max(w.accepted, 1) / 2**20:.2f} MiB extra per accepted token) "
-                              f"against {base * 1e3:.1f} without", self.pause)
-                else:
-                    self.pause = self.PAUSE
-                    self._fresh()
+                self.pause = self.PAUSE
+                self._fresh()
 
     def _off(self, why: str, tokens: int, grow: bool = True) -> None:
         self.paused = tokens
