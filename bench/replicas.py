@@ -600,8 +600,11 @@ def report(a: argparse.Namespace, argv: list[str], facts: dict, flash: dict, set
     if "b" in by and a.cap_mib:
         rates = [f"{n} read {cell(d['disk_mib_s'], '.0f')} MiB/s of its {a.cap_mib} MiB/s cap at "
                  f"{cell(d['cpu_pct'], '.0f')} % of a core" for n, d in by["b"]["replicas"].items() if d]
-        lines += [f"In phase b {'; '.join(rates)} (a replica at its cap with a core to spare: the disk is its "
-                  "bound).", ""]
+        capped = all(d["disk_mib_s"] is not None and d["disk_mib_s"] >= 0.9 * a.cap_mib
+                     for d in by["b"]["replicas"].values() if d)
+        verdict = ("each at its cap: the disk was the bound" if capped else
+                   "not at their caps: the disk was not the bound (a lower --cap-mib makes it so)")
+        lines += [f"In phase b {'; '.join(rates)} ({verdict}).", ""]
     if a.quick:
         lines += ["**A `--quick` smoke run**: two caps of 1000 MiB/s pass the disk's own rate and the cores bound it; "
                   "its ratios mean nothing.", ""]
