@@ -20,7 +20,7 @@ workload in each (other words, the same sizes):
      cut (and what the client raised), requests HAProxy retried on r1 (its counters), requests lost, what
      r1 answered after the kill; a client whose stream was cut sends its turn again, as an agent would
 
-    python bench/replicas.py --out bench/reports/$(date +%F)-replicas     # the measurement (quiet machine)
+    python bench/replicas.py --out bench/reports/$(date +%F)-replicas     # the measurement (quiet machine, ~1 h)
     python bench/replicas.py --quick --out /tmp/replicas                  # a smoke run: about 2 minutes
     python bench/replicas.py --phases b,c --cap-mib 120 --out DIR         # affinity against round robin only
 
@@ -685,7 +685,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of its own, so the replicas' shares even out (3)")
     p.add_argument("--turns", type=int, default=3, help="turns of each conversation (3)")
     p.add_argument("--tokens", type=int, default=24, help="max_tokens of each turn (24)")
-    p.add_argument("--cap-mib", type=int, default=60, help="each replica's read cap, MiB/s; 0 = none (60)")
+    p.add_argument("--cap-mib", type=int, default=20,
+                   help="each replica's read cap, MiB/s; 0 = none (20: a replica on demo64 reads 25-30 MiB/s uncapped "
+                        "at -t 1 on the 2-core VM, so 60 did not bind there, bench/reports/2026-12-06-replicas)")
     p.add_argument("--cache-mb", type=int, default=4800,
                    help="each replica's --cache-mb (4800 of the demo's 5164 MiB of experts: a turn's prefill, which "
                         "routes to nearly every expert, still reads the rest)")

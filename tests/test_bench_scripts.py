@@ -189,7 +189,7 @@ def test_replicas_quick_mode_and_the_defaults_it_derives(tmp_path: Path) -> None
     assert (a.clients, a.turns, a.tokens, a.cap_mib, a.cache_mb) == (2, 2, 8, 1000, 3000)
     assert a.parallel == a.clients and a.mem_limit_mb == a.cache_mb + 1200 and a.phases == ["a", "b", "c", "d"]
     a = m.parse_args(["--out", str(tmp_path), "--clients", "6", "--mem-limit-mb", "0", "--store", "sqlite"])
-    assert (a.parallel, a.mem_limit_mb, a.cap_mib) == (6, 0, 60)
+    assert (a.parallel, a.mem_limit_mb, a.cap_mib) == (6, 0, 20)
 
 
 def test_replicas_runs_haproxy_with_the_repository_config_and_only_an_admin_socket_added(tmp_path: Path) -> None:
