@@ -446,7 +446,7 @@ class Engine:
         try:
             drafts = self._mtp.draft(s.seq, s.next, self.kv_len(s.seq), most)
         finally:
-            made = reads.take()[0] if reads is not None else 0
+            made = reads.take() if reads is not None else 0
         return drafts, made
 
     def _verify(self, s: EngineSequence, drafts: list[int]) -> tuple[list[int], DraftTally]:
@@ -461,7 +461,7 @@ class Engine:
         try:
             last = self._decode_call([(s.seq, group, pos)], every_logit=True, prompt=False)[0]
         finally:
-            extra, first = reads.take() if reads is not None else (0, 0)
+            extra = reads.take() if reads is not None else 0
 
         def choose(i: int) -> int:
             self._choose(s, last - len(drafts) + i)
@@ -472,7 +472,7 @@ class Engine:
             raise ModelError("llama.cpp could not drop the drafts it rejected from the KV")
         if self._mtp is not None:
             self._mtp.accept(s.seq, len(out), pos)
-        return group[:len(out)], DraftTally(1, len(drafts), len(out) - 1, extra, first)
+        return group[:len(out)], DraftTally(1, len(drafts), len(out) - 1, extra)
 
     def embed(self, seq: int, tokens: list[int]) -> np.ndarray:
         """`tokens`' embeddings as llama.cpp computes them from an empty sequence `seq` in one llama_decode

@@ -95,14 +95,12 @@ class DraftTally:
     drafted: int = 0
     accepted: int = 0
     extra_bytes: int = 0  # read for experts only the drafted rows routed (DraftReads)
-    first_bytes: int = 0  # read for experts the step's chosen token routed
 
     def add(self, other: DraftTally) -> None:
         self.steps += other.steps
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.extra_bytes += other.extra_bytes
-        self.first_bytes += other.first_bytes
 
 
 class DraftGate:
@@ -169,13 +167,14 @@ class DraftGate:
             self._off(f"{w.accepted} of {w.drafted} drafts accepted in {w.steps} verify steps", self.pause)
         elif w.steps >= self.WINDOW:
             per, fresh = self.window_s / self.window_tokens, sorted(self.baseline())
-            if len(fresh) < self.PROBE:
+            base = fresh[len(fresh) // 2] if len(fresh) >= self.PROBE else None
+            if base is None:
                 self._off(f"measuring steps without drafts ({per * 1e3:.1f} ms a token with them)",
                           self.PROBE - len(fresh) + 1, grow=False)  # the first after a verify step is not counted
-            elif per > fresh[len(fresh) // 2] * (1 - self.MARGIN):
+            elif per > base * (1 - self.MARGIN):
                 self._off(f"{per * 1e3:.1f} ms a token with drafts ({w.accepted} of {w.drafted} accepted, "
                           f"{w.extra_bytes / max(w.accepted, 1) / 2**20:.2f} MiB extra per accepted token) "
-                          f"against {fresh[len(fresh) // 2] * 1e3:.1f} without", self.pause)
+                          f"against {base * 1e3:.1f} without", self.pause)
             else:
                 self.pause = self.PAUSE
                 self._fresh()
@@ -237,26 +236,22 @@ class DraftReads:
         self.expert_bytes = expert_bytes  # a region's bytes per expert
         self.verifying = False
         self.drafting = False
-        self.extra = self.first = 0
+        self.extra = 0
 
     def begin(self, verifying: bool, drafting: bool = False) -> None:
         """Decodes start: a verify group's (its reads are sorted), the MTP layer's drafting (`drafting`: every
         read is extra) or another's (they are not counted)."""
         self.verifying, self.drafting = verifying or drafting, drafting
-        self.extra = self.first = 0
+        self.extra = 0
 
-    def take(self) -> tuple[int, int]:
-        """The verify decode's (extra bytes, bytes of the chosen token's experts); counting stops."""
+    def take(self) -> int:
+        """The extra bytes the decodes since `begin` read; counting stops."""
         self.verifying = False
-        return self.extra, self.first
+        return self.extra
 
     def on_plan(self, layer: int, ids: np.ndarray, missing: Sequence[tuple[int, int, int]]) -> None:
         """The layer's routed ids (a row per token) and the slices (layer, region, expert) it reads now."""
         if not self.verifying or not missing:
             return
         chosen = set() if self.drafting else set(np.asarray(ids[:1]).ravel().tolist())
-        for _, ri, e in missing:
-            if e in chosen:
-                self.first += self.expert_bytes(ri)
-            else:
-                self.extra += self.expert_bytes(ri)
+        self.extra += sum(self.expert_bytes(ri) for _, ri, e in missing if e not in chosen)
