@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import re
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ from bmoe.base.units import MiB
 from bmoe.demo.build import default_path
 from bmoe.tools import bench_sys
 from bmoe.tools.bench_numbers import median_of
-from bmoe.tools.bench_report import cell
+from bmoe.tools.bench_report import cell, write_summary
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = REPO / "bench" / "prompts" / "copy_edit.txt"
@@ -155,10 +154,7 @@ def main() -> int:
     lines += ["", "The gate's decisions, per run (the run's `draft gate:` notices):", ""]
     lines += [f"- {r['setting']} {r['arm']} round {r['round']}: " + ("; ".join(r["gate"]) or "none")
               for r in runs if r["arm"] == "ngram"]
-    (a.out / "runs.json").write_text(json.dumps(runs, indent=1))
-    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (a.out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_summary(a.out, runs, lines, summary)
     return 0
 
 

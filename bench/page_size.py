@@ -20,7 +20,6 @@ decode here, the part of the streaming tax no change in bmoe's Python can remove
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import re
@@ -30,18 +29,19 @@ import sys
 import threading
 from pathlib import Path
 
-from bmoe.tools.bench_report import cell
+from bmoe.tools import bench_numbers
+from bmoe.tools.bench_report import cell, write_summary
+from bmoe.tools.bench_sys import drop_file_cache
 
-GEN = re.compile(r"^generation: (\d+) tokens, ([0-9.]+) s/token", re.M)
 READ_CHUNK = 8 << 20
 
 
 def cache_file(path: Path, small: bool) -> None:
     """Drop the file from the page cache, then read it whole: in 4 KiB pages (`small`) or read ahead."""
+    drop_file_cache([path])
     fd = os.open(path, os.O_RDONLY)
     buf = mmap.mmap(-1, READ_CHUNK)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if small else os.POSIX_FADV_SEQUENTIAL)
         view, offset = memoryview(buf), 0
         while (n := os.preadv(fd, [view], offset)) > 0:
@@ -82,10 +82,10 @@ def run_one(a: argparse.Namespace, arm: str) -> dict:
     t.join()
     if proc.returncode != 0:
         raise SystemExit(f"{arm}: exit {proc.returncode}\n{err[-2000:]}")
-    m = GEN.search(out)
-    if m is None:
+    gen = bench_numbers.run_numbers(out)
+    if gen["tokens"] is None:
         raise SystemExit(f"{arm}: no generation line in\n{out[-2000:]}")
-    return {"arm": arm, "tokens": int(m.group(1)), "s_per_token": float(m.group(2)),
+    return {"arm": arm, "tokens": gen["tokens"], "s_per_token": gen["s_per_token"],
             "pmd_mapped_mib": max(seen, default=0) // 1024, "text": out.split("\ngeneration:")[0]}
 
 
@@ -117,9 +117,7 @@ def main() -> int:
                      f"{max(r['pmd_mapped_mib'] for r in rs)} |")
     lines += ["", f"small ÷ large per round: {', '.join(f'{x:.3f}' for x in ratios)}; same text in every run: "
               f"{len({r['text'] for r in runs}) == 1}"]
-    (a.out / "runs.json").write_text(json.dumps(runs, indent=1))
-    (a.out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_summary(a.out, runs, lines)
     return 0
 
 

@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from bmoe.tools.bench_report import write_summary
 from bmoe.tools.bench_sys import drop_file_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,10 +196,7 @@ def main() -> None:
               f"in every round: {summary['same_text_session']}.", "",
               "share = plain's median ms/token over the same token indices ÷ the arm's (1.0: plain's speed); "
               f"the first {a.skip} tokens are left out."]
-    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (a.out / "runs.json").write_text(json.dumps(runs))
-    (a.out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_summary(a.out, runs, lines, summary)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,16 @@ def write_results(path: Path, meta: dict, records: list[dict], summary: list[dic
     tmp.replace(path)
 
 
+def write_summary(out: Path, runs: list[dict], lines: list[str], summary: object = None) -> None:
+    """A bench script's files: runs.json (every run), summary.json (when there is one), summary.md (`lines`,
+    also printed)."""
+    (out / "runs.json").write_text(json.dumps(runs, indent=1))
+    if summary is not None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def render_report(meta: dict, records: list[dict], summary: list[dict], chart: str | None) -> str:
     """report.md: the setting first (machine, model, limit, bandwidth), so no number is read without it."""
     m, mo, lim, bw = meta["machine"], meta["model"], meta["memory_limit"], meta["bandwidth"]
