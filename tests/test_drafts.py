@@ -87,98 +87,83 @@ def test_verify_keeps_the_drafts_the_sampler_agrees_with_and_the_token_it_chose_
     assert verify([5, 1, 2], lambda i: [1, 2, 4][i], lambda t: t == 1) == [1]  # an end of generation ends it
 
 
-def gate_with_baseline(ms: float) -> DraftGate:
-    """A gate whose steps without drafts took `ms` a token (KEEP of them)."""
+def plain(g: DraftGate, tokens: int, ms: float) -> None:
+    """`tokens` steps without drafts, each one token in `ms`."""
+    for _ in range(tokens):
+        g.step(DraftTally(), 1, ms / 1e3)
+
+
+def verifies(g: DraftGate, tokens: int, ms_per_step: float, accepted: int = 2, drafted: int = 4) -> None:
+    """Verify steps, each generating `accepted` + 1 tokens in `ms_per_step`, until `tokens` are generated."""
+    for _ in range(tokens // (accepted + 1)):
+        g.step(DraftTally(1, drafted, accepted), accepted + 1, ms_per_step / 1e3)
+
+
+def cycle(g: DraftGate, drafted_ms: float, after_ms: float, base_ms: float, accepted: int = 2) -> None:
+    """One of the gate's cycles: its drafted stretch (verify steps of `drafted_ms` a token), the SETTLE steps after
+    it (`after_ms` each: what the stretch left them to read) and the baseline (`base_ms` a token)."""
+    assert g.on
+    verifies(g, g.left + accepted, drafted_ms * (accepted + 1), accepted)
+    plain(g, DraftGate.SETTLE, after_ms)
+    plain(g, DraftGate.MEASURE, base_ms)
+
+
+def test_the_gate_keeps_drafting_where_a_token_costs_enough_less_over_a_stretch_with_drafts() -> None:
     g = DraftGate()
-    for _ in range(DraftGate.KEEP):
-        g.plain_step(1, ms / 1e3)
-    return g
+    assert g.on and g.left == DraftGate.SHORTEST  # a run starts drafting
+    cycle(g, 8.5, 10, 10)  # (18 x 8.5 + 8 x 10) / 26 = 8.96 ms a token against 10
+    assert g.on and g.left == 2 * DraftGate.SHORTEST
+    assert g.decisions == ["on for 32 tokens: 9.0 ms a token over 26 tokens with drafts and after (12 of 24 accepted, "
+                           "0.00 MiB extra per accepted token) against 10.0 over 16 without"]
+    cycle(g, 9.5, 10, 10)  # (33 x 9.5 + 8 x 10) / 41 = 9.6: drafts that only break even lose to the noise
+    assert not g.on and g.decisions[-1].startswith(f"off for {DraftGate.PAUSE} tokens: 9.6 ms a token over 41 tokens")
 
 
-def window(g: DraftGate, ms_per_step: float, accepted: int = 2, drafted: int = 4) -> None:
-    """A window of verify steps, each generating `accepted` + 1 tokens in `ms_per_step`."""
-    for _ in range(DraftGate.WINDOW):
-        g.verify_step(DraftTally(1, drafted, accepted), accepted + 1, ms_per_step / 1e3)
-
-
-def test_the_gate_keeps_drafting_while_a_token_costs_enough_less_with_drafts_than_without() -> None:
-    g = gate_with_baseline(10)
-    window(g, 27)  # 9 ms a token against 10
-    window(g, 28)  # 9.3: still at least MARGIN less
-    assert g.on and g.decisions == []
-    window(g, 29)  # 9.7: breaks even, within the margin: drafts that only break even lose to the noise
-    assert not g.on and g.decisions[-1].startswith("off for 16 tokens: 9.7 ms a token with drafts")
-
-
-def test_the_gate_turns_drafting_off_when_a_token_costs_more_with_drafts_and_pauses_longer_each_time() -> None:
-    g = gate_with_baseline(10)
-    window(g, 33)  # 11 ms a token against 10: accepted drafts that do not pay
-    assert not g.on
-    assert g.decisions == ["off for 16 tokens: 11.0 ms a token with drafts (12 of 24 accepted, 0.00 MiB extra per "
-                           "accepted token) against 10.0 without"]
-    for _ in range(DraftGate.PAUSE - 1):
-        g.plain_step(1, 0.010)
-    assert not g.on
-    g.plain_step(1, 0.010)
-    assert g.on
-    pauses = []
-    for _ in range(8):  # losing again and again: the pause doubles up to its most
-        window(g, 33)
-        pauses.append(g.paused)
-        for _ in range(g.paused):
-            g.plain_step(1, 0.010)
-    assert pauses == [32, 64, 128, 256, 512, 512, 512, 512]
-    window(g, 20)  # a window that pays keeps drafting on and the next pause short again
-    window(g, 33)
-    assert g.paused == DraftGate.PAUSE
-
-
-def test_the_gate_measures_again_when_its_steps_without_drafts_are_old() -> None:
-    """A cache that fills moves what a token costs: a baseline from FRESH tokens ago is not compared with."""
-    g = gate_with_baseline(30)  # a cold cache's steps
-    for _ in range(5):  # 9 ms a token: pays against 30 while PROBE of the 30 ms steps are fresh (to token 106)
-        window(g, 27)
-    assert g.on and g.decisions == [] and g.tokens == DraftGate.KEEP + 5 * 3 * DraftGate.WINDOW
-    window(g, 27)  # at token 124 the last of them is 108 tokens old
-    assert not g.on and g.decisions == ["off for 5 tokens: measuring steps without drafts (9.0 ms a token with them)"]
-    for _ in range(DraftGate.PROBE + 1):
-        g.plain_step(1, 0.008)  # the warm cache's steps: drafting no longer pays
-    window(g, 27)
-    assert not g.on and g.decisions[-1].startswith("off for 16 tokens: 9.0 ms a token with drafts")
-
-
-def test_the_gate_judges_against_the_median_step_without_drafts_not_the_one_after_a_verify_step() -> None:
-    g = gate_with_baseline(10)
-    for _ in range(DraftGate.KEEP):  # each plain step right after a verify step is slow: left out
-        g.verify_step(DraftTally(1, 4, 3), 4, 0.036)
-        g.plain_step(1, 0.500)
-    assert g.on and g.decisions == []  # 9 ms a token against 10, not against 500
-    g = gate_with_baseline(10)
-    for ms in (1, 1, 1, 1, 1, 1, 1):  # a few fast steps (all hits) move the median, not a mean's worth
-        g.plain_step(1, ms / 1e3)
-    window(g, 27)
-    assert g.on
-
-
-def test_the_gate_measures_steps_without_drafts_when_it_has_none() -> None:
+def test_the_gate_charges_a_stretch_with_drafts_what_it_left_the_steps_after_it() -> None:
+    """Under a memory limit the drafted rows' experts evict ones the next tokens need: verify steps that look cheap
+    a token (8 ms against 10) lose once the slow steps after them are counted."""
     g = DraftGate()
-    window(g, 27)
-    assert not g.on and g.paused == DraftGate.PROBE + 1  # the first step after a verify step is left out
-    assert g.decisions == ["off for 5 tokens: measuring steps without drafts (9.0 ms a token with them)"]
-    for _ in range(DraftGate.PROBE + 1):
-        g.plain_step(1, 0.010)
-    assert g.on
-    window(g, 27)
-    assert g.on and len(g.decisions) == 1  # measured: 9 ms against 10 keeps it on
+    cycle(g, 8, 30, 10)  # (18 x 8 + 8 x 30) / 26 = 14.8
+    assert not g.on and g.decisions == [f"off for {DraftGate.PAUSE} tokens: 14.8 ms a token over 26 tokens with "
+                                        "drafts and after (12 of 24 accepted, 0.00 MiB extra per accepted token) "
+                                        "against 10.0 over 16 without"]
 
 
-def test_the_gate_stops_a_window_whose_first_steps_accepted_nothing() -> None:
-    g = gate_with_baseline(10)
+def test_the_gates_pause_doubles_each_time_drafting_loses_and_a_stretch_that_pays_resets_it() -> None:
+    g, pauses, stretches = DraftGate(), [], []
+    for _ in range(6):
+        cycle(g, 11, 10, 10)
+        pauses.append(g.left)
+        plain(g, g.left, 10)
+    assert pauses == [64, 128, 256, 512, 512, 512]
+    for _ in range(6):  # paying again and again: each stretch with drafts twice as long, up to its most
+        stretches.append(g.left)
+        cycle(g, 5, 10, 10)
+    assert stretches == [16, 32, 64, 128, 256, 512]
+    assert g.left == DraftGate.LONGEST
+    cycle(g, 11, 10, 10)
+    assert g.left == DraftGate.PAUSE  # the pause short again
+    plain(g, g.left, 10)
+    assert g.on and g.left == DraftGate.SHORTEST  # and the stretch that tries again
+
+
+def test_the_gate_is_off_through_a_stretchs_settling_and_its_baseline() -> None:
+    g = DraftGate()
+    verifies(g, DraftGate.SHORTEST + 2, 24)  # 6 steps of 3 tokens
+    for stage in ["settle"] * DraftGate.SETTLE + ["measure"] * DraftGate.MEASURE:
+        assert not g.on and g.stage == stage
+        plain(g, 1, 10)
+    assert g.on and len(g.decisions) == 1
+
+
+def test_the_gate_stops_a_stretch_whose_first_verify_steps_accepted_nothing() -> None:
+    g = DraftGate()
     for _ in range(DraftGate.SURE - 1):
-        g.verify_step(DraftTally(1, 4, 0), 1, 0.001)  # fast, but no draft paid for its row
+        g.step(DraftTally(1, 4, 0), 1, 0.001)  # fast, but no draft paid for its row
     assert g.on
-    g.verify_step(DraftTally(1, 4, 0), 1, 0.001)
-    assert not g.on and g.decisions == ["off for 16 tokens: 0 of 12 drafts accepted in 3 verify steps"]
+    g.step(DraftTally(1, 4, 0), 1, 0.001)
+    assert not g.on and g.decisions == [f"off for {DraftGate.SETTLE + DraftGate.PAUSE} tokens: 0 of 12 drafts "
+                                        "accepted in 3 verify steps"]
 
 
 def test_bmoe_bench_reads_the_drafts_from_a_runs_generation_line() -> None:
@@ -299,8 +284,9 @@ def test_the_gate_tells_its_decisions_and_leaves_the_text_alone(models) -> None:
     assert gated.ids == ungated.ids
     drafted = sum(t.drafted for t in firsts)
     gate = [t for t in told if t.startswith("draft gate: ")]
-    assert gate[0] == f"draft gate: off for {DraftGate.PAUSE} tokens: 0 of {drafted} drafts accepted in 3 verify steps"
-    assert all(t.startswith("draft gate: off for ") for t in gate), told
+    pause = DraftGate.SETTLE + DraftGate.PAUSE
+    assert gate[0] == f"draft gate: off for {pause} tokens: 0 of {drafted} drafts accepted in 3 verify steps"
+    assert all(t.startswith(("draft gate: off for ", "draft gate: on for ")) for t in gate), told
 
 
 # ---- where users meet it -------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ batches (tests/test_drafts.py runs this module's loop on llama-cpp-python's own 
 Whether that also equals decoding one token at a time depends on ggml's CPU kernels giving a row of a
 batch the logits they give the row alone (docs/levers.md says where it holds).
 
-`DraftGate` times the verify steps against the steps without drafts and turns drafting off for a while
-when it does not pay (its notes say how); `DraftReads` measures the extra bytes a verify group
+`DraftGate` times stretches of tokens with drafts against stretches without and turns drafting off for a
+while when it does not pay (its notes say how); `DraftReads` measures the extra bytes a verify group
 made the expert cache read, through StreamingStops' `on_plan` hook.
 """
 
@@ -104,90 +104,97 @@ class DraftTally:
 
 
 class DraftGate:
-    """Drafting on or off for one sequence, from the time it measures: seconds per generated token of its
-    verify steps against those of its steps without drafts, on this machine, model and cache, now.
+    """Drafting on or off for one sequence, from the time it measures over stretches of tokens: seconds per
+    generated token with drafting on against without, on this machine, model and cache, now.
 
-    Steps without drafts (nothing to draft, or the gate off) keep the baseline: the median seconds per token
-    of those of the last FRESH tokens (at most KEEP), the first after a verify step left out (it pays for the
-    reads the drafts' rows left undone or did for it); older ones are dropped, since a cache that fills or a
-    text that changes moves what a token costs. Drafting is judged over a window of WINDOW verify steps: it
-    stays on only where a token cost at least MARGIN less with drafts than without (drafts that only break
-    even lose to the noise and to the windows that judge them). With fewer than PROBE fresh steps to compare
-    with, the window's end turns drafting off for as long as measuring them takes. A window whose first SURE
-    steps accepted nothing is judged at once (no draft paid for its row). Off, it stays off for a pause that
-    starts at PAUSE tokens and doubles each time drafting loses again (up to PAUSE_MAX), then tries again
-    with a fresh window: where drafts never pay, the windows that find it out grow rare; a window that pays
-    resets the pause."""
+    A stretch, not a step, is what drafting costs: under a memory limit a verify group's drafted rows bring in
+    experts that evict ones later tokens need, so the price of a verify step lands on the steps after it (the
+    8-expert demo under 2500 MiB read 25 % more a token while drafting, and its verify steps looked cheaper per
+    token than the run's average token; bench/reports/2026-12-06-drafts-gate). So the gate runs in cycles: drafting
+    on for a stretch (`on_for` tokens, every step of it counted, with drafts or without), then off, its first SETTLE
+    tokens charged to the drafted stretch (they pay for what it did to the cache) and the next MEASURE tokens the
+    baseline; then it judges: drafting pays where a token cost at least MARGIN less over the drafted stretch and its
+    settling than over the baseline (drafts that only break even lose to the noise). Paying, the next drafted
+    stretch is twice as long (up to LONGEST) and starts at once; not paying, drafting stays off for a pause
+    that starts at PAUSE tokens and doubles each time it loses again (up to LONGEST), then a drafted stretch
+    of SHORTEST tries again. A stretch whose first SURE verify steps accepted nothing is judged at once (no draft
+    paid for its row). Each decision is a line in `decisions`: where drafts never pay, the stretches that find it
+    out grow rare; where they do, the baselines that check it."""
 
-    WINDOW = 6
+    SHORTEST = 16
+    SETTLE = 8
+    MEASURE = 16
     SURE = 3
-    KEEP = 16
-    FRESH = 96
-    PROBE = 4
     MARGIN = 0.05
-    PAUSE = 16
-    PAUSE_MAX = 512
+    PAUSE = 64
+    LONGEST = 512
 
     def __init__(self) -> None:
-        self.window = DraftTally()
-        self.window_s = 0.0  # the window's verify steps' seconds and the tokens they generated
-        self.window_tokens = 0
-        self.tokens = 0  # generated so far
-        self.plain: list[tuple[int, float]] = []  # (token count then, seconds per token) of steps without drafts
-        self.after_verify = False  # the last step was a verify step
-        self.pause = self.PAUSE  # the next off's length
-        self.paused = 0  # tokens left before drafting tries again
-        self.decisions: list[str] = []  # each "off for N tokens: why", in order (the run's notices)
+        self.stage = "on"  # "on" (drafting), "settle", "measure" (the baseline), "pause" (off)
+        self.left = self.SHORTEST  # tokens left in the stage
+        self.on_for, self.pause = self.SHORTEST, self.PAUSE  # the next drafted stretch's and the next pause's length
+        self.drafts = DraftTally()  # the drafted stretch's
+        self.drafted_tokens, self.drafted_s = 0, 0.0  # of the drafted stretch and its settling
+        self.base_tokens, self.base_s = 0, 0.0  # of the baseline
+        self.decisions: list[str] = []  # each "off for N tokens: why" or "on for N tokens: why", in order
 
     @property
     def on(self) -> bool:
-        return self.paused == 0
+        return self.stage == "on"
 
-    def plain_step(self, tokens: int, seconds: float) -> None:
-        """A step without drafts generated `tokens` in `seconds`."""
-        self.tokens += tokens
-        if tokens and not self.after_verify:
-            self.plain = [*self.plain[-(self.KEEP - 1):], (self.tokens, seconds / tokens)]
-        self.after_verify = False
-        self.paused = max(0, self.paused - tokens)
+    def step(self, drafts: DraftTally, tokens: int, seconds: float) -> None:
+        """A step's figures (`drafts.steps` 0 when it carried no drafts), the tokens it generated, its seconds."""
+        self.left -= tokens
+        if self.stage in ("on", "settle"):
+            self.drafted_tokens += tokens
+            self.drafted_s += seconds
+        elif self.stage == "measure":
+            self.base_tokens += tokens
+            self.base_s += seconds
+        if self.stage == "on":
+            d = self.drafts
+            d.add(drafts)
+            if d.steps >= self.SURE and d.accepted == 0:
+                self._lost(f"{d.accepted} of {d.drafted} drafts accepted in {d.steps} verify steps", self.SETTLE)
+                return
+        if self.left > 0:
+            return
+        if self.stage == "on":
+            self._next("settle", self.SETTLE)
+        elif self.stage == "settle":
+            self._next("measure", self.MEASURE)
+        elif self.stage == "measure":
+            self._judge()
+        else:
+            self._start()
 
-    def baseline(self) -> list[float]:
-        """Seconds per token of the steps without drafts that are fresh enough to compare with."""
-        return [per for at, per in self.plain if at > self.tokens - self.FRESH]
+    def _judge(self) -> None:
+        d = self.drafts
+        per, base = self.drafted_s / max(self.drafted_tokens, 1), self.base_s / max(self.base_tokens, 1)
+        why = (f"{per * 1e3:.1f} ms a token over {self.drafted_tokens} tokens with drafts and after ({d.accepted} of "
+               f"{d.drafted} accepted, {d.extra_bytes / max(d.accepted, 1) / 2**20:.2f} MiB extra per accepted token) "
+               f"against {base * 1e3:.1f} over {self.base_tokens} without")
+        if per > base * (1 - self.MARGIN):
+            self._lost(why, 0)
+            return
+        self.on_for, self.pause = min(2 * self.on_for, self.LONGEST), self.PAUSE
+        self.decisions.append(f"on for {self.on_for} tokens: {why}")
+        self._start()
 
-    def verify_step(self, step: DraftTally, tokens: int, seconds: float) -> None:
-        """A verify step's figures, the tokens it generated and its seconds; at the end of a window, decide."""
-        self.tokens += tokens
-        self.after_verify = True
-        w = self.window
-        w.add(step)
-        self.window_s += seconds
-        self.window_tokens += tokens
-        if w.accepted == 0 and w.steps >= self.SURE:
-            self._off(f"{w.accepted} of {w.drafted} drafts accepted in {w.steps} verify steps", self.pause)
-        elif w.steps >= self.WINDOW:
-            per, fresh = self.window_s / self.window_tokens, sorted(self.baseline())
-            base = fresh[len(fresh) // 2] if len(fresh) >= self.PROBE else None
-            if base is None:
-                self._off(f"measuring steps without drafts ({per * 1e3:.1f} ms a token with them)",
-                          self.PROBE - len(fresh) + 1, grow=False)  # the first after a verify step is not counted
-            elif per > base * (1 - self.MARGIN):
-                self._off(f"{per * 1e3:.1f} ms a token with drafts ({w.accepted} of {w.drafted} accepted, "
-                          f"{w.extra_bytes / max(w.accepted, 1) / 2**20:.2f} MiB extra per accepted token) "
-                          f"against {base * 1e3:.1f} without", self.pause)
-            else:
-                self.pause = self.PAUSE
-                self._fresh()
+    def _lost(self, why: str, settle: int) -> None:
+        """Drafting did not pay: off for `settle` tokens (their time not counted) and the pause."""
+        self.decisions.append(f"off for {settle + self.pause} tokens: {why}")
+        self._next("pause", settle + self.pause)
+        self.on_for, self.pause = self.SHORTEST, min(2 * self.pause, self.LONGEST)
 
-    def _off(self, why: str, tokens: int, grow: bool = True) -> None:
-        self.paused = tokens
-        self.decisions.append(f"off for {tokens} tokens: {why}")
-        if grow:
-            self.pause = min(2 * self.pause, self.PAUSE_MAX)
-        self._fresh()
+    def _start(self) -> None:
+        """A drafted stretch."""
+        self._next("on", self.on_for)
+        self.drafts = DraftTally()
+        self.drafted_tokens, self.drafted_s, self.base_tokens, self.base_s = 0, 0.0, 0, 0.0
 
-    def _fresh(self) -> None:
-        self.window, self.window_s, self.window_tokens = DraftTally(), 0.0, 0
+    def _next(self, stage: str, tokens: int) -> None:
+        self.stage, self.left = stage, tokens
 
 
 class Drafter:
@@ -219,10 +226,7 @@ class Drafter:
         if g is None:
             return
         told = len(g.decisions)
-        if step.steps:
-            g.verify_step(step, tokens, seconds)
-        else:
-            g.plain_step(tokens, seconds)
+        g.step(step, tokens, seconds)
         if len(g.decisions) > told:
             self.notice(f"draft gate: {g.decisions[-1]}")
 
