@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import sqlite3
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +62,47 @@ def test_every_answer_names_its_replica(pair: dict[str, Server]) -> None:
         assert r.headers["x-bmoe-replica"] == "b"
         created = next(json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: "))
     assert created["response"]["id"].endswith("_b")
+
+
+def test_a_store_busy_with_another_replicas_write_holds_the_answers_end_not_the_server(
+        pair: dict[str, Server], store: str) -> None:
+    """Another process holds the SQLite file's write lock (as a replica does while it keeps a response): the
+    answer's text streams, its end waits for the store (so a client that goes on from it at once finds it), and
+    meanwhile the server answers /health and /metrics (before this was off the event loop, it answered nothing
+    for the store's 5 s wait and then failed the answer with a 503); once the lock is let go the answer ends
+    completed and is kept."""
+    a, b = pair["a"], pair["b"]
+    events: list[dict] = []
+    texting = threading.Event()  # its first token came: the job runs
+
+    def read() -> None:
+        with httpx.stream("POST", a.url + "/v1/responses", headers=auth(), timeout=600,
+                          json={"input": ASK, "max_output_tokens": 4, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["type"] == "response.output_text.delta":
+                        texting.set()
+
+    kept = metric(a, "bmoe_stored_responses")
+    other = sqlite3.connect(store.removeprefix("sqlite:"), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # the write lock, held until COMMIT
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        assert texting.wait(600)
+        while httpx.get(a.url + "/health").json()["generating"]:  # each answered while the store waits
+            pass
+        assert metric(a, "bmoe_stored_responses") == kept  # the scrape answers too (its gauges query the store)
+        assert all(e["type"] not in ("response.completed", "error") for e in events)  # the end waits for the store
+    finally:
+        other.execute("COMMIT")
+        other.close()
+        reader.join()
+    last = events[-1]
+    assert last["type"] == "response.completed", last
+    assert b.client().responses.retrieve(last["response"]["id"]).output_text == last["response"]["output"][0][
+        "content"][0]["text"]
 
 
 def test_a_conversation_goes_on_on_either_replica_and_after_a_restart(pair: dict[str, Server], small_moe: Path,

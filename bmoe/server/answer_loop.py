@@ -5,7 +5,10 @@ A request is one job, or several (`Choices`): OpenAI's and llama-server's `n` (e
 its seed the request's plus its index, as llama-server seeds its copies) and several prompts in one completions
 request. Each job's answer is its own shape's (its choice's index in it); the API's `Join` makes one answer of
 them: llama-server's native answer a list, OpenAI's one object with every choice. Streamed, each job's events
-go out as they come, interleaved, each in its own shape; the stream is closed once, after the last.
+go out as they come, interleaved, each in its own shape; the stream is closed once, after the last. A shape's end
+(streamed or whole) is made off the event loop: the Responses API's keeps the answer in its store there, which in
+a shared store can wait seconds for another replica's write, and must be done before its last event goes out (a
+client that goes on from the answer at once finds it).
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class AnswerLoop:
             return ClosingStream(self.stream(jobs, events, choices, ahead), media_type=choices.shapes[0].media_type,
                                  headers=headers)
         done = await self.whole(request, jobs, events, choices.reqs, ahead)
-        return JSONResponse(choices.join.whole([s.whole(f) for s, f in zip(choices.shapes, done)]), headers=headers)
+        answer = await asyncio.to_thread(lambda: choices.join.whole([s.whole(f) for s, f in zip(choices.shapes, done)]))
+        return JSONResponse(answer, headers=headers)
 
     async def whole(self, request: HttpRequest, jobs: Sequence[Job], events: asyncio.Queue[Tagged],
                     reqs: Sequence[Request], ahead: int) -> list[Finished]:
@@ -141,7 +145,7 @@ class AnswerLoop:
                     yield out
                 try:
                     ended[i] = stats = _ended(item.stats)
-                    yield shape.end(stats, item.stop, ahead)
+                    yield await asyncio.to_thread(shape.end, stats, item.stop, ahead)
                 except ServeError as e:
                     yield shape.error(e)
                     break

@@ -243,7 +243,8 @@ class Endpoints:
                             status_code=503 if draining else 200)
 
     async def prometheus(self) -> Response:
-        answer = Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        # off the loop: a shared response store's gauges are queries, which can wait on another replica's write
+        answer = Response(await asyncio.to_thread(self.metrics.text), media_type=CONTENT_TYPE_LATEST)
         # llama-server's header, spelt as it spells it (h11 keeps a name's case): clients look it up so
         answer.raw_headers.append((b"Process-Start-Time-Unix", str(self.metrics.started).encode()))
         return answer
@@ -330,7 +331,8 @@ class Endpoints:
 
     async def responses_request(self, body: ResponsesBody) -> tuple[Request, tuple[dict[str, Any], ...]]:
         """A Responses request as the chat request, and the earlier items it goes on from."""
-        earlier = self.kept.items(body.previous_response_id) if body.previous_response_id is not None else ()
+        earlier = (await asyncio.to_thread(self.kept.items, body.previous_response_id)
+                   if body.previous_response_id is not None else ())
         try:
             return await self.chat_request(responses_wire.chat_body_of_response(body, earlier),
                                            responses_wire.RESPONSES_TOO_LONG_FIX), tuple(earlier)
@@ -346,10 +348,10 @@ class Endpoints:
         return {"object": "response.input_tokens", "input_tokens": len((await self.responses_request(body))[0].tokens)}
 
     async def response_by_id(self, response_id: str) -> dict[str, Any]:
-        return self.kept.get(response_id)
+        return await asyncio.to_thread(self.kept.get, response_id)
 
     async def drop_response(self, response_id: str) -> dict[str, Any]:
-        self.kept.drop(response_id)
+        await asyncio.to_thread(self.kept.drop, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def ollama_chat(self, body: OllamaChatBody, request: HttpRequest) -> Response:

@@ -13,8 +13,9 @@ expires `ttl` seconds after it was kept. The file itself is that plus SQLite's p
 (checkpointed as it goes; cut back to JOURNAL_LIMIT), and keeps its largest size, reusing freed pages.
 
 It is made readable and writable by its owner only (it holds conversations); the replicas sharing it run as
-that user. The operations run on the event loop (they take a millisecond or so; a busy file is bounded by
-BUSY_S) and under a lock, so the metrics' scrape and a route can share the one connection.
+that user. The operations take a millisecond or so, but a write waits while another replica writes (up to
+BUSY_S): the routes call them off the event loop (bmoe.server.response_store), under a lock, so the routes'
+threads share the one connection; the metrics' counts read on a second one.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class SqliteResponses(SharedStore):
     def __init__(self, path: str, most: int, bound: int, ttl: float = TTL_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.path, self.most, self.bound, self.ttl, self.clock = path, most, bound, ttl, clock
-        self.lock = threading.Lock()
+        self.lock, self.counting = threading.Lock(), threading.Lock()
         self.which = f"the last {most} stored in {path}, {bound / 2**20:g} MiB at most, each for {ttl:g} s"
         try:
             os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # private before SQLite writes a byte
@@ -60,6 +61,7 @@ class SqliteResponses(SharedStore):
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")
             self.db.executescript(_SCHEMA)
+            self.counts = sqlite3.connect(path, timeout=BUSY_S, isolation_level=None, check_same_thread=False)
         except (OSError, sqlite3.Error) as e:
             raise ConfigError(f"--response-store sqlite:{path}: cannot use it as a store ({e}); give a writable file "
                               "on a local disk") from None
@@ -108,8 +110,10 @@ class SqliteResponses(SharedStore):
             return bool(db.execute(f"DELETE FROM {TABLE} WHERE id = ? AND expires > ?", (rid, self.clock())).rowcount)
 
     def _total(self, what: str) -> int:
-        with self.lock:
-            return int(self.db.execute(f"SELECT {what} FROM {TABLE} WHERE expires > ?", (self.clock(),)).fetchone()[0])
+        """A count for the metrics, on a connection of its own: a reader never waits for a write in WAL mode, so
+        a scrape does not wait behind a route's write that waits for another replica's."""
+        with self.counting:
+            return int(self.counts.execute(f"SELECT {what} FROM {TABLE} WHERE expires > ?", (self.clock(),)).fetchone()[0])
 
     @property
     def held(self) -> int:
@@ -119,5 +123,6 @@ class SqliteResponses(SharedStore):
         return self._total("count(*)")
 
     def close(self) -> None:
-        with self.lock:
+        with self.lock, self.counting:
             self.db.close()
+            self.counts.close()

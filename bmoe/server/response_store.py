@@ -14,7 +14,9 @@ store; docs/server.md's Security section says what that means.
 
 This in-memory store is the default; `--response-store sqlite:PATH` (bmoe.server.response_sqlite) keeps them in
 a file the replicas on one machine share, `redis://...` (bmoe.server.response_redis) in a Redis server replicas
-on several machines share, across restarts. Each is a `KeptResponses`, all the routes know of a store.
+on several machines share, across restarts. Each is a `KeptResponses`, all the routes know of a store. The routes
+call a store off the event loop (on asyncio's threads: a shared store's call can wait seconds for another replica's
+write), so every store is safe to call from several threads at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import abc
 import json
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -133,11 +136,12 @@ class SharedStore(abc.ABC):
 
 class ResponseStore:
     """At most `most` responses taking `bound` bytes together, each held as (items, response) JSON bytes,
-    the least recently used dropped first; one larger than `bound` alone is not kept. Used on the event
-    loop only."""
+    the least recently used dropped first; one larger than `bound` alone is not kept. Its calls hold `lock`:
+    the routes make them from asyncio's threads."""
 
     def __init__(self, most: int = KEPT, bound: int = KEPT_MB << 20) -> None:
         self.most, self.bound = most, bound
+        self.lock = threading.Lock()
         self.kept: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
         self.held = 0  # bytes, every entry's size() together
 
@@ -153,18 +157,24 @@ class ResponseStore:
         n = self.size(entry)
         if self.most == 0 or n > self.bound:
             return False
-        self.kept[response["id"]] = entry
-        self.held += n
-        while len(self.kept) > self.most or self.held > self.bound:
-            self.held -= self.size(self.kept.popitem(last=False)[1])
+        with self.lock:
+            self.kept[response["id"]] = entry
+            self.held += n
+            while len(self.kept) > self.most or self.held > self.bound:
+                self.held -= self.size(self.kept.popitem(last=False)[1])
         return True
 
-    def _find(self, rid: str, param: str) -> tuple[bytes, bytes]:
-        entry = self.kept.get(rid)
+    def _find(self, rid: str, param: str, take: bool = False) -> tuple[bytes, bytes]:
+        """The entry of `rid`, marked used (`take`: removed)."""
+        with self.lock:
+            entry = self.kept.pop(rid, None) if take else self.kept.get(rid)
+            if entry is not None and take:
+                self.held -= self.size(entry)
+            elif entry is not None:
+                self.kept.move_to_end(rid)
         if entry is None:
             raise not_kept(rid, param, f"the last {self.most} stored, {self.bound / 2**20:g} MiB at most, in memory: "
                                        "none from before a restart")
-        self.kept.move_to_end(rid)
         return entry
 
     def items(self, rid: str) -> list[dict[str, Any]]:
@@ -179,8 +189,7 @@ class ResponseStore:
 
     def drop(self, rid: str) -> None:
         """Forgets `rid` (404 when it is not kept)."""
-        self._find(rid, "")
-        self.held -= self.size(self.kept.pop(rid))
+        self._find(rid, "", take=True)
 
     def __len__(self) -> int:
         return len(self.kept)
