@@ -330,8 +330,8 @@ def test_bmoe_load_drafts_with_the_mtp_layer(synth) -> None:
 
 def test_the_gate_turns_mtp_drafting_off_when_its_drafts_are_not_accepted(synth) -> None:
     """Random MTP weights: no draft is accepted, so after the first SURE verify steps the gate pauses drafting for
-    SETTLE + PAUSE tokens, then tries again (the MTP context still follows every decode, so it drafts from the right state
-    when it does). Decisions on acceptance alone are the same on --no-stream, and so is the text (against the
+    SETTLE + PAUSE tokens, then tries again (the MTP context still follows every decode, so it drafts from the right
+    state when it does). Decisions on acceptance alone are the same on --no-stream, and so is the text (against the
     ungated run it may differ: this model's verify rows are a rounding apart from one-token rows)."""
     from bmoe.engine.drafts import DraftGate
 

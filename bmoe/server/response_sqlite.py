@@ -113,7 +113,8 @@ class SqliteResponses(SharedStore):
         """A count for the metrics, on a connection of its own: a reader never waits for a write in WAL mode, so
         a scrape does not wait behind a route's write that waits for another replica's."""
         with self.counting:
-            return int(self.counts.execute(f"SELECT {what} FROM {TABLE} WHERE expires > ?", (self.clock(),)).fetchone()[0])
+            row = self.counts.execute(f"SELECT {what} FROM {TABLE} WHERE expires > ?", (self.clock(),)).fetchone()
+            return int(row[0])
 
     @property
     def held(self) -> int:
