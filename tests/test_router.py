@@ -173,7 +173,7 @@ def test_a_conversation_keeps_to_one_replica_and_hits_its_cache(team: tuple[Rout
         assert len(replicas) == 1, f"{key}'s turns went to {replicas}"
         assert all(n > 0 for n in cached[1:]), f"{key}'s later turns hit its replica's KV: {cached}"
         seen |= replicas
-    assert seen == set(NAMES), "four keys, two replicas: both serve (the hash spread them)"
+    assert seen == set(NAMES), "four keys, two replicas: both serve (each new one went to the least busy)"
 
     first = c.responses.with_raw_response.create(model="x", input="what is the sky made of", max_output_tokens=6)
     r, home = first.parse(), first.headers["x-bmoe-replica"]
@@ -186,7 +186,7 @@ def test_a_conversation_keeps_to_one_replica_and_hits_its_cache(team: tuple[Rout
 
 
 def _keys_on(c: openai.OpenAI, replica: str, n: int) -> list[str]:
-    """`n` conversation keys HAProxy's hash sends to `replica` while both replicas are up."""
+    """`n` conversation keys HAProxy keeps on `replica` while it is up."""
     keys: list[str] = []
     for i in range(64):
         raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "hi"}],
@@ -203,9 +203,10 @@ def test_a_killed_replica_cuts_only_its_running_stream(demo8: Path, tmp_path: Pa
     (one streamed, one not) waiting in HAProxy's queue (its maxconn is the replicas' --parallel): the running stream
     ends with the error the openai client raises for a connection closed in the middle of a body (no SSE error
     event: the process is gone); the whole answer, of which no byte had gone out, is computed again on r1; the
-    waiting requests go to r1 and are answered there; r1 keeps answering r2's conversations. r2's lanes end on
-    their own; its shared memory, which a killed process cannot remove, is swept by its next start. A team of its
-    own: the module's stays whole for the other tests."""
+    waiting requests go to r1 and are answered there; r1 keeps answering r2's conversations, and keeps those it
+    answered once r2 is back, which takes new ones. r2's lanes end on their own; its shared memory, which a killed
+    process cannot remove, is swept by its next start. A team of its own: the module's stays whole for the other
+    tests."""
     store = f"sqlite:{tmp_path / 'responses.db'}"
     with running_team(demo8, store, tmp_path, parallel=2) as (router, replicas):
         _kill_r2_mid_stream(router, replicas, demo8, store)
@@ -295,14 +296,16 @@ def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path
     replicas["r2"] = start_replica(model, "r2", int(killed.url.rsplit(":", 1)[1]), store, parallel=2)
     router.until({"r2": "UP"})
     assert not any(p.exists() for p in left)
-    raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "back"}],
-                                                      max_tokens=4, prompt_cache_key=long_key)
-    assert raw.headers["x-bmoe-replica"] == "r2", "the restarted replica takes its conversations back"
+    for key in (long_key, *waiting_keys):  # a conversation that moved stays where its KV now is
+        raw = c.chat.completions.with_raw_response.create(model="x", messages=[{"role": "user", "content": "back"}],
+                                                          max_tokens=4, prompt_cache_key=key)
+        assert raw.headers["x-bmoe-replica"] == "r1", key
+    assert _keys_on(c, "r2", 1), "the restarted replica takes new conversations"
 
 
 def test_a_drained_replica_cuts_no_request_and_its_conversations_go_on(
         team: tuple[Router, dict[str, Server]], demo8: Path, store: str) -> None:
-    """Clients without a key (spread round robin) stream through the router while r1 drains."""
+    """Clients without a key (each to the replica with the fewest in flight) stream through the router while r1 drains."""
     router, replicas = team
     c = router.client()
     made = {n: "" for n in NAMES}  # a response id each replica answered
