@@ -337,11 +337,11 @@ def test_the_gate_turns_mtp_drafting_off_when_its_drafts_are_not_accepted(synth)
 
     path = model(synth, "glm4moe")
     sure, pause = DraftGate.SURE, DraftGate.SETTLE + DraftGate.PAUSE
-    n = sure + pause + sure
+    n = sure + pause + sure + 1  # the last token is never drafted from
     gated, ungated = run(path, "--draft", "mtp", "--draft-max", 2, n=n), run(path, *mtp(2), n=n)
     assert gated.ids == run(path, "--no-stream", "--draft", "mtp", "--draft-max", 2, n=n).ids
     drafted = [bool(t.drafted) for t in gated.tokens]  # a step that accepts nothing generates one token
-    assert drafted == [True] * sure + [False] * pause + [True] * sure, drafted
+    assert drafted[:-1] == [True] * sure + [False] * pause + [True] * sure, drafted
     assert sum(drafted) < sum(1 for t in ungated.tokens if t.drafted)
 
 

@@ -114,7 +114,8 @@ class DraftGate:
     on for a stretch (`on_for` tokens, every step of it counted, with drafts or without), then off, its first SETTLE
     tokens charged to the drafted stretch (they pay for what it did to the cache) and the next MEASURE tokens the
     baseline; then it judges: drafting pays where a token cost at least MARGIN less over the drafted stretch and its
-    settling than over the baseline (drafts that only break even lose to the noise). Paying, the next drafted
+    settling than over the baseline (drafts that only break even lose to the noise; a stretch whose drafts were
+    all rejected never pays, however fast it ran). Paying, the next drafted
     stretch is twice as long (up to LONGEST) and starts at once; not paying, drafting stays off for a pause
     that starts at PAUSE tokens and doubles each time it loses again (up to LONGEST), then a drafted stretch
     of SHORTEST tries again. A stretch whose first SURE verify steps accepted nothing is judged at once (no draft
@@ -174,7 +175,7 @@ class DraftGate:
         why = (f"{per * 1e3:.1f} ms a token over {self.drafted_tokens} tokens with drafts and after ({d.accepted} of "
                f"{d.drafted} accepted, {d.extra_bytes / max(d.accepted, 1) / 2**20:.2f} MiB extra per accepted token) "
                f"against {base * 1e3:.1f} over {self.base_tokens} without")
-        if per > base * (1 - self.MARGIN):
+        if d.accepted == 0 or per > base * (1 - self.MARGIN):  # no draft paid for its row: noise if faster
             self._lost(why, 0)
             return
         self.on_for, self.pause = min(2 * self.on_for, self.LONGEST), self.PAUSE
