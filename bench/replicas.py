@@ -603,9 +603,9 @@ def report(a: argparse.Namespace, argv: list[str], facts: dict, flash: dict, set
                  f"{cell(d['cpu_pct'], '.0f')} % of a core" for n, d in by["b"]["replicas"].items() if d]
         busy = by["b"]["machine_busy_pct"]
         cores = (f"the machine's cores {busy:.0f} % busy: " + ("not the bound" if busy < 75 else "near their bound"))
-        lines += [f"In phase b {'; '.join(rates)}; {cores}. A replica reads the experts the model's router asks for when it asks, "
-                  "so its disk idles while it computes: at its cap it is busy less than the whole phase even where "
-                  "nothing else bounds it.", ""]
+        lines += [f"In phase b {'; '.join(rates)}; {cores}. A replica reads the experts the model's router asks "
+                  "for when it asks, so its disk idles while it computes: at its cap it is busy less than the whole "
+                  "phase even where nothing else bounds it.", ""]
     if a.quick:
         lines += ["**A `--quick` smoke run**: two caps of 1000 MiB/s pass the disk's own rate and the cores bound it; "
                   "its ratios mean nothing.", ""]

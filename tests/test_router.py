@@ -305,7 +305,8 @@ def _kill_r2_mid_stream(router: Router, replicas: dict[str, Server], model: Path
 
 def test_a_drained_replica_cuts_no_request_and_its_conversations_go_on(
         team: tuple[Router, dict[str, Server]], demo8: Path, store: str) -> None:
-    """Clients without a key (each to the replica with the fewest in flight) stream through the router while r1 drains."""
+    """Clients without a key (each request to the replica with the fewest in flight) stream through the router
+    while r1 drains."""
     router, replicas = team
     c = router.client()
     made = {n: "" for n in NAMES}  # a response id each replica answered
