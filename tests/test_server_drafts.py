@@ -134,9 +134,16 @@ def test_a_logprobs_request_decodes_without_drafts(plain: Server, drafting: Serv
 
 def test_requests_decoded_together_take_one_token_a_step(plain: Server, batching: Server) -> None:
     """Two prompts in one request are admitted together and decoded in one batch every step until both end: no
-    drafts, and each answer what the server without drafts gives in the same batch (a batch's rows need not be
-    the floats of each row alone: tests/test_batch.py)."""
+    drafts, and each answer what the server without drafts gives in the same batch. A batch's rows need not be the
+    floats of each row alone (tests/test_batch.py), nor of the same rows on the other KV sequences: on this model
+    the second prompt's answer changes with the sequence it lands on, so both servers are first given the same
+    order of least recently used sequences (a one-token request on each, by id_slot), which the prompts take."""
     body = {"prompt": [PROMPT, PROMPT + " three"], "n_predict": N}
+    for server in (plain, batching):
+        for seq in (0, 1):
+            r = httpx.post(server.url + "/completion", json={"prompt": PROMPT, "n_predict": 1, "id_slot": seq},
+                           headers=auth(), timeout=300)
+            assert r.status_code == 200, r.text
     want = httpx.post(plain.url + "/completion", json=body, headers=auth(), timeout=300).json()
     before = _batch_steps(batching)
     got = httpx.post(batching.url + "/completion", json=body, headers=auth(), timeout=300).json()
