@@ -6,7 +6,8 @@ The small synthetic MoE (q8_0) is a model where drafting's text equals decoding 
 (tests/test_drafts.py's `test_drafts_against_one_token_at_a_time`), so every answer of the drafting servers is
 held to the same request on a server without drafts: native and OpenAI chat, a logprobs request (which decodes
 without drafts, its probabilities the same floats), and two requests decoded together in a batch (one token a
-step each). Its prompt repeats itself, so the n-gram drafts are accepted and rejected."""
+step each). Its prompt repeats itself, so the n-gram drafts are accepted and rejected. `--draft mtp` runs on
+tests/test_drafts_mtp.py's glm4moe, held to the answer bmoe.load gives with the same flags."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load
+from tests.conftest import complete as complete_locally
 from tests.test_drafts import PROMPTS
 from tests.test_server import FLAGS, KEY, Server, auth
 from tests.test_server_llama_ops import llama_series
@@ -185,6 +187,24 @@ def _batch_steps(server: Server) -> float:
     text = httpx.get(server.url + "/metrics", headers=auth()).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith('bmoe_decode_steps{mode="batch"}'))
+
+
+def test_mtp_drafts_on_the_server_give_the_engines_text(synth) -> None:
+    """`--draft mtp` through the server: the answer the same engine gives without it (bmoe.load with the server's
+    flags: the same MTP drafts, the same verify batches), and its drafts reported as n-gram drafts are."""
+    path = str(synth(arch="glm4moe", quant="q8_0", mtp=True, embd=128))  # tests/test_drafts_mtp.py's model
+    flags = ("--draft", "mtp", "--draft-max", "2", "--no-draft-gate")
+    with load(path, *FLAGS, *flags) as m:
+        want = complete_locally(m, PROMPT, N)
+    s = start(path, *flags, "--parallel", "1")
+    try:
+        got = complete(s)
+        assert got["content"] == want.text
+        assert got["timings"]["draft_n"] == sum(t.drafted for t in want.tokens) > 0
+        assert got["timings"]["draft_n_accepted"] == sum(t.accepted for t in want.tokens)
+        assert [x["speculative"] for x in httpx.get(s.url + "/slots", headers=auth()).json()] == [True]
+    finally:
+        s.stop()
 
 
 def test_the_server_refuses_what_bmoe_cli_refuses(small_moe) -> None:
