@@ -365,8 +365,3 @@ def test_the_session_ends_its_done_line_with_the_drafts(models) -> None:
     drafted, accepted = sum(o["drafted"] for o in progress), sum(o["accepted"] for o in progress)
     assert (done["drafted"], done["accepted"]) == (drafted, accepted) and drafted >= accepted
 
-
-def test_bmoe_server_refuses_drafts_by_name_until_its_request_fields_exist(models) -> None:
-    r = subprocess.run([sys.executable, "-m", "bmoe.server", "-m", models["synth"], "--port", "0", "--draft", "ngram"],
-                       capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert r.returncode == 2 and "--draft ngram: bmoe-server does not draft yet" in r.stderr, r.stderr

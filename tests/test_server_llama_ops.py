@@ -127,14 +127,16 @@ def test_an_origin_flag_that_names_no_origin_is_refused(small_moe) -> None:
 
 
 def llama_series(server: Server) -> tuple[httpx.Response, dict[str, tuple[str, float]]]:
-    """/metrics and its llamacpp: samples by name: (type, value); each has its own HELP and TYPE lines."""
+    """/metrics and its llamacpp: samples by name (a labeled one's with its labels): (type, value); each series has
+    its own HELP and TYPE lines."""
     r = httpx.get(server.url + "/metrics", headers=auth())
     assert r.status_code == 200
     types = dict(re.findall(r"^# TYPE (llamacpp:\S+) (\w+)$", r.text, re.M))
     out = {}
     for name, value in re.findall(r"^(llamacpp:\S+) (\S+)$", r.text, re.M):
-        assert name in types and f"# HELP {name} " in r.text, name
-        out[name] = (types[name], float(value))
+        series = name.split("{")[0]
+        assert series in types and f"# HELP {series} " in r.text, name
+        out[name] = (types[series], float(value))
     return r, out
 
 

@@ -470,6 +470,7 @@ class Model:
     def _stats(self, tally: telemetry.Tally, finish: str, n_prompt: int, n_prefill: int, kv_tokens: int,
                prefill_s: float, ahead: ReadAheadCounts | None, lossy: bool) -> GenerationStats:
         t = tally.totals()
+        verify_steps, per_pos = telemetry.verify_counts(tally.lines, self.engine.settings.draft.most)
         self._generations += 1
         self._tokens += t.tokens
         self._read_bytes += t.read_bytes
@@ -484,7 +485,8 @@ class Model:
             lossy=lossy, experts_per_token=self.engine.experts_per_token if lossy else self.engine.top_k,
             dropped_per_token=t.per_tok(t.dropped), substituted_per_token=t.per_tok(t.substituted),
             weight_changed_pct=t.per_tok(t.weight_changed_pct), page_cache_mib=t.page_cache_bytes / MiB,
-            drafted=t.drafted, accepted=t.accepted, draft_extra_mib=t.draft_extra_bytes / MiB)
+            drafted=t.drafted, accepted=t.accepted, draft_extra_mib=t.draft_extra_bytes / MiB,
+            verify_steps=verify_steps, accepted_per_pos=per_pos)
         return self._last
 
     @property

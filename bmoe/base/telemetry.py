@@ -119,12 +119,26 @@ def progress_fields(t: TokenLine) -> dict[str, Any]:
     }
 
 
+def draft_fields(t: TokenLine) -> dict[str, Any]:
+    """With --draft, bmoe's trailing keys after BMOE_PROGRESS's (bmoe-server's token chunks too): the verify step's
+    drafts, those accepted and the MiB read for experts only its drafted rows routed (on its first token, 0 on the
+    others); none without it."""
+    if not t.drafting:
+        return {}
+    return {"drafted": t.drafted, "accepted": t.accepted, "draft_extra_mb": round(t.draft_extra_bytes / MiB, 4)}
+
+
 def progress_line(t: TokenLine, text: str) -> str:
-    """BMOE_PROGRESS; with --draft, bmoe's trailing keys after the contract's: the verify step's drafts, those
-    accepted and the MiB read for experts only its drafted rows routed (on its first token, 0 on the others)."""
-    extra = ({"drafted": t.drafted, "accepted": t.accepted, "draft_extra_mb": round(t.draft_extra_bytes / MiB, 4)}
-             if t.drafting else {})
-    return tagged("PROGRESS", {**progress_fields(t), "text": text, **extra})
+    """BMOE_PROGRESS, with --draft's trailing keys after the contract's (`draft_fields`)."""
+    return tagged("PROGRESS", {**progress_fields(t), "text": text, **draft_fields(t)})
+
+
+def verify_counts(lines: Sequence[TokenLine], most: int) -> tuple[int, tuple[int, ...]]:
+    """The verify steps of a generation's tokens (a step's drafts are on its first token) and, per draft position
+    up to `most`, the steps that accepted a draft there: llama-server's n_draft_verif_steps and
+    n_accepted_per_pos (nothing per position without a verify step, as llama-server's)."""
+    accepted = [t.accepted for t in lines if t.drafted]
+    return len(accepted), tuple(sum(a > i for a in accepted) for i in range(most)) if accepted else ()
 
 
 def token_lines(t: TokenLine, text: str) -> list[str]:

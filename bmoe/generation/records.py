@@ -50,6 +50,8 @@ class GenerationStats:
     drafted: int = 0  # --draft (bmoe.engine.drafts): tokens drafted, those accepted, and the MiB read for experts only
     accepted: int = 0  # the drafted rows of verify steps routed
     draft_extra_mib: float = 0.0
+    verify_steps: int = 0  # --draft: the steps that verified drafts (llama-server's n_draft_verif_steps)
+    accepted_per_pos: tuple[int, ...] = ()  # per draft position, the verify steps that accepted a draft there
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,12 @@ the dashboards and alerts written for llama-server read the same names with the 
 
 Where bmoe measures something else, the help line says what: a prompt's tokens are the ones decoded (the
 KV prefix reused is `prompt_tokens_cached_total`; embeddings inputs count as prompts, as llama-server's),
-`n_decode_total` counts decode steps, prefills and embeddings inputs (a decode each), the
-speculative series are 0 (bmoe runs no draft model), and `n_tokens_max` is a gauge (llama-server types it a
-counter without the `_total` a counter's name ends in, which the Prometheus library does not write). As
-llama-server's, the two throughput gauges are averaged over the window between two scrapes: each scrape
-starts a new one.
+`n_decode_total` counts decode steps, prefills and embeddings inputs (a decode each), and `n_tokens_max` is a
+gauge (llama-server types it a counter without the `_total` a counter's name ends in, which the Prometheus
+library does not write). The speculative series count `--draft`'s drafts as llama-server counts its own (0
+without it): tokens drafted, drafts accepted, verify steps, and once a generation verified drafts the labeled
+accepted-per-position counter. As llama-server's, the two throughput gauges are averaged over the window between
+two scrapes: each scrape starts a new one.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class LlamaSeries(Collector):
         self.lock = threading.Lock()  # generations end on the scheduler's thread, scrapes on the event loop's
         self.prompt, self.cached, self.predicted, self.n_tokens_max = 0, 0, 0, 0
         self.prompt_s, self.predicted_s = 0.0, 0.0
+        self.drafted, self.accepted, self.verify_steps = 0, 0, 0
+        self.per_pos: list[int] = []  # accepted drafts by draft position (llama-server's n_accepted_per_pos)
         self.window = (0, 0.0, 0, 0.0)  # since the last scrape: prompt tokens and seconds, predicted and seconds
 
     def generation(self, s: GenerationStats) -> None:
@@ -43,6 +46,12 @@ class LlamaSeries(Collector):
             self.prompt_s += s.prefill_s
             self.predicted_s += decode_s
             self.n_tokens_max = max(self.n_tokens_max, s.kv_tokens)
+            self.drafted += s.drafted
+            self.accepted += s.accepted
+            self.verify_steps += s.verify_steps
+            self.per_pos += [0] * (len(s.accepted_per_pos) - len(self.per_pos))
+            for i, n in enumerate(s.accepted_per_pos):
+                self.per_pos[i] += n
             p, ps, g, gs = self.window
             self.window = (p + s.prefill_tokens, ps + s.prefill_s, g + s.completion_tokens, gs + decode_s)
 
@@ -50,6 +59,7 @@ class LlamaSeries(Collector):
         with self.lock:
             (p, ps, g, gs), self.window = self.window, (0, 0.0, 0, 0.0)
             totals = self.prompt, self.cached, self.prompt_s, self.predicted, self.predicted_s, self.n_tokens_max
+            drafts, per_pos = (self.drafted, self.accepted, self.verify_steps), list(self.per_pos)
         prompt, cached, prompt_s, predicted, predicted_s, n_tokens_max = totals
         sched = self.sched
         prompt, prompt_s = prompt + sched.embedded_tokens, prompt_s + sched.embedded_s  # embeddings cost a prompt too
@@ -62,12 +72,19 @@ class LlamaSeries(Collector):
             ("n_decode_total", "Decode steps (one llama.cpp batch each, whatever runs in it), prompt prefills and "
              "embeddings inputs",
              sched.decodes + sched.prefills),
-            ("spec_decode_num_draft_tokens_total", "Speculative: draft tokens generated (0: no draft model)", 0),
-            ("spec_decode_num_accepted_tokens_total", "Speculative: draft tokens accepted (0: no draft model)", 0),
-            ("spec_decode_num_drafts_total", "Speculative: verification steps (0: no draft model)", 0),
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", drafts[0]),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model",
+             drafts[1]),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", drafts[2]),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if per_pos:  # as llama-server's: only once a generation verified drafts
+            by_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+                                         "Accepted tokens per draft position", labels=["position"])
+            for i, n in enumerate(per_pos):
+                by_pos.add_metric([str(i)], n)
+            yield by_pos
         gauges = (
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", n_tokens_max),
             ("prompt_tokens_seconds", "Average prompt throughput in tokens/s since the last scrape",

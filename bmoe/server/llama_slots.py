@@ -2,10 +2,10 @@
 slots) is doing, for the monitors and load balancers written for llama-server.
 
 GET lists each sequence: `id`, `n_ctx` (`-c`: each sequence has it whole), `is_processing`, `speculative`
-(false: no draft model) and `kv_tokens` (the tokens its KV holds, bmoe's own field). Unlike
-llama-server's it shows no prompt, answer or request settings: those are the clients' and stay theirs.
-`?fail_on_no_slot=1` answers 503 when every sequence is busy, as llama-server's. `--no-slots` turns the
-route off (501, as llama-server's).
+(true when the server drafts, `--draft`, as llama-server's is when it has a draft) and `kv_tokens` (the tokens
+its KV holds, bmoe's own field). Unlike llama-server's it shows no prompt, answer or request settings: those
+are the clients' and stay theirs. `?fail_on_no_slot=1` answers 503 when every sequence is busy, as
+llama-server's. `--no-slots` turns the route off (501, as llama-server's).
 
 Saving, restoring or erasing a slot by file (`POST /slots/{id}?action=save|restore|erase`,
 llama-server's `--slot-save-path`) is a 501 naming the action: bmoe keeps prompts' KV across restarts
@@ -45,8 +45,8 @@ class Slots:
         if request.query_params.get("fail_on_no_slot") and all(s.busy for s in slots):
             raise ServeError(503, "no slot available: every KV sequence is generating", "unavailable_error",
                              "no_slot_available")
-        n_ctx = self.model.stats.n_ctx
-        return [{"id": s.seq, "n_ctx": n_ctx, "speculative": False, "is_processing": s.busy,
+        n_ctx, drafts = self.model.stats.n_ctx, self.model.settings.draft.mode != "none"
+        return [{"id": s.seq, "n_ctx": n_ctx, "speculative": drafts, "is_processing": s.busy,
                  "kv_tokens": len(s.kv_tokens)} for s in slots]
 
     async def act(self, request: HttpRequest) -> None:

@@ -47,6 +47,11 @@ Decisions:
   A stream's finish chunk carries `bmoe`; `usage` only with `stream_options.include_usage`, as the
   spec has it: `null` on every chunk, then a last chunk of its own with `choices: []`.
 - A client that disconnects cancels its generation at once, or leaves the queue.
+- `--draft ngram|mtp` (bmoe-cli's flags, bmoe.engine.drafts): a request decoding alone (`--parallel 1`, a
+  `turns` step, or the only one running) drafts and verifies as bmoe-cli does, each sequence with its own
+  drafts and gate; requests decoded together in one batch take one token a step, and so does a request asking
+  for logprobs. llama-server's reports follow: `timings.draft_n`/`draft_n_accepted`, `/slots`' `speculative`,
+  the `llamacpp:spec_decode_*` series; a request's `speculative.*` fields are ignored, as llama-server ignores them.
 - `--embedding` (bmoe.server.embeddings) keeps generation on, as llama-server does: the context is made
   with embeddings on and each embeddings request turns them on for its own decodes only. Its inputs
   queue with the generations, take a free KV sequence (one holding no conversation first) and are
@@ -148,6 +153,8 @@ examples:
   bmoe-server                                      # the demo model at http://127.0.0.1:8000/v1
   bmoe-server -m model.gguf --cache-mb 2000 --io-threads 4 --queue 16
   bmoe-server -m model.gguf --parallel 4          # up to 4 requests decode at once, batched when it pays
+  bmoe-server -m model.gguf --draft ngram --draft-max 4   # a request decoding alone drafts 4 tokens from its
+                      # prompt and verifies them in one decode (the same text; timings' draft_n, /metrics' spec_decode)
   bmoe-server -m model.gguf --host 0.0.0.0 --api-key-file ~/.bmoe-key  # from the network, with the key in a file
                       # (its first line; unlike --api-key KEY, not in the process list other local users can read)
   BMOE_API_KEY=secret bmoe-server -m model.gguf --port 0      # any free port (printed at start)
@@ -529,9 +536,6 @@ def main(argv: list[str] | None = None) -> int:
     if settings.replay_routes:  # a benchmark mode: the answers would not be the model's
         ap.error("--replay-routes is a benchmark mode: every answer would follow the trace's routing, not the "
                  "model's; bmoe-server does not run it (use bmoe-cli or bmoe-bench run)")
-    if settings.draft.mode != "none":  # issue 52: the server's per-request draft fields, /slots and metrics come later
-        ap.error(f"--draft {settings.draft.mode}: bmoe-server does not draft yet (its per-request fields, /slots and "
-                 "llamacpp:spec_decode_* series come with it); draft with bmoe-cli, the session or bmoe.load")
     opts = serve_settings(ap, a)
     exits.install_signal_handlers()
     model: Model | None = None

@@ -347,7 +347,8 @@ class OpenAIShape:
         without one."""
         if c is None or c.token is None:
             return {}
-        return {"bmoe": telemetry.progress_fields(c.token), **({"timings": self.so_far.now()} if self.so_far else {})}
+        return {"bmoe": {**telemetry.progress_fields(c.token), **telemetry.draft_fields(c.token)},
+                **({"timings": self.so_far.now()} if self.so_far else {})}
 
     def message(self, m: Reply, s: GenerationStats, ahead: int,
                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
