@@ -19,6 +19,9 @@ MiB read for experts only drafted rows routed per accepted token, MiB/token, and
 the same text as `off`.
 
     python bench/drafts.py --rounds 3 --out bench/reports/$(date +%F)-drafts
+    # MTP drafts at a phone's flash, on a model with an MTP layer:
+    python bench/drafts.py -m q36-mtp.gguf --draft mtp --draft-max 2 --settings limited --cache-mb 2000 \
+        --mem-limit-mb 4000 --cap-mib 700 -n 32 --prompt bench/prompts/free_story.txt --out DIR
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ SETTINGS = ("resident", "limited")
 TOK_S = re.compile(r"^generation: (\d+) tokens, [0-9.]+ s/token \(([0-9.]+) tok/s\)", re.M)
 MIB_TOK = re.compile(r"^moe-stream: read [0-9.]+ MiB \(([0-9.]+) MiB/token\)", re.M)
 GATE = re.compile(r"draft gate: (.*)$", re.M)  # the gate's decisions, as the run's notices tell them
+FLASH_LIMIT = Path("/work/shared/tools/flash-limit")
 
 
 def arms(a: argparse.Namespace) -> dict[str, list[str]]:
-    out = {"off": [], "ngram": ["--draft", "ngram", "--draft-max", str(a.draft_max)]}
+    out = {"off": [], a.draft: ["--draft", a.draft, "--draft-max", str(a.draft_max)]}
     if not a.no_gate_arm:
-        out["ngram-always"] = [*out["ngram"], "--no-draft-gate"]
+        out[f"{a.draft}-always"] = [*out[a.draft], "--no-draft-gate"]
     return out
 
 
@@ -66,6 +70,8 @@ def run_one(a: argparse.Namespace, cg: bench_sys.CgroupHierarchy | None, setting
     group = None
     if setting == "limited":
         bench_sys.drop_file_cache([a.model])
+        if a.cap_mib:
+            argv = [str(FLASH_LIMIT), str(a.cap_mib), "--file", str(a.model), "--", *argv]
         if cg is not None:
             group = bench_sys.Cgroup(cg, f"{bench_sys.CGROUP_PREFIX}drafts-{setting}-{arm}-{rnd}", a.mem_limit_mb * MiB)
             argv = group.wrap(argv)
@@ -103,12 +109,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", "--n-predict", type=int, default=200)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--draft", choices=("ngram", "mtp"), default="ngram",
+                    help="n-gram drafts, or the model's MTP layer's (a model with one: bmoe-synth --like ... --mtp)")
     ap.add_argument("--draft-max", type=int, default=4)
     ap.add_argument("--resident-cache-mb", type=int, default=8000, help="above the model's experts (default 8000)")
     ap.add_argument("--cache-mb", type=int, default=1300, help="the limited setting's cache (default 1300)")
     ap.add_argument("--mem-limit-mb", type=int, default=2500, help="the limited setting's memory cgroup (default 2500)")
+    ap.add_argument("--cap-mib", type=int, default=0,
+                    help=f"the limited setting's disk reads capped at this many MiB/s ({FLASH_LIMIT}; default 0: none)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="which settings (default resident,limited)")
-    ap.add_argument("--no-gate-arm", action="store_true", help="leave out the ngram-always arm")
+    ap.add_argument("--no-gate-arm", action="store_true", help="leave out the ungated arm (DRAFT-always)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     if a.model is None:
@@ -129,8 +139,9 @@ def main() -> int:
                 runs.append(rec)
                 print(f"round {rnd} {setting} {arm}: {rec['tok_s']:.2f} tok/s, accepted {rec['accepted']} of "
                       f"{rec['drafted']} drafted", file=sys.stderr, flush=True)
-    lines = [f"# N-gram drafts: {a.model.name}, {a.prompt.name}, -n {a.n_predict}, -t {a.threads}, --draft-max "
-             f"{a.draft_max}, {a.rounds} rounds", "",
+    cap = f", limited at flash-limit {a.cap_mib} MiB/s" if a.cap_mib else ""
+    lines = [f"# {a.draft} drafts: {a.model.name}, {a.prompt.name}, -n {a.n_predict}, -t {a.threads}, --draft-max "
+             f"{a.draft_max}, {a.rounds} rounds{cap}", "",
              "| setting | arm | tok/s (median) | ÷ off, per round | accepted ÷ drafted | tokens per verify | "
              "extra MiB per accepted | MiB/token | same text as off |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
     summary = []
@@ -153,7 +164,7 @@ def main() -> int:
                          f"{row['same_text']} |")
     lines += ["", "The gate's decisions, per run (the run's `draft gate:` notices):", ""]
     lines += [f"- {r['setting']} {r['arm']} round {r['round']}: " + ("; ".join(r["gate"]) or "none")
-              for r in runs if r["arm"] == "ngram"]
+              for r in runs if r["arm"] == a.draft]
     write_summary(a.out, runs, lines, summary)
     return 0
 

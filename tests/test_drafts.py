@@ -157,6 +157,16 @@ def test_the_gate_is_off_through_a_stretchs_settling_and_its_baseline() -> None:
     assert g.on and len(g.decisions) == 1
 
 
+def test_one_rejected_verify_step_is_enough_where_its_drafts_made_the_cache_read() -> None:
+    g = DraftGate()
+    g.step(DraftTally(1, 2, 0, 3 << 29), 1, 0.5)  # streamed: its drafts' experts read (1.5 GiB), all for nothing
+    assert not g.on and g.decisions == [f"off for {DraftGate.SETTLE + DraftGate.PAUSE} tokens: 0 of 2 drafts "
+                                        "accepted in 1 verify steps, 1536.00 MiB read for them"]
+    g = DraftGate()
+    g.step(DraftTally(1, 2, 0), 1, 0.5)  # resident: nothing read, so SURE steps are asked for
+    assert g.on
+
+
 def test_a_stretch_whose_drafts_were_all_rejected_never_pays() -> None:
     """Fewer than SURE verify steps, none accepted, and a stretch that happened to run faster: noise, not drafts."""
     g = DraftGate()
@@ -280,8 +290,8 @@ def test_drafts_against_one_token_at_a_time(models) -> None:
 
 def test_the_gate_tells_its_decisions_and_leaves_the_text_alone(models) -> None:
     """A cache of 1 MiB (every drafted row's experts are read) and a prompt whose first drafts are all rejected (the
-    ungated run shows it): the gated run turns drafting off after its first stretch and says so (at its third verify
-    step, or at the stretch's end if it had fewer), and its text is the same (on this model drafting is
+    ungated run shows it): the gated run turns drafting off in its first stretch and says so (at its first verify
+    step, which read its drafts' experts for nothing), and its text is the same (on this model drafting is
     byte-identical to one token at a time)."""
     path = models["synth"]
     prompt = "red red red red red red"
@@ -294,8 +304,8 @@ def test_the_gate_tells_its_decisions_and_leaves_the_text_alone(models) -> None:
         gated = complete(m, prompt, 160)
     assert gated.ids == ungated.ids
     gate = [t for t in told if t.startswith("draft gate: ")]
-    assert re.fullmatch(r"draft gate: off for \d+ tokens: (0 of \d+ drafts accepted in 3 verify steps|"
-                        r".* \(0 of \d+ accepted, .*)", gate[0]), told
+    assert re.fullmatch(r"draft gate: off for \d+ tokens: (0 of \d+ drafts accepted in \d verify steps(, .* MiB read "
+                        r"for them)?|.* \(0 of \d+ accepted, .*)", gate[0]), told
     assert all(t.startswith(("draft gate: off for ", "draft gate: on for ")) for t in gate), told
 
 

@@ -119,8 +119,10 @@ class DraftGate:
     stretch is twice as long (up to LONGEST) and starts at once; not paying, drafting stays off for a pause
     that starts at PAUSE tokens and doubles each time it loses again (up to LONGEST), then a drafted stretch
     of SHORTEST tries again. A stretch whose first SURE verify steps accepted nothing is judged at once (no draft
-    paid for its row). Each decision is a line in `decisions`: where drafts never pay, the stretches that find it
-    out grow rare; where they do, the baselines that check it."""
+    paid for its row); the first such step is enough where its drafts made the cache read (`extra_bytes`: a
+    rejected draft's experts are read for nothing and evict others; on Qwen3.6-35B-A3B's shape with a 2000 MiB
+    cache one verify step of 2 drafts read about 1 GB for them). Each decision is a line in `decisions`: where
+    drafts never pay, the stretches that find it out grow rare; where they do, the baselines that check it."""
 
     SHORTEST = 16
     SETTLE = 8
@@ -155,8 +157,9 @@ class DraftGate:
         if self.stage == "on":
             d = self.drafts
             d.add(drafts)
-            if d.steps >= self.SURE and d.accepted == 0:
-                self._lost(f"{d.accepted} of {d.drafted} drafts accepted in {d.steps} verify steps", self.SETTLE)
+            if d.accepted == 0 and d.steps and (d.steps >= self.SURE or d.extra_bytes):
+                read = f", {d.extra_bytes / 2**20:.2f} MiB read for them" if d.extra_bytes else ""
+                self._lost(f"{d.accepted} of {d.drafted} drafts accepted in {d.steps} verify steps{read}", self.SETTLE)
                 return
         if self.left > 0:
             return

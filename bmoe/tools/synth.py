@@ -79,9 +79,9 @@ def plan_model(
     """The tensors `write_model` writes for these arguments, without writing anything.
 
     `like` is a LIKES name or a route_trace v1 CSV path; it sets the whole shape and the other
-    shape arguments are ignored.
+    shape arguments are ignored, but `mtp`, which adds the MTP layer the model's MTP variant has.
     """
-    shape = shape_from_like(like) if like is not None else shape_from_flags(
+    shape = shape_from_like(like, mtp) if like is not None else shape_from_flags(
         arch=arch, layers=layers, experts=experts, top_k=top_k, embd=embd, ff=ff, quant=quant,
         size_gb=size_gb, router=router, fused=fused, mtp=mtp)
     return Plan(shape, tuple(tensor_table(shape)))
@@ -132,7 +132,7 @@ def write_model(
     Same arguments give a byte-identical file. With `size_gb`, `ff` is ignored and chosen so
     the file is about that many GB. With `like` (a LIKES name or a route_trace v1 CSV) the shape
     and every tensor's type are a published model's at Q4_K_M and the other shape arguments are
-    ignored (see plan_model). With `splits` > 1 the model is written as llama.cpp split
+    ignored but `mtp` (see plan_model). With `splits` > 1 the model is written as llama.cpp split
     shards `<stem>-0000i-of-0000N.gguf` beside `path`, and the first shard's path is returned.
     Expert tensors (`*_exps.weight`) use `quant` (q4_k_m: every matrix as llama.cpp's Q4_K_M
     recipe types it); the router uses `router` (F32 by default: a quantized router is what real
@@ -224,6 +224,7 @@ examples:
   bmoe-synth --like qwen3-30b-a3b -o ~/.cache/bmoe/synth/qwen3-30b-a3b-like-q4_k_m.gguf
   bmoe-synth --like ../shared/traces/gpt-oss-120b-q4_k_m.route.csv -o oss120.gguf
   bmoe-synth --like gemma-4-26b-a4b --plan               # its tensor table and size, no file
+  bmoe-synth --like qwen3.6-35b-a3b --mtp -o q36-mtp.gguf  # as its MTP variant: one more layer, the MTP one
   bmoe-synth --arch qwen35moe -o q35.gguf               # Gated DeltaNet + attention, shared expert
   bmoe-synth --arch deepseek2 --fused-gate-up --mtp -o ds2.gguf   # fused gate_up experts, an MTP layer
 
@@ -320,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     shape_flags = {"arch": "--arch", "layers": "--layers", "experts": "--experts", "top_k": "--top-k",
                    "embd": "--embd", "ff": "--ff", "quant": "--quant", "router": "--router", "size_gb": "--size-gb",
-                   "fused": "--fused-gate-up", "mtp": "--mtp"}
+                   "fused": "--fused-gate-up"}
     if args.like is not None:
-        given = [flag for f, flag in shape_flags.items() if getattr(args, f) is not None]
+        given = [flag for f, flag in shape_flags.items() if getattr(args, f) is not None]  # --mtp goes with it
         if given:
             ap.error(f"--like sets the shape; drop {', '.join(given)}")
     if args.size_gb is not None and args.ff is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bmoe.streaming import Trace
-from bmoe.tools.synth_archs import ARCHES, one_expert_bytes
+from bmoe.tools.synth_archs import ARCHES, MTP_ARCHES, one_expert_bytes
 from bmoe.tools.synth_shape import K_QUANTS, Dsv4, Indexer, Mla, Ple, Recurrent, Shape
 
 
@@ -209,11 +209,20 @@ def _derive_shape(trace_arch: str, n_expert: int, top_k: int, expert_bytes: dict
                      f"every layer ({first} at layer 0); name a known model with --like ({', '.join(LIKES)})")
 
 
-def shape_from_like(like: str) -> Shape:
-    """--like's shape: a LIKES name, or a route_trace v1 CSV path (see shape_from_trace)."""
+def shape_from_like(like: str, mtp: bool = False) -> Shape:
+    """--like's shape: a LIKES name, or a route_trace v1 CSV path (see shape_from_trace); `mtp` adds the trailing
+    multi-token-prediction layer a converter's MTP variant of the model has (one, as llama.cpp's converters write
+    Qwen3.6's and GLM's: block_count one more), where the shape's loader has one and it has none yet."""
     if like in LIKES:
-        return LIKES[like].shape
-    if Path(like).is_file():
-        return shape_from_trace(like)
-    raise ValueError(f"--like {like}: neither a known model ({', '.join(LIKES)}) nor a "
-                     f"trace file (route_trace v1 .csv)")
+        shape = LIKES[like].shape
+    elif Path(like).is_file():
+        shape = shape_from_trace(like)
+    else:
+        raise ValueError(f"--like {like}: neither a known model ({', '.join(LIKES)}) nor a "
+                         f"trace file (route_trace v1 .csv)")
+    if mtp and not shape.mtp:
+        if shape.arch not in MTP_ARCHES:
+            raise ValueError(f"--like {like}: the {shape.arch} loader has no MTP layer; --mtp is for "
+                             f"{', '.join(MTP_ARCHES)}")
+        shape = replace(shape, mtp=1)
+    return shape
