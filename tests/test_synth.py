@@ -15,7 +15,7 @@ import pytest
 
 from bmoe.base.model_files import LAZY_MIN_BYTES, read_model_files
 from bmoe.memory.dense import file_spans
-from bmoe.seam.llama import model_params
+from bmoe.seam.llama import model_params, n_layer_nextn
 from bmoe.tools import synth, synth_archs, synth_blocks, synth_like, synth_shape
 from tests.conftest import run_cli
 from tests.plain_llama import plain_llama
@@ -311,6 +311,27 @@ def test_like_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         synth.main(["--like", "llama-9000", "--plan"])
     assert "neither a known model" in capsys.readouterr().err
+
+
+def test_like_with_mtp_is_the_models_mtp_variant(tmp_path: Path) -> None:
+    """--like NAME --mtp: one more layer, the MTP one (as the converter's MTP variant of Qwen3.6 has: blk.40 and
+    block_count 41), written sparse and loaded by llama.cpp with its MTP layer; a loader without one refuses it."""
+    base, mtp = synth.plan_model(like="qwen3.6-35b-a3b"), synth.plan_model(like="qwen3.6-35b-a3b", mtp=True)
+    assert (base.shape.mtp, mtp.shape.mtp, mtp.shape.all_layers) == (0, 1, 41)
+    names = {t.name for t in mtp.tensors} - {t.name for t in base.tensors}
+    assert "blk.40.ffn_down_exps.weight" in names and all(n.startswith("blk.40.") for n in names)
+    path = synth.write_model(tmp_path / "q36-mtp.gguf", like="qwen3.6-35b-a3b", mtp=True, sparse=True)
+    assert read_model_files(path).mtp_layers == {40}
+    mp = model_params(mtp=True)
+    mp.no_alloc, mp.load_mode = True, 0
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    assert model
+    try:
+        assert (llama_cpp.llama_model_n_layer(model), n_layer_nextn(model)) == (40, 1)  # the trunk's, and the MTP
+    finally:
+        llama_cpp.llama_model_free(model)
+    with pytest.raises(ValueError, match="the qwen3moe loader has no MTP layer"):
+        synth.plan_model(like="qwen3-30b-a3b", mtp=True)
 
 
 def test_small_gemma4_like_loads_and_runs(tmp_path: Path) -> None:
