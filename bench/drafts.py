@@ -20,8 +20,8 @@ the same text as `off`.
 
     python bench/drafts.py --rounds 3 --out bench/reports/$(date +%F)-drafts
     # MTP drafts at a phone's flash, on a model with an MTP layer:
-    python bench/drafts.py -m q36-mtp.gguf --draft mtp --draft-max 2 --settings limited --cache-mb 2000 \
-        --mem-limit-mb 4000 --cap-mib 700 -n 32 --prompt bench/prompts/free_story.txt --out DIR
+    python bench/drafts.py -m q36-mtp.gguf --draft mtp --draft-max 2 --settings limited --cache-mb auto \
+        --mem-limit-mb 4000 --cap-mib 700 -n 64 --prompt bench/prompts/free_story.txt --no-gate-arm --out DIR
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def main() -> int:
                     help="n-gram drafts, or the model's MTP layer's (a model with one: bmoe-synth --like ... --mtp)")
     ap.add_argument("--draft-max", type=int, default=4)
     ap.add_argument("--resident-cache-mb", type=int, default=8000, help="above the model's experts (default 8000)")
-    ap.add_argument("--cache-mb", type=int, default=1300, help="the limited setting's cache (default 1300)")
+    ap.add_argument("--cache-mb", default="1300",
+                    help="the limited setting's cache (default 1300; auto: bmoe's choice within the memory limit)")
     ap.add_argument("--mem-limit-mb", type=int, default=2500, help="the limited setting's memory cgroup (default 2500)")
     ap.add_argument("--cap-mib", type=int, default=0,
                     help=f"the limited setting's disk reads capped at this many MiB/s ({FLASH_LIMIT}; default 0: none)")
