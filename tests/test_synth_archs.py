@@ -126,7 +126,8 @@ def test_arch_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "x.gguf"
     for flags, msg in ((["--arch", "glm4moe", "--fused-gate-up"], "takes only separate gate and up experts"),
                        (["--arch", "llama4", "--mtp"], "has no MTP layer"),
-                       (["--like", "qwen3-30b-a3b", "--mtp"], "--like sets the shape; drop --mtp")):
+                       (["--like", "qwen3-30b-a3b", "--mtp"], "the qwen3moe loader has no MTP layer"),
+                       (["--like", "qwen3-30b-a3b", "--layers", "2"], "--like sets the shape; drop --layers")):
         with pytest.raises(SystemExit) as exc:
             synth.main([*flags, "-o", str(out)])
         assert exc.value.code == 2 and msg in capsys.readouterr().err
