@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from bmoe.base.units import MiB
-from bmoe.demo.build import default_path
+from bmoe.demo.build import built_path
 from bmoe.tools import bench_sys
 from bmoe.tools.bench_numbers import median_of
 from bmoe.tools.bench_report import cell, write_summary
@@ -123,9 +123,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     if a.model is None:
-        a.model = Path(default_path(64, 8))
-        if not a.model.exists():
-            subprocess.run([sys.executable, "-m", "bmoe.demo.build", "--experts", "64", "--top-k", "8"], check=True)
+        a.model = built_path(64, 8)
     a.out.mkdir(parents=True, exist_ok=True)
     cg = bench_sys.find_cgroup()
     if cg is None:

@@ -741,21 +741,12 @@ def _has_redis() -> bool:
     return True
 
 
-def demo64() -> Path:
-    """The 64-expert demo model where bmoe keeps it, built when missing (as bench/demo64.sh does)."""
-    path = demo_build.default_path(64, 8)
-    if not path.is_file():
-        note(f"building the 64-expert demo model at {path}")
-        subprocess.run([sys.executable, "-m", "bmoe.demo.build", "--experts", "64", "--top-k", "8"], check=True)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     if shutil.which("haproxy") is None:
         raise SystemExit("replicas: HAProxy is not installed (apt-get install haproxy)")
-    a.model = (a.model or demo64()).resolve()
+    a.model = (a.model or demo_build.built_path(64, 8)).resolve()
     flash = check_flash_limit(a)
     note(f"flash-limit: {flash}")
     logs = a.out / "logs"

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bmoe.demo.build import default_path
+from bmoe.demo.build import built_path
 from bmoe.tools.bench_report import cell, write_summary
 
 PROMPT = ("Copy this passage exactly, changing nothing but the word red to blue: the red fox ran over the "
@@ -72,9 +71,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     if a.model is None:
-        a.model = Path(default_path(64, 8))
-        if not a.model.exists():
-            subprocess.run([sys.executable, "-m", "bmoe.demo.build", "--experts", "64", "--top-k", "8"], check=True)
+        a.model = built_path(64, 8)
     a.out.mkdir(parents=True, exist_ok=True)
     times = time_groups(a.model, a.threads, a.width, a.repeats, a.rounds)
     one = statistics.median(times[1])

@@ -62,6 +62,17 @@ def default_path(experts: int = DEFAULT_EXPERTS, top_k: int = DEFAULT_TOP_K) -> 
     return cache_dir() / f"smollm2-135m-moe-e{experts}-k{top_k}-r{RECIPE}.gguf"
 
 
+def built_path(experts: int = DEFAULT_EXPERTS, top_k: int = DEFAULT_TOP_K) -> Path:
+    """`default_path`, built first when missing, in a process of its own (`bmoe-demo --experts E --top-k K`): what the
+    bench scripts take as their default model, without holding the build's memory themselves."""
+    path = default_path(experts, top_k)
+    if not path.is_file():
+        print(f"building the {experts}-expert demo model at {path}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "bmoe.demo.build", "--experts", str(experts), "--top-k", str(top_k)],
+                       check=True)
+    return path
+
+
 # --- building --------------------------------------------------------------------------------
 
 
