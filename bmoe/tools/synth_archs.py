@@ -39,6 +39,14 @@ SYNTH_ARCHES: tuple[str, ...] = STREAMED_ARCHES + REFUSED_ARCHES
 FUSED_ARCHES: tuple[str, ...] = tuple(a for a, x in REGISTRY.items() if x.fused)
 # the loaders with an optional trailing multi-token-prediction layer (nextn_predict_layers)
 MTP_ARCHES: tuple[str, ...] = tuple(a for a, x in REGISTRY.items() if x.mtp)
+
+
+def check_mtp(arch: str) -> None:
+    """--mtp's rule: only a loader with an MTP layer takes one (ValueError naming those that do)."""
+    if arch not in MTP_ARCHES:
+        raise ValueError(f"the {arch} loader has no MTP layer; --mtp is for {', '.join(MTP_ARCHES)}")
+
+
 # the norm weights llama.cpp applies to the router's input (the predictor's ROUTER_NORM), written with a
 # spread (Table.add) where the files need not keep their bytes
 SCALED_NORMS: dict[str, str] = {a: n for a, n in routers.ROUTER_NORM.items()
@@ -163,8 +171,8 @@ def shape_from_flags(
     if fused and arch not in FUSED_ARCHES:
         raise ValueError(f"the {arch} loader takes only separate gate and up experts; the fused "
                          f"ffn_gate_up_exps is for {', '.join(FUSED_ARCHES)}")
-    if mtp and arch not in MTP_ARCHES:
-        raise ValueError(f"the {arch} loader has no MTP layer; --mtp is for {', '.join(MTP_ARCHES)}")
+    if mtp:
+        check_mtp(arch)
     shape = Shape(arch, layers, experts, top_k, embd, ff, quant, router, fused=fused, mtp=int(mtp))
     check = REGISTRY[arch].check
     if check is not None:

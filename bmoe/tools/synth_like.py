@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bmoe.streaming import Trace
-from bmoe.tools.synth_archs import ARCHES, MTP_ARCHES, one_expert_bytes
+from bmoe.tools.synth_archs import ARCHES, check_mtp, one_expert_bytes
 from bmoe.tools.synth_shape import K_QUANTS, Dsv4, Indexer, Mla, Ple, Recurrent, Shape
 
 
@@ -221,8 +221,6 @@ def shape_from_like(like: str, mtp: bool = False) -> Shape:
         raise ValueError(f"--like {like}: neither a known model ({', '.join(LIKES)}) nor a "
                          f"trace file (route_trace v1 .csv)")
     if mtp and not shape.mtp:
-        if shape.arch not in MTP_ARCHES:
-            raise ValueError(f"--like {like}: the {shape.arch} loader has no MTP layer; --mtp is for "
-                             f"{', '.join(MTP_ARCHES)}")
+        check_mtp(shape.arch)
         shape = replace(shape, mtp=1)
     return shape
