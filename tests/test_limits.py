@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bmoe.base.model_files import read_model_files
 from bmoe.base.units import MiB
 from bmoe.engine import load as engine_load
-from bmoe.memory.budget import Adaptive
+from bmoe.base.errors import ConfigError
+from bmoe.base.settings import CacheSettings
+from bmoe.memory.budget import Adaptive, decide
 from bmoe.memory.probe import V1_UNLIMITED, MemoryProbe, Room
 from bmoe.tools import bench_sys
 from tests.conftest import REPO, complete, engine_for, load, per_token, reference, run_cli
@@ -139,6 +143,22 @@ def test_rlimit_as_is_a_limit_too() -> None:
 
 def room(mib: float) -> Room:
     return Room(int(mib * MiB), "cgroup /t (limit 3000 MiB)")
+
+
+def test_a_fixed_budget_is_held_to_the_room_at_the_size_the_cache_can_reach() -> None:
+    """Refused where the cache could fill past the room; a budget above every expert counts as the experts; --adapt
+    (it shrinks when memory runs short) and --force take it."""
+    def decided(mb: float, experts_mib: float, **kw: bool) -> int:
+        cache = CacheSettings(mb=mb, **kw)
+        limit = Room(1000 * MiB, "cgroup /t (limit 3000 MiB)", 3000 * MiB)  # its floor a quarter: 750 MiB
+        return decide(cache, False, int(experts_mib * MiB), MiB, 2 * MiB, [limit]).bytes
+
+    assert decided(5000, 800) == 5000 * MiB  # holds every expert in 800 MiB of the 1000 left
+    assert decided(1000, 5000) == 1000 * MiB
+    with pytest.raises(ConfigError, match=r"--cache-mb 1001 is more than the 1000 MiB the tightest memory limit "
+                                          r"leaves now \(cgroup /t \(limit 3000 MiB\)\).* use --cache-mb 250 or less"):
+        decided(1001, 5000)
+    assert decided(1001, 5000, adapt=True) == decided(1001, 5000, force=True) == 1001 * MiB
 
 
 def test_adaptive_shrinks_at_once_and_grows_only_after_a_calm_spell() -> None:
@@ -290,3 +310,31 @@ def test_auto_budget_in_a_real_cgroup_names_the_cgroup_and_streams_exactly(model
     (note,) = [x for x in r.stderr.splitlines() if "cache budget" in x and "auto" in x]
     assert "cgroup /" in note and "limit 1024 MiB" in note and "(a quarter of the cgroup limit)" in note, note
     assert r.stdout.split("\ngeneration:")[0] == plain.stdout.split("\ngeneration:")[0]
+
+
+def test_a_fixed_budget_above_the_room_a_real_cgroup_leaves_is_refused_and_the_fix_runs(demo8: Path) -> None:
+    """--cache-mb larger than what the cgroup leaves would push the dense weights out of memory (read again every
+    token): refused with the room and the fixes named, the exit code non-zero; the budget it names runs. (A budget
+    above the model's experts counts at their size: the cache never holds more.)"""
+    h = bench_sys.find_cgroup()
+    try:
+        if h is None:
+            raise bench_sys.LimitError("no memory cgroup hierarchy")
+        bench_sys.probe_cgroup(h)
+    except bench_sys.LimitError as e:
+        pytest.skip(f"no writable memory cgroup here: {e}")
+    limit = 256 * MiB + read_model_files(demo8).expert_bytes // 2  # it leaves less room than every expert takes
+    argv = [sys.executable, "-m", "bmoe.cli", "-m", str(demo8), "-p", PROMPT, "-n", "4"]
+    with bench_sys.Cgroup(h, f"bmoe-test-{os.getpid()}", limit) as cgroup:
+        refused = subprocess.run(cgroup.wrap([*argv, "--cache-mb", "100000"]), capture_output=True, text=True,
+                                 cwd=REPO)
+    assert refused.returncode != 0
+    told = re.search(r"--cache-mb 100000 is more than the \d+ MiB the tightest memory limit leaves now \(cgroup /.*"
+                     r"\): the cache would push out the pages llama.cpp reads every token \(the dense weights, read "
+                     r"again each token\) or be killed for it; use --cache-mb (\d+) or less \(what --cache-mb auto "
+                     r"takes now, the floor \d+ MiB \(a quarter of the cgroup limit\) left free\), --adapt to let it "
+                     r"shrink when memory runs short, or --force to run with it anyway", refused.stderr)
+    assert told, refused.stderr
+    with bench_sys.Cgroup(h, f"bmoe-test-{os.getpid()}", limit) as cgroup:
+        fits = subprocess.run(cgroup.wrap([*argv, "--cache-mb", told[1]]), capture_output=True, text=True, cwd=REPO)
+    assert fits.returncode == 0, fits.stderr

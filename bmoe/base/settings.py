@@ -68,7 +68,8 @@ class CacheSettings:
         help="expert cache budget in MiB; 0 = no cache (re-read every token); 'auto' (default) = the least room "
              "any memory limit leaves (the cgroup's, the machine's, an rlimit's) minus --cache-floor-mb, at most "
              "--cache-ceil-mb, following free memory while it runs; a budget below one token's working set is "
-             "refused (auto falls back to no cache) unless --force")
+             "refused (auto falls back to no cache) unless --force, and so is a fixed one above the room the "
+             "memory limits leave, unless --force or --adapt")
     policy: str = setting(
         DEFAULT_POLICY, "--cache-policy", parse=_policy, metavar="NAME", ok=lambda v: v in POLICY_NAMES,
         rule=f"unknown cache policy; choose one of {', '.join(POLICY_NAMES)}",
@@ -88,7 +89,7 @@ class CacheSettings:
     force: bool = setting(
         False, "--force",
         help="run with a cache budget below one token's working set (it thrashes: every token re-reads experts "
-             "it just evicted)")
+             "it just evicted), or a fixed one above the room the memory limits leave")
     warm_start: bool = setting(
         True, "--no-warm-start",
         help="neither use nor save a usage profile: every start begins with an empty cache")

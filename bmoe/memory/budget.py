@@ -4,7 +4,10 @@ reads it and moves the running cache's budget (`BudgetWatch`).
 
 A budget below one layer's routed set cannot run at all; below one token's working set (every
 MoE layer's top-k, page-rounded as the cache charges them) it only thrashes, so it is refused
-unless forced, and `auto` falls back to no cache instead. `auto` takes the least room any limit
+unless forced, and `auto` falls back to no cache instead. A fixed budget above the room the
+tightest limit leaves is refused too unless forced or `--adapt`: filling it would evict the dense
+weights llama.cpp reads every token (a 2000 MiB cache beside an MTP context under 4000 MiB ran
+at a quarter of the speed, bench/reports/2026-12-06-drafts-mtp-q36-cache2000). `auto` takes the least room any limit
 leaves (a cgroup's, the machine's, an rlimit's) minus the floor; while running, `Adaptive` gives
 memory back as soon as the room falls under the floor and takes it again, with hysteresis, once
 it has stayed free.
@@ -90,6 +93,16 @@ def decide(cache: CacheSettings, reads_ahead: bool, expert_bytes: int, layer_nee
     if 0 < budget < layer_need:
         raise ConfigError(f"{what} is below one layer's working set ({layer_need / MiB:.1f} MiB), which even "
                           f"{force} cannot run; use {enough} (one token's working set) or more, or 0 for no cache")
+    least = min(rooms, key=lambda r: r.bytes, default=None)
+    if cache.mb is not None and not (cache.adapt or cache.force) and least is not None \
+            and min(budget, expert_bytes) > least.bytes:  # (a cache never holds more than every expert)
+        roomy = auto_cache_bytes(expert_bytes, rooms, floor_bytes, floor_text, cache.ceil_mb, w)[0]
+        fits = (f"{w.value('cache_mb', float(int(roomy / MiB)))} or less (what {w.value('cache_mb', None)} takes "
+                f"now, {floor_text} left free)" if roomy >= token_need else w.value("cache_mb", None))
+        raise ConfigError(f"{what} is more than the {least.bytes / MiB:.0f} MiB the tightest memory limit leaves now "
+                          f"({least.name}): the cache would push out the pages llama.cpp reads every token (the dense "
+                          f"weights, read again each token) or be killed for it; use {fits}, {w.name('adapt')} to "
+                          f"let it shrink when memory runs short, or {force} to run with it anyway")
     if 0 < budget < token_need and not cache.force:
         raise ConfigError(f"{what} is below one token's working set ({token_need / MiB:.1f} MiB): the cache "
                           f"would thrash, each token evicting experts the next one needs again; use {enough} "
