@@ -398,14 +398,17 @@ class Engine:
             self.lossy.begin([not s.lossless for s in going])
         lone = going[0].drafter if len(going) == 1 else None  # several sequences: one token each, as before
         drafts, drafting_bytes = self._propose(going[0], lone) if lone is not None else ([], 0)
+        guessed = bool(drafts) and lone is not None and lone.guessing
         tally = DraftTally()
-        if drafts:
+        if drafts and not guessed:
             toks[id(going[0])], tally = self._verify(going[0], drafts)
             tally.extra_bytes += drafting_bytes
         else:
             rows = self._decode([(s.seq, [s.next], self.kv_len(s.seq)) for s in going])
             for s, row in zip(going, rows):
                 self._choose(s, row)
+            if guessed:  # the gate's guess, checked against the token chosen
+                tally = DraftTally(extra_bytes=drafting_bytes, guesses=1, right=int(drafts[0] == going[0].next))
         if self.streamer is not None:
             self.streamer.follow()
         made = [(s, t) for s in going for t in toks[id(s)]]

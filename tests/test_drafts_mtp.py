@@ -328,21 +328,41 @@ def test_bmoe_load_drafts_with_the_mtp_layer(synth) -> None:
     assert text == run(path, "--no-stream", *mtp(2)).text
 
 
-def test_the_gate_turns_mtp_drafting_off_when_its_drafts_are_not_accepted(synth) -> None:
-    """Random MTP weights: no draft is accepted, so after the first SURE verify steps the gate pauses drafting for
-    SETTLE + PAUSE tokens, then tries again (the MTP context still follows every decode, so it drafts from the right
-    state when it does). Decisions on acceptance alone are the same on --no-stream, and so is the text (against the
-    ungated run it may differ: this model's verify rows are a rounding apart from one-token rows)."""
+def test_the_gate_turns_mtp_drafting_off_when_its_guesses_are_wrong_and_the_mtp_layer_rests(synth, drafts_made,
+                                                                                             monkeypatch) -> None:
+    """Random MTP weights: no draft is right. The gate guesses first (a draft of one token after each chosen token,
+    checked against the next, not verified): all GUESS wrong, drafting is off for the pause with no verify step
+    made; then it guesses again. While it is off the MTP layer does nothing: the tokens decoded meanwhile are
+    decoded there when it next drafts, in one call. No draft was verified, so the text is plain decoding's."""
     from bmoe.engine.drafts import DraftGate
 
+    calls: list[tuple[int, bool]] = []  # each MTP decode: its tokens, and whether it drafts (an output)
+    decode_mtp = llama.decode_mtp
+
+    def counted(ctx: object, parts: list, outputs: bool) -> tuple[int, list[int]]:
+        calls.append((sum(len(p[1]) for p in parts), outputs))
+        return decode_mtp(ctx, parts, outputs)
+
+    monkeypatch.setattr(llama, "decode_mtp", counted)
     path = model(synth, "glm4moe")
-    sure, pause = DraftGate.SURE, DraftGate.SETTLE + DraftGate.PAUSE
-    n = sure + pause + sure + 1  # the last token is never drafted from
-    gated, ungated = run(path, "--draft", "mtp", "--draft-max", 2, n=n), run(path, *mtp(2), n=n)
-    assert gated.ids == run(path, "--no-stream", "--draft", "mtp", "--draft-max", 2, n=n).ids
-    drafted = [bool(t.drafted) for t in gated.tokens]  # a step that accepts nothing generates one token
-    assert drafted[:-1] == [True] * sure + [False] * pause + [True] * sure, drafted
-    assert sum(drafted) < sum(1 for t in ungated.tokens if t.drafted)
+    g, pause = DraftGate.GUESS, DraftGate.PAUSE
+    n = g + pause + g + 1
+    told: list[str] = []
+    with load(path, *FLAGS, "--draft", "mtp", "--draft-max", 2, notice=told.append) as m:
+        calls.clear()  # the load's graph capture
+        gated = complete(m, PROMPT, n)
+    assert [t for t in told if t.startswith("draft gate: ")] == [
+        f"draft gate: off for {p} tokens: 0 of {g} guesses right (checked against the token chosen next, not verified)"
+        for p in (pause, 2 * pause)]
+    assert not any(t.drafted for t in gated.tokens)
+    made = taken(drafts_made)
+    assert len(made) == 2 * g and all(len(d) == 1 for d in made)
+    assert gated.ids == run(path, n=n).ids
+    drafts = [i for i, (_, out) in enumerate(calls) if out]
+    assert len(drafts) == 2 * g  # a decode of one token each: the guesses
+    follows = [k for k, out in calls[drafts[g - 1] + 1:drafts[g]] if not out]
+    assert follows == [pause + 1], calls  # the pause (and the guess's token before it) caught up at once
+    assert all(k == 1 for k, _ in calls[drafts[0] + 1:drafts[g - 1]]), calls  # guessing: a token at a time
 
 
 def test_ngram_drafts_run_on_a_hybrid_model_through_llama_cpps_state_snapshots(agreeing) -> None:

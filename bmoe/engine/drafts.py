@@ -94,18 +94,28 @@ class DraftTally:
     steps: int = 0  # verify steps that carried drafts
     drafted: int = 0
     accepted: int = 0
-    extra_bytes: int = 0  # read for experts only the drafted rows routed (DraftReads)
+    extra_bytes: int = 0  # read for experts only the drafted rows routed, or to make MTP drafts (DraftReads)
+    guesses: int = 0  # drafts made while the gate guesses: checked against the token chosen next, not verified
+    right: int = 0  # of them, the token chosen
 
     def add(self, other: DraftTally) -> None:
         self.steps += other.steps
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.extra_bytes += other.extra_bytes
+        self.guesses += other.guesses
+        self.right += other.right
 
 
 class DraftGate:
     """Drafting on or off for one sequence, from the time it measures over stretches of tokens: seconds per
     generated token with drafting on against without, on this machine, model and cache, now.
+
+    Before a drafted stretch, unless the one before it paid, the gate guesses: a draft of one token is made after
+    each chosen token and checked against the token chosen next, without a verify decode (the n-gram lookup's cost
+    nothing; the MTP layer's, one decode of its layer), until GUESS were made. Where none of them was right, drafting
+    stays off for the pause without paying for a verify group: on Qwen3.6-35B-A3B's shape under 4000 MiB, one verify
+    step of 2 rejected drafts read 1.1 GB, 3 % of a 64-token run at 700 MiB/s (bench/reports/2026-12-06-drafts-mtp-q36).
 
     A stretch, not a step, is what drafting costs: under a memory limit a verify group's drafted rows bring in
     experts that evict ones later tokens need, so the price of a verify step lands on the steps after it (the
@@ -117,13 +127,14 @@ class DraftGate:
     settling than over the baseline (drafts that only break even lose to the noise; a stretch whose drafts were
     all rejected never pays, however fast it ran). Paying, the next drafted
     stretch is twice as long (up to LONGEST) and starts at once; not paying, drafting stays off for a pause
-    that starts at PAUSE tokens and doubles each time it loses again (up to LONGEST), then a drafted stretch
-    of SHORTEST tries again. A stretch whose first SURE verify steps accepted nothing is judged at once (no draft
+    that starts at PAUSE tokens and doubles each time it loses again (up to LONGEST), then the gate guesses and a
+    drafted stretch of SHORTEST tries again. A stretch whose first SURE verify steps accepted nothing is judged at once (no draft
     paid for its row); the first such step is enough where its drafts made the cache read (`extra_bytes`: a
     rejected draft's experts are read for nothing and evict others; on Qwen3.6-35B-A3B's shape with a 2000 MiB
     cache one verify step of 2 drafts read about 1 GB for them). Each decision is a line in `decisions`: where
     drafts never pay, the stretches that find it out grow rare; where they do, the baselines that check it."""
 
+    GUESS = 8
     SHORTEST = 16
     SETTLE = 8
     MEASURE = 16
@@ -133,8 +144,8 @@ class DraftGate:
     LONGEST = 512
 
     def __init__(self) -> None:
-        self.stage = "on"  # "on" (drafting), "settle", "measure" (the baseline), "pause" (off)
-        self.left = self.SHORTEST  # tokens left in the stage
+        self.stage = "guess"  # "guess", "on" (drafting), "settle", "measure" (the baseline), "pause" (off)
+        self.left = self.GUESS  # tokens left in the stage (guesses, while it guesses)
         self.on_for, self.pause = self.SHORTEST, self.PAUSE  # the next drafted stretch's and the next pause's length
         self.drafts = DraftTally()  # the drafted stretch's
         self.drafted_tokens, self.drafted_s = 0, 0.0  # of the drafted stretch and its settling
@@ -145,15 +156,21 @@ class DraftGate:
     def on(self) -> bool:
         return self.stage == "on"
 
+    @property
+    def guessing(self) -> bool:
+        return self.stage == "guess"
+
     def step(self, drafts: DraftTally, tokens: int, seconds: float) -> None:
         """A step's figures (`drafts.steps` 0 when it carried no drafts), the tokens it generated, its seconds."""
-        self.left -= tokens
+        self.left -= drafts.guesses if self.stage == "guess" else tokens
         if self.stage in ("on", "settle"):
             self.drafted_tokens += tokens
             self.drafted_s += seconds
         elif self.stage == "measure":
             self.base_tokens += tokens
             self.base_s += seconds
+        elif self.stage == "guess":
+            self.drafts.add(drafts)
         if self.stage == "on":
             d = self.drafts
             d.add(drafts)
@@ -163,14 +180,26 @@ class DraftGate:
                 return
         if self.left > 0:
             return
-        if self.stage == "on":
+        if self.stage == "guess":
+            self._guessed()
+        elif self.stage == "on":
             self._next("settle", self.SETTLE)
         elif self.stage == "settle":
             self._next("measure", self.MEASURE)
         elif self.stage == "measure":
             self._judge()
         else:
-            self._start()
+            self._next("guess", self.GUESS)
+            self.drafts = DraftTally()
+
+    def _guessed(self) -> None:
+        d = self.drafts
+        why = f"{d.right} of {d.guesses} guesses right (checked against the token chosen next, not verified)"
+        if d.guesses and not d.right:
+            self._lost(why, 0)
+            return
+        self.decisions.append(f"on for {self.on_for} tokens: {why}")
+        self._start()
 
     def _judge(self) -> None:
         d = self.drafts
@@ -213,11 +242,16 @@ class Drafter:
         self.notice = notice
 
     def room(self, left: int) -> int:
-        """How many tokens to draft now: 0 while the gate is off, else `--draft-max` within `left` (the tokens
-        the sequence may still generate, less one)."""
+        """How many tokens to draft now: 0 while the gate is off, one while it guesses, else `--draft-max` within
+        `left` (the tokens the sequence may still generate, less one)."""
         if left <= 0 or (self.gate is not None and not self.gate.on):
-            return 0
+            return 1 if left > 0 and self.guessing else 0
         return min(self.most, left)
+
+    @property
+    def guessing(self) -> bool:
+        """The drafts made now are the gate's guesses: checked against the token chosen next, not verified."""
+        return self.gate is not None and self.gate.guessing
 
     def propose(self, most: int) -> list[int]:
         """The n-gram lookup's drafts after the sequence's last token, `most` at most (none without a lookup: an MTP

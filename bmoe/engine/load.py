@@ -230,8 +230,10 @@ def _load_llama(p: Loaded, streaming: bool) -> None:
         if llama.n_layer_nextn(p.model) < 1:
             raise ModelError(f"llama.cpp loaded no MTP layer of {Path(s.model).name}; run it without "
                              f"{p.words.value('draft', 'mtp')}")
-        p.mtp_ctx = llama.new_context(p.model, s.n_ctx, s.threads, cb, n_ubatch=prompt_calls.width(s.n_ctx),
-                                      n_seq=s.parallel, eval_user=p.hook.user_data, mtp_of=p.ctx)
+        # ubatches of 512, llama.cpp's default: a prompt's width would reserve (and touch) a compute buffer of
+        # that many rows of logits (2 GB at 2048 on a 248k vocabulary) for a layer that decodes a token at a time
+        p.mtp_ctx = llama.new_context(p.model, s.n_ctx, s.threads, cb, n_seq=s.parallel, eval_user=p.hook.user_data,
+                                      mtp_of=p.ctx)
         llama.set_embeddings_nextn(p.ctx, masked=False)
         llama.set_embeddings_nextn(p.mtp_ctx, masked=True)
         llama.set_abort(p.mtp_ctx, p.hook.c_abort, p.hook.user_data)

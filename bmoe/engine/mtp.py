@@ -2,14 +2,21 @@
 draft-mtp makes them (common/speculative.cpp, `common_speculative_impl_draft_mtp` with one head).
 
 The MTP layer runs in a context of its own on the same model (llama.cpp's MTP context type), which
-follows the target's: after every decode of the target (a prompt's calls, a step, a verify group) it
-decodes the same tokens at the same positions, each paired with the target's hidden state (h_nextn,
-before the output norm) of the position before, the first with the one carried from the decode
-before (`pending`; zeros for a new sequence). To draft, it decodes the token chosen last with the
-carried state, takes its likeliest token (llama.cpp's top-k 10 draft chain, p_min 0) and decodes that
-with its own hidden state, up to N times; then those positions leave its KV, and the verify group
-decodes on the target and is followed as any decode is. Accepting k drafts carries the state of the
-group's k-th row, and both contexts drop the positions after the kept tokens.
+follows the target's: every decode of the target (a prompt's calls, a step, a verify group) is decoded
+there too, the same tokens at the same positions, each paired with the target's hidden state (h_nextn,
+before the output norm) of the position before, the first with the one carried from the decode before
+(`pending`; zeros for a new sequence). To draft, it decodes the token chosen last with the carried
+state, takes its likeliest token (llama.cpp's top-k 10 draft chain, p_min 0) and decodes that with its
+own hidden state, up to N times; then those positions leave its KV, and the verify group decodes on the
+target and is followed as any decode is. Accepting k drafts carries the state of the group's k-th row,
+and both contexts drop the positions after the kept tokens.
+
+Following is deferred until the next draft (`behind`): the target's states are copied at once (the next
+decode overwrites them), the MTP context decodes them when it is next asked to draft. While the draft
+gate has drafting off, nothing of the MTP layer runs or is read; the steps it missed are decoded
+together when drafting resumes (in calls of its ubatch, which also bounds what waits: a full ubatch
+is decoded at once). Where drafts are made every step, what waits is the last decode alone and it is
+decoded whole, rejected drafts included, then cut: llama-server's work exactly.
 
 Every MTP decode goes through the engine's eval hook (`run`), so the MTP layer's experts are streamed
 like the trunk's (bmoe.engine.load captures its graph with the target's).
@@ -18,6 +25,7 @@ like the trunk's (bmoe.engine.load captures its graph with the target's).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -30,33 +38,69 @@ from bmoe.seam import llama
 Run = Callable[[Callable[[], tuple[int, list[int]]], int, bool], list[int]]
 
 
+@dataclass
+class Behind:
+    """A target decode of one sequence the MTP context has not decoded yet: its tokens from position `pos`, the
+    hidden state each is paired with, whether it was a prompt's, and how many of its tokens stay (the rest were
+    rejected drafts, cut since)."""
+
+    tokens: list[int]
+    pos: int
+    states: np.ndarray
+    prompt: bool
+    keep: int
+
+
 class MtpDrafts:
-    """The MTP context's state per sequence: the hidden state carried to its next decode's first token and the
-    rows of the last target decode it followed (what accepting drafts picks from)."""
+    """The MTP context's state per sequence: the hidden state carried to its next decode's first token, the rows of
+    the last target decode it followed (what accepting drafts picks from) and the decodes it has yet to make."""
 
     def __init__(self, ctx: llama.Context, model: llama.LlamaModel, vocab: llama.Vocab, run: Run) -> None:
         self.ctx, self.model, self.vocab, self.run = ctx, model, vocab, run
+        self.width = llama.ubatch_size(ctx)  # the most tokens one MTP decode takes, and the most left waiting
         self.zero = np.zeros(llama.n_embd_out(model), dtype=np.float32)
         self.pending: dict[int, np.ndarray] = {}
         self.followed: dict[int, np.ndarray] = {}
+        self.behind: dict[int, list[Behind]] = {}
 
     def follow(self, target: llama.Context, parts: Sequence[tuple[int, Sequence[int], int]], prompt: bool) -> None:
-        """After the target decoded `parts` (sequence, tokens, first position): the MTP context decodes them
-        too (llama.cpp's `process`), each token with the target's hidden state of the position before."""
+        """After the target decoded `parts` (sequence, tokens, first position): its hidden states are kept for the
+        MTP context to decode the same tokens (llama.cpp's `process`), each with the state of the position before,
+        when it next drafts (or now, once a full ubatch waits)."""
         n = sum(len(toks) for _, toks, _ in parts)
         h = llama.nextn_rows(target, self.model, range(n))
-        at, fed = 0, []
+        at = 0
         for seq, toks, pos in parts:
             rows = h[at:at + len(toks)]
             at += len(toks)
-            fed.append((seq, toks, pos, np.vstack([self.pending.get(seq, self.zero)[None], rows[:-1]])))
+            states = np.vstack([self.pending.get(seq, self.zero)[None], rows[:-1]])
+            self.behind.setdefault(seq, []).append(Behind(list(toks), pos, states, prompt, len(toks)))
             self.followed[seq], self.pending[seq] = rows, rows[-1]
-        ctx = self.ctx
-        self.run(lambda: llama.decode_mtp(ctx, fed, outputs=False), n, prompt)
+        if sum(b.keep for waits in self.behind.values() for b in waits) >= self.width:
+            for seq in list(self.behind):
+                self.catch_up(seq)
+
+    def catch_up(self, seq: int) -> None:
+        """Decode what the target decoded for `seq` since the MTP context last did, in calls of its ubatch: each
+        waiting decode's kept tokens, the last one whole (its rejected drafts then cut, as llama-server does)."""
+        waits = self.behind.pop(seq, [])
+        if not waits:
+            return
+        last = waits[-1]
+        toks = [t for b in waits[:-1] for t in b.tokens[:b.keep]] + last.tokens
+        states = np.vstack([b.states[:b.keep] for b in waits[:-1]] + [last.states])
+        pos = waits[0].pos
+        prompt = len(waits) > 1 or last.prompt
+        for i in range(0, len(toks), self.width):
+            fed = [(seq, toks[i:i + self.width], pos + i, states[i:i + self.width])]
+            self.run(partial(llama.decode_mtp, self.ctx, fed, outputs=False), len(fed[0][1]), prompt)
+        if last.keep < len(last.tokens):
+            self._cut_kv(seq, last.pos + last.keep)
 
     def draft(self, seq: int, last: int, pos: int, most: int) -> list[int]:
         """`most` drafts after `last` (the token chosen, at `pos`, not decoded yet); the MTP context's KV is
         as before afterwards (the drafts' positions are dropped, as llama-server drops them)."""
+        self.catch_up(seq)
         out: list[int] = []
         h, tok, ctx = self.pending.get(seq, self.zero), last, self.ctx
         for i in range(most):
@@ -65,7 +109,7 @@ class MtpDrafts:
             tok = int(np.argmax(llama.logits(ctx, self.vocab, row)))
             h = llama.nextn_rows(ctx, self.model, [row])[0]
             out.append(tok)
-        self.cut(seq, pos)
+        self._cut_kv(seq, pos)
         return out
 
     def accept(self, seq: int, kept: int, pos: int) -> None:
@@ -75,14 +119,24 @@ class MtpDrafts:
         self.cut(seq, pos + kept)
 
     def cut(self, seq: int, n: int) -> None:
-        """The MTP context's KV of `seq` from position `n` on leaves (as the target's does)."""
+        """The MTP context's KV of `seq` from position `n` on leaves (as the target's does), decoded or waiting."""
+        waits = [b for b in self.behind.get(seq, []) if b.pos < n]
+        for b in waits:
+            b.keep = min(b.keep, n - b.pos)
+        if waits:
+            self.behind[seq] = waits
+        else:
+            self.behind.pop(seq, None)
+        self._cut_kv(seq, n)
+
+    def _cut_kv(self, seq: int, n: int) -> None:
         if not llama.kv_cut(self.ctx, seq, n):
             raise ModelError("llama.cpp could not drop positions from its MTP context's KV")
 
     def clear(self, seq: int) -> None:
         """Sequence `seq` (-1: every one) starts afresh: an empty KV and no carried state."""
         llama.kv_clear(self.ctx, seq)
-        for d in (self.pending, self.followed):
+        for d in (self.pending, self.followed, self.behind):
             if seq < 0:
                 d.clear()
             else:
