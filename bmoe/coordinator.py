@@ -56,7 +56,7 @@ class Engine:
         """Take over what `bmoe.engine.load.load_engine` made (closed with the engine); each of its parts
         is reached through the engine's property of that name, and only the engine reads `_parts`."""
         self._parts = parts
-        self._mtp = None if parts.mtp_ctx is None else MtpDrafts(parts.mtp_ctx, self.model, self.vocab, self._run)
+        self._mtp = None if parts.mtp_ctx is None else MtpDrafts(parts.mtp_ctx, self.model, self.vocab, self._run_mtp)
 
     # ---- the load's parts ----------------------------------------------------------------------
 
@@ -501,9 +501,7 @@ class Engine:
                 st.settle()
                 st.take_counters()
                 st.take_speculation()
-            s = self.scratch
-            if s is not None and len(tokens) > prompt_calls.REGIME_UBATCH:
-                llama.give_back(s.base + s.used, s.base + s.size)
+            prompt_calls.return_scratch(self.scratch, len(tokens), self._parts.adaptive is not None)
 
     def _choose(self, s: EngineSequence, row: int) -> None:
         """The token sequence `s` decodes next, from its logits at batch row `row`: its next forced
@@ -559,10 +557,7 @@ class Engine:
             rows = self._decode_call([(seq, toks[at - k:at], pos + at - k)], no_logit=at < len(toks))
             if after is not None:
                 after(at)
-        s = self.scratch
-        if s is not None and max(calls) > prompt_calls.REGIME_UBATCH:
-            # the compute buffer's pages past a decode's stay the process's after a wide call: give them back
-            llama.give_back(s.base + s.used, s.base + s.size)
+        prompt_calls.return_scratch(self.scratch, max(calls), self._parts.adaptive is not None)
         return rows
 
     @property
@@ -584,14 +579,19 @@ class Engine:
             self._mtp.follow(ctx, parts, prompt)
         return rows
 
-    def _run(self, decode: Callable[[], tuple[int, list[int]]], n: int, prompt: bool) -> list[int]:
-        """One decode of `n` tokens (the target's or the MTP context's) under the eval hook, the streaming parts
-        told a batch starts (`prompt`: a prompt's, whose experts only its earlier tokens route enter cold)."""
+    def _run(self, decode: Callable[[], tuple[int, list[int]]], n: int, prompt: bool,
+             blind: frozenset[int] | None = None) -> list[int]:
+        """One decode of `n` tokens under the eval hook, the streaming parts told a batch starts (`prompt`: a prompt's,
+        whose experts only its earlier tokens route enter cold; `blind`: the MTP context's, those layers' unread)."""
         if self.streamer is not None:
-            self.streamer.begin_batch(n)
+            self.streamer.begin_batch(n, trunk=blind is None)
         if self._parts.stops is not None:
-            self._parts.stops.begin_batch(n, prompt=prompt)
+            self._parts.stops.begin_batch(n, prompt=prompt, blind=blind or frozenset())
         return self.hook.run(decode)
+
+    def _run_mtp(self, decode: Callable[[], tuple[int, list[int]]], n: int, prompt: bool, outputs: bool) -> list[int]:
+        """An MTP context's decode; one without outputs is for its KV alone: no expert read (bmoe.engine.mtp)."""
+        return self._run(decode, n, prompt, frozenset() if outputs else self._parts.mtp_blind)
 
     def close(self, in_use: bool = False) -> None:
         """Free llama.cpp objects, then release workers and shared memory; idempotent. `in_use`: a

@@ -246,6 +246,7 @@ class SlabCheck:
         self.st = engine.streamer
         self.hook = engine.hook
         self.checked = 0
+        self.blind = 0  # routings of a blind layer (bmoe.streaming.graph_stops), each position checked to read zeros
         self.bad: list[str] = []
         self._slots: dict[int, dict[int, int]] = {}  # layer -> expert -> slot ggml reads
         # the files mapped read-only: each check is one memcmp of slab against file, no copies
@@ -269,7 +270,11 @@ class SlabCheck:
 
         def remap(layer, ids):
             slots = slot_ids(layer, ids)
-            self._slots[layer] = {int(e): int(s) for e, s in zip(ids.reshape(-1), slots.reshape(-1))}
+            if layer in stops.blind:  # an MTP block decoded for its KV alone: each position must read the spare
+                self._slots[layer] = {-1 - i: int(s) for i, s in enumerate(slots.reshape(-1))}
+                self.blind += 1
+            else:
+                self._slots[layer] = {int(e): int(s) for e, s in zip(ids.reshape(-1), slots.reshape(-1))}
             self._check(layer, at_routing(layer), "routing node")
             return slots
 
@@ -292,7 +297,7 @@ class SlabCheck:
 
     def _check(self, layer: int, kinds: Callable[[str], bool], where: str) -> None:
         """Each expert's slot holds its file bytes; a position lossy routing dropped (expert -1,
-        bmoe.streaming.lossy.DROPPED) reads the pool's spare slot, which must hold only zeros."""
+        bmoe.streaming.lossy.DROPPED) or of a blind layer reads the pool's spare slot, which must hold only zeros."""
         from bmoe.seam import ggml_mirror
 
         c = self.st.cache
@@ -313,7 +318,8 @@ class SlabCheck:
                 if e < 0:
                     self.checked += 1
                     if slot != 0 or ctypes.string_at(t.data + slot * t.nb[2], r.expert_bytes).strip(b"\0"):
-                        self.bad.append(f"{r.name}: a dropped position reads slot {slot}, not the spare's zeros")
+                        self.bad.append(f"{r.name}: a dropped or blind position reads slot {slot}, not the spare's "
+                                        "zeros")
                     continue
                 want = self._file_at[r.file_index] + r.file_offset + e * r.expert_bytes
                 self.checked += 1

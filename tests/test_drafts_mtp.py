@@ -8,6 +8,10 @@ gates: streamed with a quarter of the experts cached, the MTP layer's experts am
 matmul reads is the file's: SlabCheck), equals the reference at widths 1 to 4, greedy and seeded, q8_0 and Q4_K_M,
 on every architecture whose MTP layer the pinned llama.cpp drafts with and bmoe-synth writes.
 
+An MTP decode that only follows the target (no outputs) reads none of the MTP layer's experts (its KV does not
+depend on them): SlabCheck checks that each of its positions reads the spare slot's zeros, and the drafts equal the
+reference's, which computed them.
+
 The synthetic models' MTP layers have random weights: their drafts are never what the trunk samples. So the gates
 also run on `agreeing` copies (glm4moe, and qwen35moe, whose recurrent state then rolls back part of a group), whose
 MTP layer mostly predicts what the trunk will: the drafts are accepted and rejected.
@@ -221,6 +225,7 @@ def streamed(path: str, *flags: object) -> tuple[Completion, set[int]]:
         every = replace(files, mtp_layers=frozenset()).expert_names()  # the MTP layer's experts too
         assert {r.name for r in m.engine.streamer.cache.regions} == every
     assert check.checked > 0 and not check.bad, check.bad[:3]
+    assert check.blind > 0  # the MTP layer's follows of the target (no outputs) read none of its experts
     return res, set(check._slots)
 
 

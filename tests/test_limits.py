@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from bmoe.base.errors import ConfigError
 from bmoe.base.model_files import read_model_files
+from bmoe.base.settings import CacheSettings
 from bmoe.base.units import MiB
 from bmoe.engine import load as engine_load
-from bmoe.base.errors import ConfigError
-from bmoe.base.settings import CacheSettings
 from bmoe.memory.budget import Adaptive, decide
 from bmoe.memory.probe import V1_UNLIMITED, MemoryProbe, Room
 from bmoe.tools import bench_sys

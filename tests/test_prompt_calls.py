@@ -102,3 +102,21 @@ def test_a_wide_call_gives_back_the_compute_pages_a_decode_does_not_use(tmp_path
         assert s is not None and 0 < s.used < s.size
         complete(m, prompt, 2)
         assert _resident_pages(s.base + s.used, s.base + s.size) == 0
+
+
+def test_a_short_prompt_gives_them_back_where_the_cache_budget_follows_the_room(tmp_path) -> None:
+    """Under --cache-mb auto the pages a prompt touched past a decode's would be the cache's: they go back after any
+    prompt; a fixed budget cannot grow into them, so a short prompt keeps them (faulting them in again costs the
+    next prompt)."""
+    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", layers=2, experts=16, top_k=4)
+    plain = Plain(path, n_ctx=2048)
+    try:
+        prompt = _prompt(plain, 300)
+    finally:
+        plain.close()
+    for budget, kept in (("1", True), ("auto", False)):
+        with load(path, "-c", 2048, "-t", 2, "--cache-mb", budget) as m:
+            s = m.engine.scratch
+            assert s is not None
+            complete(m, prompt, 2)
+            assert (_resident_pages(s.base + s.used, s.base + s.size) > 0) == kept, budget

@@ -99,10 +99,10 @@ def test_a_cancel_stops_the_decode_in_flight_and_leaves_the_engine_as_it_was(sma
         begun: list[int] = []
         begin = st.begin_batch
 
-        def begin_then_cancel(n: int) -> None:
+        def begin_then_cancel(n: int, trunk: bool = True) -> None:
             begun.append(n)
             m.driver.interrupt_alone()
-            begin(n)
+            begin(n, trunk)
 
         st.begin_batch = begin_then_cancel  # type: ignore[method-assign] - the cancel's moment, on this thread
         with pytest.raises(Cancelled):  # one input: only a stop mid-decode ends it without its vector

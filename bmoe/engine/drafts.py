@@ -128,11 +128,12 @@ class DraftGate:
     all rejected never pays, however fast it ran). Paying, the next drafted
     stretch is twice as long (up to LONGEST) and starts at once; not paying, drafting stays off for a pause
     that starts at PAUSE tokens and doubles each time it loses again (up to LONGEST), then the gate guesses and a
-    drafted stretch of SHORTEST tries again. A stretch whose first SURE verify steps accepted nothing is judged at once (no draft
-    paid for its row); the first such step is enough where its drafts made the cache read (`extra_bytes`: a
-    rejected draft's experts are read for nothing and evict others; on Qwen3.6-35B-A3B's shape with a 2000 MiB
-    cache one verify step of 2 drafts read about 1 GB for them). Each decision is a line in `decisions`: where
-    drafts never pay, the stretches that find it out grow rare; where they do, the baselines that check it."""
+    drafted stretch of SHORTEST tries again. A stretch whose first SURE verify steps accepted nothing is judged at
+    once (no draft paid for its row); the first such step is enough where its drafts made the cache read
+    (`extra_bytes`: a rejected draft's experts are read for nothing and evict others; on Qwen3.6-35B-A3B's shape
+    with a 2000 MiB cache one verify step of 2 drafts read about 1 GB for them). Each decision is a line in
+    `decisions`: where drafts never pay, the stretches that find it out grow rare; where they do, the baselines
+    that check it."""
 
     GUESS = 8
     SHORTEST = 16

@@ -78,6 +78,9 @@ class Loaded:
     gating: Gating | None = None  # how the model routes (read from the warm-up graph while streaming)
     scratch: seam.Scratch | None = None  # llama.cpp's compute buffer (from the warm-up graph while streaming)
     draft_reads: DraftReads | None = None  # --draft while streaming: the extra reads of verify groups (the stops')
+    # --draft mtp with one MTP block: its layer, whose experts an MTP decode without outputs does not need
+    # (bmoe.engine.mtp)
+    mtp_blind: frozenset[int] = frozenset()
     abandoned: bool = False  # closed while a decode may have been running: llama.cpp's objects are left alone
 
     def close(self, in_use: bool = False) -> None:
@@ -124,10 +127,13 @@ def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming
     should know; errors name settings in `words` (the edge's)."""
     t0 = time.perf_counter()
     files = read_model_files(settings.model)
+    mtp_layers = files.mtp_layers
     if settings.draft.mode == "mtp":
         files = _with_mtp(files, settings, words)
     llama.init_backend(settings.verbose)
     parts = Loaded(settings, notice, words, files, seam.EvalHook())
+    if settings.draft.mode == "mtp" and len(mtp_layers) == 1:
+        parts.mtp_blind = mtp_layers
     moe = files.n_expert > 1
     if settings.streaming.enabled and not moe:
         notice(f"{Path(settings.model).name} is not a Mixture-of-Experts model; running it plain")
@@ -278,7 +284,8 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     _charge_dense(p, dense)
     # the lanes and pinned weights are there before the budget is decided: they are in the charge
     st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
-                               [*cap.biases.values(), *cap.scales.values()], spare=s.lossy.on or replay is not None,
+                               [*cap.biases.values(), *cap.scales.values()],
+                               spare=s.lossy.on or replay is not None or bool(p.mtp_blind),
                                guess=s.speculation.guess)
     if cap.scales:  # their graphs' REPEATs were sized for n_expert rows: build them for the pools
         assert p.ctx is not None and p.model is not None  # loaded

@@ -19,7 +19,13 @@ is decoded at once). Where drafts are made every step, what waits is the last de
 decoded whole, rejected drafts included, then cut: llama-server's work exactly.
 
 Every MTP decode goes through the engine's eval hook (`run`), so the MTP layer's experts are streamed
-like the trunk's (bmoe.engine.load captures its graph with the target's).
+like the trunk's (bmoe.engine.load captures its graph with the target's). A decode that follows the
+target has no outputs: all it leaves is the KV of its positions, and the K and V of a single MTP block
+are projections of each token's own input, computed before the block's attention and experts, whose
+results only an output row would carry on. So where the model has one MTP block its experts are not
+read for those decodes (the engine's `blind` layers: they compute on the spare slot's zeros, and no
+row reads what they make); llama.cpp computes them and drops them (qwen35moe's graph_mtp). Only a draft
+reads them: a verify group's follow, and the catch-up after a pause, read nothing.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from bmoe.base.errors import ModelError
 from bmoe.seam import llama
 
 # runs one decode (returning its code and rows) on the MTP context under the engine's hook: the decode,
-# its token count, and whether it is a prompt's (several tokens of one sequence that are no verify group)
-Run = Callable[[Callable[[], tuple[int, list[int]]], int, bool], list[int]]
+# its token count, whether it is a prompt's (several tokens of one sequence that are no verify group) and
+# whether it has outputs (a draft's)
+Run = Callable[[Callable[[], tuple[int, list[int]]], int, bool, bool], list[int]]
 
 
 @dataclass
@@ -93,7 +100,7 @@ class MtpDrafts:
         prompt = len(waits) > 1 or last.prompt
         for i in range(0, len(toks), self.width):
             fed = [(seq, toks[i:i + self.width], pos + i, states[i:i + self.width])]
-            self.run(partial(llama.decode_mtp, self.ctx, fed, outputs=False), len(fed[0][1]), prompt)
+            self.run(partial(llama.decode_mtp, self.ctx, fed, outputs=False), len(fed[0][1]), prompt, False)
         if last.keep < len(last.tokens):
             self._cut_kv(seq, last.pos + last.keep)
 
@@ -105,7 +112,7 @@ class MtpDrafts:
         h, tok, ctx = self.pending.get(seq, self.zero), last, self.ctx
         for i in range(most):
             row = self.run(partial(llama.decode_mtp, ctx, [(seq, [tok], pos + i, h[None])], outputs=True), 1,
-                           False)[0]
+                           False, True)[0]
             tok = int(np.argmax(llama.logits(ctx, self.vocab, row)))
             h = llama.nextn_rows(ctx, self.model, [row])[0]
             out.append(tok)

@@ -76,14 +76,18 @@ class StreamingStops:
         self.waits: dict[int, list[int]] = {}  # wait key -> orders awaited at its node (overlap)
         self._at = np.zeros(0, dtype=np.int64)  # the tokens of the rows at the routing node under way
         self.prompting = False  # the decode under way reads a prompt (some sequence sends several tokens)
+        self.blind: frozenset[int] = frozenset()  # layers of the decode under way whose experts no row needs
         # bmoe.engine.drafts.DraftReads' hook: each layer's routed ids and the slices it reads now
         self.on_plan: Callable[[int, np.ndarray, list[Key]], None] | None = None
 
-    def begin_batch(self, n_tokens: int, prompt: bool = False) -> None:
+    def begin_batch(self, n_tokens: int, prompt: bool = False, blind: frozenset[int] = frozenset()) -> None:
         """A llama_decode of `n_tokens` tokens starts (not the warm-up capture's); `prompt`: some
-        sequence sends several tokens, so the experts only its earlier tokens route enter the cache cold."""
+        sequence sends several tokens, so the experts only its earlier tokens route enter the cache cold;
+        `blind`: layers whose expert outputs nothing reads in this decode (an MTP block's, decoded for its KV
+        alone: bmoe.engine.mtp), which read none of their experts and compute on the spare slot's zeros."""
         self.rows.begin()
         self.prompting = prompt
+        self.blind = blind
         self.waits.clear()  # (settled since: none is live)
         if self.replay is not None:
             self.replay.begin(n_tokens)
@@ -101,7 +105,7 @@ class StreamingStops:
     def reroute(self, layer: int, ids: np.ndarray, node: int) -> None:
         """A replayed trace (bmoe.streaming.route_replay) sets the ids and weights, or lossy routing
         (bmoe.streaming.lossy) changes them, before anything reads them; the trace records the weights."""
-        if not self.tells_rows:
+        if not self.tells_rows or layer in self.blind:
             return
         self._at = self.rows.at(layer, ids.shape[0])
         if self.replay is not None:
@@ -113,6 +117,8 @@ class StreamingStops:
                                   self._at)
 
     def on_route(self, layer: int, ids: np.ndarray) -> None:
+        if layer in self.blind:
+            return
         if self.trace is not None:  # before DROPPED is read as the row's best expert: the trace leaves it out
             self.trace.on_route(layer, ids, self.st.ahead.predictions.get(layer), self._at)
         if self.rewrites:
@@ -196,7 +202,10 @@ class StreamingStops:
         if layer in st.direct:  # bound to read its experts by their own ids (a caller stopped where the hook would not)
             return ids
         t0 = time.perf_counter_ns()
-        slots = st.cache.slot_ids(layer, _read(ids) if self.rewrites else ids)
+        if layer in self.blind:
+            slots = np.full_like(ids, st.cache.spare_slot(layer))
+        else:
+            slots = st.cache.slot_ids(layer, _read(ids) if self.rewrites else ids)
         if self.rewrites:
             slots[ids == DROPPED] = st.cache.spare_slot(layer)
         if slots.size:

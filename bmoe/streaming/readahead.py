@@ -133,13 +133,13 @@ class ReadAhead:
             self._count_useful(layer, wanted)
             self.cancel(layer, wanted)
 
-    def begin_batch(self, n_tokens: int) -> None:
+    def begin_batch(self, n_tokens: int, trunk: bool = True) -> None:
         """A llama_decode of `n_tokens` starts: a prompt long enough to route nearly every expert
-        reads its first layer whole now."""
+        reads its first layer whole now (`trunk` False: an MTP context's decode, which runs no trunk layer)."""
         if self.warm:
             self.warm.busy()
-        self.batch_left = n_tokens
-        if self._routes_nearly_all(n_tokens):
+        self.batch_left = n_tokens if trunk else 0
+        if trunk and self._routes_nearly_all(n_tokens):
             self._read_whole(self.layers[0])
 
     def _routes_nearly_all(self, n_tokens: int) -> bool:

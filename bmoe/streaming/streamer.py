@@ -287,15 +287,16 @@ class Streamer:
 
     # ---- reads: sending, collecting, waiting ---------------------------------------------------
 
-    def begin_batch(self, n_tokens: int) -> None:
-        """A llama_decode of n_tokens is about to run. While layers read a warm file's mapping, their
+    def begin_batch(self, n_tokens: int, trunk: bool = True) -> None:
+        """A llama_decode of n_tokens is about to run (`trunk` False: an MTP context's, which runs none of the
+        trunk's layers, so none of them is read ahead for it). While layers read a warm file's mapping, their
         page-cache answers are dropped after a decode that faulted (FileView.after_faults), and a
         background fill waits for idle time: its copies into fresh slab pages are CPU work that slows
         the decode's threads several times their own cost (bench/reports/2026-12-04-resident/), and
         those layers already run at plain llama.cpp's speed."""
         t0 = time.perf_counter_ns()
         with self.lanes.batched():
-            self.ahead.begin_batch(n_tokens)
+            self.ahead.begin_batch(n_tokens, trunk)
             if ON_FILE in self.direct.values():
                 assert self.view is not None
                 self.view.after_faults()
