@@ -113,9 +113,12 @@ class DraftGate:
 
     Before a drafted stretch, unless the one before it paid, the gate guesses: a draft of one token is made after
     each chosen token and checked against the token chosen next, without a verify decode (the n-gram lookup's cost
-    nothing; the MTP layer's, one decode of its layer), until GUESS were made. Where none of them was right, drafting
-    stays off for the pause without paying for a verify group: on Qwen3.6-35B-A3B's shape under 4000 MiB, one verify
-    step of 2 rejected drafts read 1.1 GB, 3 % of a 64-token run at 700 MiB/s (bench/reports/2026-12-06-drafts-mtp-q36).
+    nothing; the MTP layer's, one decode of its layer), until GUESS were made. Where half or fewer were right,
+    drafting stays off for the pause without paying for a verify group (at one in two right, drafts of any width
+    yield under 2 tokens a verify step, which pays only where a drafted row costs under half a token's time; on the
+    64-expert demo a row costs 0.7 of one, bench/reports/2026-12-06-verify-width). On Qwen3.6-35B-A3B's shape under
+    4000 MiB, one verify step of 2 rejected drafts read 1.1 GB, 3 % of a 64-token run at 700 MiB/s
+    (bench/reports/2026-12-06-drafts-mtp-q36).
 
     A stretch, not a step, is what drafting costs: under a memory limit a verify group's drafted rows bring in
     experts that evict ones later tokens need, so the price of a verify step lands on the steps after it (the
@@ -196,7 +199,7 @@ class DraftGate:
     def _guessed(self) -> None:
         d = self.drafts
         why = f"{d.right} of {d.guesses} guesses right (checked against the token chosen next, not verified)"
-        if d.guesses and not d.right:
+        if d.guesses and 2 * d.right <= d.guesses:
             self._lost(why, 0)
             return
         self.decisions.append(f"on for {self.on_for} tokens: {why}")
