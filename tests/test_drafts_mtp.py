@@ -19,6 +19,7 @@ MTP layer mostly predicts what the trunk will: the drafts are accepted and rejec
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -63,30 +64,32 @@ def agreeing(synth, tmp_path_factory) -> dict[str, str]:
     STATE_SHARE of the carried state, so its head, the trunk's output matrix, nearly draws that map too. The rest
     (the state, the layers' and the MTP block's own contributions, the experts among them) makes them disagree now
     and then, and a wrong carried state changes the drafts."""
-    out = {}
-    for arch in AGREEING:
-        src = Path(model(synth, arch))
-        dst = tmp_path_factory.mktemp("agreeing") / src.name
-        shutil.copyfile(src, dst)
-        files = read_model_files(src)
-        mm = np.memmap(dst, dtype=np.uint8, mode="r+")
-        for name, e in files.extents.items():
-            raw = mm[e.offset:e.offset + e.nbytes]
-            if name.endswith(("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight", "ssm_out.weight")):
-                raw.view(np.float16)[:] = raw.view(np.float16) / np.float16(20)
-            elif name.endswith("ffn_down_exps.weight"):  # q8_0: 34-byte blocks, an f16 scale first
-                blocks = raw.reshape(-1, 34)
-                blocks[:, :2] = (blocks[:, :2].copy().view(np.float16) / np.float16(20)).view(np.uint8)
-            elif name.endswith("nextn.eh_proj.weight"):  # [2 n_embd inputs (embedding, state), n_embd outputs]
-                width = int(np.sqrt(raw.size // 2 // 2))  # n_embd: the matrix holds 2 * n_embd^2 halves
-                eye = np.zeros((width, 2 * width), np.float16)
-                eye[np.arange(width), np.arange(width)] = 1
-                eye[np.arange(width), width + np.arange(width)] = STATE_SHARE
-                raw.view(np.float16)[:] = eye.ravel()
-        mm.flush()
-        del mm
-        out[arch] = str(dst)
-    return out
+    return {arch: agreeing_copy(synth, tmp_path_factory.mktemp("agreeing"), arch, STATE_SHARE) for arch in AGREEING}
+
+
+def agreeing_copy(synth, folder: Path, arch: str, share: float) -> str:
+    """The q8_0 test model of `arch` made to agree (`agreeing`), the MTP layer taking `share` of the carried state."""
+    src = Path(model(synth, arch))
+    dst = folder / src.name
+    shutil.copyfile(src, dst)
+    files = read_model_files(src)
+    mm = np.memmap(dst, dtype=np.uint8, mode="r+")
+    for name, e in files.extents.items():
+        raw = mm[e.offset:e.offset + e.nbytes]
+        if name.endswith(("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight", "ssm_out.weight")):
+            raw.view(np.float16)[:] = raw.view(np.float16) / np.float16(20)
+        elif name.endswith("ffn_down_exps.weight"):  # q8_0: 34-byte blocks, an f16 scale first
+            blocks = raw.reshape(-1, 34)
+            blocks[:, :2] = (blocks[:, :2].copy().view(np.float16) / np.float16(20)).view(np.uint8)
+        elif name.endswith("nextn.eh_proj.weight"):  # [2 n_embd inputs (embedding, state), n_embd outputs]
+            width = int(np.sqrt(raw.size // 2 // 2))  # n_embd: the matrix holds 2 * n_embd^2 halves
+            eye = np.zeros((width, 2 * width), np.float16)
+            eye[np.arange(width), np.arange(width)] = 1
+            eye[np.arange(width), width + np.arange(width)] = share
+            raw.view(np.float16)[:] = eye.ravel()
+    mm.flush()
+    del mm
+    return str(dst)
 
 
 @pytest.fixture
@@ -368,6 +371,24 @@ def test_the_gate_turns_mtp_drafting_off_when_its_guesses_are_wrong_and_the_mtp_
     follows = [k for k, out in calls[drafts[g - 1] + 1:drafts[g]] if not out]
     assert follows == [pause + 1], calls  # the pause (and the guess's token before it) caught up at once
     assert all(k == 1 for k, _ in calls[drafts[0] + 1:drafts[g - 1]]), calls  # guessing: a token at a time
+
+
+def test_the_gate_lets_an_mtp_layer_that_guesses_right_draft(synth, tmp_path) -> None:
+    """An agreeing copy whose MTP layer takes a tenth of the carried state predicts the trunk two times in three
+    (`agreeing`'s, at half, one in three): more than half of the gate's first guesses are right, so the drafted
+    stretch starts after them (no verify step before it) and its drafts are accepted. (The guesses' decision
+    depends on the tokens alone, the stretch's on time: only the first is pinned.)"""
+    from bmoe.engine.drafts import DraftGate
+
+    told: list[str] = []
+    path = agreeing_copy(synth, tmp_path, "glm4moe", 0.1)
+    with load(path, *FLAGS, "--draft", "mtp", "--draft-max", 2, notice=told.append) as m:
+        res = complete(m, PROMPT, N)
+    gate = [t for t in told if t.startswith("draft gate: ")]
+    right = re.fullmatch(rf"draft gate: on for {DraftGate.SHORTEST} tokens: (\d) of {DraftGate.GUESS} guesses right "
+                         r"\(checked against the token chosen next, not verified\)", gate[0] if gate else "")
+    assert right and int(right[1]) > DraftGate.GUESS // 2, told
+    assert not any(t.drafted for t in res.tokens[:DraftGate.GUESS]) and sum(t.accepted for t in res.tokens) > 0
 
 
 def test_ngram_drafts_run_on_a_hybrid_model_through_llama_cpps_state_snapshots(agreeing) -> None:
