@@ -28,6 +28,7 @@ class DraftSettings:
         rule=f"a number of tokens from 1 to {DRAFT_MOST}", help="tokens drafted per step at most (default {default})")
     gate: bool = setting(
         True, "--draft-gate", toggle=True,
-        help="turn drafting off for a while when few drafts are accepted or their extra expert reads cost more than "
-             "they save (default: on; --no-draft-gate drafts every step)")
+        help="guess before drafting (one-token drafts checked against the tokens chosen, not verified) and turn "
+             "drafting off for a while when half or fewer guesses are right or drafted tokens cost more time than "
+             "without (default: on; --no-draft-gate drafts every step)")
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import pairwise
 
 import numpy as np
 
@@ -94,7 +95,7 @@ class MtpDrafts:
         if not waits:
             return
         last = waits[-1]
-        assert all(a.pos + a.keep == b.pos for a, b in zip(waits, waits[1:])), "the target decodes positions in order"
+        assert all(a.pos + a.keep == b.pos for a, b in pairwise(waits)), "the target decodes positions in order"
         toks = [t for b in waits[:-1] for t in b.tokens[:b.keep]] + last.tokens
         states = np.vstack([b.states[:b.keep] for b in waits[:-1]] + [last.states])
         pos = waits[0].pos
