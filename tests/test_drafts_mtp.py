@@ -391,6 +391,30 @@ def test_the_gate_lets_an_mtp_layer_that_guesses_right_draft(synth, tmp_path) ->
     assert not any(t.drafted for t in res.tokens[:DraftGate.GUESS]) and sum(t.accepted for t in res.tokens) > 0
 
 
+def test_a_tokens_cycle_of_layers_leaves_the_mtp_block_out(synth) -> None:
+    """The MTP block runs in the MTP context's own decodes, not after the trunk's last layer: with --prefetch the
+    read-ahead never wishes for its experts (after the trunk's last layer it wishes for the next token's first),
+    and the run is --no-stream's, token for token."""
+    path = model(synth, "glm4moe")
+    files = read_model_files(path)
+    block = max(files.mtp_layers)
+    ref = run(path, "--no-stream", *mtp(2))
+    with load(path, *FLAGS, "--cache-mb", files.expert_bytes / 4 / MiB, "--force", "--prefetch", 1, *mtp(2)) as m:
+        st = m.engine.streamer
+        assert block in st.layers and block not in st.ahead.layers
+        wished: list[int] = []
+        wish = st.ahead._wish
+
+        def seen(layer: int, experts: object) -> None:
+            wished.append(layer)
+            wish(layer, experts)
+
+        st.ahead._wish = seen
+        res = complete(m, PROMPT, N)
+    assert res.ids == ref.ids
+    assert min(st.ahead.layers) in wished and block not in wished
+
+
 def test_ngram_drafts_run_on_a_hybrid_model_through_llama_cpps_state_snapshots(agreeing) -> None:
     """The snapshots that roll qwen35moe's recurrent state back for MTP drafts serve n-gram drafts too (the agreeing
     copy falls into a loop the lookup drafts from): streamed equals --no-stream drafting the same."""

@@ -78,8 +78,8 @@ class Loaded:
     gating: Gating | None = None  # how the model routes (read from the warm-up graph while streaming)
     scratch: seam.Scratch | None = None  # llama.cpp's compute buffer (from the warm-up graph while streaming)
     draft_reads: DraftReads | None = None  # --draft while streaming: the extra reads of verify groups (the stops')
-    # --draft mtp with one MTP block: its layer, whose experts an MTP decode without outputs does not need
-    # (bmoe.engine.mtp)
+    mtp_layers: frozenset[int] = frozenset()  # --draft mtp: the MTP block's layers, run by the MTP context alone
+    # with one MTP block: its layer, whose experts an MTP decode without outputs does not need (bmoe.engine.mtp)
     mtp_blind: frozenset[int] = frozenset()
     abandoned: bool = False  # closed while a decode may have been running: llama.cpp's objects are left alone
 
@@ -132,8 +132,9 @@ def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming
         files = _with_mtp(files, settings, words)
     llama.init_backend(settings.verbose)
     parts = Loaded(settings, notice, words, files, seam.EvalHook())
-    if settings.draft.mode == "mtp" and len(mtp_layers) == 1:
-        parts.mtp_blind = mtp_layers
+    if settings.draft.mode == "mtp":
+        parts.mtp_layers = mtp_layers
+        parts.mtp_blind = mtp_layers if len(mtp_layers) == 1 else frozenset()
     moe = files.n_expert > 1
     if settings.streaming.enabled and not moe:
         notice(f"{Path(settings.model).name} is not a Mixture-of-Experts model; running it plain")
@@ -286,7 +287,7 @@ def _stream(p: Loaded, replay: Trace | None) -> None:
     st = p.streamer = Streamer(files, regions, tensors, 0, s.streaming, s.cache.policy, s.speculation.prefetch,
                                [*cap.biases.values(), *cap.scales.values()],
                                spare=s.lossy.on or replay is not None or bool(p.mtp_blind),
-                               guess=s.speculation.guess)
+                               guess=s.speculation.guess, mtp_layers=p.mtp_layers)
     if cap.scales:  # their graphs' REPEATs were sized for n_expert rows: build them for the pools
         assert p.ctx is not None and p.model is not None  # loaded
         llama.rebuild_graphs(p.ctx, p.model)

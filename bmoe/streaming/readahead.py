@@ -75,13 +75,15 @@ class ReadAhead:
     orders through `orders` (bmoe.streaming.orders), beside the Streamer's demand reads."""
 
     def __init__(self, orders: OrdersInFlight, cache: ExpertCache, n_expert: int, top_k: int, prefetch: int,
-                 guess: float = 0.0) -> None:
+                 guess: float = 0.0, mtp_layers: frozenset[int] = frozenset()) -> None:
+        """`mtp_layers`: layers of the model's MTP block (--draft mtp), which run in the MTP context's own decodes,
+        not in a token's cycle of layers."""
         self.orders = orders
         self.cache = cache
         self.n_expert, self.top_k = n_expert, max(1, top_k)
         self.prefetch = prefetch
         self.gate: SpecGate | None = None
-        self.layers = sorted(self.cache.by_layer)
+        self.layers = sorted(set(self.cache.by_layer) - mtp_layers)  # a token's layers, in the order it runs them
         self.cycle_pos = {layer: i for i, layer in enumerate(self.layers)}
         self.wishes: list[tuple[int, int]] = []
         self.guess = RouteGuess(self.layers, n_expert, guess) if guess > 0 else None
@@ -120,7 +122,7 @@ class ReadAhead:
         self.route_seq += 1
         self.routed_at[layer] = self.route_seq
         self.last_routes[layer] = ids[-1].tolist() if len(ids) else []
-        if self.guess is not None and len(ids):
+        if self.guess is not None and len(ids) and layer in self.cycle_pos:
             self.guess.observe(layer, ids)
         predicted = self.predictions.pop(layer, None)
         if predicted is not None and self.gate is not None:
@@ -155,8 +157,10 @@ class ReadAhead:
         In most architectures llama.cpp's last layer computes only the rows whose logits are
         wanted (one per sequence), so it routes a few experts, not the batch's: it is read whole
         ahead only once a ubatch has shown that it routes them all. When it has routed, the
-        ubatch (its size known from the first layer) is through."""
-        pos, last = self.cycle_pos[layer], len(self.layers) - 1
+        ubatch (its size known from the first layer) is through. An MTP layer is in no token's cycle: nothing."""
+        pos, last = self.cycle_pos.get(layer), len(self.layers) - 1
+        if pos is None:
+            return
         if pos == 0:
             self.ubatch = n_tokens
         if pos < last - 1 or (pos == last - 1 and self.last_routes_all):

@@ -76,8 +76,9 @@ class Streamer:
     def __init__(self, files: ModelFiles, regions: list[Region], tensors: list[seam.ExpertTensor], budget: int,
                  streaming: StreamSettings, policy: str = DEFAULT_POLICY, prefetch: int = 0,
                  biases: Sequence[seam.ExpertBias | seam.ExpertScale] = (), spare: bool = False,
-                 guess: float = 0.0) -> None:
-        """`prefetch`, `guess`: the reads ahead of bmoe.streaming.readahead (--prefetch, --guess)."""
+                 guess: float = 0.0, mtp_layers: frozenset[int] = frozenset()) -> None:
+        """`prefetch`, `guess`: the reads ahead of bmoe.streaming.readahead (--prefetch, --guess); `mtp_layers`: the
+        MTP block's (--draft mtp), streamed like the rest and read ahead in no token's cycle."""
         self.files = files
         self.n_expert = max(r.n_expert for r in regions)
         self.slab = Slab(layout(regions, spare, regions[0].align), streaming.shm_backend)
@@ -122,7 +123,8 @@ class Streamer:
         self.counters = Counters()
         self.looked = (0, 0)  # the cache's (hits, lookups) at the last take_counters
         self.commit_ns = 0  # committing arrived slices, ever (for wait's split)
-        self.ahead = ReadAhead(self.orders, self.cache, self.n_expert, files.n_expert_used, prefetch, guess)
+        self.ahead = ReadAhead(self.orders, self.cache, self.n_expert, files.n_expert_used, prefetch, guess,
+                               mtp_layers)
         self.lane_stats = LaneStats(streaming.io_threads)
         self.watch: Callable[[], None] | None = None  # the adaptive budget's step (bmoe.memory.budget.BudgetWatch)
         self.watched_at = 0  # cache bytes at the last check
@@ -183,7 +185,8 @@ class Streamer:
 
     @property
     def layers(self) -> list[int]:
-        return self.ahead.layers
+        """Every streamed layer, in order (an MTP block's too)."""
+        return sorted(self.cache.by_layer)
 
     @property
     def holds_everything(self) -> bool:
