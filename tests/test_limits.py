@@ -291,10 +291,12 @@ def test_pinned_dense_weights_are_the_files_bytes_and_the_output_is_exact(model:
     assert out == reference(model, PROMPT, 16, "-c", 256, "-t", 2).ids
 
 
-# ---- one live run in a real cgroup --------------------------------------------------------------
+# ---- live runs in a real cgroup --------------------------------------------------------------
 
 
-def test_auto_budget_in_a_real_cgroup_names_the_cgroup_and_streams_exactly(model: str) -> None:
+@pytest.fixture
+def cgroups() -> bench_sys.CgroupHierarchy:
+    """The memory cgroup hierarchy this process may make child groups in (the test skips, saying why, where none)."""
     h = bench_sys.find_cgroup()
     try:
         if h is None:
@@ -302,8 +304,12 @@ def test_auto_budget_in_a_real_cgroup_names_the_cgroup_and_streams_exactly(model
         bench_sys.probe_cgroup(h)
     except bench_sys.LimitError as e:
         pytest.skip(f"no writable memory cgroup here: {e}")
+    return h
+
+
+def test_auto_budget_in_a_real_cgroup_names_the_cgroup_and_streams_exactly(model: str, cgroups) -> None:
     plain = run_cli("-m", model, "-p", PROMPT, "-n", "24", "--no-stream")
-    with bench_sys.Cgroup(h, f"bmoe-test-{os.getpid()}", 1024 * MiB) as cgroup:
+    with bench_sys.Cgroup(cgroups, f"bmoe-test-{os.getpid()}", 1024 * MiB) as cgroup:
         r = subprocess.run(cgroup.wrap([sys.executable, "-m", "bmoe.cli", "-m", model, "-p", PROMPT, "-n", "24"]),
                            capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
@@ -312,20 +318,14 @@ def test_auto_budget_in_a_real_cgroup_names_the_cgroup_and_streams_exactly(model
     assert r.stdout.split("\ngeneration:")[0] == plain.stdout.split("\ngeneration:")[0]
 
 
-def test_a_fixed_budget_above_the_room_a_real_cgroup_leaves_is_refused_and_the_fix_runs(demo8: Path) -> None:
+def test_a_fixed_budget_above_the_room_a_real_cgroup_leaves_is_refused_and_the_fix_runs(demo8: Path,
+                                                                                      cgroups) -> None:
     """--cache-mb larger than what the cgroup leaves would push the dense weights out of memory (read again every
     token): refused with the room and the fixes named, the exit code non-zero; the budget it names runs. (A budget
     above the model's experts counts at their size: the cache never holds more.)"""
-    h = bench_sys.find_cgroup()
-    try:
-        if h is None:
-            raise bench_sys.LimitError("no memory cgroup hierarchy")
-        bench_sys.probe_cgroup(h)
-    except bench_sys.LimitError as e:
-        pytest.skip(f"no writable memory cgroup here: {e}")
     limit = 256 * MiB + read_model_files(demo8).expert_bytes // 2  # it leaves less room than every expert takes
     argv = [sys.executable, "-m", "bmoe.cli", "-m", str(demo8), "-p", PROMPT, "-n", "4"]
-    with bench_sys.Cgroup(h, f"bmoe-test-{os.getpid()}", limit) as cgroup:
+    with bench_sys.Cgroup(cgroups, f"bmoe-test-{os.getpid()}", limit) as cgroup:
         refused = subprocess.run(cgroup.wrap([*argv, "--cache-mb", "100000"]), capture_output=True, text=True,
                                  cwd=REPO)
     assert refused.returncode != 0
@@ -335,6 +335,6 @@ def test_a_fixed_budget_above_the_room_a_real_cgroup_leaves_is_refused_and_the_f
                      r"takes now, the floor \d+ MiB \(a quarter of the cgroup limit\) left free\), --adapt to let it "
                      r"shrink when memory runs short, or --force to run with it anyway", refused.stderr)
     assert told, refused.stderr
-    with bench_sys.Cgroup(h, f"bmoe-test-{os.getpid()}", limit) as cgroup:
+    with bench_sys.Cgroup(cgroups, f"bmoe-test-{os.getpid()}", limit) as cgroup:
         fits = subprocess.run(cgroup.wrap([*argv, "--cache-mb", told[1]]), capture_output=True, text=True, cwd=REPO)
     assert fits.returncode == 0, fits.stderr

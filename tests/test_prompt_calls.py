@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from pathlib import Path
 
 import pytest
 
@@ -87,16 +88,21 @@ def _resident_pages(start: int, end: int) -> int:
     return sum(b & 1 for b in vec.raw[:(hi - lo) // page])
 
 
+def _model_and_prompt(tmp_path: Path, n_tokens: int) -> tuple[Path, str]:
+    """A small qwen3moe file (2 layers of 16 experts, top-4) and a prompt of `n_tokens` tokens for it."""
+    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", layers=2, experts=16, top_k=4)
+    plain = Plain(path, n_ctx=2048)
+    try:
+        return path, _prompt(plain, n_tokens)
+    finally:
+        plain.close()
+
+
 def test_a_wide_call_gives_back_the_compute_pages_a_decode_does_not_use(tmp_path) -> None:
     """The compute buffer is sized for the widest call; a long prompt touches far more of it than a
     decode does, and those pages go back to the system after the prompt (bmoe.seam.Scratch): the
     decode after it holds no more memory than after a short prompt."""
-    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", layers=2, experts=16, top_k=4)
-    plain = Plain(path, n_ctx=2048)
-    try:
-        prompt = _prompt(plain, 1500)
-    finally:
-        plain.close()
+    path, prompt = _model_and_prompt(tmp_path, 1500)
     with load(path, "-c", 2048, "-t", 2, "--cache-mb", 1) as m:
         s = m.engine.scratch
         assert s is not None and 0 < s.used < s.size
@@ -108,12 +114,7 @@ def test_a_short_prompt_gives_them_back_where_the_cache_budget_follows_the_room(
     """Under --cache-mb auto the pages a prompt touched past a decode's would be the cache's: they go back after any
     prompt; a fixed budget cannot grow into them, so a short prompt keeps them (faulting them in again costs the
     next prompt)."""
-    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", layers=2, experts=16, top_k=4)
-    plain = Plain(path, n_ctx=2048)
-    try:
-        prompt = _prompt(plain, 300)
-    finally:
-        plain.close()
+    path, prompt = _model_and_prompt(tmp_path, 300)
     for budget, kept in (("1", True), ("auto", False)):
         with load(path, "-c", 2048, "-t", 2, "--cache-mb", budget) as m:
             s = m.engine.scratch
