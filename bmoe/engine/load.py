@@ -79,9 +79,12 @@ class Loaded:
     scratch: seam.Scratch | None = None  # llama.cpp's compute buffer (from the warm-up graph while streaming)
     draft_reads: DraftReads | None = None  # --draft while streaming: the extra reads of verify groups (the stops')
     mtp_layers: frozenset[int] = frozenset()  # --draft mtp: the MTP block's layers, run by the MTP context alone
-    # with one MTP block: its layer, whose experts an MTP decode without outputs does not need (bmoe.engine.mtp)
-    mtp_blind: frozenset[int] = frozenset()
     abandoned: bool = False  # closed while a decode may have been running: llama.cpp's objects are left alone
+
+    @property
+    def mtp_blind(self) -> frozenset[int]:
+        """With one MTP block, its layer: the experts an MTP decode without outputs does not need (bmoe.engine.mtp)."""
+        return self.mtp_layers if len(self.mtp_layers) == 1 else frozenset()
 
     def close(self, in_use: bool = False) -> None:
         """Free llama.cpp's objects, then release workers and shared memory; idempotent.
@@ -134,7 +137,6 @@ def load_engine(settings: Settings, notice: Callable[[str], None], words: Naming
     parts = Loaded(settings, notice, words, files, seam.EvalHook())
     if settings.draft.mode == "mtp":
         parts.mtp_layers = mtp_layers
-        parts.mtp_blind = mtp_layers if len(mtp_layers) == 1 else frozenset()
     moe = files.n_expert > 1
     if settings.streaming.enabled and not moe:
         notice(f"{Path(settings.model).name} is not a Mixture-of-Experts model; running it plain")
