@@ -42,6 +42,10 @@ def test_the_compiled_filter_is_built_here_and_mirrors_its_struct() -> None:
     assert {name: lib.bmoe_filter_offset(name.encode()) for name, *_ in mirror._fields_} == \
         {name: getattr(mirror, name).offset for name, *_ in mirror._fields_}
     assert lib.bmoe_filter_size() == ctypes.sizeof(mirror)
+    layer = eval_filter.FastLayer
+    assert {name: lib.bmoe_fast_layer_offset(name.encode()) for name, *_ in layer._fields_} == \
+        {name: getattr(layer, name).offset for name, *_ in layer._fields_}
+    assert lib.bmoe_fast_layer_size() == ctypes.sizeof(layer)
     assert eval_filter.layout_problem(lib) is None
     assert eval_hook.EvalHook().user_data is not None
 
@@ -51,8 +55,12 @@ def test_the_compiled_filter_is_built_here_and_mirrors_its_struct() -> None:
 def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch: str, flags: tuple) -> None:
     """With the compiled filter Python is asked about the nodes it stops at and no others, and answers
     them as it does when it is asked about every node (BMOE_PY_HOOK=1): the same stops, in the same
-    order, the same text; the abort check reaches Python at most once per ABORT_CHECK_NS."""
+    order, the same text; the abort check reaches Python at most once per ABORT_CHECK_NS. (The routings the
+    filter answers itself are off here: the next test has them.)"""
     from bmoe.seam import eval_filter
+    from bmoe.streaming.graph_stops import StreamingStops
+
+    monkeypatch.setattr(StreamingStops, "answers_in_c", lambda self: False)
 
     path = synth(arch=arch, layers=3, experts=8, top_k=2)
     seen: list[list[tuple[str, bool, bool]]] = []
@@ -99,6 +107,46 @@ def test_the_filter_hands_python_every_node_it_stops_at(synth, monkeypatch, arch
     # Python's abort check: after every computed node without the filter, at most once per ABORT_CHECK_NS with it
     # (a bound on time, not on the other run's count, which a slow machine's long run could pass)
     assert aborts[0] > 0 and aborts[1] <= walls[1] // eval_filter.ABORT_CHECK_NS + 1
+
+
+@pytest.mark.parametrize("arch,flags", [("qwen3moe", ("--no-overlap",)), ("gpt-oss", ("--overlap",))])
+def test_the_filter_answers_all_resident_routings_and_python_keeps_their_books(synth, monkeypatch, arch: str,
+                                                                             flags: tuple) -> None:
+    """A decode routing whose experts are all resident is answered in C (ids to slots, the tensors narrowed)
+    and replayed in Python afterwards: the same text as Python answering every routing (BMOE_PY_HOOK=1), the
+    same lookups (each layer's routings and usage counts); each answered routing a hit of every expert in the
+    replay, its slots the cache's (replay_hit checks) and its bytes the file's (SlabCheck)."""
+    from bmoe.streaming.graph_stops import StreamingStops
+
+    path = synth(arch=arch, layers=3, experts=8, top_k=2)
+    answered: list[tuple[int, int]] = []  # (layer, hits the replay counted)
+    replay = StreamingStops.replay_hit
+
+    def counted(self, layer, ids, slots):
+        hits = self.st.cache.stats.hits
+        replay(self, layer, ids, slots)
+        answered.append((layer, self.st.cache.stats.hits - hits))
+        assert answered[-1][1] == len(set(ids.ravel().tolist()))
+
+    monkeypatch.setattr(StreamingStops, "replay_hit", counted)
+    runs = []
+    for python_only in ("1", "0"):
+        monkeypatch.setenv("BMOE_PY_HOOK", python_only)
+        answered.clear()
+        # a cache of 14 of the 24 experts: most routings find theirs, some evict
+        m = load_model(path, "-c", 256, "-t", 2, "--cache-mb", 1.5, "--force", "--io-threads", 2,
+                       "--no-warm-start", *flags)
+        try:
+            check = SlabCheck(m.engine)
+            ids = complete(m, PROMPT, 24).ids
+            c = m.engine.streamer.cache
+            runs.append((ids, c.stats.hits + c.stats.misses, c.routed, c.routings, len(answered), check))
+        finally:
+            m.close()
+    (ids0, looked0, routed0, routings0, n0, check0), (ids1, looked1, routed1, routings1, n1, check1) = runs
+    assert n0 == 0 and n1 > 10, "only the compiled filter answers routings itself"
+    assert (ids1, looked1, routed1, routings1) == (ids0, looked0, routed0, routings0)
+    assert check0.bad == check1.bad == [] and check1.checked >= n1
 
 
 def test_struct_layout_matches_ggml() -> None:

@@ -11,6 +11,7 @@ arrives as GBNF text, settings as plain values.
 
 from bmoe.seam import llama
 from bmoe.seam.capture import NORM_NONE, NORM_SOFTMAX, Capture, ExpertBias, ExpertScale, ExpertTensor, Scratch
+from bmoe.seam.eval_filter import FastTables
 from bmoe.seam.eval_hook import EvalHook, NodeTap, deliver
 from bmoe.seam.ggml_mirror import last_router_input, moe_weights, router_input, router_scores, tensor_at
 from bmoe.seam.populate import no_populate

@@ -21,7 +21,7 @@ import numpy as np
 
 from bmoe.seam import eval_filter
 from bmoe.seam.capture import DOWN_INPUT_PREFIX, WEIGHTS_NAME, Capture
-from bmoe.seam.ggml_mirror import NAME_OFFSET, f32_rows, ids_view, tensor_at
+from bmoe.seam.ggml_mirror import NAME_OFFSET, GgmlTensor, f32_rows, ids_view, tensor_at
 
 WEIGHTS_PREFIX = b"ffn_moe_weigh"  # ffn_moe_weights-L (and its _softmax/_sum/_norm/_scaled nodes)
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
@@ -79,6 +79,12 @@ class StopListener(Protocol):
 
     def on_wait(self, key: int) -> None: ...
 
+    def fast_layers(self) -> list[eval_filter.FastTables]: ...
+
+    def answers_in_c(self) -> bool: ...
+
+    def replay_hit(self, layer: int, ids: np.ndarray, slots: np.ndarray) -> None: ...
+
 
 class EvalHook:
     """The cb_eval trampoline.
@@ -103,6 +109,7 @@ class EvalHook:
         self._stops: StopListener | None = None
         self._error: BaseException | None = None
         self._layers: dict[bytes, int | None] = {}
+        self._fast_keep: list[object] = []  # what the filter's fast path reads (its tables' ctypes views)
         self.py_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
         self.py_abort = llama_cpp.ggml_abort_callback(self._abort)
         # llama.cpp calls these on every node: the compiled filter (bmoe.seam.eval_filter) answers those
@@ -117,6 +124,8 @@ class EvalHook:
             f.forward = ctypes.cast(self.py_callback, eval_filter.EvalFn)
             f.forward_abort = ctypes.cast(self.py_abort, eval_filter.AbortFn)
             f.abort_ns, f.name_offset = eval_filter.ABORT_CHECK_NS, NAME_OFFSET
+            f.src_offset, f.ne_offset, f.nb_offset, f.data_offset = (getattr(GgmlTensor, name).offset
+                                                                     for name in ("src", "ne", "nb", "data"))
             self.c_callback = ctypes.cast(self.filter_lib.bmoe_eval_filter, llama_cpp.ggml_backend_sched_eval_callback)
             self.c_abort = ctypes.cast(self.filter_lib.bmoe_abort_filter, llama_cpp.ggml_abort_callback)
             self.user_data = ctypes.addressof(f)
@@ -159,6 +168,18 @@ class EvalHook:
             self.filter.routing = stops is not None
             self.filter.router_input = stops is not None and stops.router_input
             self.filter.set_stems(sorted({name.rsplit(b"-", 1)[0] for name in stops.wait_nodes}) if stops else [])
+            self._fast_keep = self.filter.set_layers(stops.fast_layers() if stops else [])
+
+    def _replay_logged(self) -> None:
+        """Keep the books of the routings the filter answered, in order, before Python decides anything."""
+        if self.filter is not None and self.filter.log_len and self._stops is not None:
+            for layer, ids, slots in self.filter.logged():
+                self._stops.replay_hit(layer, ids, slots)
+
+    def _allow_fast(self) -> None:
+        """Tell the filter whether it may answer the next all-resident routings (the listener's say, now)."""
+        if self.filter is not None:
+            self.filter.fast = self._stops is not None and self.error is None and self._stops.answers_in_c()
 
     def _callback(self, t: int, ask: bool, _user: int) -> bool:
         try:
@@ -171,40 +192,47 @@ class EvalHook:
             stops = self.stops
             if stops is None:
                 return False
-            prefix = ctypes.string_at(t + NAME_OFFSET, 13)
-            if prefix == WEIGHTS_PREFIX:
-                layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), WEIGHTS_NAME)
-                if ask:
-                    # no need to stop the graph for a layer whose experts are all resident for good
-                    return layer is not None and not stops.skip_route(layer)
-                if layer is not None:
-                    view = ids_view(tensor_at(t).src[1])  # ffn_moe_topk-L's (Capture checked)
-                    ids = view.copy()
-                    stops.reroute(layer, ids, t)
-                    stops.on_route(layer, ids)
-                    view[...] = stops.slot_ids(layer, ids)
-                return True
-            if stops.router_input and prefix[:12] == LOGITS_PREFIX:
-                if ask:
-                    return True
-                layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _LOGITS_NAME)
-                if layer is not None:
-                    stops.on_router_input(layer, t)
-                if self.filter is not None:
-                    self.filter.router_input = stops.router_input  # (the recall governor may have turned it off)
-                return True
-            if stops.wait_nodes and prefix[:8] == DOWN_INPUT_PREFIX:
-                key = stops.wait_nodes.get(ctypes.string_at(t + NAME_OFFSET))
-                if key is None:
-                    return False
-                if ask:
-                    return stops.wait_pending(key)
-                stops.on_wait(key)
-                return True
-            return False
+            self._replay_logged()
+            answer = self._stop(stops, t, ask)
+            self._allow_fast()
+            return answer
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
             self.error = e
             return False
+
+    def _stop(self, stops: StopListener, t: int, ask: bool) -> bool:
+        """The listener's answer at a node the filter handed over (or every node, without the filter)."""
+        prefix = ctypes.string_at(t + NAME_OFFSET, 13)
+        if prefix == WEIGHTS_PREFIX:
+            layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), WEIGHTS_NAME)
+            if ask:
+                # no need to stop the graph for a layer whose experts are all resident for good
+                return layer is not None and not stops.skip_route(layer)
+            if layer is not None:
+                view = ids_view(tensor_at(t).src[1])  # ffn_moe_topk-L's (Capture checked)
+                ids = view.copy()
+                stops.reroute(layer, ids, t)
+                stops.on_route(layer, ids)
+                view[...] = stops.slot_ids(layer, ids)
+            return True
+        if stops.router_input and prefix[:12] == LOGITS_PREFIX:
+            if ask:
+                return True
+            layer = _layer_of(self._layers, ctypes.string_at(t + NAME_OFFSET), _LOGITS_NAME)
+            if layer is not None:
+                stops.on_router_input(layer, t)
+            if self.filter is not None:
+                self.filter.router_input = stops.router_input  # (the recall governor may have turned it off)
+            return True
+        if stops.wait_nodes and prefix[:8] == DOWN_INPUT_PREFIX:
+            key = stops.wait_nodes.get(ctypes.string_at(t + NAME_OFFSET))
+            if key is None:
+                return False
+            if ask:
+                return stops.wait_pending(key)
+            stops.on_wait(key)
+            return True
+        return False
 
     def _abort(self, _user: int) -> bool:
         return self.error is not None or (self.capture is not None and self.capture.dry)
@@ -217,7 +245,16 @@ class EvalHook:
         """Run one llama_decode (`decode`, returning its code and rows) under this hook: an exception
         parked during it is raised, and so is a failing return code (ABORTED is expected with `aborts`)."""
         with self:
-            rc, rows = decode()
+            self._allow_fast()
+            try:
+                rc, rows = decode()
+            finally:
+                if self.filter is not None:
+                    self.filter.fast = 0
+                try:
+                    self._replay_logged()
+                except BaseException as e:  # noqa: BLE001 - the decode's own error first
+                    self.error = self.error or e
         err = self.take_error()
         if err is not None:
             raise err

@@ -116,6 +116,32 @@ class StreamingStops:
             self.trace.on_weights(layer, shares(seam.moe_weights(node), self.norms.get(layer, seam.NORM_NONE)),
                                   self._at)
 
+    def fast_layers(self) -> list[seam.FastTables]:
+        return self.st.fast_layers()
+
+    def answers_in_c(self) -> bool:
+        """Whether the compiled filter may answer the next routing whose experts are all resident
+        (bmoe.seam.eval_filter), as `on_route` and `slot_ids` would: such a stop only keeps the cache's books,
+        which `replay_hit` keeps afterwards, in order, before Python decides anything else. Not while a read is
+        in flight (the tables would change under C), nor where a stop does more: a prompt's (cold admission,
+        whole-layer reads), a blind layer's, reads ahead, a trace, a replay or lossy routing, the router input,
+        drafts' reads, a budget holding everything (layers run through, some bound direct)."""
+        st = self.st
+        return not (self.prompting or self.blind or self.tells_rows or self.router_input or self.on_plan is not None
+                    or st.orders.inflight or st.ahead.reads_ahead or st.direct or st.cache.holds_everything)
+
+    def replay_hit(self, layer: int, ids: np.ndarray, slots: np.ndarray) -> None:
+        """A routing the compiled filter answered (`slots` what it wrote over `ids`): the stop's bookkeeping now,
+        as `on_route` would have kept it then, and its slots checked against the cache's own."""
+        misses = self.st.cache.stats.misses
+        self.on_route(layer, ids)
+        if self.st.cache.stats.misses != misses:
+            raise RuntimeError(f"layer {layer}: the compiled filter answered a routing to experts {ids.tolist()} "
+                               "that the cache does not hold")
+        if not np.array_equal(self.slot_ids(layer, ids), slots):
+            raise RuntimeError(f"layer {layer}: the compiled filter read slots {slots.tolist()} for experts "
+                               f"{ids.tolist()}, the cache holds them at {self.st.cache.slot_ids(layer, ids).tolist()}")
+
     def on_route(self, layer: int, ids: np.ndarray) -> None:
         if layer in self.blind:
             return

@@ -44,6 +44,9 @@ class BackgroundFill(Protocol):
 
     def owns(self, oid: int) -> bool: ...
 
+    @property
+    def filling(self) -> bool: ...
+
     def busy(self) -> None: ...
 
     def pause(self) -> None: ...
@@ -101,6 +104,13 @@ class ReadAhead:
         self.ubatch = 0  # tokens the first layer routed in this ubatch
         self.last_routes_all = False  # the last layer routed every token of the last ubatch of several
         self.warm: BackgroundFill | None = None  # a warm start's fill (bmoe.streaming.warm_fill), after these reads
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Reads ahead of demand may go out at a routing's stop: --prefetch, --guess, a running spec-gate, a warm
+        start's fill with experts left to read."""
+        return bool(self.prefetch) or self.guess is not None or self.listening \
+            or (self.warm is not None and self.warm.filling)
 
     @property
     def listening(self) -> bool:

@@ -108,7 +108,9 @@ class Streamer:
         # layers whose rows a graph fixes when it is built (expert scales): never bound direct
         self.slot_bound = {layer for layer, bs in self.biases.items() if any(b.graph_fixed for b, _, _ in bs)}
         self.direct: dict[int, tuple[int, int]] = {}  # layer -> (base, cache.moved) while bound direct, or ON_FILE
-        self.seen: dict[int, int] = {}  # layer -> slots its expert tensors show ggml while bound to the pools
+        # per layer: slots its expert tensors show ggml while bound to the pools, 0 otherwise; the compiled
+        # filter narrows them too when it answers a routing (bmoe.seam.eval_filter)
+        self.seen = np.zeros(max(self.layer_tensors) + 1, dtype=np.int32)
         # lanes that read buffered drop what they read from the page cache: a layer read there would fault
         self.view = FileView({layer: [t for t, _ in ts] for layer, ts in self.layer_tensors.items()}) \
             if streaming.odirect else None
@@ -144,7 +146,7 @@ class Streamer:
         if base is None:
             self.seen[layer] = self.cache.capacity
         else:
-            self.seen.pop(layer, None)
+            self.seen[layer] = 0
         for b, _, pool in self.biases.get(layer, ()):
             at = pool.ctypes.data
             if base is None:
@@ -160,7 +162,7 @@ class Streamer:
         the whole pool (every layer's experts: 6145 slots on the Qwen3-30B-A3B shape) cost more than
         its matmul (24 ms a token there, bench/reports/2026-12-05-speed/); the CPU backend plans each
         graph piece afresh, and the piece after the routing's stop holds the layer's matmuls."""
-        if self.seen.get(layer) == n_slots:
+        if self.seen[layer] == n_slots:
             return
         for t, r in self.layer_tensors[layer]:
             t.rebind(self.slab.base + r.data_offset, r.stride, n_slots)
@@ -172,9 +174,17 @@ class Streamer:
         self.view.read_around(layer, True)
         for t, _ in self.layer_tensors[layer]:
             t.bind_file()
-        self.seen.pop(layer, None)
+        self.seen[layer] = 0
         for b, _, _ in self.biases.get(layer, ()):
             b.rebind(b.data, b.n_expert)
+
+    def fast_layers(self) -> list[seam.FastTables]:
+        """What the compiled filter reads to answer a routing whose experts are all resident, per layer
+        streamed: the cache's slot table and resident flags, the slots shown, the expert tensors and their
+        strides (it narrows them as `narrow` does)."""
+        c = self.cache
+        return [seam.FastTables(layer, c.table[layer], c.resident[layer], self.seen,
+                                [(t.addr, r.stride) for t, r in ts]) for layer, ts in self.layer_tensors.items()]
 
     def _bias_rows(self, layer: int, e: int, index: int) -> None:
         """Expert e of the layer took slot `index`: its bias rows follow it."""

@@ -57,6 +57,11 @@ class WarmFill:
     def done(self) -> bool:
         return not self.todo and not self.orders
 
+    @property
+    def filling(self) -> bool:
+        """Reads still to send (a routing's stop is where they go out)."""
+        return bool(self.todo) and not self.stopped
+
     def extend(self, experts: list[tuple[int, int]]) -> None:
         """More experts to read after the list's own (those already listed keep their place)."""
         listed = set(self.todo)
