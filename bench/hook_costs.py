@@ -49,6 +49,7 @@ TARGETS = [
     ("bmoe.streaming.graph_stops", "StreamingStops", "skip_route"),
     ("bmoe.streaming.graph_stops", "StreamingStops", "reroute"),
     ("bmoe.streaming.graph_stops", "StreamingStops", "on_route"),
+    ("bmoe.streaming.graph_stops", "StreamingStops", "replay_hit"),
     ("bmoe.streaming.graph_stops", "StreamingStops", "_demand"),
     ("bmoe.streaming.graph_stops", "StreamingStops", "_send"),
     ("bmoe.streaming.graph_stops", "StreamingStops", "slot_ids"),
@@ -145,12 +146,21 @@ class Timers:
         callback = graph.EvalHook._callback
         nodes = self.nodes
 
+        hooks: list[Any] = []
+
         def counted(hook: Any, t: int, ask: bool, user: int) -> bool:
             r = callback(hook, t, ask, user)
+            if hook not in hooks:
+                hooks.append(hook)
             if hook.stops is not None and ask:
                 nodes["nodes (ask=True)"] += 1
                 nodes["stops (graph splits)"] += bool(r)
             return r
+
+        def in_c() -> dict[str, float]:
+            """The routing stops the compiled filter said yes to without asking Python (a tree before it: none)."""
+            n = sum(getattr(getattr(h, "filter", None), "stops_in_c", 0) for h in hooks)
+            return {"stops (graph splits)": self.nodes["stops (graph splits)"] + n, "stops answered in C": n}
         graph.EvalHook._callback = counted  # type: ignore[method-assign]  # the class, before any hook exists
         take = streamer.Streamer.take_counters
 
@@ -158,7 +168,7 @@ class Timers:
             ru = resource.getrusage(resource.RUSAGE_SELF)
             proc = {"coordinator CPU ms": 1000 * (ru.ru_utime + ru.ru_stime), "major faults": ru.ru_majflt,
                     "voluntary switches": ru.ru_nvcsw, "involuntary switches": ru.ru_nivcsw}
-            self.snaps.append((step, {k: list(v) for k, v in self.acc.items()}, {**self.nodes, **proc},
+            self.snaps.append((step, {k: list(v) for k, v in self.acc.items()}, {**self.nodes, **in_c(), **proc},
                                time.perf_counter_ns()))
             return take(st, step)
         streamer.Streamer.take_counters = take_counters  # type: ignore[method-assign]

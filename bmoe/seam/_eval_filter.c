@@ -72,6 +72,7 @@ struct eval_filter {
     int32_t *log;               /* routings answered here: [layer, rows, k, ids (rows*k), slots (rows*k)]... */
     int32_t log_cap;            /* int32s `log` holds */
     int32_t log_len;            /* int32s logged, not yet replayed by Python */
+    int64_t stops_in_c;         /* routing stops C said yes to itself, ever (bench/hook_costs.py counts them) */
 };
 
 static bool starts(const char *s, const char *prefix, size_t n) { return strncmp(s, prefix, n) == 0; }
@@ -144,7 +145,7 @@ bool bmoe_eval_filter(void *tensor, bool ask, void *user) {
         int layer = layer_of(name, "ffn_moe_weights");
         if (layer >= 0) {
             if (f->fast && in_range(f, layer) && f->layers[layer].table != NULL) {
-                if (ask) return true;
+                if (ask) return ++f->stops_in_c, true;
                 if (route_hits(f, (char *)tensor, layer)) return true;
             }
             if (in_range(f, layer)) f->layers[layer].handled = 0;
@@ -181,7 +182,7 @@ long bmoe_filter_offset(const char *field) {
 #define AT(f) if (strcmp(field, #f) == 0) return (long)offsetof(struct eval_filter, f);
     AT(forward) AT(forward_abort) AT(abort_ns) AT(abort_last) AT(name_offset) AT(every) AT(stop) AT(halt)
     AT(routing) AT(router_input) AT(n_stems) AT(stems) AT(fast) AT(n_layers) AT(layers) AT(src_offset)
-    AT(ne_offset) AT(nb_offset) AT(data_offset) AT(log) AT(log_cap) AT(log_len)
+    AT(ne_offset) AT(nb_offset) AT(data_offset) AT(log) AT(log_cap) AT(log_len) AT(stops_in_c)
 #undef AT
     return -1;
 }

@@ -82,6 +82,7 @@ class EvalFilter(ctypes.Structure):
         ("log", ctypes.POINTER(ctypes.c_int32)),
         ("log_cap", ctypes.c_int32),
         ("log_len", ctypes.c_int32),
+        ("stops_in_c", ctypes.c_int64),
     ]
 
     def set_stems(self, stems: list[bytes]) -> None:
