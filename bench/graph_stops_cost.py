@@ -10,7 +10,7 @@ streamed: plain llama.cpp, the file read into the page cache, one process, three
 model, decoding the same prompt in turn, rounds interleaved:
 
 - `plain`: no eval callback (one piece a token);
-- `routing`: the compiled filter (bmoe/seam/_eval_filter.c) stops at every `ffn_moe_weights-L` and answers
+- `routing-c`: the compiled filter (bmoe/seam/_eval_filter.c) stops at every `ffn_moe_weights-L` and answers
   it in C from an identity table (every expert resident at its own index: ids unchanged, nothing
   narrowed): one piece more per MoE layer, no Python in the decode;
 - `routing-python`: the same stops answered by a Python callback that does nothing (two ctypes calls into
@@ -41,16 +41,8 @@ sys.path.insert(0, str(REPO))
 from bmoe.base.model_files import read_model_files  # noqa: E402
 from bmoe.seam import eval_filter, llama  # noqa: E402
 from bmoe.seam.eval_filter import FastTables  # noqa: E402
-from bmoe.seam.ggml_mirror import NAME_OFFSET, GgmlTensor  # noqa: E402
 from bmoe.tools.bench_machine import machine_info  # noqa: E402
-
-READ_CHUNK = 8 << 20
-
-
-def read_into_page_cache(path: Path) -> None:
-    with open(path, "rb", buffering=0) as f:
-        while f.read(READ_CHUNK):
-            pass
+from bmoe.tools.bench_sys import read_into_page_cache  # noqa: E402
 
 PROMPT = [1, 450, 2030, 3300, 16378, 7015, 1152, 520, 263, 4433]  # any ids in every vocabulary's range
 
@@ -60,7 +52,6 @@ class Stopper:
     its tables the identity, answering in C (`in_c`) or handing each stop to a Python callback."""
 
     def __init__(self, lib: ctypes.CDLL, n_layer: int, n_expert: int, k: int, in_c: bool) -> None:
-        f = self.filter = eval_filter.EvalFilter()
         self.in_c, self.k = in_c, k
         self.python_stops = 0  # routings Python answered
         self.stops = 0  # routings answered, counted at each reset
@@ -71,10 +62,7 @@ class Stopper:
 
         self._forward = eval_filter.EvalFn(forward)
         self._abort = eval_filter.AbortFn(lambda _u: False)
-        f.forward, f.forward_abort = self._forward, self._abort
-        f.abort_ns, f.name_offset = 1 << 62, NAME_OFFSET
-        f.src_offset, f.ne_offset, f.nb_offset, f.data_offset = (getattr(GgmlTensor, n).offset
-                                                                 for n in ("src", "ne", "nb", "data"))
+        f = self.filter = eval_filter.EvalFilter.wired(self._forward, self._abort, abort_ns=1 << 62)
         f.routing = 1
         self.seen = np.full(n_layer, n_expert, dtype=np.int32)
         self.tables = [FastTables(layer, np.arange(n_expert, dtype=np.int32), bytearray(b"\x01" * n_expert),

@@ -160,7 +160,7 @@ class Timers:
         def in_c() -> dict[str, float]:
             """The routing stops the compiled filter said yes to without asking Python (a tree before it: none)."""
             n = sum(getattr(getattr(h, "filter", None), "stops_in_c", 0) for h in hooks)
-            return {"stops (graph splits)": self.nodes["stops (graph splits)"] + n, "stops answered in C": n}
+            return {"stops (graph splits)": nodes["stops (graph splits)"] + n, "stops answered in C": n}
         graph.EvalHook._callback = counted  # type: ignore[method-assign]  # the class, before any hook exists
         take = streamer.Streamer.take_counters
 

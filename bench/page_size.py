@@ -20,7 +20,6 @@ decode here, the part of the streaming tax no change in bmoe's Python can remove
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import re
 import statistics
@@ -31,25 +30,13 @@ from pathlib import Path
 
 from bmoe.tools import bench_numbers
 from bmoe.tools.bench_report import cell, write_summary
-from bmoe.tools.bench_sys import drop_file_cache
-
-READ_CHUNK = 8 << 20
+from bmoe.tools.bench_sys import drop_file_cache, read_into_page_cache
 
 
 def cache_file(path: Path, small: bool) -> None:
     """Drop the file from the page cache, then read it whole: in 4 KiB pages (`small`) or read ahead."""
     drop_file_cache([path])
-    fd = os.open(path, os.O_RDONLY)
-    buf = mmap.mmap(-1, READ_CHUNK)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if small else os.POSIX_FADV_SEQUENTIAL)
-        view, offset = memoryview(buf), 0
-        while (n := os.preadv(fd, [view], offset)) > 0:
-            offset += n
-        view.release()
-    finally:
-        buf.close()
-        os.close(fd)
+    read_into_page_cache(path, os.POSIX_FADV_RANDOM if small else os.POSIX_FADV_SEQUENTIAL)
 
 
 def pmd_mapped_kib(pid: int) -> int | None:

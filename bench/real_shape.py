@@ -324,11 +324,7 @@ def wait_for_load(a: argparse.Namespace) -> float | None:
 
 def warm_file(path: Path) -> float:
     """Read the file through the page cache; returns the share of it resident afterwards (fincore-free: mincore)."""
-    with open(path, "rb", buffering=0) as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buf = bytearray(16 * MiB)
-        while f.readinto(buf):
-            pass
+    bench_sys.read_into_page_cache(path)
     return resident_pct(path)
 
 

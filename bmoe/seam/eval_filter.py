@@ -16,8 +16,14 @@ import ctypes
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from bmoe.seam.ggml_mirror import NAME_OFFSET, GgmlTensor
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 ABORT_CHECK_NS = 1_000_000  # Python's abort callback is asked at most once a millisecond (signals, cancels)
 MAX_STEMS, STEM_LEN, MAX_LAYER_TENSORS = 8, 48, 4  # as in _eval_filter.c
@@ -84,6 +90,18 @@ class EvalFilter(ctypes.Structure):
         ("log_len", ctypes.c_int32),
         ("stops_in_c", ctypes.c_int64),
     ]
+
+    @classmethod
+    def wired(cls, forward: CFuncPtr, forward_abort: CFuncPtr,
+              abort_ns: int = ABORT_CHECK_NS) -> EvalFilter:
+        """A filter that hands its undecided calls to these Python callbacks (ctypes callbacks: the caller keeps
+        them alive) and reads ggml's tensors at the offsets of the seam's own mirror (GgmlTensor)."""
+        f = cls()
+        f.forward, f.forward_abort = ctypes.cast(forward, EvalFn), ctypes.cast(forward_abort, AbortFn)
+        f.abort_ns, f.name_offset = abort_ns, NAME_OFFSET
+        f.src_offset, f.ne_offset, f.nb_offset, f.data_offset = (getattr(GgmlTensor, name).offset
+                                                                 for name in ("src", "ne", "nb", "data"))
+        return f
 
     def set_stems(self, stems: list[bytes]) -> None:
         """The down-matmul inputs' names (without their "-L") Python's hook stops at."""

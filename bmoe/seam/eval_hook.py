@@ -21,7 +21,7 @@ import numpy as np
 
 from bmoe.seam import eval_filter
 from bmoe.seam.capture import DOWN_INPUT_PREFIX, WEIGHTS_NAME, Capture
-from bmoe.seam.ggml_mirror import NAME_OFFSET, GgmlTensor, f32_rows, ids_view, tensor_at
+from bmoe.seam.ggml_mirror import NAME_OFFSET, f32_rows, ids_view, tensor_at
 
 WEIGHTS_PREFIX = b"ffn_moe_weigh"  # ffn_moe_weights-L (and its _softmax/_sum/_norm/_scaled nodes)
 LOGITS_PREFIX = b"ffn_moe_logi"  # ffn_moe_logits-L: the router matmul; its src[1] is the router input
@@ -120,12 +120,7 @@ class EvalHook:
         self.c_abort: object = self.py_abort
         self.user_data: int | None = None
         if self.filter_lib is not None:
-            f = self.filter = eval_filter.EvalFilter()
-            f.forward = ctypes.cast(self.py_callback, eval_filter.EvalFn)
-            f.forward_abort = ctypes.cast(self.py_abort, eval_filter.AbortFn)
-            f.abort_ns, f.name_offset = eval_filter.ABORT_CHECK_NS, NAME_OFFSET
-            f.src_offset, f.ne_offset, f.nb_offset, f.data_offset = (getattr(GgmlTensor, name).offset
-                                                                     for name in ("src", "ne", "nb", "data"))
+            f = self.filter = eval_filter.EvalFilter.wired(self.py_callback, self.py_abort)
             self.c_callback = ctypes.cast(self.filter_lib.bmoe_eval_filter, llama_cpp.ggml_backend_sched_eval_callback)
             self.c_abort = ctypes.cast(self.filter_lib.bmoe_abort_filter, llama_cpp.ggml_abort_callback)
             self.user_data = ctypes.addressof(f)
@@ -192,6 +187,8 @@ class EvalHook:
             stops = self.stops
             if stops is None:
                 return False
+            if self.filter is None:
+                return self._stop(stops, t, ask)
             self._replay_logged()
             answer = self._stop(stops, t, ask)
             self._allow_fast()
